@@ -1,0 +1,58 @@
+"""Shared pieces of the benchmark suites: the machine description, memory high-water marks, sizes."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+from collections.abc import Callable
+
+import torch
+
+import zo_kernels
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"model name\s*:\s*(.*)", f.read())
+        return m.group(1).strip() if m else platform.processor()
+    except OSError:
+        return platform.processor()
+
+
+def machine() -> dict:
+    """What the numbers were measured on; goes into every result."""
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "isa": zo_kernels.best_isa(),
+        "torch": torch.__version__,
+        "zo_kernels": zo_kernels.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def sizes(default: list[int]) -> list[int]:
+    """$ZO_BENCH_SIZES (comma-separated, e.g. '1e6,1e7') overrides a suite's default sizes."""
+    env = os.environ.get("ZO_BENCH_SIZES")
+    return [int(float(s)) for s in env.split(",")] if env else default
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{key}:\s*(\d+)", f.read()).group(1))
+
+
+def peak_extra_bytes(fn: Callable[[], None]) -> int | None:
+    """Resident-memory high-water mark of one call of fn, above the resident size before it (Linux only)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        before = _status_kib("VmRSS")
+        fn()
+        return max(0, _status_kib("VmHWM") - before) * 1024
+    except (OSError, AttributeError):
+        return None

@@ -1,0 +1,56 @@
+"""Benchmark session glue: machine info into the JSON, and a table of ratios measured in this run."""
+
+import os
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import machine  # noqa: E402
+
+# Each suite names its providers; ratios are printed against the first baseline present in a group.
+BASELINES = ("torch_fused", "torch")
+CEILING = "ceiling"
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    machine_info["zo"] = machine()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    session = getattr(config, "_benchmarksession", None)
+    benches = [b for b in getattr(session, "benchmarks", []) if b.stats is not None]
+    if not benches:
+        return
+    groups = defaultdict(dict)
+    for b in benches:
+        groups[b.group][b.extra_info.get("provider", b.name)] = b
+    tr = terminalreporter
+    tr.section("zo_kernels: ratios measured in this run (median times)")
+    m = machine()
+    tr.write_line(f"machine: {m['cpu']}, {m['cores']} cores, isa {m['isa']}, torch {m['torch']}, cuda {m['cuda']}")
+    for group, by_provider in groups.items():
+        base = next((by_provider[p] for p in BASELINES if p in by_provider), None)
+        ceil = by_provider.get(CEILING)
+        tr.write_line(f"\n{group}")
+        head = f"{'median ms':>11}{'GB/s':>9}{'x baseline':>12}{'of ceiling':>12}{'extra B/param':>15}"
+        tr.write_line(f"  {'provider':<16}{head}")
+        for name, b in by_provider.items():
+            t = b.stats.median
+            gbps = b.extra_info.get("bytes", 0) / t / 1e9
+            rel = f"{t / base.stats.median:.2f}x" if base is not None else "-"
+            of_ceil = f"{ceil.stats.median / t:.0%}" if ceil is not None else "-"
+            extra, n = b.extra_info.get("peak_extra_bytes"), b.extra_info.get("numel")
+            extra = f"{extra / n:.2f}" if extra is not None and n else "-"
+            tr.write_line(f"  {name:<16}{t * 1e3:>11.2f}{gbps:>9.1f}{rel:>12}{of_ceil:>12}{extra:>15}")
+        zo = by_provider.get("zo")
+        bar = zo.extra_info.get("bar") if zo is not None else None
+        if bar and base is not None:
+            ratio = zo.stats.median / base.stats.median
+            ok = ratio <= bar["max_vs_baseline"]
+            line = f"zo {ratio:.2f}x {base.extra_info.get('provider')} (bar <= {bar['max_vs_baseline']}x)"
+            if "min_of_ceiling" in bar and ceil is not None:
+                frac = ceil.stats.median / zo.stats.median
+                ok = ok and frac >= bar["min_of_ceiling"]
+                line += f", {frac:.0%} of ceiling (bar >= {bar['min_of_ceiling']:.0%})"
+            tr.write_line(f"  bar: {line}: {'MET' if ok else 'MISSED'}")

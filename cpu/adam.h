@@ -1,0 +1,33 @@
+// Public C++ surface of the CPU Adam kernels: plain addresses and sizes, no torch types.
+#pragma once
+#include <cstdint>
+
+namespace zo {
+
+enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kNone = 3 };
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+struct Buffers {
+  float* param = nullptr;       // fp32, n elements, updated in place
+  float* exp_avg = nullptr;     // fp32, n elements, updated in place
+  float* exp_avg_sq = nullptr;  // fp32, n elements, updated in place
+  const void* grad = nullptr;   // grad_dtype, n elements, read only
+  int grad_dtype = kF32;
+  void* param_out = nullptr;    // out_dtype, n elements, written (kNone: not written)
+  int out_dtype = kNone;
+  int64_t n = 0;
+};
+
+struct AdamParams {
+  int64_t step = 1;  // counted from 1
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0, grad_scale = 1.0;
+  bool adamw = true, bias_correction = true;
+};
+
+bool isa_supported(int isa);
+// Both throw std::invalid_argument on bad input before touching any buffer.
+void adam_step(const Buffers& b, const AdamParams& a, int isa, int threads);
+// The streaming ceiling: the same loads and stores as adam_step with trivial arithmetic.
+void stream_pass(const Buffers& b, int isa, int threads);
+
+}  // namespace zo

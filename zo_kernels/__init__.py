@@ -1,0 +1,7 @@
+"""zo_kernels: hand-written kernels for ZeRO-Offload style training on one GPU plus the host CPU."""
+
+from .cpu_adam import CPUAdam, available_isas, best_isa, cpu_adam_step, stream_pass
+
+__version__ = "0.1.0"
+
+__all__ = ["CPUAdam", "available_isas", "best_isa", "cpu_adam_step", "stream_pass"]

@@ -1,0 +1,310 @@
+"""CPU Adam/AdamW: the Python face of the C++ kernel in cpu/adam.cpp, and an optimizer built on it."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from . import _cpu
+
+ISAS = ("scalar", "avx2", "avx512")
+ISA_ENV = "ZO_KERNELS_ISA"  # forces one variant ("scalar", "avx2", "avx512"), e.g. to test all three here
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_NO_OUT = 3
+
+# Tile handed to the sink when the caller gives a sink but no tile size: 1M elements is ~28 MB of
+# traffic (a few ms), long enough to hide a Python call, short enough for copy/compute overlap.
+DEFAULT_TILE_NUMEL = 1 << 20
+
+
+def available_isas() -> list[str]:
+    """The ISA variants this CPU can run, slowest first."""
+    return [name for code, name in enumerate(ISAS) if _cpu.isa_supported(code)]
+
+
+def best_isa() -> str:
+    """The variant used by default: $ZO_KERNELS_ISA if set, else the fastest this CPU supports."""
+    forced = os.environ.get(ISA_ENV)
+    if forced:
+        return _check_isa(forced, ISA_ENV)
+    return available_isas()[-1]
+
+
+def _check_isa(isa: str, name: str = "isa") -> str:
+    if isa not in ISAS:
+        raise ValueError(f"{name} must be one of {ISAS}, got {isa!r}")
+    if not _cpu.isa_supported(ISAS.index(isa)):
+        raise ValueError(f"{name}={isa!r} is not supported by this CPU (supported: {available_isas()})")
+    return isa
+
+
+def _real(x: Any, name: str) -> float:
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"{name} must be a number, got a tensor of shape {tuple(x.shape)}")
+        x = x.item()
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x}")
+    return x
+
+
+def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> tuple[float, float, float, float, float]:
+    """Validate Adam hyper-parameters; returns (lr, beta1, beta2, eps, weight_decay) as floats."""
+    lr = _real(lr, "lr")
+    if lr < 0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    b1, b2 = _real(betas[0], "betas[0]"), _real(betas[1], "betas[1]")
+    for i, b in enumerate((b1, b2)):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
+    eps = _real(eps, "eps")
+    if eps <= 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    weight_decay = _real(weight_decay, "weight_decay")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    return lr, b1, b2, eps, weight_decay
+
+
+def _check_tensor(t: Any, name: str, dtypes: tuple[torch.dtype, ...], numel: int | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {allowed}; got {str(t.dtype).replace('torch.', '')}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
+    if t.is_sparse or t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense strided tensor, got layout {t.layout}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)})")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, expected {numel} (the number in param)")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def check_no_overlap(named: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError if any two of the (non-empty) tensors share memory."""
+    items = [(n, _span(t)) for n, t in named.items() if t is not None and t.numel() > 0]
+    for i, (na, (a0, a1)) in enumerate(items):
+        for nb, (b0, b1) in items[i + 1 :]:
+            if a0 < b1 and b0 < a1:
+                raise ValueError(f"{na} and {nb} overlap in memory; each must be its own buffer")
+
+
+def cpu_adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adamw: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    param_out: torch.Tensor | None = None,
+    threads: int | None = None,
+    isa: str | None = None,
+    tile_numel: int | None = None,
+    sink: Callable[[int, int], None] | None = None,
+) -> None:
+    """One Adam/AdamW step in a single pass over memory, in place; optionally emits the new param in 16 bits.
+
+    `grad` (fp32/fp16/bf16) is multiplied by `grad_scale` first. With `sink`, the tensor is processed in
+    tiles of `tile_numel` elements and `sink(start, end)` is called after each tile is final (its
+    `param_out` slice included), so the caller can copy tile t while tile t+1 is computed.
+    Every argument is checked before any tensor is touched.
+    """
+    _check_tensor(param, "param", (torch.float32,), None)
+    n = param.numel()
+    _check_tensor(grad, "grad", tuple(_DTYPE_CODE), n)
+    _check_tensor(exp_avg, "exp_avg", (torch.float32,), n)
+    _check_tensor(exp_avg_sq, "exp_avg_sq", (torch.float32,), n)
+    if param_out is not None:
+        _check_tensor(param_out, "param_out", tuple(_DTYPE_CODE), n)
+    check_no_overlap(
+        {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out}
+    )
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        step = step.item()  # torch keeps `step` as a float tensor
+    if isinstance(step, float) and step.is_integer():
+        step = int(step)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int, got {type(step).__name__}")
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (counted from 1), got {step}")
+    lr, b1, b2, eps, weight_decay = check_hparams(lr, betas, eps, weight_decay)
+    grad_scale = _real(grad_scale, "grad_scale")
+    if grad_scale < 0:
+        raise ValueError(f"grad_scale must be >= 0, got {grad_scale}")
+    threads = _check_threads(threads)
+    isa = best_isa() if isa is None else _check_isa(isa)
+    if sink is not None and not callable(sink):
+        raise TypeError(f"sink must be callable(start, end), got {type(sink).__name__}")
+    tile = _check_tile(tile_numel, n, sink)
+
+    out_ptr, out_code = (param_out.data_ptr(), _DTYPE_CODE[param_out.dtype]) if param_out is not None else (0, _NO_OUT)
+    ptrs = [param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), out_ptr]
+    sizes = [4, grad.element_size(), 4, 4, param_out.element_size() if param_out is not None else 0]
+    for start in range(0, n, tile):
+        end = min(n, start + tile)
+        p, g, m, v, o = (ptr + start * size if ptr else 0 for ptr, size in zip(ptrs, sizes))
+        _cpu.adam_step(
+            p, g, _DTYPE_CODE[grad.dtype], m, v, o, out_code, end - start, step, lr, b1, b2, eps,
+            weight_decay, grad_scale, bool(adamw), bool(bias_correction), ISAS.index(isa), threads,
+        )  # fmt: skip
+        if sink is not None:
+            sink(start, end)
+
+
+def stream_pass(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    param_out: torch.Tensor | None = None,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> None:
+    """The bandwidth ceiling of cpu_adam_step: its exact loads and stores with trivial arithmetic (mutates!)."""
+    _check_tensor(param, "param", (torch.float32,), None)
+    n = param.numel()
+    _check_tensor(grad, "grad", tuple(_DTYPE_CODE), n)
+    _check_tensor(exp_avg, "exp_avg", (torch.float32,), n)
+    _check_tensor(exp_avg_sq, "exp_avg_sq", (torch.float32,), n)
+    if param_out is not None:
+        _check_tensor(param_out, "param_out", tuple(_DTYPE_CODE), n)
+    check_no_overlap(
+        {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out}
+    )
+    threads = _check_threads(threads)
+    isa = best_isa() if isa is None else _check_isa(isa)
+    _cpu.stream_pass(
+        param.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+        param_out.data_ptr() if param_out is not None else 0,
+        _DTYPE_CODE[param_out.dtype] if param_out is not None else _NO_OUT, n, ISAS.index(isa), threads,
+    )  # fmt: skip
+
+
+def _check_threads(threads: int | None) -> int:
+    if threads is None:
+        return max(1, torch.get_num_threads())
+    if isinstance(threads, bool) or not isinstance(threads, int):
+        raise TypeError(f"threads must be an int or None, got {type(threads).__name__}")
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    return threads
+
+
+def _check_tile(tile_numel: int | None, n: int, sink: Any) -> int:
+    if tile_numel is None:
+        return max(1, DEFAULT_TILE_NUMEL if sink is not None else n)
+    if isinstance(tile_numel, bool) or not isinstance(tile_numel, int):
+        raise TypeError(f"tile_numel must be an int or None, got {type(tile_numel).__name__}")
+    if tile_numel < 1:
+        raise ValueError(f"tile_numel must be >= 1, got {tile_numel}")
+    return tile_numel
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam/AdamW over fp32 CPU parameters, one fused pass per parameter, drop-in for torch.optim.AdamW.
+
+    State keys match torch.optim.Adam/AdamW (`step`, `exp_avg`, `exp_avg_sq`), so state dicts move
+    between the two in both directions.
+
+    Args:
+        params: iterable of fp32 CPU tensors or param-group dicts.
+        lr: learning rate.
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: added to the denominator.
+        weight_decay: decoupled (AdamW) when `adamw`, else L2 added to the gradient (Adam).
+        adamw: decoupled weight decay as torch.optim.AdamW; False gives torch.optim.Adam.
+        bias_correction: divide by 1 - beta^step as torch does; False skips it.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw: bool = True,
+        bias_correction: bool = True,
+    ) -> None:
+        check_hparams(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=bool(adamw),
+                        bias_correction=bool(bias_correction))  # fmt: skip
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group, checking its tensors (fp32, CPU, contiguous) and hyper-parameters first."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for i, p in enumerate(params):
+            _check_tensor(p, f"params[{i}]", (torch.float32,), None)
+        merged = {**self.defaults, **param_group}
+        check_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # a group loaded from torch.optim.Adam/AdamW lacks our keys
+            if "adamw" not in group:
+                group["adamw"] = bool(group.get("decoupled_weight_decay", self.defaults["adamw"]))
+            group.setdefault("bias_correction", self.defaults["bias_correction"])
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update every parameter that has a gradient; returns the closure's loss if one is given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = []
+        for gi, group in enumerate(self.param_groups):  # check everything first: a bad group changes nothing
+            for key in ("amsgrad", "maximize"):
+                if group.get(key):
+                    raise ValueError(f"CPUAdam does not implement {key}=True (found in param group {gi})")
+            check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError(f"param group {gi} param {pi}: CPUAdam does not support sparse gradients")
+                _check_tensor(p, f"param group {gi} param {pi}", (torch.float32,), None)
+                if p.grad.shape != p.shape:
+                    got, want = tuple(p.grad.shape), tuple(p.shape)
+                    raise ValueError(f"param group {gi} param {pi}: grad shape {got} != param shape {want}")
+                work.append((group, p))
+        for group, p in work:
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            cpu_adam_step(
+                p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], step=int(state["step"].item()) + 1,
+                lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                adamw=group["adamw"], bias_correction=group["bias_correction"],
+            )  # fmt: skip
+            state["step"] += 1
+        return loss
