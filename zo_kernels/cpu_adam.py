@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -105,6 +105,79 @@ def check_no_overlap(named: dict[str, torch.Tensor]) -> None:
                 raise ValueError(f"{na} and {nb} overlap in memory; each must be its own buffer")
 
 
+class AdamPlan(NamedTuple):
+    """A validated cpu_adam_step call that can run on any sub-range [start, end) of its tensors.
+
+    Built by `plan_adam_step`; each `run` costs one C call (no re-validation), which is what lets a
+    tiled pipeline drive thousands of tiles per second from Python.
+    """
+
+    numel: int
+    param: int
+    grad: int
+    grad_size: int
+    grad_code: int
+    exp_avg: int
+    exp_avg_sq: int
+    out_code: int
+    out_size: int
+    args: tuple  # step, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw, bias_correction, isa, threads
+
+    def run(self, start: int, end: int, out_addr: int = 0) -> None:
+        """Update elements [start, end); if out_addr, write the new params there (out dtype of the plan)."""
+        _cpu.adam_step(
+            self.param + 4 * start, self.grad + self.grad_size * start, self.grad_code, self.exp_avg + 4 * start,
+            self.exp_avg_sq + 4 * start, out_addr, self.out_code if out_addr else _NO_OUT, end - start, *self.args,
+        )  # fmt: skip
+
+
+def plan_adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adamw: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    out_dtype: torch.dtype | None = None,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> AdamPlan:
+    """Check every argument of a cpu_adam_step call (raising before anything is touched) and return its plan."""
+    _check_tensor(param, "param", (torch.float32,), None)
+    n = param.numel()
+    _check_tensor(grad, "grad", tuple(_DTYPE_CODE), n)
+    _check_tensor(exp_avg, "exp_avg", (torch.float32,), n)
+    _check_tensor(exp_avg_sq, "exp_avg_sq", (torch.float32,), n)
+    check_no_overlap({"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        step = step.item()  # torch keeps `step` as a float tensor
+    if isinstance(step, float) and step.is_integer():
+        step = int(step)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int, got {type(step).__name__}")
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (counted from 1), got {step}")
+    lr, b1, b2, eps, weight_decay = check_hparams(lr, betas, eps, weight_decay)
+    grad_scale = _real(grad_scale, "grad_scale")
+    if grad_scale < 0:
+        raise ValueError(f"grad_scale must be >= 0, got {grad_scale}")
+    threads = _check_threads(threads)
+    isa = best_isa() if isa is None else _check_isa(isa)
+    out_code = _NO_OUT if out_dtype is None else _DTYPE_CODE[out_dtype]
+    out_size = 0 if out_dtype is None else torch.empty((), dtype=out_dtype).element_size()
+    args = (step, lr, b1, b2, eps, weight_decay, grad_scale, bool(adamw), bool(bias_correction))
+    args += (ISAS.index(isa), threads)
+    return AdamPlan(n, param.data_ptr(), grad.data_ptr(), grad.element_size(), _DTYPE_CODE[grad.dtype],
+                    exp_avg.data_ptr(), exp_avg_sq.data_ptr(), out_code, out_size, args)  # fmt: skip
+
+
 def cpu_adam_step(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -132,44 +205,23 @@ def cpu_adam_step(
     `param_out` slice included), so the caller can copy tile t while tile t+1 is computed.
     Every argument is checked before any tensor is touched.
     """
-    _check_tensor(param, "param", (torch.float32,), None)
-    n = param.numel()
-    _check_tensor(grad, "grad", tuple(_DTYPE_CODE), n)
-    _check_tensor(exp_avg, "exp_avg", (torch.float32,), n)
-    _check_tensor(exp_avg_sq, "exp_avg_sq", (torch.float32,), n)
+    plan = plan_adam_step(
+        param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+        adamw=adamw, bias_correction=bias_correction, grad_scale=grad_scale, threads=threads, isa=isa,
+        out_dtype=param_out.dtype if isinstance(param_out, torch.Tensor) and param_out.dtype in _DTYPE_CODE else None,
+    )  # fmt: skip
     if param_out is not None:
-        _check_tensor(param_out, "param_out", tuple(_DTYPE_CODE), n)
-    check_no_overlap(
-        {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out}
-    )
-    if isinstance(step, torch.Tensor) and step.numel() == 1:
-        step = step.item()  # torch keeps `step` as a float tensor
-    if isinstance(step, float) and step.is_integer():
-        step = int(step)
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise TypeError(f"step must be an int, got {type(step).__name__}")
-    if step < 1:
-        raise ValueError(f"step must be >= 1 (counted from 1), got {step}")
-    lr, b1, b2, eps, weight_decay = check_hparams(lr, betas, eps, weight_decay)
-    grad_scale = _real(grad_scale, "grad_scale")
-    if grad_scale < 0:
-        raise ValueError(f"grad_scale must be >= 0, got {grad_scale}")
-    threads = _check_threads(threads)
-    isa = best_isa() if isa is None else _check_isa(isa)
+        _check_tensor(param_out, "param_out", tuple(_DTYPE_CODE), plan.numel)
+        check_no_overlap(
+            {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out}
+        )
     if sink is not None and not callable(sink):
         raise TypeError(f"sink must be callable(start, end), got {type(sink).__name__}")
-    tile = _check_tile(tile_numel, n, sink)
-
-    out_ptr, out_code = (param_out.data_ptr(), _DTYPE_CODE[param_out.dtype]) if param_out is not None else (0, _NO_OUT)
-    ptrs = [param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), out_ptr]
-    sizes = [4, grad.element_size(), 4, 4, param_out.element_size() if param_out is not None else 0]
-    for start in range(0, n, tile):
-        end = min(n, start + tile)
-        p, g, m, v, o = (ptr + start * size if ptr else 0 for ptr, size in zip(ptrs, sizes))
-        _cpu.adam_step(
-            p, g, _DTYPE_CODE[grad.dtype], m, v, o, out_code, end - start, step, lr, b1, b2, eps,
-            weight_decay, grad_scale, bool(adamw), bool(bias_correction), ISAS.index(isa), threads,
-        )  # fmt: skip
+    tile = _check_tile(tile_numel, plan.numel, sink)
+    out = 0 if param_out is None else param_out.data_ptr()
+    for start in range(0, plan.numel, tile):
+        end = min(plan.numel, start + tile)
+        plan.run(start, end, out + plan.out_size * start if out else 0)
         if sink is not None:
             sink(start, end)
 

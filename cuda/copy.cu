@@ -1,0 +1,134 @@
+// Copy streams for the offload step, against the CUDA runtime only (no torch headers, no device code):
+// page-locked host memory, async host<->device copies on a caller's stream, and events for ordering.
+// PyTorch interoperates through raw pointers and `torch.cuda.Stream.cuda_stream` handles.
+// Every runtime call is checked; a failure raises RuntimeError naming the call and CUDA's message.
+//
+// NEVER RUN ON A GPU: this file is compiled (sm_80, sm_90) and its no-device paths are tested on a
+// machine without one; the copies themselves have not been executed.
+#include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace py = pybind11;
+
+namespace {
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error state so the next call starts clean
+    throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(err));
+  }
+}
+
+cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+cudaEvent_t as_event(uintptr_t e) { return reinterpret_cast<cudaEvent_t>(e); }
+
+int device_count() {
+  int n = 0;
+  // No driver or no device is an answer (0), not an error.
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+uintptr_t host_alloc(size_t nbytes) {
+  if (nbytes == 0) throw std::invalid_argument("host_alloc: nbytes must be > 0");
+  void* p = nullptr;
+  check(cudaHostAlloc(&p, nbytes, cudaHostAllocPortable), "cudaHostAlloc");
+  return reinterpret_cast<uintptr_t>(p);
+}
+
+void host_free(uintptr_t p) { check(cudaFreeHost(reinterpret_cast<void*>(p)), "cudaFreeHost"); }
+
+void host_register(uintptr_t p, size_t nbytes) {
+  if (!p || nbytes == 0) throw std::invalid_argument("host_register: null pointer or zero size");
+  check(cudaHostRegister(reinterpret_cast<void*>(p), nbytes, cudaHostRegisterPortable), "cudaHostRegister");
+}
+
+void host_unregister(uintptr_t p) { check(cudaHostUnregister(reinterpret_cast<void*>(p)), "cudaHostUnregister"); }
+
+// Where a pointer lives: 0 unregistered host, 1 page-locked host, 2 device, 3 managed.
+int pointer_kind(uintptr_t p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, reinterpret_cast<void*>(p)) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  switch (a.type) {
+    case cudaMemoryTypeHost: return 1;
+    case cudaMemoryTypeDevice: return 2;
+    case cudaMemoryTypeManaged: return 3;
+    default: return 0;
+  }
+}
+
+void copy_async(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream, cudaMemcpyKind kind, const char* what) {
+  if (nbytes == 0) return;
+  if (!dst || !src) throw std::invalid_argument(std::string(what) + ": null pointer");
+  check(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes, kind,
+                        as_stream(stream)),
+        what);
+}
+
+uintptr_t event_create() {
+  cudaEvent_t e = nullptr;
+  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  return reinterpret_cast<uintptr_t>(e);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cuda, m) {
+  m.doc() = "zo_kernels copy streams: pinned host memory, async copies, events (CUDA runtime, raw handles)";
+  m.def("device_count", &device_count, "Number of CUDA devices (0 without a driver or device).");
+  m.def("runtime_version", [] {
+    int v = 0;
+    check(cudaRuntimeGetVersion(&v), "cudaRuntimeGetVersion");
+    return v;
+  });
+  m.def("host_alloc", &host_alloc, py::arg("nbytes"), "Page-locked host memory (cudaHostAlloc); returns its address.");
+  m.def("host_free", &host_free, py::arg("ptr"));
+  m.def("host_register", &host_register, py::arg("ptr"), py::arg("nbytes"), "Page-lock an existing host buffer.");
+  m.def("host_unregister", &host_unregister, py::arg("ptr"));
+  m.def("pointer_kind", &pointer_kind, py::arg("ptr"), "0 pageable host, 1 pinned host, 2 device, 3 managed.");
+  // The copies and waits release the GIL: a copy issued per tile never stalls the Python thread that
+  // drives the CPU update (the update itself runs with the GIL released too).
+  m.def(
+      "h2d_async",
+      [](uintptr_t dst, uintptr_t src, size_t n, uintptr_t s) {
+        copy_async(dst, src, n, s, cudaMemcpyHostToDevice, "cudaMemcpyAsync(H2D)");
+      },
+      py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "d2h_async",
+      [](uintptr_t dst, uintptr_t src, size_t n, uintptr_t s) {
+        copy_async(dst, src, n, s, cudaMemcpyDeviceToHost, "cudaMemcpyAsync(D2H)");
+      },
+      py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+  m.def("event_create", &event_create);
+  m.def("event_destroy", [](uintptr_t e) { check(cudaEventDestroy(as_event(e)), "cudaEventDestroy"); });
+  m.def("event_record", [](uintptr_t e, uintptr_t s) { check(cudaEventRecord(as_event(e), as_stream(s)), "cudaEventRecord"); },
+        py::arg("event"), py::arg("stream"));
+  m.def("stream_wait_event",
+        [](uintptr_t s, uintptr_t e) { check(cudaStreamWaitEvent(as_stream(s), as_event(e), 0), "cudaStreamWaitEvent"); },
+        py::arg("stream"), py::arg("event"));
+  m.def("event_synchronize", [](uintptr_t e) { check(cudaEventSynchronize(as_event(e)), "cudaEventSynchronize"); },
+        py::arg("event"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "event_query",
+      [](uintptr_t e) {
+        const cudaError_t r = cudaEventQuery(as_event(e));
+        if (r == cudaErrorNotReady) {
+          cudaGetLastError();
+          return false;
+        }
+        check(r, "cudaEventQuery");
+        return true;
+      },
+      py::arg("event"));
+}

@@ -1,0 +1,337 @@
+"""Copy transport: the tiled writeback on the host implementation (for real), CUDA sources compiled with
+nvcc, and CUDA runtime tests (skipped without a GPU; they have never run)."""
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from helpers import assert_bits_equal, digest
+
+import zo_kernels as zk
+from zo_kernels import cpu_adam
+from zo_kernels.transport import CudaTransport, HostPool, HostTransport, Staging, tiled_writeback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_CUDA = torch.cuda.is_available()
+
+
+class RecordingTransport(HostTransport):
+    """Host transport that logs every copy: (phase, dst range, src address) with a global order."""
+
+    def __init__(self, dst_base: torch.Tensor, **kw):
+        super().__init__(**kw)
+        self.base = dst_base.data_ptr()
+        self.esize = dst_base.element_size()
+        self.log: list[tuple] = []
+        self.lock = threading.Lock()
+
+    def h2d(self, dst, src):
+        start = (dst.data_ptr() - self.base) // self.esize
+        with self.lock:
+            self.log.append(("copy_queued", src.data_ptr(), start, start + dst.numel()))
+        return super().h2d(dst, src)
+
+    def _copy(self, dst, src):
+        start = (dst.data_ptr() - self.base) // self.esize
+        with self.lock:
+            self.log.append(("copy_start", src.data_ptr(), start, start + dst.numel()))
+        super()._copy(dst, src)
+        with self.lock:
+            self.log.append(("copy_end", src.data_ptr(), start, start + dst.numel()))
+
+
+def problem(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g), torch.randn(n, generator=g).to(torch.bfloat16), torch.zeros(n), torch.zeros(n)
+
+
+def untiled(p, g, m, v, **adam):
+    p, m, v = p.clone(), m.clone(), v.clone()
+    out = torch.empty(p.numel(), dtype=torch.bfloat16)
+    zk.cpu_adam_step(p, g, m, v, param_out=out, **adam)
+    return p, m, v, out
+
+
+ADAM = dict(step=1, lr=1e-2, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("tile", [1000, 1024, 4096, 10007, 20000])
+@pytest.mark.parametrize("slots", [2, 3, "full"])
+@pytest.mark.parametrize("copy_thread", [False, True])
+def test_writeback_every_element_once_and_bit_identical(tile, slots, copy_thread):
+    n = 10007
+    p, g, m, v = problem(n)
+    ref = untiled(p, g, m, v, **ADAM)
+    dst = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+    tr = RecordingTransport(dst, copy_thread=copy_thread)
+    k = -(-n // tile) if slots == "full" else slots
+    staging = Staging(tr.pool.take(k * tile, torch.bfloat16), tile)
+    tiled_writeback(tr, p, g, m, v, dst=dst, staging=staging, **ADAM)
+    tr.synchronize()
+    tr.close()
+    ranges = sorted((a, b) for phase, _, a, b in tr.log if phase == "copy_end")
+    assert ranges == [(s, min(n, s + tile)) for s in range(0, n, tile)], "each element copied exactly once"
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "dst"), (p, m, v, dst), ref):
+        assert_bits_equal(a, b, name)
+
+
+def _ordering_run(monkeypatch, skip_waits: bool):
+    """A ring of 2 slots with copies 50x slower than compute: the writeback must wait for each slot's copy."""
+    n, tile = 8 * 512, 512
+    p, g, m, v = problem(n, seed=1)
+    ref = untiled(p, g, m, v, **ADAM)
+    dst = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+    tr = RecordingTransport(dst, copy_thread=True, copy_delay_s=0.01)
+    staging = Staging(tr.pool.take(2 * tile, torch.bfloat16), tile)
+    run = cpu_adam.AdamPlan.run
+
+    def logged_run(self, start, end, out_addr=0):
+        with tr.lock:
+            tr.log.append(("compute_start", out_addr, start, end))
+        run(self, start, end, out_addr)
+
+    monkeypatch.setattr(cpu_adam.AdamPlan, "run", logged_run)
+    if skip_waits:  # a deliberately broken writeback: it never waits for a slot's copy
+        monkeypatch.setattr(tr, "wait", lambda event: None)
+    tiled_writeback(tr, p, g, m, v, dst=dst, staging=staging, **ADAM)
+    HostTransport.synchronize(tr)
+    tr.close()
+    return tr.log, dst, ref[3]
+
+
+def check_ordering(log):
+    """Invariant: when a tile's compute starts in a slot, the copy last queued from that slot has ended."""
+    last_queued, ended = {}, set()
+    for phase, addr, start, _ in log:
+        if phase == "copy_queued":
+            last_queued[addr] = start
+        elif phase == "copy_end":
+            ended.add((addr, start))
+        elif phase == "compute_start" and addr in last_queued:
+            assert (addr, last_queued[addr]) in ended, f"tile at {start} overwrote slot {addr:#x} during its copy"
+
+
+def test_staging_slot_never_overwritten_before_its_copy(monkeypatch):
+    log, dst, ref = _ordering_run(monkeypatch, skip_waits=False)
+    computes = [e for e in log if e[0] == "compute_start"]
+    assert len({e[1] for e in log if e[0] == "copy_queued"}) == 2
+    assert len(computes) == 8 and len({e[1] for e in computes}) == 2, "2 slots reused in turn"
+    check_ordering(log)
+    # and the event order says the copies really overlapped the compute of the next tile
+    first_copy_end = next(i for i, e in enumerate(log) if e[0] == "copy_end")
+    assert sum(1 for e in log[:first_copy_end] if e[0] == "compute_start") >= 2
+    assert_bits_equal(dst, ref, "dst")
+
+
+def test_ordering_test_catches_a_writeback_that_does_not_wait(monkeypatch):
+    """The same run without the waits corrupts dst: proof that the test above can fail."""
+    log, dst, ref = _ordering_run(monkeypatch, skip_waits=True)
+    with pytest.raises(AssertionError, match="overwrote slot"):
+        check_ordering(log)
+    with pytest.raises(AssertionError):
+        assert_bits_equal(dst, ref, "dst")
+
+
+def test_pool_stays_within_bound_over_1000_steps():
+    n, tile = 3000, 1024
+    bound = 2 * n * 2 + 2 * tile * 2  # landing + staging ring, bf16
+    tr = HostTransport(pool_bytes=bound)
+    p, g, m, v = problem(n, seed=2)
+    dst = torch.empty(n, dtype=torch.bfloat16)
+    seen = set()
+    for step in range(1, 1001):
+        landing = tr.pool.take(n, torch.bfloat16)
+        tr.d2h(landing, g)
+        staging = Staging(tr.pool.take(2 * tile, torch.bfloat16), tile)
+        tiled_writeback(tr, p, landing, m, v, dst=dst, staging=staging, step=step, lr=1e-4)
+        tr.pool.give(staging.buf)
+        tr.pool.give(landing)
+        seen.add(tr.pool.reserved)
+        assert tr.pool.reserved <= bound
+    assert seen == {n * 2 + 2 * tile * 2}, f"pool size changed across steps: {seen}"
+
+
+def test_pool_refuses_past_its_bound_and_reuses():
+    pool = HostPool(4096, lambda nb: (lambda t: (t.data_ptr(), t))(torch.empty(nb, dtype=torch.uint8)),
+                    lambda a, o: None)  # fmt: skip
+    a = pool.take(512, torch.float32)  # 2048 bytes
+    b = pool.take(512, torch.float32)
+    with pytest.raises(MemoryError, match="host pool bound of 4096 bytes exceeded: 4096 bytes in use, 2 more"):
+        pool.take(1, torch.float16)
+    assert pool.reserved == 4096
+    pool.give(a)
+    c = pool.take(1000, torch.float16)  # a different size: the free 2048-byte block is released for it
+    assert pool.reserved == 2048 + 2000 and c.numel() == 1000
+    pool.give(b)
+    assert pool.take(512, torch.float32).data_ptr() == b.data_ptr(), "same size is reused"
+    with pytest.raises(ValueError, match="not handed out by this pool"):
+        pool.give(torch.empty(3))
+
+
+def test_copy_into_freed_buffer_is_refused():
+    tr = HostTransport()
+    buf = tr.pool.take(100, torch.float16)
+    tr.pool.give(buf)
+    src = torch.randn(100).half()
+    before = digest(buf, src)
+    with pytest.raises(ValueError, match="dst lies in a pool buffer that was given back"):
+        tr.d2h(buf, src)
+    with pytest.raises(ValueError, match="src lies in a pool buffer that was given back"):
+        tr.h2d(torch.empty(100, dtype=torch.float16), buf)
+    assert digest(buf, src) == before
+
+
+@pytest.mark.parametrize(
+    "dst, src, exc, match",
+    [
+        (torch.empty(10, dtype=torch.float16), torch.empty(12, dtype=torch.float16), ValueError,
+         r"dst has 10 elements \(20 bytes\) but src has 12 \(24 bytes\)"),
+        (torch.empty(10, dtype=torch.half), torch.empty(10, dtype=torch.bfloat16), TypeError, "does not convert"),
+        (torch.empty(10, 2).t(), torch.empty(2, 10), ValueError, "dst must be contiguous"),
+        ("x", torch.empty(2), TypeError, "dst must be a torch.Tensor"),
+    ],
+)  # fmt: skip
+def test_bad_copies_are_refused(dst, src, exc, match):
+    with pytest.raises(exc, match=match):
+        HostTransport().h2d(dst, src)
+
+
+def test_writeback_bad_input_touches_nothing():
+    n = 100
+    p, g, m, v = problem(n)
+    tr = HostTransport()
+    good = Staging(torch.empty(2 * 32, dtype=torch.bfloat16), 32)
+    dst = torch.zeros(n, dtype=torch.bfloat16)
+    before = digest(p, g, m, v, dst)
+    cases = [
+        (dict(dst=torch.zeros(n, dtype=torch.float16), staging=good), TypeError, "staging is torch.bfloat16 but dst"),
+        (dict(dst=torch.zeros(n + 1, dtype=torch.bfloat16), staging=good), ValueError, "dst has 101 elements"),
+        (dict(dst=dst, staging=good, lr=-1.0), ValueError, "lr must be >= 0"),
+        (dict(dst=dst, staging=torch.empty(64)), TypeError, "staging must be a Staging"),
+        (dict(dst=dst, staging=Staging(p.view(torch.bfloat16)[:64], 32)), ValueError, "overlap"),
+    ]
+    for kw, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            tiled_writeback(tr, p, g, m, v, **{"step": 1, "lr": 1e-3, **kw})
+    with pytest.raises(ValueError, match="holds neither one tile"):
+        tiled_writeback(tr, p, g, m, v, dst=dst, staging=Staging(torch.empty(10, dtype=torch.bfloat16), 32), **ADAM)
+    assert digest(p, g, m, v, dst) == before
+
+
+def test_failed_background_copy_surfaces():
+    class Failing(HostTransport):
+        def _copy(self, dst, src):
+            raise OSError("copy engine on fire")
+
+    tr = Failing(copy_thread=True)
+    ev = tr.h2d(torch.empty(4), torch.empty(4))
+    with pytest.raises(RuntimeError, match="a queued host copy failed") as info:
+        tr.wait(ev)
+    assert isinstance(info.value.__cause__, OSError)
+    tr.close()
+
+
+# ---------------------------------------------------------------- CUDA: compiled here, run only on a GPU
+
+
+def _cuda_ext():
+    try:
+        from zo_kernels import _cuda
+    except ImportError:
+        return None
+    return _cuda
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the behaviour without a GPU")
+def test_cuda_transport_without_a_device_says_so():
+    with pytest.raises(RuntimeError, match="needs a CUDA device|built without CUDA"):
+        CudaTransport()
+    ext = _cuda_ext()
+    if ext is None:
+        pytest.skip("zo_kernels._cuda was not built (no CUDA compiler at build time)")
+    assert ext.device_count() == 0
+    with pytest.raises(RuntimeError, match="cudaHostAlloc failed"):
+        ext.host_alloc(1024)
+    with pytest.raises(ValueError, match="nbytes must be > 0"):
+        ext.host_alloc(0)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: the CUDA sources are not compiled here")
+def test_cuda_sources_compile_with_nvcc(tmp_path):
+    """Every .cu file under cuda/ compiles for sm_80 and sm_90, warnings as errors."""
+    import sysconfig
+
+    import pybind11
+
+    sources = sorted(f for f in os.listdir(os.path.join(ROOT, "cuda")) if f.endswith(".cu"))
+    assert sources, "no CUDA sources found"
+    for src in sources:
+        cmd = ["nvcc", "-c", os.path.join(ROOT, "cuda", src), "-o", str(tmp_path / f"{src}.o"), "-std=c++17",
+               "-Xcompiler", "-fPIC", "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+               "-Werror", "all-warnings", f"-I{pybind11.get_include()}",
+               f"-I{sysconfig.get_paths()['include']}"]  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"nvcc failed on {src}:\n{r.stderr[-4000:]}"
+
+
+needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (none here: these tests have never run)")
+
+
+@needs_gpu
+def test_cuda_writeback_waits_for_slow_copies():
+    """torchao's way: transfers far longer than compute, so a missing synchronisation fails the test."""
+    n, tile = 1 << 24, 1 << 20
+    tr = CudaTransport()
+    p, g, m, v = problem(n)
+    ref = untiled(p, g, m, v, **ADAM)
+    dst = torch.full((n,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    staging = Staging(tr.pool.take(2 * tile, torch.bfloat16), tile)
+    events = tiled_writeback(tr, p, g, m, v, dst=dst, staging=staging, **ADAM)
+    for ev in events:
+        tr.device_wait(ev)
+    assert_bits_equal(dst.cpu(), ref[3], "dst after device_wait")
+
+
+@needs_gpu
+def test_cuda_d2h_waits_for_its_producer():
+    tr = CudaTransport()
+    host = tr.pool.take(1 << 24, torch.float16)
+    for _ in range(5):
+        x = torch.randn(1 << 24, device="cuda")
+        big = x.half() * 2  # the producer, still running when the copy is queued
+        ev = tr.d2h(host, big)
+        tr.wait(ev)
+        assert torch.equal(host, big.cpu())
+
+
+@needs_gpu
+def test_cuda_copy_of_tile_t_overlaps_compute_of_tile_t_plus_1():
+    n, tile = 1 << 26, 1 << 22
+    tr = CudaTransport()
+    p, g, m, v = problem(n)
+    dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    staging = Staging(tr.pool.take(n, torch.bfloat16), tile)
+    t0 = time.perf_counter()
+    zk.cpu_adam_step(p, g, m, v, step=1, lr=1e-3, param_out=staging.buf)
+    compute = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tr.wait(tr.h2d(dst, staging.buf))
+    copy = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tiled_writeback(tr, p, g, m, v, dst=dst, staging=staging, step=2, lr=1e-3)
+    tr.synchronize()
+    both = time.perf_counter() - t0
+    assert both < 0.9 * (compute + copy), f"no overlap: {both:.4f}s vs {compute:.4f}s + {copy:.4f}s"
+
+
+def test_no_cuda_import_needed_on_cpu():
+    """Importing zo_kernels and using the host transport never touches CUDA."""
+    code = "import zo_kernels.transport as t; t.default_transport('cpu'); print('ok')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

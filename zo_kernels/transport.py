@@ -1,0 +1,424 @@
+"""Copy transport of the offload step: one small interface, two implementations, one tiled writeback.
+
+- `HostTransport` (device = CPU): plain copies, no pinning. Optionally a background copy thread that plays
+  the part of a copy engine (copies run in order, asynchronously, optionally slowed down): that is how the
+  ordering rules below are tested on a machine without a GPU.
+- `CudaTransport`: the `zo_kernels._cuda` extension (cuda/copy.cu): page-locked host buffers, a D2H and an
+  H2D stream (torch.cuda.Stream objects, used through their raw handles), events for ordering.
+
+Ordering rules (both implementations): a copy waits for the work already queued on the compute stream
+(its producer, or the forward that reads the destination); `device_wait(event)` makes the compute stream
+wait for a copy (its consumer); `wait(event)` blocks the host until it is done.
+`tiled_writeback` never overwrites a staging slot before the copy that last read it has finished.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .cpu_adam import check_no_overlap, plan_adam_step
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class HostPool:
+    """A bounded pool of host buffers (page-locked on CUDA), allocated on demand and reused by size.
+
+    Args:
+        max_bytes: the pool never holds more than this; a request beyond it raises MemoryError.
+        allocate: nbytes -> (address, owner); the owner keeps the memory alive until `release`.
+        release: (address, owner) -> None.
+    """
+
+    def __init__(self, max_bytes: int, allocate: Callable[[int], tuple[int, Any]],
+                 release: Callable[[int, Any], None]) -> None:  # fmt: skip
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self._allocate, self._release = allocate, release
+        self._free: dict[int, list[tuple[int, Any]]] = {}  # nbytes -> blocks ready for reuse
+        self._live: dict[int, tuple[int, Any]] = {}  # address -> (nbytes, owner) handed out
+        self._freed: dict[int, int] = {}  # address -> nbytes of blocks given back and not handed out again
+        self.reserved = 0  # bytes allocated from the system (live + free)
+        self._lock = threading.Lock()
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D host tensor of `numel` elements of `dtype` (contents undefined)."""
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
+            raise ValueError(f"numel must be a positive int, got {numel!r}")
+        if dtype not in _FLOATS:
+            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            blocks = self._free.get(nbytes)
+            if blocks:
+                addr, owner = blocks.pop()
+            else:
+                if self.reserved + nbytes > self.max_bytes:
+                    self._trim(self.reserved + nbytes - self.max_bytes)
+                if self.reserved + nbytes > self.max_bytes:
+                    live = sum(b for b, _ in self._live.values())
+                    raise MemoryError(f"host pool bound of {self.max_bytes} bytes exceeded: {live} bytes in use, "
+                                      f"{nbytes} more asked for")  # fmt: skip
+                addr, owner = self._allocate(nbytes)
+                self.reserved += nbytes
+            self._live[addr] = (nbytes, owner)
+            self._freed.pop(addr, None)
+        return _wrap(addr, nbytes, owner).view(dtype)
+
+    def give(self, t: torch.Tensor) -> None:
+        """Return a tensor obtained from `take`; it must not be used afterwards."""
+        with self._lock:
+            addr = t.data_ptr()
+            if addr not in self._live:
+                raise ValueError("give(): this tensor was not handed out by this pool (or was given back already)")
+            nbytes, owner = self._live.pop(addr)
+            self._free.setdefault(nbytes, []).append((addr, owner))
+            self._freed[addr] = nbytes
+
+    def check_usable(self, t: torch.Tensor, name: str) -> None:
+        """Raise if `t` lies in a buffer of this pool that was given back (a copy into freed memory)."""
+        start = t.data_ptr()
+        with self._lock:
+            for addr, nbytes in self._freed.items():
+                if addr <= start < addr + nbytes:
+                    raise ValueError(f"{name} lies in a pool buffer that was given back (freed): copy refused")
+
+    def _trim(self, need: int) -> None:
+        for nbytes in list(self._free):
+            while self._free[nbytes] and need > 0:
+                addr, owner = self._free[nbytes].pop()
+                self._freed.pop(addr, None)
+                self._release(addr, owner)
+                self.reserved -= nbytes
+                need -= nbytes
+            if not self._free[nbytes]:
+                del self._free[nbytes]
+
+    def close(self) -> None:
+        """Release every free block (live ones stay with their holders until given back)."""
+        with self._lock:
+            self._trim(self.reserved)
+
+
+def _wrap(addr: int, nbytes: int, owner: Any) -> torch.Tensor:
+    if isinstance(owner, torch.Tensor):
+        return owner
+    buf = (ctypes.c_uint8 * nbytes).from_address(addr)
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+class Event:
+    """Completion of one copy. `done()` without blocking; Transport.wait blocks."""
+
+    def __init__(self, handle: Any = None, destroy: Callable[[Any], None] | None = None) -> None:
+        self.handle = handle
+        if destroy is not None:  # a CUDA event: destroyed when no one holds it (allowed while pending)
+            weakref.finalize(self, destroy, handle)
+
+    def done(self) -> bool:
+        h = self.handle
+        return True if h is None else h.is_set() if isinstance(h, threading.Event) else _cuda_query(h)
+
+
+def _check_pair(dst: torch.Tensor, src: torch.Tensor) -> None:
+    _check_tensor_any(dst, "dst")
+    _check_tensor_any(src, "src")
+    if dst.dtype != src.dtype:
+        raise TypeError(f"dst is {dst.dtype} but src is {src.dtype}; a copy does not convert")
+    if dst.numel() != src.numel():
+        raise ValueError(f"dst has {dst.numel()} elements ({dst.numel() * dst.element_size()} bytes) but src has "
+                         f"{src.numel()} ({src.numel() * src.element_size()} bytes)")  # fmt: skip
+
+
+def _check_tensor_any(t: Any, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+class Transport:
+    """The copy interface the offload step talks to."""
+
+    device: torch.device
+    pool: HostPool
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        """Queue dst (device) <- src (host). src must stay unchanged until the event is done."""
+        raise NotImplementedError
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        """Queue dst (host) <- src (device), after the work already queued on the compute stream."""
+        raise NotImplementedError
+
+    def wait(self, event: Event | None) -> None:
+        """Block the host until the copy is done."""
+        raise NotImplementedError
+
+    def device_wait(self, event: Event | None) -> None:
+        """Make the device's compute stream wait for the copy (no host block on CUDA)."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait for every copy queued so far."""
+        raise NotImplementedError
+
+
+class HostTransport(Transport):
+    """device = CPU: copies are plain memcpy. With `copy_thread`, copies run in order on a background
+    thread (a stand-in copy engine), each delayed by `copy_delay_s`; that is for tests of ordering.
+
+    Args:
+        pool_bytes: bound of the host buffer pool.
+        copy_thread: run copies asynchronously on one background thread.
+        copy_delay_s: sleep before each copy on that thread (makes transfers dominate compute).
+    """
+
+    def __init__(self, pool_bytes: int = 1 << 40, *, copy_thread: bool = False, copy_delay_s: float = 0.0) -> None:
+        self.device = torch.device("cpu")
+        self.pool = HostPool(pool_bytes, _host_alloc, lambda addr, owner: None)
+        self.copy_delay_s = float(copy_delay_s)
+        self._queue: queue.Queue | None = None
+        self._last: Event = Event()
+        self._error: BaseException | None = None
+        if copy_thread:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._worker, name="zo-copy", daemon=True)
+            self._thread.start()
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def _worker(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            dst, src, ev = item
+            try:
+                if self.copy_delay_s:
+                    time.sleep(self.copy_delay_s)
+                self._copy(dst, src)
+            except BaseException as e:  # surfaced by wait()/synchronize()
+                self._error = e
+            ev.set()
+
+    def _submit(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        _check_pair(dst, src)
+        for t, name in ((dst, "dst"), (src, "src")):
+            if t.device.type != "cpu":
+                raise ValueError(f"{name} must be a CPU tensor for HostTransport, got {t.device}")
+            self.pool.check_usable(t, name)
+        check_no_overlap({"dst": dst, "src": src})
+        if self._queue is None:
+            self._copy(dst, src)
+            return Event()
+        ev = Event(threading.Event())
+        self._queue.put((dst, src, ev.handle))
+        self._last = ev
+        return ev
+
+    h2d = _submit
+    d2h = _submit
+
+    def wait(self, event: Event | None) -> None:
+        if event is not None and isinstance(event.handle, threading.Event):
+            if not event.handle.wait(timeout=60.0):
+                raise TimeoutError("a host copy did not finish within 60 s")
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("a queued host copy failed") from err
+
+    device_wait = wait
+
+    def synchronize(self) -> None:
+        self.wait(self._last)
+
+    def close(self) -> None:
+        if self._queue is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=10.0)
+            self._queue = None
+
+
+def _host_alloc(nbytes: int) -> tuple[int, torch.Tensor]:
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    return t.data_ptr(), t
+
+
+def _cuda_module():
+    try:
+        from . import _cuda
+    except ImportError as e:
+        raise RuntimeError("zo_kernels was built without CUDA support (no CUDA compiler at build time); "
+                           "reinstall with nvcc on PATH to get zo_kernels._cuda") from e  # fmt: skip
+    return _cuda
+
+
+def _cuda_query(handle: int) -> bool:
+    return _cuda_module().event_query(handle)
+
+
+class CudaTransport(Transport):
+    """Pinned host buffers, a D2H and an H2D stream, events: through zo_kernels._cuda (cuda/copy.cu).
+
+    NEVER RUN ON A GPU (no GPU where this was written): its error paths are tested without a device.
+
+    Args:
+        device: the CUDA device (default: the current one).
+        pool_bytes: bound of the page-locked host pool.
+    """
+
+    def __init__(self, device: torch.device | str | int | None = None, pool_bytes: int = 1 << 36) -> None:
+        cu = _cuda_module()
+        if cu.device_count() == 0 or not torch.cuda.is_available():
+            raise RuntimeError("CudaTransport needs a CUDA device; none is visible (use HostTransport on the CPU)")
+        self._cu = cu
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self.pool = HostPool(pool_bytes, lambda n: (cu.host_alloc(n), None), lambda addr, owner: cu.host_free(addr))
+        self.h2d_stream = torch.cuda.Stream(self.device)
+        self.d2h_stream = torch.cuda.Stream(self.device)
+        self._last: Event | None = None
+
+    def _event(self, stream: torch.cuda.Stream) -> Event:
+        ev = Event(self._cu.event_create(), self._cu.event_destroy)
+        self._cu.event_record(ev.handle, stream.cuda_stream)
+        return ev
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> Event:
+        _check_pair(dst, src)
+        dev, host = (dst, src) if to_device else (src, dst)
+        if dev.device != self.device:
+            raise ValueError(f"{'dst' if to_device else 'src'} must be on {self.device}, got {dev.device}")
+        name = "src" if to_device else "dst"
+        if host.device.type != "cpu":
+            raise ValueError(f"{name} must be a host tensor, got {host.device}")
+        self.pool.check_usable(host, name)
+        if host.numel() and self._cu.pointer_kind(host.data_ptr()) != 1:
+            raise ValueError(f"{name} must be page-locked (from transport.pool or pinned), or the copy is synchronous")
+        stream = self.h2d_stream if to_device else self.d2h_stream
+        compute = torch.cuda.current_stream(self.device)
+        stream.wait_stream(compute)  # the producer (D2H) or the forward reading dst (H2D) comes first
+        nbytes = dst.numel() * dst.element_size()
+        (self._cu.h2d_async if to_device else self._cu.d2h_async)(dst.data_ptr(), src.data_ptr(), nbytes,
+                                                                  stream.cuda_stream)  # fmt: skip
+        dev.record_stream(stream)  # the caching allocator must not reuse it while the copy runs
+        self._last = self._event(stream)
+        return self._last
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        return self._copy(dst, src, True)
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        return self._copy(dst, src, False)
+
+    def wait(self, event: Event | None) -> None:
+        if event is not None and event.handle is not None:
+            self._cu.event_synchronize(event.handle)
+
+    def device_wait(self, event: Event | None) -> None:
+        if event is not None and event.handle is not None:
+            self._cu.stream_wait_event(torch.cuda.current_stream(self.device).cuda_stream, event.handle)
+
+    def synchronize(self) -> None:
+        self.wait(self._last)
+
+
+def default_transport(device: torch.device) -> Transport:
+    """CudaTransport for a CUDA device, HostTransport for the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return CudaTransport(device)
+    if device.type == "cpu":
+        return HostTransport()
+    raise ValueError(f"no transport for device type {device.type!r} (cuda or cpu)")
+
+
+class Staging:
+    """Host staging for the 16-bit parameters, with the event of the copy that last read each region.
+
+    Full size (buf.numel() >= the partition): tile t is staged at its own place, [start, end).
+    A ring (smaller): `buf.numel() // tile_numel` slots; tile t goes to slot t % slots.
+    The events persist across steps, so the next step never overwrites a region still being copied.
+
+    Args:
+        buf: 1-D host tensor (from transport.pool for CUDA), dtype of the device parameters.
+        tile_numel: elements per tile.
+    """
+
+    def __init__(self, buf: torch.Tensor, tile_numel: int) -> None:
+        _check_tensor_any(buf, "staging buffer")
+        if buf.dim() != 1 or buf.device.type != "cpu":
+            raise ValueError(f"staging buffer must be a 1-D host tensor, got shape {tuple(buf.shape)} on {buf.device}")
+        if isinstance(tile_numel, bool) or not isinstance(tile_numel, int) or tile_numel < 1:
+            raise ValueError(f"tile_numel must be an int >= 1, got {tile_numel!r}")
+        self.buf, self.tile_numel = buf, tile_numel
+        self.events: dict[int, Event] = {}
+
+    def region(self, t: int, start: int, end: int, numel: int) -> tuple[int, torch.Tensor]:
+        """(region key, staging view) for tile t = [start, end) of a partition of `numel` elements."""
+        if self.buf.numel() >= numel:
+            return t, self.buf[start:end]
+        slots = self.buf.numel() // self.tile_numel
+        if slots < 1:
+            raise ValueError(f"staging buffer of {self.buf.numel()} elements holds neither one tile "
+                             f"({self.tile_numel}) nor the whole partition ({numel})")  # fmt: skip
+        s = t % slots
+        return s, self.buf[s * self.tile_numel : s * self.tile_numel + end - start]
+
+
+def tiled_writeback(
+    transport: Transport,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    dst: torch.Tensor,
+    staging: Staging,
+    on_tile: Callable[[int, int, int], None] | None = None,
+    **adam: Any,
+) -> list[Event]:
+    """CPU Adam over the host partition, tile by tile; each tile's new 16-bit params go to `dst` (device).
+
+    Tile t: wait for the copy that last read staging slot t % slots, update the tile with the new
+    params written into that slot (one pass), queue its H2D copy, and go on to tile t+1 while it runs.
+    `on_tile(t, start, end)` is called after each tile's copy is queued. Returns the events of the copies
+    (the caller makes the compute stream wait on them before the next forward). `adam` is passed to
+    `plan_adam_step` (step, lr, betas, eps, weight_decay, adamw, bias_correction, grad_scale, threads, isa).
+    """
+    if not isinstance(dst, torch.Tensor) or dst.dtype not in _FLOATS:
+        raise TypeError("dst must be an fp32/fp16/bf16 tensor on the device")
+    if not dst.is_contiguous():
+        raise ValueError("dst must be contiguous")
+    if not isinstance(staging, Staging):
+        raise TypeError(f"staging must be a Staging, got {type(staging).__name__}")
+    if staging.buf.dtype != dst.dtype:
+        raise TypeError(f"staging is {staging.buf.dtype} but dst is {dst.dtype}")
+    plan = plan_adam_step(param, grad, exp_avg, exp_avg_sq, out_dtype=dst.dtype, **adam)
+    if dst.numel() != plan.numel:
+        raise ValueError(f"dst has {dst.numel()} elements, param has {plan.numel}")
+    check_no_overlap({"staging": staging.buf, "param": param, "grad": grad, "exp_avg": exp_avg,
+                      "exp_avg_sq": exp_avg_sq})  # fmt: skip
+    tile = staging.tile_numel
+    staging.region(0, 0, min(tile, plan.numel), plan.numel)  # raises on a staging buffer too small to use
+    events = []
+    for t, start in enumerate(range(0, plan.numel, tile)):
+        end = min(plan.numel, start + tile)
+        key, out = staging.region(t, start, end, plan.numel)
+        transport.wait(staging.events.get(key))  # never overwrite a region whose copy is still reading it
+        plan.run(start, end, out.data_ptr())
+        staging.events[key] = ev = transport.h2d(dst[start:end], out)
+        events.append(ev)
+        if on_tile is not None:
+            on_tile(t, start, end)
+    return events
