@@ -30,4 +30,7 @@ void adam_step(const Buffers& b, const AdamParams& a, int isa, int threads);
 // The streaming ceiling: the same loads and stores as adam_step with trivial arithmetic.
 void stream_pass(const Buffers& b, int isa, int threads);
 
+// Sum of squares of n fp32/fp16/bf16 values (fp32 partials over 4096-element chunks, combined in double).
+double sum_squares(const void* x, int dtype, int64_t n, int threads);
+
 }  // namespace zo

@@ -46,6 +46,13 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("bias_correction"), py::arg("isa"), py::arg("threads"), py::call_guard<py::gil_scoped_release>(),
       "Adam/AdamW over n elements at raw addresses.");
   m.def(
+      "sum_squares",
+      [](uintptr_t x, int dtype, int64_t n, int threads) {
+        return zo::sum_squares(reinterpret_cast<const void*>(x), dtype, n, threads);
+      },
+      py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("threads"), py::call_guard<py::gil_scoped_release>(),
+      "Sum of squares of n values at an address (the gradient norm's pass).");
+  m.def(
       "stream_pass",
       [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
          uintptr_t param_out, int out_dtype, int64_t n, int isa, int threads) {

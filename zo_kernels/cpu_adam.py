@@ -256,6 +256,12 @@ def stream_pass(
     )  # fmt: skip
 
 
+def sum_squares(x: torch.Tensor, *, threads: int | None = None) -> float:
+    """Sum of squares of a contiguous fp32/fp16/bf16 CPU tensor, in one pass (fp32 partials, double total)."""
+    _check_tensor(x, "x", tuple(_DTYPE_CODE), None)
+    return _cpu.sum_squares(x.data_ptr(), _DTYPE_CODE[x.dtype], x.numel(), _check_threads(threads))
+
+
 def _check_threads(threads: int | None) -> int:
     if threads is None:
         return max(1, torch.get_num_threads())

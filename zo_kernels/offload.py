@@ -1,0 +1,755 @@
+"""ZeroOffloadAdamW: ZeRO-2 with the optimizer state and the update offloaded to the CPU (ZeRO-Offload).
+
+The device keeps one flat buffer of 16-bit parameters (the model's parameters become views of it) and two
+gradient buckets; the host keeps, for this rank's 1/N slice of the flat space, the fp32 masters, Adam's
+moments, the landing buffer of the reduced gradients and the staging buffer of the new 16-bit parameters.
+See DESIGN.md, "One step, as data flows". The same code runs with device = CPU (plain copies, the torch
+path of `pack`): that is how it is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .buckets import pack
+from .cpu_adam import _real, check_hparams, cpu_adam_step, sum_squares
+from .transport import Staging, Transport, default_transport, tiled_writeback
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DEFAULT_BUCKET_NUMEL = 1 << 24  # 32 MiB of bf16 gradients per bucket (two buckets live on the device)
+DEFAULT_TILE_NUMEL = 1 << 21  # see bench/test_bench_transport.py: 1.03x the bare kernel at 100M params
+K_ADAM = 12  # bytes of fp32 optimizer state per parameter: master, exp_avg, exp_avg_sq
+# torch.amp.GradScaler's defaults.
+SCALE_INIT, SCALE_GROWTH, SCALE_BACKOFF, SCALE_INTERVAL = 2.0**16, 2.0, 0.5, 2000
+PENDING_TIMEOUT_S = 600.0  # the longest a step() waits for the background update before raising
+
+
+@dataclass
+class MemoryReport:
+    """Bytes held by the optimizer on this rank, measured from its buffers, next to DESIGN.md's formulas.
+
+    Args:
+        params: trainable parameters (Φ). world_size: data-parallel ranks (N).
+        device_params, device_buckets: the flat 16-bit parameter buffer and the gradient buckets.
+        host_state, host_landing, host_staging, host_accumulator: p32/m/v, gradient landing, p16 staging,
+            fp32 accumulation buffer (only while accumulating).
+        formula_device, formula_host: 2Φ + buckets and (2 + K)Φ/N + 2Φ/N (DESIGN.md, ZeRO-2 + offload).
+    """
+
+    params: int
+    world_size: int
+    device_params: int
+    device_buckets: int
+    host_state: int
+    host_landing: int
+    host_staging: int
+    host_accumulator: int
+    formula_device: int
+    formula_host: int
+
+    @property
+    def device_bytes(self) -> int:
+        return self.device_params + self.device_buckets
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host_state + self.host_landing + self.host_staging + self.host_accumulator
+
+    def __str__(self) -> str:
+        p = max(1, self.params)
+        return (f"params {self.params:,} x {self.world_size} rank(s)\n"
+                f"  device: {self.device_bytes:,} B ({self.device_bytes / p:.2f} B/param); "
+                f"formula 2Φ + buckets = {self.formula_device:,} B\n"
+                f"  host:   {self.host_bytes:,} B ({self.host_bytes / p:.2f} B/param); "
+                f"formula (2+K)Φ/N + 2Φ/N = {self.formula_host:,} B")  # fmt: skip
+
+
+class _Bucket:
+    """A contiguous range [lo, hi) of the flat space and the parameters in it (flat order)."""
+
+    def __init__(self, index: int, params: list[tuple[torch.Tensor, int, int]]) -> None:
+        self.index = index
+        self.params = params  # (param, flat offset, numel)
+        self.lo = params[0][1]
+        self.hi = params[-1][1] + params[-1][2]
+        self.ready = 0
+        self.done = False
+
+
+class ZeroOffloadAdamW(torch.optim.Optimizer):
+    """AdamW with ZeRO-2 partitioning and the optimizer offloaded to the CPU; a torch.optim.Optimizer.
+
+    Usage: build after the model is on its device (all params on one device); then per iteration
+    `opt.backward(loss)` (or `loss.backward()` without a loss scale) one or more times, `opt.step()`.
+
+    Semantics:
+    - Construction takes the fp32 masters from the params' current values (rank 0's, broadcast), casts the
+      params to `dtype` and makes them views of one flat device buffer.
+    - Gradients leave the device during backward, bucket by bucket; `p.grad` is None afterwards.
+      Several backward calls before a step accumulate in fp32 on the host. `step()` consumes the
+      gradients (the next backward starts a new accumulation); `zero_grad()` discards them.
+      `step()` with no backward since the last step is a no-op (`stats["skipped"] == "no gradients"`).
+    - Gradients are averaged over the ranks (as DDP); `max_grad_norm` clips by the global norm of that
+      average; the 1/N, the loss-scale inverse and the clip coefficient are one `grad_scale` of the kernel.
+    - A step whose gradients hold inf/NaN (or overflow `dtype`) is skipped: nothing but the loss scale
+      changes. `loss_scale="dynamic"` follows torch.amp.GradScaler (2**16, x2 after 2000 good steps, /2 on
+      overflow); a number is a static scale.
+    - Delayed parameter update (`delay_update_after=k`, ZeRO-Offload §5.2). Let P_j be the masters after
+      update j. Steps 1..k are synchronous: forward i uses P_{i-1}. The step() of iteration i > k:
+      (1) waits for the background update i-1 (if any) and writes P_{i-1} to the device; (2) checks
+      overflow and the norm of gradient i; (3) starts update i (gradient i applied to P_{i-1}) in a
+      background thread and returns. So for i >= k+2 forward i runs on P_{i-2}, while update i-1 runs on
+      the CPU; new parameters reach the device only inside step(), never under a running forward.
+      Gradient landing buffers are double so gradient i+1 never overwrites gradient i.
+    - `state_dict()` is world-size independent: per parameter `step`, `exp_avg`, `exp_avg_sq` (torch's keys)
+      and `master` (fp32), plus the loss scaler. With several ranks it is a collective (all ranks call it).
+
+    Args:
+        params: `model.parameters()` or param-group dicts (per-group lr, weight_decay, betas, eps).
+        lr, betas, eps, weight_decay: AdamW's hyper-parameters (decoupled weight decay).
+        dtype: the device parameters' dtype: torch.bfloat16, torch.float16 or torch.float32.
+        loss_scale: None, a positive number (static) or "dynamic".
+        max_grad_norm: clip the averaged gradient to this global L2 norm (None: no clipping).
+        delay_update_after: k for the delayed parameter update (None: always synchronous).
+        bucket_numel: elements per gradient bucket (default 2**24).
+        process_group: None for torch.distributed's default group when initialized, else a single rank.
+        transport: copy transport (default: CUDA streams on a GPU, plain copies on the CPU).
+        threads: CPU threads for the update (default: this rank's share of the cores).
+        tile_numel: elements per tile of the update/writeback pipeline.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        loss_scale: float | str | None = None,
+        max_grad_norm: float | None = None,
+        delay_update_after: int | None = None,
+        bucket_numel: int | None = None,
+        process_group: Any = None,
+        transport: Transport | None = None,
+        threads: int | None = None,
+        tile_numel: int | None = None,
+    ) -> None:
+        check_hparams(lr, betas, eps, weight_decay)
+        if dtype not in DTYPES:
+            raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
+        self._scale, self._dynamic = _check_loss_scale(loss_scale)
+        if max_grad_norm is not None and (_real(max_grad_norm, "max_grad_norm") <= 0):
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        self.delay_update_after = _check_int(delay_update_after, "delay_update_after", 0)
+        bucket_numel = _check_int(bucket_numel, "bucket_numel", 1)
+        tile_numel = _check_int(tile_numel, "tile_numel", 1)
+        groups = _check_params(params)
+        trainable = [p for g in groups for p in g["params"] if p.requires_grad]
+        if not trainable:
+            raise ValueError("no trainable parameters (none has requires_grad=True)")
+        for gi, g in enumerate(groups):
+            if not any(p.requires_grad for p in g["params"]):
+                raise ValueError(f"param group {gi} has no trainable parameter")
+        device = trainable[0].device
+        for i, p in enumerate(trainable):
+            if p.device != device:
+                raise ValueError(f"all params must be on one device: param {i} is on {p.device}, param 0 on {device}")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"params must be on a CUDA device or the CPU, got {device}")
+
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__([{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in groups], defaults)
+        for group in self.param_groups:
+            check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+
+        self.dtype, self.device = dtype, device
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.group = process_group
+        if self.group is None and dist.is_available() and dist.is_initialized():
+            self.group = dist.group.WORLD
+        self.world = dist.get_world_size(self.group) if self.group is not None else 1
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        self.threads = threads if threads is not None else _pin_rank_threads(self.world, self.rank)
+        self.tile_numel = tile_numel or DEFAULT_TILE_NUMEL
+
+        self._layout(trainable)
+        self.transport = transport if transport is not None else default_transport(device)
+        self._allocate(trainable, bucket_numel or DEFAULT_BUCKET_NUMEL)
+        self._times: dict[str, float] = {}  # seconds per phase since the last step
+        self._iteration = 0  # step() calls that consumed gradients
+        self._good_steps = 0
+        self._pending: Future | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._reset_grad_state()
+        self.stats: dict[str, Any] = {}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+
+    # ------------------------------------------------------------------ construction
+
+    def _layout(self, trainable: list[torch.Tensor]) -> None:
+        """Flat offsets in parameter order, padding to a multiple of N, this rank's partition."""
+        self._offset: dict[torch.Tensor, int] = {}
+        pos = 0
+        for p in trainable:
+            self._offset[p] = pos
+            pos += p.numel()
+        self.numel = pos
+        self.flat_numel = -(-pos // self.world) * self.world
+        self.part = self.flat_numel // self.world
+        self.part_lo = self.rank * self.part
+        self.part_hi = self.part_lo + self.part
+        # each group's flat range, intersected with the partition, in partition coordinates
+        self._group_ranges = []
+        for group in self.param_groups:
+            ps = group["params"]
+            lo, hi = self._offset[ps[0]], self._offset[ps[-1]] + ps[-1].numel()
+            a, b = max(lo, self.part_lo) - self.part_lo, min(hi, self.part_hi) - self.part_lo
+            self._group_ranges.append((a, b) if a < b else None)
+
+    @torch.no_grad()
+    def _allocate(self, trainable: list[torch.Tensor], bucket_numel: int) -> None:
+        pool_bytes = 8 * self.part * torch.empty((), dtype=self.dtype).element_size() + (1 << 20)
+        self.transport.pool.max_bytes = max(self.transport.pool.max_bytes, pool_bytes)
+        self.master = torch.zeros(self.part, dtype=torch.float32)
+        self.exp_avg = torch.zeros(self.part, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(self.part, dtype=torch.float32)
+        self.flat = torch.zeros(self.flat_numel, dtype=self.dtype, device=self.device)
+        src = self.group_rank_to_global(0)
+        for p in trainable:
+            if self.world > 1:
+                dist.broadcast(p.data, src=src, group=self.group)  # every rank starts from rank 0's values
+            off, n = self._offset[p], p.numel()
+            a, b = max(off, self.part_lo), min(off + n, self.part_hi)
+            if a < b:
+                values = p.detach().reshape(-1)[a - off : b - off]
+                self.master[a - self.part_lo : b - self.part_lo] = values.float().cpu()
+            view = self.flat[off : off + n]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+            p.grad = None
+        n_landing = 2 if self.delay_update_after is not None else 1
+        self.landing = [self.transport.pool.take(self.part, self.dtype) for _ in range(n_landing)]
+        for buf in self.landing:
+            buf.zero_()
+        self.staging_buf = self.transport.pool.take(self.part, self.dtype)
+        self.staging_buf.zero_()  # the padding past the last parameter is sent to the device as zeros
+        self._staging = [Staging(self.staging_buf[r[0] : r[1]], self.tile_numel) if r else None
+                         for r in self._group_ranges]  # fmt: skip
+        self._accum: list[torch.Tensor | None] = [None] * n_landing
+        # buckets: contiguous flat ranges taken from the end (backward order)
+        self._buckets: list[_Bucket] = []
+        cur: list[tuple[torch.Tensor, int, int]] = []
+        size = 0
+        for p in reversed(trainable):
+            if cur and size + p.numel() > bucket_numel:
+                self._buckets.append(_Bucket(len(self._buckets), list(reversed(cur))))
+                cur, size = [], 0
+            cur.append((p, self._offset[p], p.numel()))
+            size += p.numel()
+        self._buckets.append(_Bucket(len(self._buckets), list(reversed(cur))))
+        self._bucket_of = {p: b for b in self._buckets for p, _, _ in b.params}
+        buf_numel = max(b.hi - b.lo for b in self._buckets)
+        self._bucket_bufs = [torch.empty(buf_numel, dtype=self.dtype, device=self.device) for _ in range(2)]
+        self._buf_busy: list[list[Any]] = [[], []]  # per buffer: reduce works and copy events still using it
+
+    def group_rank_to_global(self, r: int) -> int:
+        """Global rank of rank r of the optimizer's process group."""
+        if self.group is None:
+            return r
+        return dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r
+
+    # ------------------------------------------------------------------ gradients leave during backward
+
+    def _reset_grad_state(self) -> None:
+        self._n_micro = 0  # completed backward passes since the last step/zero_grad
+        self._in_backward = False
+        self._next_bucket = 0
+        self._found_inf = torch.zeros((), dtype=torch.bool, device=self.device)
+        self._sum_sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for b in self._buckets:
+            b.ready, b.done = 0, False
+
+    @property
+    def _slot(self) -> int:
+        """Which landing buffer the current iteration's gradients use (alternates under DPU)."""
+        return self._iteration % len(self.landing)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p.grad is None:
+            return
+        if p.grad.is_sparse:
+            raise RuntimeError("ZeroOffloadAdamW does not support sparse gradients")
+        if not self._in_backward:
+            self._begin_micro()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_micro)
+        bucket = self._bucket_of[p]
+        bucket.ready += 1
+        self._launch_ready()
+
+    def _begin_micro(self) -> None:
+        self._in_backward = True
+        if self._n_micro == 0:
+            return
+        # accumulation: the previous micro-batch's reduced gradient sits in the landing buffer
+        s = self._slot
+        if self._accum[s] is None:
+            self._accum[s] = self.landing[s].float()
+        elif self._n_micro == 1:
+            self._accum[s].copy_(self.landing[s])
+        else:
+            self._accum[s].add_(self.landing[s])
+        for b in self._buckets:
+            b.ready, b.done = 0, False
+        self._next_bucket = 0
+
+    def _launch_ready(self, flush: bool = False) -> None:
+        """Pack, reduce and send down the buckets in bucket order (the same order on every rank)."""
+        while self._next_bucket < len(self._buckets):
+            b = self._buckets[self._next_bucket]
+            if b.ready < len(b.params) and not flush:
+                return
+            self._launch(b)
+            self._next_bucket += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        t0 = time.perf_counter()
+        k = b.index % 2
+        self._wait_buffer(k)
+        buf = self._bucket_bufs[k][: b.hi - b.lo]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p, _, _ in b.params]
+        packed = pack(grads, dtype=self.dtype, out=buf)
+        self._found_inf |= packed.found_inf
+        self._sum_sq += packed.sum_sq
+        for p, _, _ in b.params:
+            p.grad = None  # the device gradient is freed as soon as its bucket has left
+        busy = self._buf_busy[k]
+        lo, hi = max(b.lo, self.part_lo), min(b.hi, self.part_hi)
+        if self.world > 1:
+            for r in range(self.world):
+                a, c = max(b.lo, r * self.part), min(b.hi, (r + 1) * self.part)
+                if a < c:
+                    work = dist.reduce(buf[a - b.lo : c - b.lo], dst=self.group_rank_to_global(r), op=dist.ReduceOp.SUM,
+                                       group=self.group, async_op=True)  # fmt: skip
+                    if r == self.rank:
+                        work.wait()  # on NCCL this orders the stream only; the host goes on
+                    busy.append(work)
+        self._phase("reduce", time.perf_counter() - t0)
+        if lo < hi:
+            dst = self.landing[self._slot][lo - self.part_lo : hi - self.part_lo]
+            busy.append(self.transport.d2h(dst, buf[lo - b.lo : hi - b.lo]))
+        b.done = True
+
+    def _wait_buffer(self, k: int) -> None:
+        for item in self._buf_busy[k]:
+            if hasattr(item, "is_completed"):
+                item.wait()
+            else:
+                self.transport.wait(item)
+        self._buf_busy[k] = []
+
+    def _end_micro(self) -> None:
+        """End of a backward pass: flush buckets with missing gradients (as zeros) and wait for the copies."""
+        t0 = time.perf_counter()
+        self._launch_ready(flush=True)
+        for k in range(2):
+            self._wait_buffer(k)
+        self.transport.synchronize()
+        self._in_backward = False
+        self._n_micro += 1
+        self._phase("backward_offload_wait", time.perf_counter() - t0)
+
+    def _phase(self, name: str, seconds: float) -> None:
+        self._times[name] = self._times.get(name, 0.0) + seconds
+
+    # ------------------------------------------------------------------ the user's calls
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without loss scaling)."""
+        return self._scale
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss * loss_scale, then backward."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
+        if loss.numel() != 1:
+            raise ValueError(f"loss must be a scalar tensor (one element), got shape {tuple(loss.shape)}")
+        if not loss.requires_grad:
+            raise ValueError("loss does not require grad: nothing to backpropagate")
+        (loss.float() * self._scale if self._scale != 1.0 else loss).backward()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the gradients accumulated since the last step."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        for k in range(2):
+            self._wait_buffer(k)
+        self._reset_grad_state()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Consume the accumulated gradients: overflow check, clip, CPU update, parameters back to the device."""
+        if closure is not None:
+            raise ValueError("ZeroOffloadAdamW.step() takes no closure: call opt.backward(loss) first")
+        if self._in_backward:
+            raise RuntimeError("step() was called during backward")
+        t_step = time.perf_counter()
+        if self._n_micro == 0:
+            self.stats = {"skipped": True, "skip_reason": "no gradients", "loss_scale": self._scale, "grad_norm": None}
+            return None
+        for group in self.param_groups:
+            check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        self._iteration += 1
+        delayed = self.delay_update_after is not None and self._iteration > self.delay_update_after
+        if delayed:
+            self._finish_pending(write=True)
+        s = (self._iteration - 1) % len(self.landing)  # the landing slot of this iteration's gradients
+        grad = self.landing[s]
+        if self._n_micro > 1:
+            grad = self._accum[s].add_(self.landing[s])
+        found_inf, sum_sq = self._global_checks(grad)
+        scale = self._scale
+        norm = math.sqrt(sum_sq) / (self.world * scale) if math.isfinite(sum_sq) else float("inf")
+        n_micro = self._n_micro
+        self._reset_grad_state()
+        if found_inf:
+            self._update_scale(found_inf=True)
+            self._iteration -= 1
+            self._record_stats(t_step, skip_reason="overflow", grad_norm=norm, micro_batches=n_micro)
+            return None
+        clip = 1.0
+        if self.max_grad_norm is not None:
+            clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
+        grad_scale = clip / (self.world * scale)
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+        if delayed:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-dpu")
+            self._pending = self._executor.submit(self._cpu_update, grad, grad_scale, False)
+        else:
+            self._phase("cpu_update", self._cpu_update(grad, grad_scale, True))
+            self._all_gather()
+        self._update_scale(found_inf=False)
+        self._record_stats(t_step, skip_reason=None, grad_norm=norm, clip=clip, micro_batches=n_micro,
+                           delayed=delayed)  # fmt: skip
+        return None
+
+    def _record_stats(self, t_step: float, skip_reason: str | None, **kw: Any) -> None:
+        self._phase("step", time.perf_counter() - t_step)
+        self.stats = {"skipped": skip_reason is not None, "skip_reason": skip_reason, "loss_scale": self._scale, **kw,
+                      **{f"time_{k}": v for k, v in self._times.items()}}  # fmt: skip
+        self._times = {}
+
+    # ------------------------------------------------------------------ the step's pieces
+
+    def _global_checks(self, grad: torch.Tensor) -> tuple[bool, float]:
+        """found_inf and the sum of squares of the reduced (summed over ranks) gradient, all-reduced."""
+        t0 = time.perf_counter()
+        if self.world == 1 and self._n_micro == 1:
+            sum_sq = float(self._sum_sq.item())  # pack's in-pass sum: no extra pass over the gradients
+            found = bool(self._found_inf.item()) or not math.isfinite(sum_sq)
+        else:
+            sum_sq = sum_squares(grad, threads=self.threads)
+            found = bool(self._found_inf.item()) or not math.isfinite(sum_sq)
+            if self.world > 1:
+                t = torch.tensor([0.0 if math.isnan(sum_sq) else sum_sq, float(found)], dtype=torch.float64)
+                t = t.to(self._comm_device())
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+                sum_sq, found = float(t[0]), bool(t[1] > 0)
+        self._phase("reduce", time.perf_counter() - t0)
+        return found, sum_sq
+
+    def _comm_device(self) -> torch.device:
+        backend = dist.get_backend(self.group)
+        return self.device if backend == "nccl" else torch.device("cpu")
+
+    def _cpu_update(self, grad: torch.Tensor, grad_scale: float, writeback: bool) -> float:
+        """CPU Adam over this rank's partition, group by group; with writeback, tiles go to the device.
+
+        Returns its wall time. Runs in the background thread under DPU: no collectives, no stats here.
+        """
+        t0 = time.perf_counter()
+        events = []
+        for group, rng, staging in zip(self.param_groups, self._group_ranges, self._staging):
+            if rng is None:
+                continue
+            a, b = rng
+            adam = dict(step=group["step"], lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                        weight_decay=group["weight_decay"], grad_scale=grad_scale, threads=self.threads)  # fmt: skip
+            if writeback:
+                dst = self.flat[self.part_lo + a : self.part_lo + b]
+                events += tiled_writeback(self.transport, self.master[a:b], grad[a:b], self.exp_avg[a:b],
+                                          self.exp_avg_sq[a:b], dst=dst, staging=staging, **adam)  # fmt: skip
+            else:
+                cpu_adam_step(self.master[a:b], grad[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b],
+                              param_out=staging.buf, **adam)  # fmt: skip
+        for ev in events:
+            self.transport.device_wait(ev)
+        return time.perf_counter() - t0
+
+    def _write_staging(self) -> None:
+        """Staging (the 16-bit params of the last update) -> this rank's slice of the device buffer."""
+        t0 = time.perf_counter()
+        ev = self.transport.h2d(self.flat[self.part_lo : self.part_hi], self.staging_buf)
+        self.transport.device_wait(ev)
+        self.transport.wait(ev)
+        self._phase("writeback", time.perf_counter() - t0)
+        self._all_gather()
+
+    def _all_gather(self) -> None:
+        if self.world == 1:
+            return
+        t0 = time.perf_counter()
+        if self._comm_device().type == self.device.type:
+            dist.all_gather(list(self.flat.chunk(self.world)), self.flat[self.part_lo : self.part_hi].clone(),
+                            group=self.group)  # fmt: skip
+        else:
+            host = self.flat.cpu()
+            dist.all_gather(list(host.chunk(self.world)), host[self.part_lo : self.part_hi].clone(), group=self.group)
+            self.flat.copy_(host)
+        self._phase("all_gather", time.perf_counter() - t0)
+
+    def _finish_pending(self, write: bool) -> None:
+        """Wait for the background update (re-raising its exception) and, if asked, send its params down."""
+        if self._pending is None:
+            return
+        fut, self._pending = self._pending, None
+        t0 = time.perf_counter()
+        self._phase("cpu_update", fut.result(timeout=PENDING_TIMEOUT_S))
+        self._phase("dpu_wait", time.perf_counter() - t0)
+        if write:
+            self._write_staging()
+
+    def _update_scale(self, found_inf: bool) -> None:
+        if not self._dynamic:
+            return
+        if found_inf:
+            self._scale *= SCALE_BACKOFF
+            self._good_steps = 0
+        else:
+            self._good_steps += 1
+            if self._good_steps == SCALE_INTERVAL:
+                self._scale *= SCALE_GROWTH
+                self._good_steps = 0
+
+    def synchronize(self) -> None:
+        """Finish a pending delayed update and send its parameters to the device (e.g. before evaluation)."""
+        self._finish_pending(write=True)
+
+    # ------------------------------------------------------------------ state
+
+    def _gather(self, part: torch.Tensor) -> torch.Tensor:
+        """The full flat tensor from every rank's partition (a collective when N > 1)."""
+        if self.world == 1:
+            return part
+        dev = self._comm_device()
+        out = torch.empty(self.flat_numel, dtype=part.dtype, device=dev)
+        dist.all_gather(list(out.chunk(self.world)), part.to(dev), group=self.group)
+        return out.cpu()
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim layout, world-size independent: per param step/exp_avg/exp_avg_sq/master (fp32, CPU)."""
+        self._finish_pending(write=False)
+        full = {k: self._gather(getattr(self, k)) for k in ("master", "exp_avg", "exp_avg_sq")}
+        state, groups, idx = {}, [], 0
+        for group in self.param_groups:
+            ids = []
+            for p in group["params"]:
+                off, n = self._offset[p], p.numel()
+                if "step" in group:
+                    state[idx] = {"step": torch.tensor(float(group["step"]))}
+                    state[idx].update({k: v[off : off + n].clone().view(p.shape) for k, v in full.items()})
+                ids.append(idx)
+                idx += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        return {"state": state, "param_groups": groups,
+                "zero_offload": {"loss_scale": self._scale, "dynamic": self._dynamic, "good_steps": self._good_steps,
+                                 "iteration": self._iteration, "world_size": self.world}}  # fmt: skip
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this class (any world size) or of torch.optim.AdamW.
+
+        Without `master` entries (a plain AdamW state dict) the fp32 masters are kept if the model's device
+        parameters are still their cast, else refreshed from the model (with a warning): load the model's
+        weights before constructing the optimizer to keep full precision. Everything is checked first.
+        """
+        self._finish_pending(write=False)
+        groups, state = state_dict.get("param_groups"), state_dict.get("state")
+        if not isinstance(groups, list) or not isinstance(state, dict):
+            raise ValueError("state_dict must have 'param_groups' (a list) and 'state' (a dict)")
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
+        plan = []
+        for gi, (saved, group) in enumerate(zip(groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"param group {gi}: state_dict has {len(saved['params'])} params, "
+                                 f"this optimizer {len(group['params'])}")  # fmt: skip
+            check_hparams(saved.get("lr", group["lr"]), saved.get("betas", group["betas"]),
+                          saved.get("eps", group["eps"]), saved.get("weight_decay", group["weight_decay"]))  # fmt: skip
+            for i, p in zip(saved["params"], group["params"]):
+                st = state.get(i, state.get(str(i)))
+                if st is None:
+                    continue
+                for key in ("exp_avg", "exp_avg_sq", "master"):
+                    t = st.get(key)
+                    if key != "master" and t is None:
+                        raise ValueError(f"param {i}: state has no {key!r}")
+                    if t is not None and tuple(t.shape) != tuple(p.shape):
+                        raise ValueError(f"param {i}: saved {key} has shape {tuple(t.shape)}, "
+                                         f"the model's param has {tuple(p.shape)}")  # fmt: skip
+                plan.append((gi, p, st))
+        # apply
+        for saved, group in zip(groups, self.param_groups):
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                if key in saved:
+                    group[key] = tuple(saved[key]) if key == "betas" else saved[key]
+        for gi, p, st in plan:
+            off, n = self._offset[p], p.numel()
+            a, b = max(off, self.part_lo), min(off + n, self.part_hi)
+            self.param_groups[gi]["step"] = int(float(st["step"]))
+            if a >= b:
+                continue
+            src = slice(a - off, b - off)
+            dst = slice(a - self.part_lo, b - self.part_lo)
+            self.exp_avg[dst] = st["exp_avg"].reshape(-1)[src].float()
+            self.exp_avg_sq[dst] = st["exp_avg_sq"].reshape(-1)[src].float()
+            if st.get("master") is not None:
+                self.master[dst] = st["master"].reshape(-1)[src].float()
+        if any(st.get("master") is None for _, _, st in plan):
+            self._refresh_stale_masters()
+        extra = state_dict.get("zero_offload", {})
+        if "loss_scale" in extra and extra.get("dynamic") == self._dynamic:
+            self._scale, self._good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
+        self._iteration = int(extra.get("iteration", max((g.get("step", 0) for g in self.param_groups), default=0)))
+        self._write_masters_to_device()
+
+    @torch.no_grad()
+    def _write_masters_to_device(self) -> None:
+        """Device params <- this rank's masters cast to dtype, then all-gather (a collective when N > 1)."""
+        self.staging_buf.copy_(self.master)
+        self._write_staging()
+
+    @torch.no_grad()
+    def _refresh_stale_masters(self) -> None:
+        """Keep the fp32 masters if the device params are still their cast; else take them from the model."""
+        device_part = self.flat[self.part_lo : self.part_hi].cpu()
+        if not torch.equal(self.master.to(self.dtype), device_part):
+            warnings.warn("the model's parameters changed since the optimizer took its fp32 masters (e.g. "
+                          "model.load_state_dict after construction): masters refreshed from the model, losing "
+                          "the bits below its dtype", stacklevel=3)  # fmt: skip
+            self.master.copy_(device_part)
+
+    @torch.no_grad()
+    def refresh_masters_from_model(self) -> None:
+        """Take the fp32 masters from the model's current (device) parameters, e.g. after model.load_state_dict."""
+        self._finish_pending(write=False)
+        self.master.copy_(self.flat[self.part_lo : self.part_hi].float().cpu())
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes on the device and the host for this model and world size, measured, next to DESIGN.md's formulas."""
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
+        phi, n = self.numel, self.world
+        buckets = nbytes(self._bucket_bufs)
+        return MemoryReport(
+            params=phi, world_size=n, device_params=nbytes([self.flat]), device_buckets=buckets,
+            host_state=nbytes([self.master, self.exp_avg, self.exp_avg_sq]), host_landing=nbytes(self.landing),
+            host_staging=nbytes([self.staging_buf]), host_accumulator=nbytes(self._accum),
+            formula_device=2 * phi + buckets, formula_host=(2 + K_ADAM) * phi // n + 2 * phi // n,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Remove the hooks and stop the background worker (the optimizer is unusable afterwards)."""
+        self._finish_pending(write=False)
+        for h in self._hooks:
+            h.remove()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------------- argument checks
+
+
+def _check_loss_scale(loss_scale: Any) -> tuple[float, bool]:
+    if loss_scale is None:
+        return 1.0, False
+    if loss_scale == "dynamic":
+        return SCALE_INIT, True
+    if isinstance(loss_scale, str):
+        raise ValueError(f"loss_scale must be None, a positive number or 'dynamic', got {loss_scale!r}")
+    value = _real(loss_scale, "loss_scale")
+    if value <= 0:
+        raise ValueError(f"loss_scale must be > 0, got {value}")
+    return value, False
+
+
+def _check_int(x: Any, name: str, minimum: int) -> int | None:
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{name} must be an int or None, got {type(x).__name__}")
+    if x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return x
+
+
+def _check_params(params: Any) -> list[dict[str, Any]]:
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of tensors or dicts, got a single tensor")
+    groups = list(params)
+    if not groups:
+        raise ValueError("params is empty")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    seen: set[int] = set()
+    out = []
+    for gi, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError(f"param group {gi} must be a dict with a 'params' key")
+        ps = g["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        for pi, p in enumerate(ps):
+            where = f"param group {gi} param {pi}"
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"{where} is a {type(p).__name__}, not a tensor")
+            if not p.is_leaf:
+                raise ValueError(f"{where} is not a leaf tensor (it was computed from others); pass model parameters")
+            if not p.is_floating_point():
+                raise TypeError(f"{where} has dtype {p.dtype}; parameters must be floating point")
+            if p.layout != torch.strided:
+                raise ValueError(f"{where} has layout {p.layout}; only dense parameters are supported")
+            if id(p) in seen:
+                raise ValueError(f"{where} appears more than once in params")
+            seen.add(id(p))
+        out.append({**g, "params": ps})
+    return out
+
+
+def _pin_rank_threads(world: int, rank: int) -> int:
+    """Ranks sharing a host split its cores: pin this process to its own slice, return its thread count."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, local_world)))
+    if local_world <= 1 or not hasattr(os, "sched_getaffinity"):
+        return max(1, torch.get_num_threads())
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < local_world:
+        return 1
+    per = len(cores) // local_world
+    mine = cores[local_rank * per : (local_rank + 1) * per]
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    return len(mine)
