@@ -119,6 +119,28 @@ void run(const Coef& c, const Bufs& b, int64_t lo, int64_t hi) {
   }
 }
 
+// Sum of squares of [lo, hi) in fp32 lanes (the chunks are short: 4096), and an inf/NaN flag.
+// With y, the values are also copied to y (same dtype) in the same pass.
+template <int DT>
+double sumsq(const void* x, void* y, int64_t lo, int64_t hi, int* bad) {
+  float acc[16] = {};
+  int flag = 0;
+  for (int64_t i = lo; i < hi; ++i) {
+    float v;
+    if (DT == kF32) v = static_cast<const float*>(x)[i];
+    else if (DT == kF16) v = half_to_float(static_cast<const uint16_t*>(x)[i]);
+    else v = bf16_to_float(static_cast<const uint16_t*>(x)[i]);
+    if (y && DT == kF32) static_cast<float*>(y)[i] = v;
+    else if (y) static_cast<uint16_t*>(y)[i] = static_cast<const uint16_t*>(x)[i];
+    acc[i & 15] += v * v;
+    flag |= !(std::fabs(v) <= 3.40282347e38f);
+  }
+  double s = 0.0;
+  for (float a : acc) s += a;
+  *bad |= flag;
+  return s;
+}
+
 }  // namespace scalar
 
 #pragma GCC push_options
@@ -194,6 +216,28 @@ void run(const Coef& c, const Bufs& b, int64_t lo, int64_t hi) {
   if (ODT != kNone) std::memcpy(static_cast<char*>(b.out) + i * osz, o, n * osz);
 }
 
+template <int DT>
+double sumsq(const void* x, void* y, int64_t lo, int64_t hi, int* bad) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  const __m256 fmax = _mm256_set1_ps(3.40282347e38f), sign = _mm256_set1_ps(-0.0f);
+  __m256 flag = _mm256_setzero_ps();
+  int64_t i = lo;
+  for (; i + 32 <= hi; i += 32) {
+    for (int u = 0; u < 4; ++u) {
+      const __m256 v = load8(x, i + 8 * u, DT);
+      if (y) store8(y, i + 8 * u, DT, v);  // 16-bit -> fp32 -> 16-bit is exact (NaN stays NaN)
+      acc[u] = _mm256_fmadd_ps(v, v, acc[u]);
+      flag = _mm256_or_ps(flag, _mm256_cmp_ps(_mm256_andnot_ps(sign, v), fmax, _CMP_NLE_UQ));
+    }
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+  double s = 0.0;
+  for (float a : lanes) s += a;
+  *bad |= _mm256_movemask_ps(flag) != 0;
+  return s + scalar::sumsq<DT>(x, y, i, hi, bad);
+}
+
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -259,6 +303,25 @@ void run(const Coef& c, const Bufs& b, int64_t lo, int64_t hi) {
     const int64_t n = std::min<int64_t>(16, hi - i);
     step16<GDT, ODT, STREAM>(c, b, i, __mmask16((1u << n) - 1u));
   }
+}
+
+template <int DT>
+double sumsq(const void* x, void* y, int64_t lo, int64_t hi, int* bad) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  const __m512 fmax = _mm512_set1_ps(3.40282347e38f);
+  __mmask16 flag = 0;
+  for (int64_t i = lo; i < hi; i += 64) {
+    for (int u = 0; u < 4; ++u) {
+      const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, hi - i - 16 * u));
+      const __mmask16 k = __mmask16(n >= 16 ? 0xffff : (1u << n) - 1u);
+      const __m512 v = load16(x, i + 16 * u, DT, k);
+      if (y) store16(y, i + 16 * u, DT, v, k);  // 16-bit -> fp32 -> 16-bit is exact (NaN stays NaN)
+      acc[u] = _mm512_fmadd_ps(v, v, acc[u]);
+      flag |= _mm512_mask_cmp_ps_mask(k, _mm512_abs_ps(v), fmax, _CMP_NLE_UQ);
+    }
+  }
+  *bad |= flag != 0;
+  return double(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]))));
 }
 
 }  // namespace avx512
@@ -370,37 +433,29 @@ void stream_pass(const Buffers& b, int isa, int threads) {
   run_parallel(pick<true>(isa, b.grad_dtype, b.out_dtype), Coef{}, bufs, b.n, threads);
 }
 
-double sum_squares(const void* x, int dtype, int64_t n, int threads) {
+SumSquares sum_squares(const void* x, void* y, int dtype, int64_t n, int isa, int threads) {
   require(n >= 0, "n must be >= 0, got " + std::to_string(n));
   require(dtype == kF32 || dtype == kF16 || dtype == kBF16, "dtype code must be 0, 1 or 2");
+  require(isa >= kScalar && isa <= kAvx512 && isa_supported(isa), "isa " + std::to_string(isa) + " is not supported");
   require(threads >= 1, "threads must be >= 1, got " + std::to_string(threads));
-  if (n == 0) return 0.0;
+  if (n == 0) return {0.0, false};
   require(x != nullptr, "null buffer address");
-  // fp32 partial sums over 4096-element chunks, 16 independent lanes (vectorizable without reassociation),
-  // combined in double.
+  using SumFn = double (*)(const void*, void*, int64_t, int64_t, int*);
+  const SumFn table[3][3] = {
+      {scalar::sumsq<kF32>, scalar::sumsq<kF16>, scalar::sumsq<kBF16>},
+      {avx2::sumsq<kF32>, avx2::sumsq<kF16>, avx2::sumsq<kBF16>},
+      {avx512::sumsq<kF32>, avx512::sumsq<kF16>, avx512::sumsq<kBF16>},
+  };
+  const SumFn fn = table[isa][dtype];
+  // fp32 partial sums over 4096-element chunks (a bounded fp32 error), combined in double.
   constexpr int64_t kChunk = 4096;
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   const int t = int(std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread)));
   double total = 0.0;
-#pragma omp parallel for num_threads(t) reduction(+ : total) schedule(static)
-  for (int64_t c = 0; c < chunks; ++c) {
-    float acc[16] = {};
-    const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
-    for (int64_t i = lo; i < hi; i += 16) {
-      const int64_t k = std::min<int64_t>(16, hi - i);
-      for (int64_t j = 0; j < k; ++j) {
-        float v;
-        if (dtype == kF32) v = static_cast<const float*>(x)[i + j];
-        else if (dtype == kF16) v = half_to_float(static_cast<const uint16_t*>(x)[i + j]);
-        else v = bf16_to_float(static_cast<const uint16_t*>(x)[i + j]);
-        acc[j] += v * v;
-      }
-    }
-    double s = 0.0;
-    for (float a : acc) s += a;
-    total += s;
-  }
-  return total;
+  int bad = 0;
+#pragma omp parallel for num_threads(t) reduction(+ : total) reduction(| : bad) schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) total += fn(x, y, c * kChunk, std::min(n, (c + 1) * kChunk), &bad);
+  return {total, bad != 0};
 }
 
 }  // namespace zo

@@ -30,7 +30,12 @@ void adam_step(const Buffers& b, const AdamParams& a, int isa, int threads);
 // The streaming ceiling: the same loads and stores as adam_step with trivial arithmetic.
 void stream_pass(const Buffers& b, int isa, int threads);
 
-// Sum of squares of n fp32/fp16/bf16 values (fp32 partials over 4096-element chunks, combined in double).
-double sum_squares(const void* x, int dtype, int64_t n, int threads);
+// Sum of squares of n fp32/fp16/bf16 values (fp32 partials over 4096-element chunks, combined in double),
+// and whether any of them is inf or NaN: one pass. With y (else nullptr), x is also copied to y.
+struct SumSquares {
+  double sum;
+  bool nonfinite;
+};
+SumSquares sum_squares(const void* x, void* y, int dtype, int64_t n, int isa, int threads);
 
 }  // namespace zo

@@ -47,11 +47,16 @@ PYBIND11_MODULE(_cpu, m) {
       "Adam/AdamW over n elements at raw addresses.");
   m.def(
       "sum_squares",
-      [](uintptr_t x, int dtype, int64_t n, int threads) {
-        return zo::sum_squares(reinterpret_cast<const void*>(x), dtype, n, threads);
+      [](uintptr_t x, uintptr_t y, int dtype, int64_t n, int isa, int threads) {
+        zo::SumSquares r;
+        {
+          py::gil_scoped_release release;
+          r = zo::sum_squares(reinterpret_cast<const void*>(x), reinterpret_cast<void*>(y), dtype, n, isa, threads);
+        }
+        return py::make_tuple(r.sum, r.nonfinite);
       },
-      py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("threads"), py::call_guard<py::gil_scoped_release>(),
-      "Sum of squares of n values at an address (the gradient norm's pass).");
+      py::arg("x"), py::arg("y"), py::arg("dtype"), py::arg("n"), py::arg("isa"), py::arg("threads"),
+      "(sum of squares, any inf/NaN) of n values at x, copying them to y (if not 0) in the same pass.");
   m.def(
       "stream_pass",
       [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import assert_bits_equal, assert_within_2x_of, digest, ref_adam
+from helpers import FP32_EPS, assert_bits_equal, assert_within_2x_of, digest, ref_adam
 
 import zo_kernels as zk
 from zo_kernels import cpu_adam_step
@@ -319,3 +319,26 @@ def test_cpp_boundary_checks_too():
                           ("out_dtype", 1, "param_out address is null")]:  # fmt: skip
         with pytest.raises(ValueError, match=msg):
             _cpu.adam_step(**{**args, key: val})
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=str)
+@pytest.mark.parametrize("n", [0, 1, 15, 64, 65, 4097, 100_003])
+def test_sum_squares_and_nonfinite_flag(isa, dtype, n):
+    """Within fp32 accumulation error of a float64 reference (chunks of 4096 in fp32, then double)."""
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3).to(dtype)
+    out = torch.full((n,), float("nan"), dtype=dtype)
+    got, bad = zk.sum_squares(x, isa=isa, out=out)
+    ref = (x.double() ** 2).sum().item()
+    assert not bad and abs(got - ref) <= 4096 * FP32_EPS * ref + 1e-30
+    assert_bits_equal(out, x, "the copy made in the same pass")
+    assert zk.sum_squares(x, isa=isa) == (got, bad)
+    for value in (float("inf"), -float("inf"), float("nan")):
+        if n:
+            y = x.clone()
+            y[n // 2] = value
+            assert zk.sum_squares(y, isa=isa)[1], f"{value} at {n // 2} not flagged"
+    if dtype == torch.bfloat16 and n:
+        y = x.clone()
+        y[-1] = 3.0e38  # finite, its square overflows fp32: a large value, not a non-finite one
+        assert not zk.sum_squares(y, isa=isa)[1]

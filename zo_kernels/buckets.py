@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from .cpu_adam import _real, check_no_overlap
+from .cpu_adam import _real, check_no_overlap, sum_squares
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 IMPLS = ("triton", "torch")
@@ -169,13 +169,32 @@ def pack(tensors: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None, s
 
         stats = kpack.pack(tensors, offsets, segs, flat, scale)
         return Packed(flat, offsets, stats[1] > 0, stats[0])
+    # The exact torch path. On the CPU, when the bucket holds the values unchanged (same dtype, scale 1: the
+    # offload step's case), one C++ pass per tensor copies it and sums its squares and flags inf/NaN.
+    exact = scale == 1.0 and all(t.dtype == dtype for t in tensors)
+    cpu = device.type == "cpu"
     sum_sq = torch.zeros((), dtype=torch.float32, device=device)
+    squares, nonfinite = 0.0, False
     for t, off, seg in zip(tensors, offsets, segs):
-        x = t.reshape(-1).float() * scale
-        flat[off : off + t.numel()] = x
-        flat[off + t.numel() : off + seg] = 0
-        sum_sq += (x * x).sum()
-    found_inf = ~torch.isfinite(flat).all() if total else torch.zeros((), dtype=torch.bool, device=device)
+        src, dst = t.reshape(-1), flat[off : off + t.numel()]
+        if cpu and exact and t.numel():
+            s, bad = sum_squares(src.contiguous(), out=dst)
+            squares, nonfinite = squares + s, nonfinite or bad
+        else:
+            dst.copy_(src if scale == 1.0 else src.float() * scale)
+            if not exact:
+                sum_sq += (src.float() * scale).square().sum()
+        flat[off + t.numel() : off + seg].zero_()
+    if cpu:
+        if not exact and total:
+            nonfinite = sum_squares(flat)[1]
+        found_inf = torch.tensor(nonfinite)
+        if exact:
+            sum_sq = torch.tensor(squares, dtype=torch.float32)
+    else:
+        found_inf = ~torch.isfinite(flat).all() if total else torch.zeros((), dtype=torch.bool, device=device)
+        if exact:
+            sum_sq = flat.float().square().sum()
     return Packed(flat, offsets, found_inf, sum_sq)
 
 

@@ -256,10 +256,20 @@ def stream_pass(
     )  # fmt: skip
 
 
-def sum_squares(x: torch.Tensor, *, threads: int | None = None) -> float:
-    """Sum of squares of a contiguous fp32/fp16/bf16 CPU tensor, in one pass (fp32 partials, double total)."""
+def sum_squares(x: torch.Tensor, *, out: torch.Tensor | None = None, threads: int | None = None,
+                isa: str | None = None) -> tuple[float, bool]:  # fmt: skip
+    """(sum of squares, any inf/NaN) of a contiguous fp32/fp16/bf16 CPU tensor in one pass; copies x to `out`.
+
+    fp32 partial sums over 4096-element chunks, combined in double (the gradient norm's pass). `out`, if
+    given, receives a copy of x (same dtype and size) in the same pass: that is the CPU bucket pack.
+    """
     _check_tensor(x, "x", tuple(_DTYPE_CODE), None)
-    return _cpu.sum_squares(x.data_ptr(), _DTYPE_CODE[x.dtype], x.numel(), _check_threads(threads))
+    if out is not None:
+        _check_tensor(out, "out", (x.dtype,), x.numel())
+        check_no_overlap({"x": x, "out": out})
+    isa = best_isa() if isa is None else _check_isa(isa)
+    y = 0 if out is None else out.data_ptr()
+    return _cpu.sum_squares(x.data_ptr(), y, _DTYPE_CODE[x.dtype], x.numel(), ISAS.index(isa), _check_threads(threads))
 
 
 def _check_threads(threads: int | None) -> int:

@@ -243,8 +243,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.landing = [self.transport.pool.take(self.part, self.dtype) for _ in range(n_landing)]
         for buf in self.landing:
             buf.zero_()
-        self.staging_buf = self.transport.pool.take(self.part, self.dtype)
-        self.staging_buf.zero_()  # the padding past the last parameter is sent to the device as zeros
+        own = self.flat[self.part_lo : self.part_hi]
+        self._staging_in_place = not (self.transport.needs_staging or self.delay_update_after is not None)
+        if not self._staging_in_place:
+            self.staging_buf = self.transport.pool.take(self.part, self.dtype)
+            self.staging_buf.zero_()  # the padding past the last parameter is sent to the device as zeros
+        else:  # host memory is the device: the update writes the parameters in place (no forward runs meanwhile)
+            self.staging_buf = own
         self._staging = [Staging(self.staging_buf[r[0] : r[1]], self.tile_numel) if r else None
                          for r in self._group_ranges]  # fmt: skip
         self._accum: list[torch.Tensor | None] = [None] * n_landing
@@ -260,7 +265,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             size += p.numel()
         self._buckets.append(_Bucket(len(self._buckets), list(reversed(cur))))
         self._bucket_of = {p: b for b in self._buckets for p, _, _ in b.params}
-        buf_numel = max(b.hi - b.lo for b in self._buckets)
+        # One rank whose device memory is host memory needs no bucket: gradients pack into the landing buffer.
+        self._direct_landing = self.world == 1 and not self.transport.needs_staging
+        buf_numel = 0 if self._direct_landing else max(b.hi - b.lo for b in self._buckets)
         self._bucket_bufs = [torch.empty(buf_numel, dtype=self.dtype, device=self.device) for _ in range(2)]
         self._buf_busy: list[list[Any]] = [[], []]  # per buffer: reduce works and copy events still using it
 
@@ -327,7 +334,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         t0 = time.perf_counter()
         k = b.index % 2
         self._wait_buffer(k)
-        buf = self._bucket_bufs[k][: b.hi - b.lo]
+        if self._direct_landing:  # one rank, host memory is the device: pack straight into the landing buffer
+            buf = self.landing[self._slot][b.lo - self.part_lo : b.hi - self.part_lo]
+        else:
+            buf = self._bucket_bufs[k][: b.hi - b.lo]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p, _, _ in b.params]
         packed = pack(grads, dtype=self.dtype, out=buf)
         self._found_inf |= packed.found_inf
@@ -335,7 +345,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         for p, _, _ in b.params:
             p.grad = None  # the device gradient is freed as soon as its bucket has left
         busy = self._buf_busy[k]
-        lo, hi = max(b.lo, self.part_lo), min(b.hi, self.part_hi)
+        t1 = time.perf_counter()
         if self.world > 1:
             for r in range(self.world):
                 a, c = max(b.lo, r * self.part), min(b.hi, (r + 1) * self.part)
@@ -345,10 +355,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                     if r == self.rank:
                         work.wait()  # on NCCL this orders the stream only; the host goes on
                     busy.append(work)
-        self._phase("reduce", time.perf_counter() - t0)
-        if lo < hi:
+        t2 = time.perf_counter()
+        lo, hi = max(b.lo, self.part_lo), min(b.hi, self.part_hi)
+        if lo < hi and not self._direct_landing:
             dst = self.landing[self._slot][lo - self.part_lo : hi - self.part_lo]
             busy.append(self.transport.d2h(dst, buf[lo - b.lo : hi - b.lo]))
+        self._phase("reduce", t2 - t1)
+        self._phase("offload", (t1 - t0) + (time.perf_counter() - t2))
         b.done = True
 
     def _wait_buffer(self, k: int) -> None:
@@ -463,8 +476,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             sum_sq = float(self._sum_sq.item())  # pack's in-pass sum: no extra pass over the gradients
             found = bool(self._found_inf.item()) or not math.isfinite(sum_sq)
         else:
-            sum_sq = sum_squares(grad, threads=self.threads)
-            found = bool(self._found_inf.item()) or not math.isfinite(sum_sq)
+            sum_sq, nonfinite = sum_squares(grad, threads=self.threads)
+            found = bool(self._found_inf.item()) or nonfinite or not math.isfinite(sum_sq)
             if self.world > 1:
                 t = torch.tensor([0.0 if math.isnan(sum_sq) else sum_sq, float(found)], dtype=torch.float64)
                 t = t.to(self._comm_device())
@@ -493,7 +506,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             if writeback:
                 dst = self.flat[self.part_lo + a : self.part_lo + b]
                 events += tiled_writeback(self.transport, self.master[a:b], grad[a:b], self.exp_avg[a:b],
-                                          self.exp_avg_sq[a:b], dst=dst, staging=staging, **adam)  # fmt: skip
+                                          self.exp_avg_sq[a:b], dst=dst, staging=staging, timings=self._times,
+                                          **adam)  # fmt: skip
             else:
                 cpu_adam_step(self.master[a:b], grad[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b],
                               param_out=staging.buf, **adam)  # fmt: skip
@@ -504,9 +518,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     def _write_staging(self) -> None:
         """Staging (the 16-bit params of the last update) -> this rank's slice of the device buffer."""
         t0 = time.perf_counter()
-        ev = self.transport.h2d(self.flat[self.part_lo : self.part_hi], self.staging_buf)
-        self.transport.device_wait(ev)
-        self.transport.wait(ev)
+        own = self.flat[self.part_lo : self.part_hi]
+        if not self._staging_in_place:
+            ev = self.transport.h2d(own, self.staging_buf)
+            self.transport.device_wait(ev)
+            self.transport.wait(ev)
         self._phase("writeback", time.perf_counter() - t0)
         self._all_gather()
 
@@ -668,7 +684,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         return MemoryReport(
             params=phi, world_size=n, device_params=nbytes([self.flat]), device_buckets=buckets,
             host_state=nbytes([self.master, self.exp_avg, self.exp_avg_sq]), host_landing=nbytes(self.landing),
-            host_staging=nbytes([self.staging_buf]), host_accumulator=nbytes(self._accum),
+            host_staging=0 if self._staging_in_place else nbytes([self.staging_buf]),
+            host_accumulator=nbytes(self._accum),
             formula_device=2 * phi + buckets, formula_host=(2 + K_ADAM) * phi // n + 2 * phi // n,
         )  # fmt: skip
 

@@ -151,6 +151,7 @@ class Transport:
 
     device: torch.device
     pool: HostPool
+    needs_staging: bool = True  # False where host memory is the device's: updates may write in place
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         """Queue dst (device) <- src (host). src must stay unchanged until the event is done."""
@@ -185,6 +186,7 @@ class HostTransport(Transport):
 
     def __init__(self, pool_bytes: int = 1 << 40, *, copy_thread: bool = False, copy_delay_s: float = 0.0) -> None:
         self.device = torch.device("cpu")
+        self.needs_staging = False
         self.pool = HostPool(pool_bytes, _host_alloc, lambda addr, owner: None)
         self.copy_delay_s = float(copy_delay_s)
         self._queue: queue.Queue | None = None
@@ -385,15 +387,16 @@ def tiled_writeback(
     *,
     dst: torch.Tensor,
     staging: Staging,
-    on_tile: Callable[[int, int, int], None] | None = None,
+    timings: dict[str, float] | None = None,
     **adam: Any,
 ) -> list[Event]:
     """CPU Adam over the host partition, tile by tile; each tile's new 16-bit params go to `dst` (device).
 
     Tile t: wait for the copy that last read staging slot t % slots, update the tile with the new
     params written into that slot (one pass), queue its H2D copy, and go on to tile t+1 while it runs.
-    `on_tile(t, start, end)` is called after each tile's copy is queued. Returns the events of the copies
-    (the caller makes the compute stream wait on them before the next forward). `adam` is passed to
+    Where the staging region is the destination itself (host memory is the device) there is no copy.
+    With `timings`, the seconds spent inside the kernel are added to timings["kernel"]. Returns the events
+    of the copies (the caller makes the compute stream wait on them before the next forward). `adam` goes to
     `plan_adam_step` (step, lr, betas, eps, weight_decay, adamw, bias_correction, grad_scale, threads, isa).
     """
     if not isinstance(dst, torch.Tensor) or dst.dtype not in _FLOATS:
@@ -416,9 +419,12 @@ def tiled_writeback(
         end = min(plan.numel, start + tile)
         key, out = staging.region(t, start, end, plan.numel)
         transport.wait(staging.events.get(key))  # never overwrite a region whose copy is still reading it
+        t0 = time.perf_counter()
         plan.run(start, end, out.data_ptr())
+        if timings is not None:
+            timings["kernel"] = timings.get("kernel", 0.0) + time.perf_counter() - t0
+        if out.data_ptr() == dst[start:end].data_ptr():
+            continue  # the staging is the destination itself (host memory is the device): nothing to copy
         staging.events[key] = ev = transport.h2d(dst[start:end], out)
         events.append(ev)
-        if on_tile is not None:
-            on_tile(t, start, end)
     return events

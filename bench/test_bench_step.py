@@ -1,0 +1,196 @@
+"""A training step of the small GPT on the CPU device: ZeroOffloadAdamW vs the reference loop.
+
+Providers: `reference` (bf16 working copy for forward/backward, fp32 masters, torch.optim.AdamW(fused=True),
+grads upcast and params copied back each step) and `zo` (ZeroOffloadAdamW, device = CPU).
+Reported for zo: orchestration = the optimizer's time (offload during backward + step()) minus the time
+inside the CPU Adam kernel in that step, as a fraction of the whole step (bar: <= 10%); and the host memory
+of the optimizer, measured as resident-set growth in a fresh process (bar: <= 18 B/param + buckets).
+CUDA (skipped here, NOT MEASURED): step time and peak GPU memory against plain PyTorch AdamW.
+Run: pytest bench/test_bench_step.py   (sizes: $ZO_BENCH_SIZES, default 1e7,1e8)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from common import sizes
+
+import zo_kernels as zk
+from zo_kernels.gpt import GPT, GPTConfig, num_params
+
+SIZES = sizes([10_000_000, 100_000_000])
+BATCH, CONTEXT = 4, 64
+BUCKET = 1 << 22
+
+_MEMORY_PROBE = r"""
+import ctypes, json, re, sys, torch, zo_kernels as zk
+from zo_kernels.gpt import GPT, GPTConfig
+def rss():
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # count what is held, not what the allocator keeps for reuse
+    return int(re.search(r"VmRSS:\s*(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+cfg, mode = GPTConfig(**json.loads(sys.argv[1])), sys.argv[3]
+with torch.device("meta"):
+    model = GPT(cfg)
+n = sum(p.numel() for p in model.parameters())
+base = rss()
+model = model.to_empty(device="cpu")
+with torch.no_grad():
+    for p in model.parameters():
+        p.normal_(0, 0.02)
+x = torch.randint(0, cfg.vocab, (4, cfg.context + 1))
+if mode == "zo":
+    opt = zk.ZeroOffloadAdamW(model.parameters(), bucket_numel=int(sys.argv[2]))
+    opt.backward(model(x[:, :-1], x[:, 1:]))
+    opt.step()
+    buckets = opt.memory_report().device_buckets
+else:  # the same model in bf16, one forward/backward, no optimizer: what backward alone leaves resident
+    model.to(torch.bfloat16)
+    model(x[:, :-1], x[:, 1:]).backward()
+    model.zero_grad(set_to_none=True)
+    buckets = 0
+print(json.dumps({"n": n, "bytes": rss() - base, "buckets": buckets}))
+"""
+
+
+def config(n: int) -> GPTConfig:
+    return GPTConfig.for_params(n, vocab=256, context=CONTEXT)
+
+
+def measure_host_memory(cfg: GPTConfig) -> dict:
+    """The optimizer's resident memory: (model + optimizer after one step) - (bf16 model after one backward
+    without it) + the bf16 params themselves, each in a fresh process with the allocator trimmed."""
+    out = {}
+    for mode in ("zo", "plain"):
+        r = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, json.dumps(cfg.__dict__), str(BUCKET), mode],
+                           capture_output=True, text=True, timeout=1200)  # fmt: skip
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr[-2000:])
+        out[mode] = json.loads(r.stdout.strip().splitlines()[-1])
+    n = out["zo"]["n"]
+    # plain holds the bf16 params (2 B/param) + what backward leaves; zo's flat buffer is those same params
+    return {"n": n, "bytes": out["zo"]["bytes"] - (out["plain"]["bytes"] - 2 * n), "buckets": out["zo"]["buckets"]}
+
+
+class ReferenceLoop:
+    """The textbook mixed-precision loop on the CPU: bf16 work model, fp32 masters, fused AdamW."""
+
+    def __init__(self, model: GPT) -> None:
+        self.work = model
+        self.master = [p.detach().float().clone() for p in model.parameters()]
+        self.work.to(torch.bfloat16)
+        self.opt = torch.optim.AdamW(self.master, lr=1e-4, fused=True)
+
+    def step(self, x: torch.Tensor) -> None:
+        self.work.zero_grad()
+        self.work(x[:, :-1], x[:, 1:]).backward()
+        for m, p in zip(self.master, self.work.parameters()):
+            m.grad = p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for m, p in zip(self.master, self.work.parameters()):
+                p.copy_(m)
+
+
+@pytest.mark.parametrize("provider", ["reference", "zo"])
+@pytest.mark.parametrize("n", SIZES)
+def test_train_step(benchmark, n, provider):
+    cfg = config(n)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    params = num_params(model)
+    x = torch.randint(0, cfg.vocab, (BATCH, CONTEXT + 1))
+    if provider == "reference":
+        loop = ReferenceLoop(model)
+        run = lambda: loop.step(x)  # noqa: E731
+    else:
+        opt = zk.ZeroOffloadAdamW(model.parameters(), lr=1e-4, bucket_numel=BUCKET)
+
+        def run():
+            opt.backward(model(x[:, :-1], x[:, 1:]))
+            opt.step()
+
+    run()
+    benchmark.group = f"train step cpu params={params:.2e} batch={BATCH}x{CONTEXT}"
+    benchmark.extra_info.update(provider=provider, numel=params, bytes=0)
+    phases = []
+    if provider == "zo":
+        inner = run
+
+        def run():
+            inner()
+            phases.append(dict(opt.stats))
+
+    benchmark.pedantic(run, warmup_rounds=1, rounds=5 if params > 3e7 else 10, iterations=1)
+    if provider == "zo":
+        step_time = benchmark.stats.stats.median
+        # the optimizer's share: packing/sending during backward, the reduce, the end-of-backward wait, step()
+        keys = ("time_offload", "time_reduce", "time_backward_offload_wait", "time_step")
+        opt_time = sorted(sum(s.get(k, 0.0) for k in keys) for s in phases)
+        opt_time = opt_time[len(opt_time) // 2]
+        kernel = sorted(s["time_kernel"] for s in phases)[len(phases) // 2]  # inside the step, same caches
+        bare = bare_kernel_time(opt)
+        mem = measure_host_memory(cfg)
+        per_param = mem["bytes"] / mem["n"]
+        benchmark.extra_info.update(
+            optimizer_s=opt_time, kernel_s=kernel, bare_kernel_s=bare,
+            orchestration_of_step=(opt_time - kernel) / step_time,
+            orchestration_of_optimizer=(opt_time - kernel) / opt_time, host_bytes_per_param=per_param,
+            host_bytes_budget_per_param=18 + mem["buckets"] / mem["n"],
+        )  # fmt: skip
+        print(f"\nzo step {step_time * 1e3:.1f} ms: optimizer {opt_time * 1e3:.1f} ms, "
+              f"kernel {kernel * 1e3:.1f} ms (alone, warm cache: {bare * 1e3:.1f} ms), "
+              f"orchestration {(opt_time - kernel) / step_time:.1%} of the step (bar <= 10%), "
+              f"{(opt_time - kernel) / opt_time:.1%} of the optimizer; host memory {per_param:.2f} B/param measured "
+              f"(bar <= 18 + buckets {mem['buckets'] / mem['n']:.2f})")  # fmt: skip
+        opt.close()
+
+
+def bare_kernel_time(opt: zk.ZeroOffloadAdamW) -> float:
+    """The CPU Adam kernel alone over a partition of the same size and dtypes (median of 5)."""
+    n = opt.part
+    p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
+    g = torch.randn(n).to(opt.dtype)
+    out = torch.empty(n, dtype=opt.dtype)
+    times = []
+    for i in range(6):
+        t0 = time.perf_counter()
+        zk.cpu_adam_step(p, g, m, v, step=i + 1, lr=1e-4, param_out=out, threads=opt.threads)
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; not measured (no GPU here)")
+@pytest.mark.parametrize("provider", ["torch", "zo"])
+def test_cuda_train_step(benchmark, provider):
+    cfg = config(SIZES[-1])
+    model = GPT(cfg).cuda()
+    x = torch.randint(0, cfg.vocab, (BATCH, CONTEXT + 1), device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    if provider == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+        def run():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+
+    else:
+        opt = zk.ZeroOffloadAdamW(model.parameters(), lr=1e-4)
+
+        def run():
+            opt.backward(model(x[:, :-1], x[:, 1:]))
+            opt.step()
+            torch.cuda.synchronize()
+
+    benchmark.group = "train step cuda"
+    benchmark.extra_info.update(provider=provider, numel=num_params(model))
+    benchmark.pedantic(run, warmup_rounds=1, rounds=5, iterations=1)
+    benchmark.extra_info["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
