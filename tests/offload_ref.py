@@ -9,7 +9,7 @@ import torch
 
 from zo_kernels.gpt import GPT, GPTConfig
 
-CFG = GPTConfig(vocab=96, context=32, layers=2, width=64, heads=2)
+CFG = GPTConfig(vocab=96, context=32, layers=2, width=192, heads=4)  # ~0.93M parameters
 
 
 def make_model(seed: int = 0, cfg: GPTConfig = CFG) -> GPT:
