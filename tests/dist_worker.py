@@ -43,7 +43,8 @@ def train(rank: int, world: int, steps: range, dtype, resume: str | None, save: 
         loss = model(x[:, :-1], x[:, 1:])
         opt.backward(loss)
         if grad_only:
-            result = {"grad": opt.landing[0].clone(), "lo": opt.part_lo, "report": opt.memory_report()}
+            result = {"grad": opt.landing[0].clone(), "lo": opt.part_lo, "report": opt.memory_report(),
+                      "cores": sorted(os.sched_getaffinity(0)), "threads": opt.threads}  # fmt: skip
             torch.save(result, f"{out}.{rank}")
             return
         opt.step()

@@ -28,6 +28,9 @@ def test_reduced_gradient_is_the_average(tmp_path):
     assert (g2[: g1.numel()] - g1).abs().max().item() <= tol
     assert two[0]["report"].host_state * 2 == one["report"].host_state, "each rank holds half the state"
     assert two[0]["report"].host_landing * 2 == one["report"].host_landing
+    # ranks sharing this host split its cores: disjoint, equal slices, one CPU-Adam thread per core
+    a, b = two[0]["cores"], two[1]["cores"]
+    assert a and len(a) == len(b) and not set(a) & set(b) and two[0]["threads"] == len(a)
 
 
 def test_two_ranks_train_like_one(tmp_path):
