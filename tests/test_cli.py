@@ -1,0 +1,156 @@
+"""The `zo-kernels` command: plan (against the ZeRO paper's numbers), demo, bench and dashboard."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import zo_kernels
+from zo_kernels.cli import main
+from zo_kernels.plan import plan
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+FIXTURES = [os.path.join(DATA, f) for f in ("bench_run1.json", "bench_run2.json")]
+
+
+def fixture_ops():
+    """Benchmark groups of the newest fixture with their size token removed: one dashboard section each."""
+    groups = {b["group"] for b in json.load(open(FIXTURES[-1]))["benchmarks"]}
+    return {re.sub(r" n=\S+", "", g) for g in groups}
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_reproduces_the_zero_table(capsys):
+    """ZeRO paper, 7.5B params, 64 GPUs, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB (GB = 1e9 bytes)."""
+    code, out, _ = run_cli(capsys, "plan", "--params", "7.5e9", "--gpus", "64", "--gpu-mem", "32GB")
+    assert code == 0
+    rows = {line[:18].strip(): line for line in out.splitlines()}
+    for strategy, gb in [("DDP", "120.0 GB"), ("ZeRO-1", "31.4 GB"), ("ZeRO-2", "16.6 GB"), ("ZeRO-3", "1.9 GB")]:
+        assert rows[strategy][18:30].strip() == gb, rows[strategy]
+    p = plan(7.5e9, 64, "32GB")
+    exact = {"DDP": 16 * 7.5e9, "ZeRO-1": (4 + 12 / 64) * 7.5e9, "ZeRO-2": (2 + 14 / 64) * 7.5e9,
+             "ZeRO-3": 16 / 64 * 7.5e9, "ZeRO-2 + offload": 2 * 7.5e9}  # fmt: skip
+    for s in p.strategies:
+        assert s.gpu_states == pytest.approx(exact[s.strategy], rel=1e-12)
+    assert p.row("ZeRO-2 + offload").host == pytest.approx(16 / 64 * 7.5e9)
+
+
+def test_plan_lands_near_the_offload_paper_headline(capsys):
+    """One 32 GB V100: the paper trains ~1.4B params with PyTorch and ~13B with ZeRO-Offload (§6.2.1)."""
+    p = plan(13e9, 1, "32GiB", "768GiB")
+    assert 12e9 <= p.row("ZeRO-2 + offload").max_params <= 15e9
+    assert p.row("ZeRO-2 + offload").fits and not p.row("DDP").fits
+    # K = 12 gives 1.7B; the paper's PyTorch baseline also kept an fp32 gradient copy (K = 16): 1.36B
+    assert 1.5e9 <= p.row("DDP").max_params <= 1.9e9
+    assert 1.2e9 <= plan(13e9, 1, "32GiB", "768GiB", k=16).row("DDP").max_params <= 1.6e9
+    code, out, _ = run_cli(capsys, "plan", "--params", "13B", "--gpu-mem", "32GiB", "--host-mem", "768GiB", "--max")
+    assert code == 0 and "max params" in out and "13.60B" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--params=-5"], "params"),
+        (["--params", "0"], "params must be > 0"),
+        (["--params", "13e9", "--gpus", "0"], "gpus must be an int >= 1"),
+        (["--params", "13e9", "--gpus", "two"], "not a number"),
+        (["--params", "13e9", "--gpu-mem", "32XB"], "cannot read '32XB' as a size"),
+        (["--params", "13e9", "--host-mem=-1GB"], "host_mem"),
+        (["--params", "13e9", "--reserve", "1.5"], "reserve must be a fraction"),
+        (["--params", "lots"], "cannot read 'lots' as a count"),
+    ],
+)
+def test_plan_bad_numbers_one_line_exit_2(capsys, argv, message):
+    code, out, err = run_cli(capsys, "plan", *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_bad_subcommand_arguments_exit_2(capsys):
+    for argv in (["demo", "--steps", "0"], ["demo", "--model-size", "huge"], ["nosuch"], ["plan"],
+                 ["demo", "--delay-update-after", "-1"], ["demo", "--lr", "5"]):  # fmt: skip
+        assert main(argv) == 2, argv
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_demo_small_run(capsys, tmp_path):
+    png = tmp_path / "curves.png"
+    code, out, _ = run_cli(capsys, "demo", "--steps", "12", "--model-size", "2e5", "--batch", "4", "--context", "32",
+                           "--quiet", "--plot", str(png))  # fmt: skip
+    assert code == 0
+    for text in ("loss (training batches)", "validation loss", "tokens/s", "step phases", "cpu_update",
+                 "memory per parameter", "the curves agree"):  # fmt: skip
+        assert text in out, text
+    assert "host  14.00 B" in out and "device   2.00 B" in out
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_python_dash_m_works():
+    r = subprocess.run([sys.executable, "-m", "zo_kernels", "plan", "--params", "1e9"], capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0 and "ZeRO-2 + offload" in r.stdout
+
+
+def test_bench_writes_json_and_dashboard_renders_it(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    r = subprocess.run([sys.executable, "-m", "zo_kernels", "bench", "--suite", "transport", "--sizes", "1e5",
+                        "-o", str(out)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    run = json.loads(out.read_text())
+    providers = {b["extra_info"]["provider"] for b in run["benchmarks"]}
+    assert {"kernel", "pipeline", "pipeline+copy"} <= providers
+    assert run["machine_info"]["zo"]["zo_kernels"] == zo_kernels.__version__
+    code, msg, _ = run_cli(capsys, "dashboard", str(out), "-o", str(tmp_path / "r.html"))
+    assert code == 0 and (tmp_path / "r.html").read_text().count("<svg") == 2
+
+
+def test_bench_bad_sizes(capsys):
+    code, _, err = run_cli(capsys, "bench", "--sizes", "1e5,big")
+    assert code == 2 and "cannot read 'big'" in err
+
+
+def test_dashboard_html_is_self_contained(tmp_path, capsys):
+    out = tmp_path / "report.html"
+    code, msg, _ = run_cli(capsys, "dashboard", *FIXTURES, "-o", str(out))
+    assert code == 0 and "2 run(s)" in msg
+    page = out.read_text()
+    ops = fixture_ops()
+    assert page.count("<section>") == len(ops) >= 4
+    assert page.count("<svg") == 2 * len(ops)  # size chart + history chart per op
+    assert "x time of torch_fused" in page and "of ceiling" in page and "x time of kernel" in page
+    assert "<script" not in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
+    code, _, err = run_cli(capsys, "dashboard", str(tmp_path / "missing.json"))
+    assert code == 2 and "no such benchmark JSON" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"x": 1}')
+    code, _, err = run_cli(capsys, "dashboard", str(bad))
+    assert code == 2 and "not pytest-benchmark output" in err
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (.ci/run installs Debian's chromium)")
+def test_dashboard_in_headless_chromium(tmp_path, capsys):
+    out = tmp_path / "report.html"
+    assert run_cli(capsys, "dashboard", *FIXTURES, "-o", str(out))[0] == 0
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run",
+             f"--user-data-dir={tmp_path / 'prof'}"]  # fmt: skip
+    dom = subprocess.run([*flags, "--dump-dom", out.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    ops = fixture_ops()
+    assert dom.count("<svg") == 2 * len(ops), "every op's charts were parsed by the browser"
+    assert dom.count("<polyline") >= 2 * len(ops) and dom.count("<table") == 2 * len(ops)
+    shot = tmp_path / "shot.png"
+    subprocess.run([*flags, "--window-size=1400,2400", f"--screenshot={shot}", out.as_uri()], capture_output=True,
+                   timeout=120)  # fmt: skip
+    assert shot.stat().st_size > 30_000, "the page rendered to a non-trivial screenshot"

@@ -1,0 +1,170 @@
+"""The `zo-kernels` command: demo, plan, bench, dashboard."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from .plan import format_plan, parse_count, plan
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SUITES = {"cpu_adam": "test_bench_cpu_adam.py", "buckets": "test_bench_buckets.py",
+          "transport": "test_bench_transport.py", "step": "test_bench_step.py"}  # fmt: skip
+
+
+class UsageError(Exception):
+    """A bad argument: reported on one line, exit status 2."""
+
+
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def _count(text: str) -> float:
+    try:
+        return parse_count(text, "--model-size")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="zo-kernels", description="ZeRO-Offload kernels: demo, memory planner, benchmarks, dashboard")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    d = sub.add_parser("demo", help="train a small GPT with ZeroOffloadAdamW and with torch AdamW, side by side")
+    d.add_argument("--steps", type=_positive_int("--steps"), default=400)
+    d.add_argument("--model-size", type=_count, default=1e6, help="approximate parameters (e.g. 1M, 5e6)")
+    d.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="device parameter dtype")
+    d.add_argument("--delay-update-after", type=int, default=None, help="enable the delayed parameter update")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--batch", type=_positive_int("--batch"), default=16)
+    d.add_argument("--context", type=_positive_int("--context"), default=64)
+    d.add_argument("--lr", type=float, default=3e-3)
+    d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    d.add_argument("--plot", metavar="FILE.png", help="save the loss curves and the phase breakdown (matplotlib)")
+    d.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    pl = sub.add_parser("plan", help="bytes per device for DDP, ZeRO-1/2/3 and ZeRO-2 + offload")
+    pl.add_argument("--params", required=True, help="model size, e.g. 13e9 or 13B")
+    pl.add_argument("--gpus", default="1", help="data-parallel GPUs")
+    pl.add_argument("--gpu-mem", default="32GiB", help="memory per GPU (GB = 1e9, GiB = 2^30)")
+    pl.add_argument("--host-mem", default="768GiB", help="host memory per host")
+    pl.add_argument("--gpus-per-host", default=None, help="GPUs sharing one host's memory (default: all)")
+    pl.add_argument("--k", default="12", help="optimizer bytes per parameter (12: Adam, fp32 master + 2 moments)")
+    pl.add_argument("--activations", default="4GiB", help="activation memory per GPU")
+    pl.add_argument("--workspace", default="1GiB", help="workspace memory per GPU")
+    pl.add_argument("--reserve", default="0.05", help="fraction of GPU memory lost to fragmentation")
+    pl.add_argument("--buckets", default="64MiB", help="GPU gradient buckets of the offload strategy")
+    pl.add_argument("--max", action="store_true", help="also print the largest model each strategy can train")
+
+    b = sub.add_parser("bench", help="run the pytest-benchmark suites and write their JSON")
+    b.add_argument("--suite", choices=sorted(SUITES), action="append", help="a suite (repeatable; default: all)")
+    b.add_argument("--sizes", default="1e7", help="comma-separated sizes for the suites (ZO_BENCH_SIZES)")
+    b.add_argument("-o", "--output", default=None, help="JSON path (default: bench-<timestamp>.json)")
+
+    db = sub.add_parser("dashboard", help="render benchmark JSON runs into one self-contained HTML page")
+    db.add_argument("runs", nargs="+", help="pytest-benchmark JSON files, oldest first")
+    db.add_argument("-o", "--output", default="report.html")
+    return p
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    try:
+        gpus = int(a.gpus)
+        per_host = None if a.gpus_per_host is None else int(a.gpus_per_host)
+        k, reserve = float(a.k), float(a.reserve)
+    except ValueError as e:
+        raise UsageError(f"not a number: {e}") from None
+    try:
+        p = plan(a.params, gpus, a.gpu_mem, a.host_mem, k=k, activations=a.activations, workspace=a.workspace,
+                 reserve=reserve, bucket_bytes=a.buckets, gpus_per_host=per_host)  # fmt: skip
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(format_plan(p, show_max=a.max))
+    return 0
+
+
+def bench_dir() -> Path:
+    here = Path(__file__).resolve().parent.parent / "bench"
+    if not (here / "conftest.py").exists():
+        raise UsageError(f"the benchmark suites live in bench/ of a source checkout (not found at {here})")
+    return here
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    root = bench_dir()
+    suites = a.suite or sorted(SUITES)
+    out = a.output or f"bench-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    for s in a.sizes.split(","):
+        try:
+            parse_count(s, "--sizes")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--benchmark-json={out}",
+           *[str(root / SUITES[s]) for s in suites]]  # fmt: skip
+    env = {**os.environ, "ZO_BENCH_SIZES": ",".join(str(int(parse_count(s))) for s in a.sizes.split(","))}
+    print(f"running {', '.join(suites)} at sizes {env['ZO_BENCH_SIZES']} -> {out}", flush=True)
+    return subprocess.call(cmd, cwd=root.parent, env=env)
+
+
+def cmd_dashboard(a: argparse.Namespace) -> int:
+    from .dashboard import render
+
+    for r in a.runs:
+        if not Path(r).is_file():
+            raise UsageError(f"no such benchmark JSON: {r}")
+    try:
+        html = render([Path(r) for r in a.runs])
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    Path(a.output).write_text(html, encoding="utf-8")
+    print(f"wrote {a.output} ({len(html) / 1e3:.0f} KB, {len(a.runs)} run(s))")
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from . import demo
+
+    if a.delay_update_after is not None and a.delay_update_after < 0:
+        raise UsageError(f"--delay-update-after must be >= 0, got {a.delay_update_after}")
+    if not (a.lr > 0 and a.lr < 1):
+        raise UsageError(f"--lr must be in (0, 1), got {a.lr}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    a.dtype = DTYPES[a.dtype]
+    return demo.main(a)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `zo-kernels` and `python -m zo_kernels`."""
+    parser = build_parser()
+    try:
+        a = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, already reported on one line)
+        return int(e.code or 0)
+    try:
+        return {"demo": cmd_demo, "plan": cmd_plan, "bench": cmd_bench, "dashboard": cmd_dashboard}[a.command](a)
+    except UsageError as e:
+        sys.stderr.write(f"zo-kernels {a.command}: error: {e}\n")
+        return 2

@@ -1,0 +1,183 @@
+"""`zo-kernels dashboard`: pytest-benchmark JSON runs -> one self-contained HTML page (inline SVG, no scripts,
+nothing fetched at view time). Per op: the metric against size for each provider, the ratio to torch and
+to the streaming ceiling, and the history of each provider across the given runs."""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+
+BASELINES = ("torch_fused", "torch", "kernel", "reference")
+CEILINGS = ("ceiling", "copy")
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf", "#7f7f7f")
+_SIZE_TOKEN = re.compile(r"\s*\b(n|params)=[^\s]+")
+
+
+def load_run(path: Path) -> dict:
+    """A pytest-benchmark JSON file, checked for the fields the dashboard reads."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
+        raise ValueError(f"{path}: not pytest-benchmark output (no 'benchmarks' list)")
+    return data
+
+
+def records(run: dict) -> list[dict]:
+    """One record per benchmark: op, provider, size, median seconds, metric value and unit."""
+    out = []
+    for b in run["benchmarks"]:
+        extra, stats = b.get("extra_info", {}), b.get("stats", {})
+        median = stats.get("median")
+        if not median or not b.get("group"):
+            continue
+        size = extra.get("numel") or 0
+        nbytes = extra.get("bytes") or 0
+        out.append({
+            "op": _SIZE_TOKEN.sub("", b["group"]).strip(),
+            "provider": extra.get("provider", b.get("name", "?")),
+            "size": size,
+            "median": median,
+            "value": nbytes / median / 1e9 if nbytes else median * 1e3,
+            "unit": "GB/s" if nbytes else "ms",
+        })  # fmt: skip
+    return out
+
+
+def _fmt_size(n: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:g}{unit}"
+    return f"{n:g}"
+
+
+def _svg_chart(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, log_x: bool,
+               xticks: list[tuple[float, str]] | None = None) -> str:  # fmt: skip
+    """A line chart as inline SVG: one polyline (with points) per series."""
+    w, h, left, right, top, bottom = 560, 300, 60, 150, 16, 44
+    pts = [p for s in series.values() for p in s]
+    if not pts:
+        return "<p>no data</p>"
+    fx = (lambda v: math.log10(max(v, 1e-12))) if log_x else float
+    xs, ys = [fx(x) for x, _ in pts], [y for _, y in pts]
+    x0, x1 = min(xs), max(xs)
+    if x0 == x1:
+        x0, x1 = x0 - 1, x1 + 1
+    y1 = max(ys) * 1.1 or 1.0
+    sx = lambda v: left + (fx(v) - x0) / (x1 - x0) * (w - left - right)  # noqa: E731
+    sy = lambda v: top + (1 - v / y1) * (h - top - bottom)  # noqa: E731
+    parts = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img">',
+             f'<rect x="{left}" y="{top}" width="{w - left - right}" height="{h - top - bottom}" fill="#fafafa" '
+             'stroke="#999"/>']  # fmt: skip
+    for i in range(5):
+        v = y1 * i / 4
+        y = f"{sy(v):.1f}"
+        parts.append(f'<line x1="{left}" x2="{w - right}" y1="{y}" y2="{y}" stroke="#e3e3e3"/>')
+        parts.append(f'<text x="{left - 6}" y="{sy(v) + 4:.1f}" text-anchor="end" font-size="11">{v:.3g}</text>')
+    for xv, label in xticks or sorted({(x, _fmt_size(x)) for x, _ in pts}):
+        parts.append(f'<text x="{sx(xv):.1f}" y="{h - bottom + 16}" text-anchor="middle" font-size="11">'
+                     f"{html.escape(label)}</text>")  # fmt: skip
+    parts.append(f'<text x="{(left + w - right) / 2}" y="{h - 6}" text-anchor="middle" font-size="12">'
+                 f"{html.escape(xlabel)}</text>")  # fmt: skip
+    parts.append(f'<text x="14" y="{(top + h - bottom) / 2}" font-size="12" text-anchor="middle" '
+                 f'transform="rotate(-90 14 {(top + h - bottom) / 2})">{html.escape(ylabel)}</text>')  # fmt: skip
+    for i, (name, s) in enumerate(series.items()):
+        color = COLORS[i % len(COLORS)]
+        s = sorted(s)
+        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in s)
+        parts.append(f'<polyline class="series" fill="none" stroke="{color}" stroke-width="2" points="{path}"/>')
+        parts += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}"/>' for x, y in s]
+        parts.append(f'<text x="{w - right + 10}" y="{top + 14 + 16 * i}" font-size="12" fill="{color}">'
+                     f"{html.escape(name)}</text>")  # fmt: skip
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _op_section(op: str, latest: list[dict], history: list[tuple[str, list[dict]]]) -> str:
+    unit = latest[0]["unit"]
+    by_provider: dict[str, dict[float, dict]] = defaultdict(dict)
+    for r in latest:
+        by_provider[r["provider"]][r["size"]] = r
+    sizes = sorted({r["size"] for r in latest})
+    base_name = next((p for p in BASELINES if p in by_provider), None)
+    ceil_name = next((p for p in CEILINGS if p in by_provider), None)
+    chart = _svg_chart({p: [(s, r["value"]) for s, r in rs.items()] for p, rs in by_provider.items()},
+                       "size (elements or parameters)", unit, log_x=True)  # fmt: skip
+    head = "".join(f"<th>{html.escape(p)}</th>" for p in by_provider)
+    rows = []
+    for s in sizes:
+        cells = []
+        for p, rs in by_provider.items():
+            r = rs.get(s)
+            if r is None:
+                cells.append("<td>-</td>")
+                continue
+            notes = []
+            if base_name and s in by_provider[base_name] and p != base_name:
+                notes.append(f"{r['median'] / by_provider[base_name][s]['median']:.2f}x time of {base_name}")
+            if ceil_name and s in by_provider[ceil_name] and p != ceil_name:
+                notes.append(f"{by_provider[ceil_name][s]['median'] / r['median']:.0%} of ceiling")
+            note = f"<div class='note'>{html.escape('; '.join(notes))}</div>" if notes else ""
+            cells.append(f"<td>{r['value']:.3g} {unit}{note}</td>")
+        rows.append(f"<tr><th>{_fmt_size(s)}</th>{''.join(cells)}</tr>")
+    table = f"<table class='ratios'><tr><th>size</th>{head}</tr>{''.join(rows)}</table>"
+    # history: each provider at the largest size, one point per run
+    top = sizes[-1]
+    hist_series: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    hist_rows = []
+    for i, (label, recs) in enumerate(history):
+        vals = {r["provider"]: r["value"] for r in recs if r["op"] == op and r["size"] == top}
+        for p, v in vals.items():
+            hist_series[p].append((i, v))
+        cells = "".join(f"<td>{vals[p]:.3g}</td>" if p in vals else "<td>-</td>" for p in by_provider)
+        hist_rows.append(f"<tr><th>{html.escape(label)}</th>{cells}</tr>")
+    ticks = [(i, f"run {i + 1}") for i in range(len(history))]
+    hist_chart = _svg_chart(dict(hist_series), f"run (size {_fmt_size(top)})", unit, log_x=False, xticks=ticks)
+    hist_table = f"<table class='history'><tr><th>run</th>{head}</tr>{''.join(hist_rows)}</table>"
+    return (f"<section><h2>{html.escape(op)}</h2><div class='row'><div>{chart}</div><div>{table}</div></div>"
+            f"<h3>history across runs</h3><div class='row'><div>{hist_chart}</div><div>{hist_table}</div></div>"
+            "</section>")  # fmt: skip
+
+
+def render(paths: list[Path]) -> str:
+    """The HTML page for these runs (oldest first; the last one is 'latest')."""
+    if not paths:
+        raise ValueError("no benchmark JSON given")
+    runs = [load_run(p) for p in paths]
+    history = []
+    for p, run in zip(paths, runs):
+        label = f"{Path(p).name} ({run.get('datetime', '?')[:19]})"
+        history.append((label, records(run)))
+    latest = history[-1][1]
+    if not latest:
+        raise ValueError(f"{paths[-1]}: no benchmark with a group and a median time")
+    ops: dict[str, list[dict]] = defaultdict(list)
+    for r in latest:
+        ops[r["op"]].append(r)
+    machine = runs[-1].get("machine_info", {})
+    zo = machine.get("zo", {})
+    desc = ", ".join(f"{k} {v}" for k, v in zo.items() if v is not None) or machine.get("cpu", {}).get("brand_raw", "")
+    sections = "".join(_op_section(op, recs, history) for op, recs in ops.items())
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>zo_kernels benchmarks</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 24px; color: #222; }}
+h1 {{ margin-bottom: 4px; }} h2 {{ border-bottom: 1px solid #ccc; padding-bottom: 4px; margin-top: 32px; }}
+.row {{ display: flex; flex-wrap: wrap; gap: 24px; align-items: flex-start; }}
+table {{ border-collapse: collapse; font-size: 13px; }} th, td {{ border: 1px solid #ccc; padding: 4px 8px; }}
+th {{ background: #f0f0f0; text-align: left; }} .note {{ color: #666; font-size: 11px; }}
+.meta {{ color: #555; font-size: 13px; }}
+</style></head><body>
+<h1>zo_kernels benchmarks</h1>
+<p class="meta">latest run: {html.escape(history[-1][0])}; {len(runs)} run(s); machine: {html.escape(desc)}</p>
+<p class="meta">Ratios come from one run: "x time of" divides by the baseline provider's median time
+(torch, or the bare kernel), "of ceiling" is the ceiling provider's time over this one's (a pass with the
+same memory traffic). Figures measured on a machine without a GPU have no CUDA rows.</p>
+{sections}
+</body></html>
+"""
