@@ -11,7 +11,7 @@ import pytest
 
 import zo_kernels
 from zo_kernels.cli import main
-from zo_kernels.plan import plan
+from zo_kernels.planner import plan
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 FIXTURES = [os.path.join(DATA, f) for f in ("bench_run1.json", "bench_run2.json")]

@@ -1,8 +1,10 @@
 """zo_kernels: hand-written kernels for ZeRO-Offload style training on one GPU plus the host CPU."""
 
 from .buckets import Packed, cast, pack, unpack
+from .checkpoint import load_checkpoint, save_checkpoint
 from .cpu_adam import CPUAdam, available_isas, best_isa, cpu_adam_step, stream_pass, sum_squares
 from .offload import MemoryReport, ZeroOffloadAdamW
+from .planner import Plan, plan
 
 __version__ = "0.1.0"
 
@@ -10,12 +12,16 @@ __all__ = [
     "CPUAdam",
     "MemoryReport",
     "Packed",
+    "Plan",
     "ZeroOffloadAdamW",
     "available_isas",
     "best_isa",
     "cast",
     "cpu_adam_step",
+    "load_checkpoint",
     "pack",
+    "plan",
+    "save_checkpoint",
     "stream_pass",
     "sum_squares",
     "unpack",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .plan import format_plan, parse_count, plan
+from .planner import format_plan, parse_count, plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SUITES = {"cpu_adam": "test_bench_cpu_adam.py", "buckets": "test_bench_buckets.py",

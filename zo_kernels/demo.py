@@ -15,7 +15,7 @@ import torch
 
 from .gpt import GPT, GPTConfig, num_params
 from .offload import ZeroOffloadAdamW
-from .plan import plan
+from .planner import plan
 
 PHASES = ("offload", "reduce", "backward_offload_wait", "cpu_update", "writeback", "all_gather", "dpu_wait")
 

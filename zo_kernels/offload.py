@@ -15,7 +15,9 @@ import time
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,7 +33,8 @@ DEFAULT_TILE_NUMEL = 1 << 21  # see bench/test_bench_transport.py: 1.03x the bar
 K_ADAM = 12  # bytes of fp32 optimizer state per parameter: master, exp_avg, exp_avg_sq
 # torch.amp.GradScaler's defaults.
 SCALE_INIT, SCALE_GROWTH, SCALE_BACKOFF, SCALE_INTERVAL = 2.0**16, 2.0, 0.5, 2000
-PENDING_TIMEOUT_S = 600.0  # the longest a step() waits for the background update before raising
+UPDATE_TIMEOUT_S = 600.0  # default bound on waiting for the background (DPU) update
+COLLECTIVE_TIMEOUT_S = 300.0  # default bound on a gloo collective: a dead peer fails this rank, no hang
 
 
 @dataclass
@@ -126,6 +129,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         transport: copy transport (default: CUDA streams on a GPU, plain copies on the CPU).
         threads: CPU threads for the update (default: this rank's share of the cores).
         tile_numel: elements per tile of the update/writeback pipeline.
+        update_timeout_s: the longest step() waits for a background (DPU) update before raising TimeoutError.
+        collective_timeout_s: the longest a collective on a CPU (gloo) group may take before this rank raises
+            (NCCL groups use their own watchdog, set by init_process_group's timeout).
     """
 
     def __init__(
@@ -145,6 +151,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         transport: Transport | None = None,
         threads: int | None = None,
         tile_numel: int | None = None,
+        update_timeout_s: float = UPDATE_TIMEOUT_S,
+        collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
     ) -> None:
         check_hparams(lr, betas, eps, weight_decay)
         if dtype not in DTYPES:
@@ -155,6 +163,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.delay_update_after = _check_int(delay_update_after, "delay_update_after", 0)
         bucket_numel = _check_int(bucket_numel, "bucket_numel", 1)
         tile_numel = _check_int(tile_numel, "tile_numel", 1)
+        for name, value in (("update_timeout_s", update_timeout_s), ("collective_timeout_s", collective_timeout_s)):
+            if _real(value, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         groups = _check_params(params)
         trainable = [p for g in groups for p in g["params"] if p.requires_grad]
         if not trainable:
@@ -176,6 +187,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
         self.dtype, self.device = dtype, device
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.update_timeout_s, self.collective_timeout_s = float(update_timeout_s), float(collective_timeout_s)
+        self._failed: BaseException | None = None
+        self._staged = False  # DPU: staging holds the last update's params, not yet on the device
         self.group = process_group
         if self.group is None and dist.is_available() and dist.is_initialized():
             self.group = dist.group.WORLD
@@ -229,7 +243,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         src = self.group_rank_to_global(0)
         for p in trainable:
             if self.world > 1:
-                dist.broadcast(p.data, src=src, group=self.group)  # every rank starts from rank 0's values
+                self._collective("the initial broadcast of the parameters", dist.broadcast, p.data, src=src)
             off, n = self._offset[p], p.numel()
             a, b = max(off, self.part_lo), min(off + n, self.part_hi)
             if a < b:
@@ -277,6 +291,28 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             return r
         return dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r
 
+    def _collective(self, what: str, collective: Any, *args: Any, **kwargs: Any) -> None:
+        """Run a torch.distributed collective on the optimizer's group and wait for it (bounded on gloo)."""
+        self._wait_work(collective(*args, group=self.group, async_op=True, **kwargs), what)
+
+    def _wait_work(self, work: Any, what: str) -> None:
+        """Wait for a collective; on gloo at most collective_timeout_s, so a dead peer fails this rank clearly."""
+        try:
+            if dist.get_backend(self.group) == "nccl":
+                work.wait()  # orders the current stream; NCCL's watchdog bounds it
+            else:
+                work.wait(timeout=timedelta(seconds=self.collective_timeout_s))
+        except RuntimeError as e:
+            limit = f"{self.collective_timeout_s:g} s"
+            self._failed = RuntimeError(f"rank {self.rank}: {what} failed or did not finish within {limit}; "
+                                        f"another rank has probably failed: {e}")  # fmt: skip
+            raise self._failed from e
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError("this optimizer is unusable after an earlier failure (see the chained exception); "
+                               "restore from a checkpoint") from self._failed  # fmt: skip
+
     # ------------------------------------------------------------------ gradients leave during backward
 
     def _reset_grad_state(self) -> None:
@@ -296,6 +332,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     def _on_grad(self, p: torch.Tensor) -> None:
         if p.grad is None:
             return
+        self._check_usable()
         if p.grad.is_sparse:
             raise RuntimeError("ZeroOffloadAdamW does not support sparse gradients")
         if not self._in_backward:
@@ -353,8 +390,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                     work = dist.reduce(buf[a - b.lo : c - b.lo], dst=self.group_rank_to_global(r), op=dist.ReduceOp.SUM,
                                        group=self.group, async_op=True)  # fmt: skip
                     if r == self.rank:
-                        work.wait()  # on NCCL this orders the stream only; the host goes on
-                    busy.append(work)
+                        self._wait_work(work, f"the reduce of bucket {b.index}")  # NCCL: orders the stream only
+                    else:
+                        busy.append((work, f"the reduce of bucket {b.index} to rank {r}"))
         t2 = time.perf_counter()
         lo, hi = max(b.lo, self.part_lo), min(b.hi, self.part_hi)
         if lo < hi and not self._direct_landing:
@@ -366,8 +404,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     def _wait_buffer(self, k: int) -> None:
         for item in self._buf_busy[k]:
-            if hasattr(item, "is_completed"):
-                item.wait()
+            if isinstance(item, tuple):
+                self._wait_work(*item)
             else:
                 self.transport.wait(item)
         self._buf_busy[k] = []
@@ -401,6 +439,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             raise ValueError(f"loss must be a scalar tensor (one element), got shape {tuple(loss.shape)}")
         if not loss.requires_grad:
             raise ValueError("loss does not require grad: nothing to backpropagate")
+        self._check_usable()
         (loss.float() * self._scale if self._scale != 1.0 else loss).backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -417,6 +456,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """Consume the accumulated gradients: overflow check, clip, CPU update, parameters back to the device."""
         if closure is not None:
             raise ValueError("ZeroOffloadAdamW.step() takes no closure: call opt.backward(loss) first")
+        self._check_usable()
         if self._in_backward:
             raise RuntimeError("step() was called during backward")
         t_step = time.perf_counter()
@@ -481,7 +521,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             if self.world > 1:
                 t = torch.tensor([0.0 if math.isnan(sum_sq) else sum_sq, float(found)], dtype=torch.float64)
                 t = t.to(self._comm_device())
-                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+                self._collective("the all-reduce of the gradient norm and overflow flag", dist.all_reduce, t,
+                                 op=dist.ReduceOp.SUM)  # fmt: skip
                 sum_sq, found = float(t[0]), bool(t[1] > 0)
         self._phase("reduce", time.perf_counter() - t0)
         return found, sum_sq
@@ -531,24 +572,43 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             return
         t0 = time.perf_counter()
         if self._comm_device().type == self.device.type:
-            dist.all_gather(list(self.flat.chunk(self.world)), self.flat[self.part_lo : self.part_hi].clone(),
-                            group=self.group)  # fmt: skip
+            self._collective("the all-gather of the parameters", dist.all_gather, list(self.flat.chunk(self.world)),
+                             self.flat[self.part_lo : self.part_hi].clone())  # fmt: skip
         else:
             host = self.flat.cpu()
-            dist.all_gather(list(host.chunk(self.world)), host[self.part_lo : self.part_hi].clone(), group=self.group)
+            self._collective("the all-gather of the parameters", dist.all_gather, list(host.chunk(self.world)),
+                             host[self.part_lo : self.part_hi].clone())  # fmt: skip
             self.flat.copy_(host)
         self._phase("all_gather", time.perf_counter() - t0)
 
     def _finish_pending(self, write: bool) -> None:
         """Wait for the background update (re-raising its exception) and, if asked, send its params down."""
         if self._pending is None:
+            if write:
+                self._flush_staged()
             return
         fut, self._pending = self._pending, None
         t0 = time.perf_counter()
-        self._phase("cpu_update", fut.result(timeout=PENDING_TIMEOUT_S))
+        try:
+            seconds = fut.result(timeout=self.update_timeout_s)
+        except FutureTimeout:
+            self._failed = TimeoutError(f"the delayed (background) update did not finish within "
+                                        f"{self.update_timeout_s:g} s (update_timeout_s)")  # fmt: skip
+            raise self._failed from None
+        except BaseException as e:  # the worker's own exception, with its traceback
+            self._failed = e
+            raise
+        self._phase("cpu_update", seconds)
         self._phase("dpu_wait", time.perf_counter() - t0)
+        self._staged = True
         if write:
+            self._flush_staged()
+
+    def _flush_staged(self) -> None:
+        """Send the parameters of the last (background) update to the device, if not sent yet."""
+        if self._staged:
             self._write_staging()
+            self._staged = False
 
     def _update_scale(self, found_inf: bool) -> None:
         if not self._dynamic:
@@ -574,11 +634,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             return part
         dev = self._comm_device()
         out = torch.empty(self.flat_numel, dtype=part.dtype, device=dev)
-        dist.all_gather(list(out.chunk(self.world)), part.to(dev), group=self.group)
+        self._collective("the all-gather of the optimizer state", dist.all_gather, list(out.chunk(self.world)),
+                         part.to(dev))  # fmt: skip
         return out.cpu()
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim layout, world-size independent: per param step/exp_avg/exp_avg_sq/master (fp32, CPU)."""
+        self._check_usable()
         self._finish_pending(write=False)
         full = {k: self._gather(getattr(self, k)) for k in ("master", "exp_avg", "exp_avg_sq")}
         state, groups, idx = {}, [], 0
@@ -586,25 +648,23 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             ids = []
             for p in group["params"]:
                 off, n = self._offset[p], p.numel()
-                if "step" in group:
-                    state[idx] = {"step": torch.tensor(float(group["step"]))}
-                    state[idx].update({k: v[off : off + n].clone().view(p.shape) for k, v in full.items()})
+                # always present, also before the first step: the masters must travel with the checkpoint
+                state[idx] = {"step": torch.tensor(float(group.get("step", 0)))}
+                state[idx].update({k: v[off : off + n].clone().view(p.shape) for k, v in full.items()})
                 ids.append(idx)
                 idx += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        return {"state": state, "param_groups": groups,
-                "zero_offload": {"loss_scale": self._scale, "dynamic": self._dynamic, "good_steps": self._good_steps,
-                                 "iteration": self._iteration, "world_size": self.world}}  # fmt: skip
+        extra = {"loss_scale": self._scale, "dynamic": self._dynamic, "good_steps": self._good_steps,
+                 "iteration": self._iteration, "world_size": self.world, "staged": self._staged}  # fmt: skip
+        return {"state": state, "param_groups": groups, "zero_offload": extra}
 
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of this class (any world size) or of torch.optim.AdamW.
+    def check_state_dict(self, state_dict: dict[str, Any]) -> list[tuple[int, torch.Tensor, dict]]:
+        """Check a state dict against this optimizer (groups, counts, shapes, hyper-parameters); change nothing.
 
-        Without `master` entries (a plain AdamW state dict) the fp32 masters are kept if the model's device
-        parameters are still their cast, else refreshed from the model (with a warning): load the model's
-        weights before constructing the optimizer to keep full precision. Everything is checked first.
+        Returns the per-parameter entries to load as (group index, param, state).
         """
-        self._finish_pending(write=False)
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         groups, state = state_dict.get("param_groups"), state_dict.get("state")
         if not isinstance(groups, list) or not isinstance(state, dict):
             raise ValueError("state_dict must have 'param_groups' (a list) and 'state' (a dict)")
@@ -628,16 +688,35 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                     if t is not None and tuple(t.shape) != tuple(p.shape):
                         raise ValueError(f"param {i}: saved {key} has shape {tuple(t.shape)}, "
                                          f"the model's param has {tuple(p.shape)}")  # fmt: skip
+                if "step" not in st:
+                    raise ValueError(f"param {i}: state has no 'step'")
                 plan.append((gi, p, st))
-        # apply
-        for saved, group in zip(groups, self.param_groups):
+        return plan
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this class (any world size) or of torch.optim.AdamW.
+
+        Without `master` entries (a plain AdamW state dict) the fp32 masters are kept if the model's device
+        parameters are still their cast, else refreshed from the model (with a warning): load the model's
+        weights before constructing the optimizer to keep full precision. Everything is checked first.
+        A state saved between a delayed update and its writeback restores that writeback as pending (the
+        device parameters are then the model's, as saved with it: use zo_kernels.load_checkpoint).
+        """
+        self._check_usable()
+        self._finish_pending(write=False)
+        plan = self.check_state_dict(state_dict)
+        for saved, group in zip(state_dict["param_groups"], self.param_groups):
             for key in ("lr", "betas", "eps", "weight_decay"):
                 if key in saved:
                     group[key] = tuple(saved[key]) if key == "betas" else saved[key]
         for gi, p, st in plan:
             off, n = self._offset[p], p.numel()
             a, b = max(off, self.part_lo), min(off + n, self.part_hi)
-            self.param_groups[gi]["step"] = int(float(st["step"]))
+            if int(float(st["step"])) > 0:
+                self.param_groups[gi]["step"] = int(float(st["step"]))
+            else:
+                self.param_groups[gi].pop("step", None)
             if a >= b:
                 continue
             src = slice(a - off, b - off)
@@ -646,13 +725,18 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.exp_avg_sq[dst] = st["exp_avg_sq"].reshape(-1)[src].float()
             if st.get("master") is not None:
                 self.master[dst] = st["master"].reshape(-1)[src].float()
-        if any(st.get("master") is None for _, _, st in plan):
+        if not plan or any(st.get("master") is None for _, _, st in plan):
             self._refresh_stale_masters()
         extra = state_dict.get("zero_offload", {})
         if "loss_scale" in extra and extra.get("dynamic") == self._dynamic:
             self._scale, self._good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
         self._iteration = int(extra.get("iteration", max((g.get("step", 0) for g in self.param_groups), default=0)))
-        self._write_masters_to_device()
+        if extra.get("staged") and not self._staging_in_place:
+            self.staging_buf.copy_(self.master)  # written to the device by the next step(), as if never stopped
+            self._staged = True
+        else:
+            self._staged = False
+            self._write_masters_to_device()
 
     @torch.no_grad()
     def _write_masters_to_device(self) -> None:
@@ -675,6 +759,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """Take the fp32 masters from the model's current (device) parameters, e.g. after model.load_state_dict."""
         self._finish_pending(write=False)
         self.master.copy_(self.flat[self.part_lo : self.part_hi].float().cpu())
+        self._staged = False  # the device parameters are the truth now
 
     def memory_report(self) -> MemoryReport:
         """Bytes on the device and the host for this model and world size, measured, next to DESIGN.md's formulas."""
