@@ -91,6 +91,21 @@ def _check_tensor(t: Any, name: str, dtypes: tuple[torch.dtype, ...], numel: int
         raise ValueError(f"{name} has {t.numel()} elements, expected {numel} (the number in param)")
 
 
+def _check_adam_tensors(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_out: Any = None) -> int:
+    """The tensor checks shared by every Adam entry point; returns the element count."""
+    _check_tensor(param, "param", (torch.float32,), None)
+    n = param.numel()
+    _check_tensor(grad, "grad", tuple(_DTYPE_CODE), n)
+    _check_tensor(exp_avg, "exp_avg", (torch.float32,), n)
+    _check_tensor(exp_avg_sq, "exp_avg_sq", (torch.float32,), n)
+    if param_out is not None:
+        _check_tensor(param_out, "param_out", tuple(_DTYPE_CODE), n)
+    check_no_overlap(
+        {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out}
+    )
+    return n
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     start = t.data_ptr()
     return start, start + t.numel() * t.element_size()
@@ -150,12 +165,7 @@ def plan_adam_step(
     isa: str | None = None,
 ) -> AdamPlan:
     """Check every argument of a cpu_adam_step call (raising before anything is touched) and return its plan."""
-    _check_tensor(param, "param", (torch.float32,), None)
-    n = param.numel()
-    _check_tensor(grad, "grad", tuple(_DTYPE_CODE), n)
-    _check_tensor(exp_avg, "exp_avg", (torch.float32,), n)
-    _check_tensor(exp_avg_sq, "exp_avg_sq", (torch.float32,), n)
-    check_no_overlap({"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
+    n = _check_adam_tensors(param, grad, exp_avg, exp_avg_sq)
     if isinstance(step, torch.Tensor) and step.numel() == 1:
         step = step.item()  # torch keeps `step` as a float tensor
     if isinstance(step, float) and step.is_integer():
@@ -211,10 +221,7 @@ def cpu_adam_step(
         out_dtype=param_out.dtype if isinstance(param_out, torch.Tensor) and param_out.dtype in _DTYPE_CODE else None,
     )  # fmt: skip
     if param_out is not None:
-        _check_tensor(param_out, "param_out", tuple(_DTYPE_CODE), plan.numel)
-        check_no_overlap(
-            {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out}
-        )
+        _check_adam_tensors(param, grad, exp_avg, exp_avg_sq, param_out)
     if sink is not None and not callable(sink):
         raise TypeError(f"sink must be callable(start, end), got {type(sink).__name__}")
     tile = _check_tile(tile_numel, plan.numel, sink)
@@ -237,16 +244,7 @@ def stream_pass(
     isa: str | None = None,
 ) -> None:
     """The bandwidth ceiling of cpu_adam_step: its exact loads and stores with trivial arithmetic (mutates!)."""
-    _check_tensor(param, "param", (torch.float32,), None)
-    n = param.numel()
-    _check_tensor(grad, "grad", tuple(_DTYPE_CODE), n)
-    _check_tensor(exp_avg, "exp_avg", (torch.float32,), n)
-    _check_tensor(exp_avg_sq, "exp_avg_sq", (torch.float32,), n)
-    if param_out is not None:
-        _check_tensor(param_out, "param_out", tuple(_DTYPE_CODE), n)
-    check_no_overlap(
-        {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out}
-    )
+    n = _check_adam_tensors(param, grad, exp_avg, exp_avg_sq, param_out)
     threads = _check_threads(threads)
     isa = best_isa() if isa is None else _check_isa(isa)
     _cpu.stream_pass(

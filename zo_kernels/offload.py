@@ -494,7 +494,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-dpu")
             self._pending = self._executor.submit(self._cpu_update, grad, grad_scale, False)
         else:
-            self._phase("cpu_update", self._cpu_update(grad, grad_scale, True))
+            kernel_before = self._times.get("kernel", 0.0)
+            seconds = self._cpu_update(grad, grad_scale, True)
+            self._phase("cpu_update", seconds)
+            # the part of the tiled update that is not the kernel: queueing copies, waiting for staging slots
+            self._phase("writeback", seconds - (self._times.get("kernel", 0.0) - kernel_before))
             self._all_gather()
         self._update_scale(found_inf=False)
         self._record_stats(t_step, skip_reason=None, grad_norm=norm, clip=clip, micro_batches=n_micro,

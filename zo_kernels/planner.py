@@ -19,32 +19,29 @@ _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB
 _COUNTS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
 
-def parse_bytes(text: str | float, name: str = "size") -> float:
-    """'32GiB', '32GB', '1.5TB', '768 GiB', 3.2e10 -> bytes (GB = 1e9, GiB = 2**30)."""
+def _parse(text: str | float, name: str, units: dict[str, float], example: str, kind: str) -> float:
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, unit = float(text), ""
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-        if not m or m.group(2).upper() not in _UNITS:
-            raise ValueError(f"{name}: cannot read {text!r} as a size (e.g. 32GiB, 32GB, 1.5TB)")
+        if not m or m.group(2).upper() not in units:
+            raise ValueError(f"{name}: cannot read {text!r} as a {kind} (e.g. {example})")
         value, unit = float(m.group(1)), m.group(2).upper()
-    value *= _UNITS[unit]
+    value *= units[unit]
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite size >= 0, got {text!r}")
+        raise ValueError(f"{name} must be a finite {kind} >= 0, got {text!r}")
     return value
 
 
+def parse_bytes(text: str | float, name: str = "size") -> float:
+    """'32GiB', '32GB', '1.5TB', '768 GiB', 3.2e10 -> bytes (GB = 1e9, GiB = 2**30)."""
+    return _parse(text, name, _UNITS, "32GiB, 32GB, 1.5TB", "size")
+
+
 def parse_count(text: str | float, name: str = "params") -> float:
-    """'13e9', '13B', '1.4B', '350M' -> a count."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, unit = float(text), ""
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]?)\s*", str(text))
-        if not m or m.group(2).upper() not in _COUNTS:
-            raise ValueError(f"{name}: cannot read {text!r} as a count (e.g. 13e9, 13B, 350M)")
-        value, unit = float(m.group(1)), m.group(2).upper()
-    value *= _COUNTS[unit]
-    if not math.isfinite(value) or value <= 0:
+    """'13e9', '13B', '1.4B', '350M' -> a count (> 0)."""
+    value = _parse(text, name, _COUNTS, "13e9, 13B, 350M", "count")
+    if value <= 0:
         raise ValueError(f"{name} must be > 0, got {text!r}")
     return value
 
