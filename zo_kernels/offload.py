@@ -85,8 +85,7 @@ class _Bucket:
         self.params = params  # (param, flat offset, numel)
         self.lo = params[0][1]
         self.hi = params[-1][1] + params[-1][2]
-        self.ready = 0
-        self.done = False
+        self.ready = 0  # parameters whose gradient has arrived in this backward pass
 
 
 class ZeroOffloadAdamW(torch.optim.Optimizer):
@@ -322,7 +321,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._found_inf = torch.zeros((), dtype=torch.bool, device=self.device)
         self._sum_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for b in self._buckets:
-            b.ready, b.done = 0, False
+            b.ready = 0
 
     @property
     def _slot(self) -> int:
@@ -355,7 +354,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         else:
             self._accum[s].add_(self.landing[s])
         for b in self._buckets:
-            b.ready, b.done = 0, False
+            b.ready = 0
         self._next_bucket = 0
 
     def _launch_ready(self, flush: bool = False) -> None:
@@ -400,7 +399,6 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             busy.append(self.transport.d2h(dst, buf[lo - b.lo : hi - b.lo]))
         self._phase("reduce", t2 - t1)
         self._phase("offload", (t1 - t0) + (time.perf_counter() - t2))
-        b.done = True
 
     def _wait_buffer(self, k: int) -> None:
         for item in self._buf_busy[k]:
