@@ -432,6 +432,28 @@ void adam_step(const Buffers& b, const AdamParams& a, int isa, int threads) {
   run_parallel(pick<false>(isa, b.grad_dtype, b.out_dtype), make_coef(a), bufs, b.n, threads);
 }
 
+void adam_step_tiled(const Buffers& b, const AdamParams& a, int isa, int threads, int64_t tile, const TileSink& sink) {
+  require(tile >= 1, "tile_numel must be >= 1, got " + std::to_string(tile));
+  require(sink.fn != nullptr, "tile sink has no function");
+  adam_step({b.param, b.exp_avg, b.exp_avg_sq, b.grad, b.grad_dtype, b.param_out, b.out_dtype, 0}, a, isa, threads);
+  const size_t gsz = b.grad_dtype == kF32 ? 4 : 2, osz = b.out_dtype == kF32 ? 4 : 2;
+  for (int64_t start = 0; start < b.n; start += tile) {
+    const int64_t end = std::min(b.n, start + tile);
+    Buffers t = b;
+    t.param += start;
+    t.exp_avg += start;
+    t.exp_avg_sq += start;
+    t.grad = static_cast<const char*>(b.grad) + start * gsz;
+    if (b.out_dtype != kNone) t.param_out = static_cast<char*>(b.param_out) + start * osz;
+    t.n = end - start;
+    adam_step(t, a, isa, threads);
+    char err[256] = {};
+    if (sink.fn(sink.ctx, start, end, err, sizeof(err)) != 0)
+      throw std::runtime_error(std::string("tile sink failed on [") + std::to_string(start) + ", " +
+                               std::to_string(end) + "): " + err);
+  }
+}
+
 void stream_pass(const Buffers& b, int isa, int threads) {
   check_common(b, isa, threads);
   if (b.n == 0) return;

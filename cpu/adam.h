@@ -2,6 +2,8 @@
 #pragma once
 #include <cstdint>
 
+#include "tile_sink.h"
+
 namespace zo {
 
 enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kNone = 3 };
@@ -27,6 +29,9 @@ struct AdamParams {
 bool isa_supported(int isa);
 // Both throw std::invalid_argument on bad input before touching any buffer.
 void adam_step(const Buffers& b, const AdamParams& a, int isa, int threads);
+// adam_step over [0, n) in tiles of `tile` elements, calling sink.fn(ctx, start, end) after each tile is
+// final (param_out included). The whole loop runs without Python; a sink error is thrown as runtime_error.
+void adam_step_tiled(const Buffers& b, const AdamParams& a, int isa, int threads, int64_t tile, const TileSink& sink);
 // The streaming ceiling: the same loads and stores as adam_step with trivial arithmetic.
 void stream_pass(const Buffers& b, int isa, int threads);
 

@@ -2,6 +2,8 @@
 // first, then again in C++); every entry point releases the GIL while it runs.
 #include <pybind11/pybind11.h>
 
+#include <cstring>
+
 #include "adam.h"
 
 namespace py = pybind11;
@@ -22,6 +24,37 @@ zo::Buffers buffers(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t e
   return b;
 }
 
+zo::AdamParams params(int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                      double grad_scale, bool adamw, bool bias_correction) {
+  zo::AdamParams a;
+  a.step = step; a.lr = lr; a.beta1 = beta1; a.beta2 = beta2; a.eps = eps;
+  a.weight_decay = weight_decay; a.grad_scale = grad_scale; a.adamw = adamw;
+  a.bias_correction = bias_correction;
+  return a;
+}
+
+// The host tile sink: memcpy of each finished tile from src to dst (the device = CPU writeback, and the test
+// double of the CUDA sink).
+struct CopySink {
+  char* dst;
+  const char* src;
+  size_t elem;
+};
+
+int copy_tile(void* ctx, int64_t start, int64_t end, char*, size_t) {
+  const auto* c = static_cast<const CopySink*>(ctx);
+  std::memcpy(c->dst + start * c->elem, c->src + start * c->elem, size_t(end - start) * c->elem);
+  return 0;
+}
+
+py::capsule make_sink(zo::TileSink* sink) {
+  return py::capsule(sink, zo::kTileSinkCapsule, [](PyObject* cap) {
+    auto* s = static_cast<zo::TileSink*>(PyCapsule_GetPointer(cap, zo::kTileSinkCapsule));
+    if (s && s->destroy) s->destroy(s->ctx);
+    delete s;
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
@@ -33,11 +66,8 @@ PYBIND11_MODULE(_cpu, m) {
          uintptr_t param_out, int out_dtype, int64_t n, int64_t step, double lr, double beta1, double beta2,
          double eps, double weight_decay, double grad_scale, bool adamw, bool bias_correction, int isa,
          int threads) {
-        zo::AdamParams a;
-        a.step = step; a.lr = lr; a.beta1 = beta1; a.beta2 = beta2; a.eps = eps;
-        a.weight_decay = weight_decay; a.grad_scale = grad_scale; a.adamw = adamw;
-        a.bias_correction = bias_correction;
-        zo::adam_step(buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, param_out, out_dtype, n), a, isa,
+        zo::adam_step(buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, param_out, out_dtype, n),
+                      params(step, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw, bias_correction), isa,
                       threads);
       },
       py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
@@ -45,6 +75,34 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("adamw"),
       py::arg("bias_correction"), py::arg("isa"), py::arg("threads"), py::call_guard<py::gil_scoped_release>(),
       "Adam/AdamW over n elements at raw addresses.");
+  m.def(
+      "adam_step_tiled",
+      [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+         uintptr_t param_out, int out_dtype, int64_t n, int64_t step, double lr, double beta1, double beta2,
+         double eps, double weight_decay, double grad_scale, bool adamw, bool bias_correction, int isa,
+         int threads, int64_t tile, const py::capsule& sink) {
+        if (std::strcmp(sink.name(), zo::kTileSinkCapsule) != 0)
+          throw py::type_error("sink must be a zo_kernels tile sink capsule");
+        const auto* s = sink.get_pointer<zo::TileSink>();
+        py::gil_scoped_release release;  // the whole tile loop, sink calls included, runs without Python
+        zo::adam_step_tiled(buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, param_out, out_dtype, n),
+                            params(step, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw, bias_correction),
+                            isa, threads, tile, *s);
+      },
+      py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+      py::arg("param_out"), py::arg("out_dtype"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+      py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("adamw"),
+      py::arg("bias_correction"), py::arg("isa"), py::arg("threads"), py::arg("tile"), py::arg("sink"),
+      "adam_step in tiles, calling a C tile sink after each one (no Python between tiles).");
+  m.def(
+      "copy_tile_sink",
+      [](uintptr_t dst, uintptr_t src, size_t elem) {
+        if (!dst || !src || !elem) throw std::invalid_argument("copy_tile_sink: null address or zero element size");
+        auto* ctx = new CopySink{reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src), elem};
+        return make_sink(new zo::TileSink{copy_tile, ctx, [](void* c) { delete static_cast<CopySink*>(c); }});
+      },
+      py::arg("dst"), py::arg("src"), py::arg("elem_size"),
+      "A C tile sink copying tile [start, end) of src to dst (element size elem_size).");
   m.def(
       "sum_squares",
       [](uintptr_t x, uintptr_t y, int dtype, int64_t n, int isa, int threads) {

@@ -9,8 +9,11 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+
+#include "../cpu/tile_sink.h"
 
 namespace py = pybind11;
 
@@ -81,6 +84,25 @@ uintptr_t event_create() {
   return reinterpret_cast<uintptr_t>(e);
 }
 
+// The CUDA tile sink: queue the H2D copy of each finished tile of a pinned staging buffer on a stream,
+// called from the CPU Adam loop in C++ (zo_kernels._cpu.adam_step_tiled), no Python between tiles.
+struct H2DSink {
+  char* dst;
+  const char* src;
+  size_t elem;
+  cudaStream_t stream;
+};
+
+int h2d_tile(void* ctx, int64_t start, int64_t end, char* err, size_t err_len) {
+  const auto* s = static_cast<const H2DSink*>(ctx);
+  const cudaError_t r = cudaMemcpyAsync(s->dst + start * s->elem, s->src + start * s->elem,
+                                        size_t(end - start) * s->elem, cudaMemcpyHostToDevice, s->stream);
+  if (r == cudaSuccess) return 0;
+  cudaGetLastError();
+  std::snprintf(err, err_len, "cudaMemcpyAsync(H2D) failed: %s", cudaGetErrorString(r));
+  return 1;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cuda, m) {
@@ -110,6 +132,20 @@ PYBIND11_MODULE(_cuda, m) {
         copy_async(dst, src, n, s, cudaMemcpyDeviceToHost, "cudaMemcpyAsync(D2H)");
       },
       py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "h2d_tile_sink",
+      [](uintptr_t dst, uintptr_t src, size_t elem, uintptr_t stream) {
+        if (!dst || !src || !elem) throw std::invalid_argument("h2d_tile_sink: null address or zero element size");
+        auto* ctx = new H2DSink{reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src), elem, as_stream(stream)};
+        auto* sink = new zo::TileSink{h2d_tile, ctx, [](void* p) { delete static_cast<H2DSink*>(p); }};
+        return py::capsule(sink, zo::kTileSinkCapsule, [](PyObject* cap) {
+          auto* s = static_cast<zo::TileSink*>(PyCapsule_GetPointer(cap, zo::kTileSinkCapsule));
+          if (s && s->destroy) s->destroy(s->ctx);
+          delete s;
+        });
+      },
+      py::arg("dst"), py::arg("src"), py::arg("elem_size"), py::arg("stream"),
+      "A C tile sink queueing the H2D copy of tile [start, end) of pinned src to device dst on `stream`.");
   m.def("event_create", &event_create);
   m.def("event_destroy", [](uintptr_t e) { check(cudaEventDestroy(as_event(e)), "cudaEventDestroy"); });
   m.def("event_record", [](uintptr_t e, uintptr_t s) { check(cudaEventRecord(as_event(e), as_stream(s)), "cudaEventRecord"); },

@@ -342,3 +342,33 @@ def test_sum_squares_and_nonfinite_flag(isa, dtype, n):
         y = x.clone()
         y[-1] = 3.0e38  # finite, its square overflows fp32: a large value, not a non-finite one
         assert not zk.sum_squares(y, isa=isa)[1]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("tile", [1, 100, 4096, 5000])
+def test_c_tile_sink_runs_the_tile_loop_in_cpp(isa, tile):
+    """A C sink (here the host copy one; on a GPU the H2D one) sees every finished tile, bit for bit."""
+    n = 4097
+    p0, grads = make(n, torch.bfloat16, steps=1, seed=11)
+    ref = run_zo(p0, grads, isa=isa, lr=1e-2, param_out=None)
+    ref_out = ref[0].to(torch.bfloat16)
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    staging = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+    dst = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+    sink = zk.cpu_adam.copy_tile_sink(dst, staging)
+    cpu_adam_step(p, grads[0], m, v, step=1, lr=1e-2, isa=isa, param_out=staging, tile_numel=tile, sink=sink)
+    assert_bits_equal(dst, ref_out, "tiles copied by the C sink")
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), (p, m, v), ref):
+        assert_bits_equal(a, b, name)
+
+
+def test_c_tile_sink_bad_input():
+    import datetime
+
+    x = torch.zeros(8)
+    with pytest.raises(TypeError, match="sink must be a zo_kernels tile sink capsule"):
+        cpu_adam_step(x.clone(), x.clone(), x.clone(), x.clone(), step=1, lr=1e-3, sink=datetime.datetime_CAPI)
+    with pytest.raises(TypeError, match="dst must have dtype float32"):
+        zk.cpu_adam.copy_tile_sink(torch.zeros(8, dtype=torch.float16), x)
+    with pytest.raises(ValueError, match="dst has 4 elements, expected 8"):
+        zk.cpu_adam.copy_tile_sink(torch.zeros(4), x)

@@ -75,7 +75,7 @@ def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> tuple[flo
     return lr, b1, b2, eps, weight_decay
 
 
-def _check_tensor(t: Any, name: str, dtypes: tuple[torch.dtype, ...], numel: int | None) -> None:
+def _check_tensor(t: Any, name: str, dtypes: tuple[torch.dtype, ...], numel: int | None, like: str = "param") -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -88,7 +88,7 @@ def _check_tensor(t: Any, name: str, dtypes: tuple[torch.dtype, ...], numel: int
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)})")
     if numel is not None and t.numel() != numel:
-        raise ValueError(f"{name} has {t.numel()} elements, expected {numel} (the number in param)")
+        raise ValueError(f"{name} has {t.numel()} elements, expected {numel} (the number in {like})")
 
 
 def _check_adam_tensors(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_out: Any = None) -> int:
@@ -137,6 +137,13 @@ class AdamPlan(NamedTuple):
     out_code: int
     out_size: int
     args: tuple  # step, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw, bias_correction, isa, threads
+
+    def run_tiled(self, tile: int, sink: Any, out_addr: int = 0) -> None:
+        """All of [0, numel) in tiles, a C tile sink called after each: the loop runs in C++, GIL released."""
+        _cpu.adam_step_tiled(
+            self.param, self.grad, self.grad_code, self.exp_avg, self.exp_avg_sq, out_addr,
+            self.out_code if out_addr else _NO_OUT, self.numel, *self.args, tile, sink,
+        )  # fmt: skip
 
     def run(self, start: int, end: int, out_addr: int = 0) -> None:
         """Update elements [start, end); if out_addr, write the new params there (out dtype of the plan)."""
@@ -212,8 +219,9 @@ def cpu_adam_step(
 
     `grad` (fp32/fp16/bf16) is multiplied by `grad_scale` first. With `sink`, the tensor is processed in
     tiles of `tile_numel` elements and `sink(start, end)` is called after each tile is final (its
-    `param_out` slice included), so the caller can copy tile t while tile t+1 is computed.
-    Every argument is checked before any tensor is touched.
+    `param_out` slice included), so the caller can copy tile t while tile t+1 is computed. `sink` may be a
+    Python callable or a C tile sink (`copy_tile_sink`, `zo_kernels._cuda.h2d_tile_sink`): then the whole
+    tile loop, sink calls included, runs in C++ without the GIL. Every argument is checked first.
     """
     plan = plan_adam_step(
         param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -222,10 +230,14 @@ def cpu_adam_step(
     )  # fmt: skip
     if param_out is not None:
         _check_adam_tensors(param, grad, exp_avg, exp_avg_sq, param_out)
-    if sink is not None and not callable(sink):
-        raise TypeError(f"sink must be callable(start, end), got {type(sink).__name__}")
+    c_sink = _is_tile_sink(sink)
+    if sink is not None and not callable(sink) and not c_sink:
+        raise TypeError(f"sink must be callable(start, end) or a C tile sink, got {type(sink).__name__}")
     tile = _check_tile(tile_numel, plan.numel, sink)
     out = 0 if param_out is None else param_out.data_ptr()
+    if c_sink:
+        plan.run_tiled(tile, sink, out)
+        return
     for start in range(0, plan.numel, tile):
         end = min(plan.numel, start + tile)
         plan.run(start, end, out + plan.out_size * start if out else 0)
@@ -263,11 +275,26 @@ def sum_squares(x: torch.Tensor, *, out: torch.Tensor | None = None, threads: in
     """
     _check_tensor(x, "x", tuple(_DTYPE_CODE), None)
     if out is not None:
-        _check_tensor(out, "out", (x.dtype,), x.numel())
+        _check_tensor(out, "out", (x.dtype,), x.numel(), like="x")
         check_no_overlap({"x": x, "out": out})
     isa = best_isa() if isa is None else _check_isa(isa)
     y = 0 if out is None else out.data_ptr()
     return _cpu.sum_squares(x.data_ptr(), y, _DTYPE_CODE[x.dtype], x.numel(), ISAS.index(isa), _check_threads(threads))
+
+
+def _is_tile_sink(sink: Any) -> bool:
+    return type(sink).__name__ == "PyCapsule"
+
+
+def copy_tile_sink(dst: torch.Tensor, src: torch.Tensor) -> Any:
+    """A C tile sink copying each finished tile of `src` to `dst` (host tensors of one dtype and size).
+
+    Both tensors must outlive every call that uses the sink.
+    """
+    _check_tensor(src, "src", tuple(_DTYPE_CODE), None)
+    _check_tensor(dst, "dst", (src.dtype,), src.numel(), like="src")
+    check_no_overlap({"dst": dst, "src": src})
+    return _cpu.copy_tile_sink(dst.data_ptr(), src.data_ptr(), src.element_size())
 
 
 def _check_threads(threads: int | None) -> int:

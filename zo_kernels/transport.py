@@ -161,6 +161,14 @@ class Transport:
         """Queue dst (host) <- src (device), after the work already queued on the compute stream."""
         raise NotImplementedError
 
+    def tile_sink(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """A C tile sink queueing the H2D copy of each finished tile of src to dst, or None (copies from Python)."""
+        return None
+
+    def record_h2d(self) -> Event:
+        """An event after every H2D copy queued so far (those queued by a C tile sink included)."""
+        return Event()
+
     def wait(self, event: Event | None) -> None:
         """Block the host until the copy is done."""
         raise NotImplementedError
@@ -325,6 +333,17 @@ class CudaTransport(Transport):
         self._cu.host_register(t.data_ptr(), t.numel() * t.element_size())
         weakref.finalize(t, self._cu.host_unregister, t.data_ptr())
 
+    def tile_sink(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        _check_pair(dst, src)
+        self.pool.check_usable(src, "src")
+        self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the forward reading dst
+        dst.record_stream(self.h2d_stream)
+        return self._cu.h2d_tile_sink(dst.data_ptr(), src.data_ptr(), src.element_size(), self.h2d_stream.cuda_stream)
+
+    def record_h2d(self) -> Event:
+        self._last = self._event(self.h2d_stream)
+        return self._last
+
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         return self._copy(dst, src, True)
 
@@ -422,6 +441,16 @@ def tiled_writeback(
                       "exp_avg_sq": exp_avg_sq})  # fmt: skip
     tile = staging.tile_numel
     staging.region(0, 0, min(tile, plan.numel), plan.numel)  # raises on a staging buffer too small to use
+    full = staging.buf.numel() >= plan.numel
+    sink = transport.tile_sink(dst, staging.buf[: plan.numel]) if full and plan.numel else None
+    if sink is not None:  # the transport copies from C++: the whole tile loop runs without Python
+        transport.wait(staging.events.get("all"))  # the previous step's copies out of this staging
+        t0 = time.perf_counter()
+        plan.run_tiled(tile, sink, staging.buf.data_ptr())
+        if timings is not None:
+            timings["kernel"] = timings.get("kernel", 0.0) + time.perf_counter() - t0
+        staging.events["all"] = ev = transport.record_h2d()
+        return [ev]
     events = []
     for t, start in enumerate(range(0, plan.numel, tile)):
         end = min(plan.numel, start + tile)
