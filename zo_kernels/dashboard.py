@@ -29,11 +29,14 @@ def load_run(path: Path) -> dict:
 
 
 def records(run: dict) -> list[dict]:
-    """One record per benchmark: op, provider, size, median seconds, metric value and unit."""
+    """One record per benchmark: op, provider, size, best (minimum) seconds, metric value and unit.
+
+    The minimum over rounds, as in the benchmark suites' own ratio tables: on a shared machine interference
+    only adds time."""
     out = []
     for b in run["benchmarks"]:
         extra, stats = b.get("extra_info", {}), b.get("stats", {})
-        median = stats.get("median")
+        median = stats.get("min") or stats.get("median")
         if not median or not b.get("group"):
             continue
         size = extra.get("numel") or 0
@@ -175,7 +178,8 @@ th {{ background: #f0f0f0; text-align: left; }} .note {{ color: #666; font-size:
 </style></head><body>
 <h1>zo_kernels benchmarks</h1>
 <p class="meta">latest run: {html.escape(history[-1][0])}; {len(runs)} run(s); machine: {html.escape(desc)}</p>
-<p class="meta">Ratios come from one run: "x time of" divides by the baseline provider's median time
+<p class="meta">Times are the best of each benchmark's rounds. Ratios come from one run: "x time of"
+divides by the baseline provider's time
 (torch, or the bare kernel), "of ceiling" is the ceiling provider's time over this one's (a pass with the
 same memory traffic). Figures measured on a machine without a GPU have no CUDA rows.</p>
 {sections}
