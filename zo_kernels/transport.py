@@ -391,7 +391,7 @@ class Staging:
         if isinstance(tile_numel, bool) or not isinstance(tile_numel, int) or tile_numel < 1:
             raise ValueError(f"tile_numel must be an int >= 1, got {tile_numel!r}")
         self.buf, self.tile_numel = buf, tile_numel
-        self.events: dict[int, Event] = {}
+        self.events: dict[int | str, Event] = {}  # per tile/slot, or "all" for a C-sink writeback
 
     def region(self, t: int, start: int, end: int, numel: int) -> tuple[int, torch.Tensor]:
         """(region key, staging view) for tile t = [start, end) of a partition of `numel` elements."""
@@ -421,7 +421,8 @@ def tiled_writeback(
 
     Tile t: wait for the copy that last read staging slot t % slots, update the tile with the new
     params written into that slot (one pass), queue its H2D copy, and go on to tile t+1 while it runs.
-    Where the staging region is the destination itself (host memory is the device) there is no copy.
+    Where the staging region is the destination itself (host memory is the device) there is no copy; where
+    the transport offers a C tile sink and the staging is full size, the whole loop runs in C++.
     With `timings`, the seconds spent inside the kernel are added to timings["kernel"]. Returns the events
     of the copies (the caller makes the compute stream wait on them before the next forward). `adam` goes to
     `plan_adam_step` (step, lr, betas, eps, weight_decay, adamw, bias_correction, grad_scale, threads, isa).
