@@ -172,7 +172,18 @@ def plan_adam_step(
     isa: str | None = None,
 ) -> AdamPlan:
     """Check every argument of a cpu_adam_step call (raising before anything is touched) and return its plan."""
-    n = _check_adam_tensors(param, grad, exp_avg, exp_avg_sq)
+    return _plan(param, grad, exp_avg, exp_avg_sq, None, step=step, lr=lr, betas=betas, eps=eps,
+                 weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction, grad_scale=grad_scale,
+                 out_dtype=out_dtype, threads=threads, isa=isa)  # fmt: skip
+
+
+def _plan(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_out: Any, *, step: Any, lr: Any, betas: Any,
+          eps: Any, weight_decay: Any, adamw: bool, bias_correction: bool, grad_scale: Any,
+          out_dtype: torch.dtype | None, threads: int | None, isa: str | None) -> AdamPlan:  # fmt: skip
+    """plan_adam_step, also checking `param_out` (whose dtype then is the output dtype) with the other tensors."""
+    n = _check_adam_tensors(param, grad, exp_avg, exp_avg_sq, param_out)
+    if param_out is not None:
+        out_dtype = param_out.dtype
     if isinstance(step, torch.Tensor) and step.numel() == 1:
         step = step.item()  # torch keeps `step` as a float tensor
     if isinstance(step, float) and step.is_integer():
@@ -223,13 +234,11 @@ def cpu_adam_step(
     Python callable or a C tile sink (`copy_tile_sink`, `zo_kernels._cuda.h2d_tile_sink`): then the whole
     tile loop, sink calls included, runs in C++ without the GIL. Every argument is checked first.
     """
-    plan = plan_adam_step(
-        param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-        adamw=adamw, bias_correction=bias_correction, grad_scale=grad_scale, threads=threads, isa=isa,
-        out_dtype=param_out.dtype if isinstance(param_out, torch.Tensor) and param_out.dtype in _DTYPE_CODE else None,
+    plan = _plan(
+        param, grad, exp_avg, exp_avg_sq, param_out, step=step, lr=lr, betas=betas, eps=eps,
+        weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction, grad_scale=grad_scale,
+        out_dtype=None, threads=threads, isa=isa,
     )  # fmt: skip
-    if param_out is not None:
-        _check_adam_tensors(param, grad, exp_avg, exp_avg_sq, param_out)
     c_sink = _is_tile_sink(sink)
     if sink is not None and not callable(sink) and not c_sink:
         raise TypeError(f"sink must be callable(start, end) or a C tile sink, got {type(sink).__name__}")

@@ -515,17 +515,16 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """found_inf and the sum of squares of the reduced (summed over ranks) gradient, all-reduced."""
         t0 = time.perf_counter()
         if self.world == 1 and self._n_micro == 1:
-            sum_sq = float(self._sum_sq.item())  # pack's in-pass sum: no extra pass over the gradients
-            found = bool(self._found_inf.item()) or not math.isfinite(sum_sq)
+            sum_sq, nonfinite = float(self._sum_sq.item()), False  # pack's in-pass sum: no extra pass
         else:
             sum_sq, nonfinite = sum_squares(grad, threads=self.threads)
-            found = bool(self._found_inf.item()) or nonfinite or not math.isfinite(sum_sq)
-            if self.world > 1:
-                t = torch.tensor([0.0 if math.isnan(sum_sq) else sum_sq, float(found)], dtype=torch.float64)
-                t = t.to(self._comm_device())
-                self._collective("the all-reduce of the gradient norm and overflow flag", dist.all_reduce, t,
-                                 op=dist.ReduceOp.SUM)  # fmt: skip
-                sum_sq, found = float(t[0]), bool(t[1] > 0)
+        found = bool(self._found_inf.item()) or nonfinite or not math.isfinite(sum_sq)
+        if self.world > 1:
+            t = torch.tensor([0.0 if math.isnan(sum_sq) else sum_sq, float(found)], dtype=torch.float64)
+            t = t.to(self._comm_device())
+            self._collective("the all-reduce of the gradient norm and overflow flag", dist.all_reduce, t,
+                             op=dist.ReduceOp.SUM)  # fmt: skip
+            sum_sq, found = float(t[0]), bool(t[1] > 0)
         self._phase("reduce", time.perf_counter() - t0)
         return found, sum_sq
 
