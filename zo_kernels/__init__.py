@@ -4,6 +4,7 @@ from .buckets import Packed, cast, pack, unpack
 from .checkpoint import load_checkpoint, save_checkpoint
 from .cpu_adam import CPUAdam, available_isas, best_isa, cpu_adam_step, stream_pass, sum_squares
 from .offload import MemoryReport, ZeroOffloadAdamW
+from .param_views import MovedGrad
 from .planner import Plan, plan
 
 __version__ = "0.1.0"
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CPUAdam",
     "MemoryReport",
+    "MovedGrad",
     "Packed",
     "Plan",
     "ZeroOffloadAdamW",

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from .buckets import pack
-from .cpu_adam import _real, check_hparams, cpu_adam_step, sum_squares
+from .cpu_adam import _check_threads, _real, check_hparams, cpu_adam_step, sum_squares
+from .param_views import MovedGrad, alias, in_nested_backward, is_alias_of
 from .transport import Staging, Transport, default_transport, tiled_writeback
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -35,6 +36,7 @@ K_ADAM = 12  # bytes of fp32 optimizer state per parameter: master, exp_avg, exp
 SCALE_INIT, SCALE_GROWTH, SCALE_BACKOFF, SCALE_INTERVAL = 2.0**16, 2.0, 0.5, 2000
 UPDATE_TIMEOUT_S = 600.0  # default bound on waiting for the background (DPU) update
 COLLECTIVE_TIMEOUT_S = 300.0  # default bound on a gloo collective: a dead peer fails this rank, no hang
+MAX_THREADS = 4096
 
 
 @dataclass
@@ -91,16 +93,25 @@ class _Bucket:
 class ZeroOffloadAdamW(torch.optim.Optimizer):
     """AdamW with ZeRO-2 partitioning and the optimizer offloaded to the CPU; a torch.optim.Optimizer.
 
-    Usage: build after the model is on its device (all params on one device); then per iteration
+    Usage: build after the model is on its device (all params on one device), passing the model itself
+    (`ZeroOffloadAdamW(model, ...)`) or its parameters / param groups with `module=model`; then per iteration
     `opt.backward(loss)` (or `loss.backward()` without a loss scale) one or more times, `opt.step()`.
 
     Semantics:
     - Construction takes the fp32 masters from the params' current values (rank 0's, broadcast), casts the
-      params to `dtype` and makes them views of one flat device buffer.
-    - Gradients leave the device during backward, bucket by bucket; `p.grad` is None afterwards.
-      Several backward calls before a step accumulate in fp32 on the host. `step()` consumes the
-      gradients (the next backward starts a new accumulation); `zero_grad()` discards them.
-      `step()` with no backward since the last step is a no-op (`stats["skipped"] == "no gradients"`).
+      params to `dtype` and places them in one flat device buffer (each parameter aliases its range of it
+      with a storage of its own, so safetensors and HF/accelerate savers see separate tensors). Frozen params
+      passed in `params`, and with `module` every floating-point parameter and buffer of the module, are cast
+      to `dtype` too (as `model.to(dtype)` would): the whole model computes in `dtype`.
+    - Gradients leave the device during backward, bucket by bucket; afterwards `p.grad` is a `MovedGrad`
+      placeholder that raises on any use (a framework clipping p.grad fails loudly: pass `max_grad_norm`).
+      Several backward calls before a step accumulate (sum) in fp32 on the host. A reentrant activation
+      checkpoint runs one backward per segment inside the outer one: they count as one backward. `step()`
+      consumes the gradients (the next backward starts a new accumulation); `zero_grad()` or
+      `model.zero_grad()` discards them. `step()` with no backward since the last step is a no-op
+      (`stats["skip_reason"] == "no gradients"`).
+    - A parameter that received no gradient in a step (on any rank) is skipped as torch.optim.AdamW skips a
+      parameter whose grad is None: no decay, no moment update; each parameter counts its own steps.
     - Gradients are averaged over the ranks (as DDP); `max_grad_norm` clips by the global norm of that
       average; the 1/N, the loss-scale inverse and the clip coefficient are one `grad_scale` of the kernel.
     - A step whose gradients hold inf/NaN (or overflow `dtype`) is skipped: nothing but the loss scale
@@ -131,6 +142,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         update_timeout_s: the longest step() waits for a background (DPU) update before raising TimeoutError.
         collective_timeout_s: the longest a collective on a CPU (gloo) group may take before this rank raises
             (NCCL groups use their own watchdog, set by init_process_group's timeout).
+        module: the model the params belong to: its other floating-point params and buffers follow `dtype`.
     """
 
     def __init__(
@@ -152,7 +164,15 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         tile_numel: int | None = None,
         update_timeout_s: float = UPDATE_TIMEOUT_S,
         collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        module: torch.nn.Module | None = None,
     ) -> None:
+        # Every argument is checked before anything (the model included) is modified.
+        if isinstance(params, torch.nn.Module):
+            if module is not None and module is not params:
+                raise ValueError("params is a module and module= names another one: pass one of them")
+            module, params = params, list(params.parameters())
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module or None, got {type(module).__name__}")
         check_hparams(lr, betas, eps, weight_decay)
         if dtype not in DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
@@ -162,6 +182,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.delay_update_after = _check_int(delay_update_after, "delay_update_after", 0)
         bucket_numel = _check_int(bucket_numel, "bucket_numel", 1)
         tile_numel = _check_int(tile_numel, "tile_numel", 1)
+        if threads is not None:
+            _check_threads(threads)
+            if threads > MAX_THREADS:
+                raise ValueError(f"threads must be <= {MAX_THREADS}, got {threads}")
+        if transport is not None and not isinstance(transport, Transport):
+            raise TypeError(f"transport must be a zo_kernels Transport or None, got {type(transport).__name__}")
         for name, value in (("update_timeout_s", update_timeout_s), ("collective_timeout_s", collective_timeout_s)):
             if _real(value, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -169,6 +195,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         trainable = [p for g in groups for p in g["params"] if p.requires_grad]
         if not trainable:
             raise ValueError("no trainable parameters (none has requires_grad=True)")
+        if sum(p.numel() for p in trainable) == 0:
+            raise ValueError("the trainable parameters have no elements")
         for gi, g in enumerate(groups):
             if not any(p.requires_grad for p in g["params"]):
                 raise ValueError(f"param group {gi} has no trainable parameter")
@@ -178,6 +206,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 raise ValueError(f"all params must be on one device: param {i} is on {p.device}, param 0 on {device}")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"params must be on a CUDA device or the CPU, got {device}")
+        if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "
+                            f"got {type(process_group).__name__}")  # fmt: skip
+        is_trainable = {id(p) for p in trainable}
+        followers = [p for g in groups for p in g["params"] if id(p) not in is_trainable]
+        if module is not None:
+            followers += [p for p in module.parameters() if id(p) not in is_trainable] + list(module.buffers())
 
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__([{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in groups], defaults)
@@ -197,9 +232,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.threads = threads if threads is not None else _pin_rank_threads(self.world, self.rank)
         self.tile_numel = tile_numel or DEFAULT_TILE_NUMEL
 
+        self._built = False  # add_param_group is refused once the flat layout exists
+        self._closed = False
         self._layout(trainable)
         self.transport = transport if transport is not None else default_transport(device)
+        self._cast_followers(followers)
         self._allocate(trainable, bucket_numel or DEFAULT_BUCKET_NUMEL)
+        self._built = True
         self._times: dict[str, float] = {}  # seconds per phase since the last step
         self._iteration = 0  # step() calls that consumed gradients
         self._good_steps = 0
@@ -207,13 +246,18 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._executor: ThreadPoolExecutor | None = None
         self._reset_grad_state()
         self.stats: dict[str, Any] = {}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+        self._hooks = [p.register_hook(self._before_accumulate(p)) for p in trainable]
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
 
     # ------------------------------------------------------------------ construction
 
     def _layout(self, trainable: list[torch.Tensor]) -> None:
         """Flat offsets in parameter order, padding to a multiple of N, this rank's partition."""
         self._offset: dict[torch.Tensor, int] = {}
+        self._params = trainable  # flat order, group by group
+        self._index = {p: i for i, p in enumerate(trainable)}
+        self._pgroup = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        self._pstep = [0] * len(trainable)  # each parameter's own Adam step count (torch keeps one per param)
         pos = 0
         for p in trainable:
             self._offset[p] = pos
@@ -232,6 +276,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self._group_ranges.append((a, b) if a < b else None)
 
     @torch.no_grad()
+    def _cast_followers(self, followers: list[torch.Tensor]) -> None:
+        """Frozen params and the module's buffers follow `dtype`, so the whole model computes in it."""
+        for t in followers:
+            if t.is_floating_point() and t.dtype != self.dtype:
+                t.data = t.data.to(self.dtype)
+
+    @torch.no_grad()
     def _allocate(self, trainable: list[torch.Tensor], bucket_numel: int) -> None:
         pool_bytes = 8 * self.part * torch.empty((), dtype=self.dtype).element_size() + (1 << 20)
         self.transport.pool.max_bytes = max(self.transport.pool.max_bytes, pool_bytes)
@@ -248,9 +299,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             if a < b:
                 values = p.detach().reshape(-1)[a - off : b - off]
                 self.master[a - self.part_lo : b - self.part_lo] = values.float().cpu()
-            view = self.flat[off : off + n]
-            view.copy_(p.detach().reshape(-1))
-            p.data = view.view_as(p)
+            self.flat[off : off + n].copy_(p.detach().reshape(-1))
+            p.data = alias(self.flat, off, n, p.shape)
             p.grad = None
         n_landing = 2 if self.delay_update_after is not None else 1
         self.landing = [self.transport.pool.take(self.part, self.dtype) for _ in range(n_landing)]
@@ -260,7 +310,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._staging_in_place = not (self.transport.needs_staging or self.delay_update_after is not None)
         if not self._staging_in_place:
             self.staging_buf = self.transport.pool.take(self.part, self.dtype)
-            self.staging_buf.zero_()  # the padding past the last parameter is sent to the device as zeros
+            # staging always holds the current params: a step that skips a param (no gradient) leaves its range
+            # as is, and the padding past the last parameter is sent to the device as zeros
+            self.staging_buf.copy_(self.master)
         else:  # host memory is the device: the update writes the parameters in place (no forward runs meanwhile)
             self.staging_buf = own
         self._staging = [Staging(self.staging_buf[r[0] : r[1]], self.tile_numel) if r else None
@@ -316,7 +368,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     def _reset_grad_state(self) -> None:
         self._n_micro = 0  # completed backward passes since the last step/zero_grad
-        self._in_backward = False
+        self._in_backward = False  # a backward pass is open: gradients arriving belong to it
+        self._seen: set[torch.Tensor] = set()  # params whose gradient arrived in the open backward pass
+        self._callback_tasks: set[int] = set()  # autograd graph tasks that will close the open pass
+        self._moved: list[torch.Tensor] = []  # params whose p.grad is a MovedGrad placeholder
+        self._got = [False] * len(self._params)  # which params received a gradient since the last step
         self._next_bucket = 0
         self._found_inf = torch.zeros((), dtype=torch.bool, device=self.device)
         self._sum_sq = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -328,27 +384,59 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """Which landing buffer the current iteration's gradients use (alternates under DPU)."""
         return self._iteration % len(self.landing)
 
+    def _before_accumulate(self, p: torch.Tensor) -> Any:
+        """Tensor hook of p, run by autograd before p's gradient is accumulated into p.grad."""
+
+        def hook(grad: torch.Tensor) -> None:
+            self._check_open()
+            self._check_usable()
+            if self._in_backward and p in self._seen:
+                # p got a second gradient: a new backward pass began (the last one ran entirely inside nested,
+                # reentrant-checkpoint backwards, which cannot close it), or a param is shared by two segments.
+                # Either way closing the pass here is exact: micro-batch gradients are summed.
+                self._end_micro()
+            if not self._in_backward:
+                self._begin_micro()
+            if not in_nested_backward():
+                task = torch._C._current_graph_task_id()
+                if task not in self._callback_tasks:  # the outermost backward closes the pass when it ends
+                    self._callback_tasks.add(task)
+                    torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_callback)
+            if isinstance(p.grad, MovedGrad):
+                p.grad = None  # the earlier micro-batches' gradient is on the host; autograd starts afresh
+            self._seen.add(p)
+
+        return hook
+
     def _on_grad(self, p: torch.Tensor) -> None:
-        if p.grad is None:
+        if p.grad is None or not self._in_backward:
             return
-        self._check_usable()
         if p.grad.is_sparse:
             raise RuntimeError("ZeroOffloadAdamW does not support sparse gradients")
-        if not self._in_backward:
-            self._begin_micro()
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_micro)
+        self._got[self._index[p]] = True
         bucket = self._bucket_of[p]
         bucket.ready += 1
         self._launch_ready()
 
     def _begin_micro(self) -> None:
+        self._check_connected()
         self._in_backward = True
+        self._seen = set()
         if self._n_micro == 0:
             return
-        # accumulation: the previous micro-batch's reduced gradient sits in the landing buffer
+        left = sum(isinstance(q.grad, MovedGrad) for q in self._moved)
+        if self._moved and left == 0:  # model.zero_grad() since the last backward: discard, as torch would
+            self._reset_grad_state()
+            self._in_backward = True
+            return
+        if left != len(self._moved):
+            raise RuntimeError(f"p.grad of {len(self._moved) - left} of {len(self._moved)} parameters was cleared "
+                               "between two backward passes: ZeroOffloadAdamW can discard all gradients "
+                               "(opt.zero_grad() or model.zero_grad()), not some")  # fmt: skip
+        # accumulation: the previous micro-batches' reduced gradient sits in the landing buffer
         s = self._slot
-        if self._accum[s] is None:
-            self._accum[s] = self.landing[s].float()
+        if self._accum[s] is None:  # a copy also when dtype is fp32 (.float() would alias the landing buffer)
+            self._accum[s] = self.landing[s].to(torch.float32, copy=True)
         elif self._n_micro == 1:
             self._accum[s].copy_(self.landing[s])
         else:
@@ -374,12 +462,15 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             buf = self.landing[self._slot][b.lo - self.part_lo : b.hi - self.part_lo]
         else:
             buf = self._bucket_bufs[k][: b.hi - b.lo]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p, _, _ in b.params]
+        has = [p.grad is not None and not isinstance(p.grad, MovedGrad) for p, _, _ in b.params]
+        grads = [p.grad if h else torch.zeros_like(p) for (p, _, _), h in zip(b.params, has)]
         packed = pack(grads, dtype=self.dtype, out=buf)
         self._found_inf |= packed.found_inf
         self._sum_sq += packed.sum_sq
-        for p, _, _ in b.params:
-            p.grad = None  # the device gradient is freed as soon as its bucket has left
+        for (p, _, _), h in zip(b.params, has):
+            if h:  # the device gradient is freed as soon as its bucket has left
+                p.grad = MovedGrad(p)
+                self._moved.append(p)
         busy = self._buf_busy[k]
         t1 = time.perf_counter()
         if self.world > 1:
@@ -408,6 +499,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 self.transport.wait(item)
         self._buf_busy[k] = []
 
+    def _end_micro_callback(self) -> None:
+        if self._in_backward:
+            self._end_micro()
+
     def _end_micro(self) -> None:
         """End of a backward pass: flush buckets with missing gradients (as zeros) and wait for the copies."""
         t0 = time.perf_counter()
@@ -416,6 +511,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self._wait_buffer(k)
         self.transport.synchronize()
         self._in_backward = False
+        self._callback_tasks = set()
         self._n_micro += 1
         self._phase("backward_offload_wait", time.perf_counter() - t0)
 
@@ -437,32 +533,50 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             raise ValueError(f"loss must be a scalar tensor (one element), got shape {tuple(loss.shape)}")
         if not loss.requires_grad:
             raise ValueError("loss does not require grad: nothing to backpropagate")
+        self._check_open()
         self._check_usable()
         (loss.float() * self._scale if self._scale != 1.0 else loss).backward()
+        if self._in_backward and torch._C._current_graph_task_id() == -1:
+            self._end_micro()  # a backward whose gradients all arrived in nested (reentrant) backwards
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients accumulated since the last step."""
-        for group in self.param_groups:
-            for p in group["params"]:
+        self._check_open()
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("zero_grad() was called during backward")
+        for p in self._params:
+            if isinstance(p.grad, MovedGrad):
                 p.grad = None
         for k in range(2):
             self._wait_buffer(k)
         self._reset_grad_state()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused after construction: the flat buffer and the partitions are laid out once."""
+        if getattr(self, "_built", False):
+            raise RuntimeError("ZeroOffloadAdamW cannot take new parameters after construction (its flat buffer "
+                               "and partitions are laid out once): build a new optimizer over all of them")  # fmt: skip
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Consume the accumulated gradients: overflow check, clip, CPU update, parameters back to the device."""
         if closure is not None:
             raise ValueError("ZeroOffloadAdamW.step() takes no closure: call opt.backward(loss) first")
+        self._check_open()
         self._check_usable()
-        if self._in_backward:
+        if torch._C._current_graph_task_id() != -1:
             raise RuntimeError("step() was called during backward")
+        self._check_grads_untouched()
+        self._check_connected()
+        for group in self.param_groups:
+            check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        if self._in_backward:  # the last backward ran entirely inside nested (reentrant) backwards
+            self._end_micro()
         t_step = time.perf_counter()
         if self._n_micro == 0:
             self.stats = {"skipped": True, "skip_reason": "no gradients", "loss_scale": self._scale, "grad_norm": None}
             return None
-        for group in self.param_groups:
-            check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         self._iteration += 1
         delayed = self.delay_update_after is not None and self._iteration > self.delay_update_after
         if delayed:
@@ -471,10 +585,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         grad = self.landing[s]
         if self._n_micro > 1:
             grad = self._accum[s].add_(self.landing[s])
-        found_inf, sum_sq = self._global_checks(grad)
+        found_inf, sum_sq, got = self._global_checks(grad)
         scale = self._scale
         norm = math.sqrt(sum_sq) / (self.world * scale) if math.isfinite(sum_sq) else float("inf")
         n_micro = self._n_micro
+        for p in self._moved:
+            p.grad = None
         self._reset_grad_state()
         if found_inf:
             self._update_scale(found_inf=True)
@@ -485,22 +601,26 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
         grad_scale = clip / (self.world * scale)
-        for group in self.param_groups:
-            group["step"] = group.get("step", 0) + 1
+        runs = self._runs(got)
+        for i, g in enumerate(got):
+            self._pstep[i] += g
+        for gi, group in enumerate(self.param_groups):
+            group["step"] = max(self._pstep[i] for i, pg in enumerate(self._pgroup) if pg == gi)
         if delayed:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-dpu")
-            self._pending = self._executor.submit(self._cpu_update, grad, grad_scale, False)
+            self._pending = self._executor.submit(self._cpu_update, grad, grad_scale, runs, False)
         else:
             kernel_before = self._times.get("kernel", 0.0)
-            seconds = self._cpu_update(grad, grad_scale, True)
+            seconds = self._cpu_update(grad, grad_scale, runs, True)
             self._phase("cpu_update", seconds)
             # the part of the tiled update that is not the kernel: queueing copies, waiting for staging slots
             self._phase("writeback", seconds - (self._times.get("kernel", 0.0) - kernel_before))
             self._all_gather()
+            self._bump_versions()
         self._update_scale(found_inf=False)
         self._record_stats(t_step, skip_reason=None, grad_norm=norm, clip=clip, micro_batches=n_micro,
-                           delayed=delayed)  # fmt: skip
+                           delayed=delayed, skipped_params=len(got) - sum(got))  # fmt: skip
         return None
 
     def _record_stats(self, t_step: float, skip_reason: str | None, **kw: Any) -> None:
@@ -509,42 +629,88 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                       **{f"time_{k}": v for k, v in self._times.items()}}  # fmt: skip
         self._times = {}
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ZeroOffloadAdamW was closed: build a new one to go on training")
+
+    def _check_grads_untouched(self) -> None:
+        """p.grad is None or our placeholder: a gradient set by hand would otherwise be silently ignored."""
+        for i, p in enumerate(self._params):
+            if p.grad is not None and not isinstance(p.grad, MovedGrad):
+                raise RuntimeError(f"param {i} has a p.grad that did not come from backward (set by hand?): "
+                                   "ZeroOffloadAdamW takes gradients only from backward passes")  # fmt: skip
+
+    def _check_connected(self) -> None:
+        """The model's params must still be the optimizer's (e.g. not replaced by model.float() or model.to())."""
+        for i, p in enumerate(self._params):
+            if not is_alias_of(p, self.flat, self._offset[p]):
+                raise RuntimeError(f"param {i} (shape {tuple(p.shape)}, {p.dtype} on {p.device}) is no longer the "
+                                   f"optimizer's {self.dtype} parameter on {self.device}: the model was cast or moved "
+                                   "after ZeroOffloadAdamW was built (model.float()/.to()/.half()?). Build the "
+                                   "optimizer after the last cast or move")  # fmt: skip
+
+    def _bump_versions(self) -> None:
+        """The device params changed in place: autograd must refuse graphs that saved their old values."""
+        torch.autograd.graph.increment_version(self._params)
+
+    def _runs(self, got: list[bool]) -> list[tuple[int, int, int, int]]:
+        """(group, start, end, step) ranges of the partition to update: the params that got a gradient,
+        cut where the group or the step count changes (one range per group when nothing is skipped)."""
+        runs: list[tuple[int, int, int, int]] = []
+        for i, p in enumerate(self._params):
+            off, n = self._offset[p], p.numel()
+            a, b = max(off, self.part_lo) - self.part_lo, min(off + n, self.part_hi) - self.part_lo
+            if a >= b or not got[i]:
+                continue
+            key = (self._pgroup[i], self._pstep[i] + 1)
+            if runs and runs[-1][0] == key[0] and runs[-1][3] == key[1] and runs[-1][2] == a:
+                runs[-1] = (key[0], runs[-1][1], b, key[1])
+            else:
+                runs.append((key[0], a, b, key[1]))
+        return runs
+
     # ------------------------------------------------------------------ the step's pieces
 
-    def _global_checks(self, grad: torch.Tensor) -> tuple[bool, float]:
-        """found_inf and the sum of squares of the reduced (summed over ranks) gradient, all-reduced."""
+    def _global_checks(self, grad: torch.Tensor) -> tuple[bool, float, list[bool]]:
+        """found_inf, the sum of squares of the reduced (summed over ranks) gradient, and which params got a
+        gradient on some rank: all-reduced."""
         t0 = time.perf_counter()
         if self.world == 1 and self._n_micro == 1:
             sum_sq, nonfinite = float(self._sum_sq.item()), False  # pack's in-pass sum: no extra pass
         else:
             sum_sq, nonfinite = sum_squares(grad, threads=self.threads)
         found = bool(self._found_inf.item()) or nonfinite or not math.isfinite(sum_sq)
+        got = list(self._got)
         if self.world > 1:
-            t = torch.tensor([0.0 if math.isnan(sum_sq) else sum_sq, float(found)], dtype=torch.float64)
+            t = torch.tensor([0.0 if math.isnan(sum_sq) else sum_sq, float(found), *map(float, got)],
+                             dtype=torch.float64)  # fmt: skip
             t = t.to(self._comm_device())
             self._collective("the all-reduce of the gradient norm and overflow flag", dist.all_reduce, t,
                              op=dist.ReduceOp.SUM)  # fmt: skip
-            sum_sq, found = float(t[0]), bool(t[1] > 0)
+            t = t.cpu()
+            sum_sq, found, got = float(t[0]), bool(t[1] > 0), (t[2:] > 0).tolist()
         self._phase("reduce", time.perf_counter() - t0)
-        return found, sum_sq
+        return found, sum_sq, got
 
     def _comm_device(self) -> torch.device:
         backend = dist.get_backend(self.group)
         return self.device if backend == "nccl" else torch.device("cpu")
 
-    def _cpu_update(self, grad: torch.Tensor, grad_scale: float, writeback: bool) -> float:
-        """CPU Adam over this rank's partition, group by group; with writeback, tiles go to the device.
+    def _cpu_update(self, grad: torch.Tensor, grad_scale: float, runs: list, writeback: bool) -> float:
+        """CPU Adam over the ranges `runs` of this rank's partition; with writeback, tiles go to the device.
 
         Returns its wall time. Runs in the background thread under DPU: no collectives, no stats here.
         """
         t0 = time.perf_counter()
         events = []
-        for group, rng, staging in zip(self.param_groups, self._group_ranges, self._staging):
-            if rng is None:
-                continue
-            a, b = rng
-            adam = dict(step=group["step"], lr=group["lr"], betas=group["betas"], eps=group["eps"],
+        for gi, a, b, step in runs:
+            group, staging = self.param_groups[gi], self._staging[gi]
+            adam = dict(step=step, lr=group["lr"], betas=group["betas"], eps=group["eps"],
                         weight_decay=group["weight_decay"], grad_scale=grad_scale, threads=self.threads)  # fmt: skip
+            if (a, b) != self._group_ranges[gi]:  # part of a group (a param was skipped): a staging of its own,
+                for ev in staging.events.values():  # once the group's earlier copies are done
+                    self.transport.wait(ev)
+                staging = Staging(self.staging_buf[a:b], self.tile_numel)
             if writeback:
                 dst = self.flat[self.part_lo + a : self.part_lo + b]
                 events += tiled_writeback(self.transport, self.master[a:b], grad[a:b], self.exp_avg[a:b],
@@ -552,7 +718,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                           **adam)  # fmt: skip
             else:
                 cpu_adam_step(self.master[a:b], grad[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b],
-                              param_out=staging.buf, **adam)  # fmt: skip
+                              param_out=self.staging_buf[a:b], **adam)  # fmt: skip
         for ev in events:
             self.transport.device_wait(ev)
         return time.perf_counter() - t0
@@ -567,6 +733,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.transport.wait(ev)
         self._phase("writeback", time.perf_counter() - t0)
         self._all_gather()
+        self._bump_versions()
 
     def _all_gather(self) -> None:
         if self.world == 1:
@@ -641,6 +808,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim layout, world-size independent: per param step/exp_avg/exp_avg_sq/master (fp32, CPU)."""
+        self._check_open()
         self._check_usable()
         self._finish_pending(write=False)
         full = {k: self._gather(getattr(self, k)) for k in ("master", "exp_avg", "exp_avg_sq")}
@@ -650,7 +818,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 off, n = self._offset[p], p.numel()
                 # always present, also before the first step: the masters must travel with the checkpoint
-                state[idx] = {"step": torch.tensor(float(group.get("step", 0)))}
+                state[idx] = {"step": torch.tensor(float(self._pstep[idx]))}
                 state[idx].update({k: v[off : off + n].clone().view(p.shape) for k, v in full.items()})
                 ids.append(idx)
                 idx += 1
@@ -659,10 +827,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                  "iteration": self._iteration, "world_size": self.world, "staged": self._staged}  # fmt: skip
         return {"state": state, "param_groups": groups, "zero_offload": extra}
 
-    def check_state_dict(self, state_dict: dict[str, Any]) -> list[tuple[int, torch.Tensor, dict]]:
-        """Check a state dict against this optimizer (groups, counts, shapes, hyper-parameters); change nothing.
+    def check_state_dict(self, state_dict: dict[str, Any]) -> list[tuple[int, torch.Tensor, dict, int]]:
+        """Check a state dict against this optimizer (groups, counts, shapes, values); change nothing.
 
-        Returns the per-parameter entries to load as (group index, param, state).
+        Returns the per-parameter entries to load as (group index, param, state, step).
         """
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
@@ -673,6 +841,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
         plan = []
         for gi, (saved, group) in enumerate(zip(groups, self.param_groups)):
+            if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+                raise ValueError(f"state_dict param group {gi} must be a dict with a 'params' list")
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(f"param group {gi}: state_dict has {len(saved['params'])} params, "
                                  f"this optimizer {len(group['params'])}")  # fmt: skip
@@ -682,16 +852,32 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 st = state.get(i, state.get(str(i)))
                 if st is None:
                     continue
+                if not isinstance(st, dict):
+                    raise ValueError(f"param {i}: state must be a dict, got {type(st).__name__}")
                 for key in ("exp_avg", "exp_avg_sq", "master"):
                     t = st.get(key)
-                    if key != "master" and t is None:
-                        raise ValueError(f"param {i}: state has no {key!r}")
-                    if t is not None and tuple(t.shape) != tuple(p.shape):
+                    if t is None:
+                        if key != "master":
+                            raise ValueError(f"param {i}: state has no {key!r}")
+                        continue
+                    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                        raise TypeError(f"param {i}: state {key!r} must be a floating-point tensor")
+                    if tuple(t.shape) != tuple(p.shape):
                         raise ValueError(f"param {i}: saved {key} has shape {tuple(t.shape)}, "
                                          f"the model's param has {tuple(p.shape)}")  # fmt: skip
-                if "step" not in st:
-                    raise ValueError(f"param {i}: state has no 'step'")
-                plan.append((gi, p, st))
+                    if not bool(torch.isfinite(t).all()):
+                        raise ValueError(f"param {i}: state {key!r} holds inf or NaN")
+                    if key == "exp_avg_sq" and bool((t < 0).any()):
+                        raise ValueError(f"param {i}: state 'exp_avg_sq' has negative values")
+                plan.append((gi, p, st, _check_step(st.get("step"), f"param {i}: state 'step'")))
+        extra = state_dict.get("zero_offload", {})
+        if not isinstance(extra, dict):
+            raise ValueError(f"state_dict['zero_offload'] must be a dict, got {type(extra).__name__}")
+        if "loss_scale" in extra:
+            if _real(extra["loss_scale"], "state_dict['zero_offload']['loss_scale']") <= 0:
+                raise ValueError("state_dict['zero_offload']['loss_scale'] must be > 0")
+            _check_int(extra.get("good_steps"), "state_dict['zero_offload']['good_steps']", 0, required=True)
+        _check_int(extra.get("iteration"), "state_dict['zero_offload']['iteration']", 0)
         return plan
 
     @torch.no_grad()
@@ -701,23 +887,27 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         Without `master` entries (a plain AdamW state dict) the fp32 masters are kept if the model's device
         parameters are still their cast, else refreshed from the model (with a warning): load the model's
         weights before constructing the optimizer to keep full precision. Everything is checked first.
+        Every param-group key is restored (e.g. a scheduler's `initial_lr`); a parameter without saved state
+        starts afresh (step 0, zero moments), as in torch.
         A state saved between a delayed update and its writeback restores that writeback as pending (the
         device parameters are then the model's, as saved with it: use zo_kernels.load_checkpoint).
         """
+        self._check_open()
         self._check_usable()
-        self._finish_pending(write=False)
         plan = self.check_state_dict(state_dict)
+        self._finish_pending(write=False)
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
-            for key in ("lr", "betas", "eps", "weight_decay"):
-                if key in saved:
-                    group[key] = tuple(saved[key]) if key == "betas" else saved[key]
-        for gi, p, st in plan:
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = tuple(value) if key == "betas" else value
+        self._pstep = [0] * len(self._params)
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+        for _, p, st, step in plan:
+            i = self._index[p]
+            self._pstep[i] = step
             off, n = self._offset[p], p.numel()
             a, b = max(off, self.part_lo), min(off + n, self.part_hi)
-            if int(float(st["step"])) > 0:
-                self.param_groups[gi]["step"] = int(float(st["step"]))
-            else:
-                self.param_groups[gi].pop("step", None)
             if a >= b:
                 continue
             src = slice(a - off, b - off)
@@ -726,12 +916,14 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.exp_avg_sq[dst] = st["exp_avg_sq"].reshape(-1)[src].float()
             if st.get("master") is not None:
                 self.master[dst] = st["master"].reshape(-1)[src].float()
-        if not plan or any(st.get("master") is None for _, _, st in plan):
+        for gi, group in enumerate(self.param_groups):
+            group["step"] = max(self._pstep[i] for i, pg in enumerate(self._pgroup) if pg == gi)
+        if not plan or any(st.get("master") is None for _, _, st, _ in plan):
             self._refresh_stale_masters()
         extra = state_dict.get("zero_offload", {})
         if "loss_scale" in extra and extra.get("dynamic") == self._dynamic:
             self._scale, self._good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
-        self._iteration = int(extra.get("iteration", max((g.get("step", 0) for g in self.param_groups), default=0)))
+        self._iteration = int(extra.get("iteration", max(self._pstep, default=0)))
         if extra.get("staged") and not self._staging_in_place:
             self.staging_buf.copy_(self.master)  # written to the device by the next step(), as if never stopped
             self._staged = True
@@ -776,12 +968,18 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         )  # fmt: skip
 
     def close(self) -> None:
-        """Remove the hooks and stop the background worker (the optimizer is unusable afterwards)."""
-        self._finish_pending(write=False)
+        """Finish a pending update, remove the hooks, stop the background worker; using it afterwards raises."""
+        if self._closed:
+            return
+        self._finish_pending(write=True)
         for h in self._hooks:
             h.remove()
+        for p in self._params:
+            if isinstance(p.grad, MovedGrad):
+                p.grad = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        self._closed = True
 
 
 # ---------------------------------------------------------------------- argument checks
@@ -800,14 +998,27 @@ def _check_loss_scale(loss_scale: Any) -> tuple[float, bool]:
     return value, False
 
 
-def _check_int(x: Any, name: str, minimum: int) -> int | None:
-    if x is None:
+def _check_int(x: Any, name: str, minimum: int, required: bool = False) -> int | None:
+    if x is None and not required:
         return None
     if isinstance(x, bool) or not isinstance(x, int):
         raise TypeError(f"{name} must be an int or None, got {type(x).__name__}")
     if x < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {x}")
     return x
+
+
+def _check_step(x: Any, name: str) -> int:
+    """A saved step count: an int, or a float / one-element tensor holding an integer, in [0, 2**53]."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"{name} must hold one number, got shape {tuple(x.shape)}")
+        x = x.item()
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(x).__name__}")
+    if not (math.isfinite(x) and x == int(x) and 0 <= x <= 2**53):
+        raise ValueError(f"{name} must be a whole number in [0, 2**53], got {x!r}")
+    return int(x)
 
 
 def _check_params(params: Any) -> list[dict[str, Any]]:

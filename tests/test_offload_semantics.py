@@ -1,0 +1,292 @@
+"""ZeroOffloadAdamW's semantics where they meet torch's, each against plain torch (torch.optim.AdamW on fp32
+masters, written here): issue 10's findings, one test each, and misuse that must fail loudly (issue 11)."""
+
+import copy
+
+import pytest
+import torch
+from helpers import digest
+
+import zo_kernels as zk
+
+
+class Net(torch.nn.Module):
+    """Two used layers, one unused branch, a frozen layer and a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4)
+        self.unused = torch.nn.Linear(8, 4)
+        self.frozen = torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("shift", torch.linspace(-1, 1, 8))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(self.frozen(x) + self.shift))).square().mean()
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return Net()
+
+
+def batches(n, micro=1, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(4, 8, generator=g) for _ in range(micro)] for _ in range(n)]
+
+
+HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+
+
+def torch_run(model, data, dtype=torch.float32):
+    """The oracle: fp32 masters + torch.optim.AdamW, forward/backward on a dtype copy, grads summed in fp32."""
+    master = copy.deepcopy(model)
+    work = copy.deepcopy(model).to(dtype)
+    opt = torch.optim.AdamW([p for p in master.parameters() if p.requires_grad], foreach=False, **HP)
+    for step in data:
+        acc = {}
+        for x in step:
+            work.zero_grad()
+            work(x.to(dtype)).backward()
+            for (name, pw) in work.named_parameters():
+                if pw.grad is not None:
+                    acc[name] = acc.get(name, 0) + pw.grad.float()
+        for name, pm in master.named_parameters():
+            pm.grad = acc.get(name)
+        opt.step()
+        with torch.no_grad():
+            for pm, pw in zip(master.parameters(), work.parameters()):
+                pw.copy_(pm)
+    return master, opt
+
+
+def zo_run(model, data, dtype=torch.float32, **kw):
+    # fp32: no module needed (nothing to cast), so these tests also run on builds without `module`
+    params = model.parameters() if dtype == torch.float32 else model
+    opt = zk.ZeroOffloadAdamW(params, dtype=dtype, bucket_numel=100, **HP, **kw)
+    for step in data:
+        for x in step:
+            model(x.to(dtype)).backward()
+        opt.step()
+    return opt
+
+
+def masters(opt):
+    return {i: s["master"] for i, s in opt.state_dict()["state"].items()}
+
+
+def test_fp32_accumulation_sums_the_micro_batches():
+    """Finding 1: with dtype fp32 the first accumulation aliased the landing buffer (2x the last micro-batch)."""
+    model, data = net(), batches(3, micro=3)
+    ref, _ = torch_run(model, data)
+    opt = zo_run(model, data)
+    want = [p for p in ref.parameters() if p.requires_grad]
+    for i, m in masters(opt).items():
+        torch.testing.assert_close(m, want[i].detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_param_without_gradient_is_skipped_like_torch():
+    """Finding 3: the unused branch must not move (torch skips a param whose grad is None), and the others
+    keep their own step count."""
+    model, data = net(), batches(5)
+    before = copy.deepcopy(model.unused.state_dict())
+    ref, topt = torch_run(model, data)
+    opt = zo_run(model, data)
+    assert torch.equal(model.unused.weight.float(), before["weight"]) and torch.equal(model.unused.bias, before["bias"])
+    st = opt.state_dict()["state"]
+    names = [n for n, p in net().named_parameters() if p.requires_grad]
+    for i, name in enumerate(names):
+        want = 0 if name.startswith("unused") else 5
+        assert st[i]["step"].item() == want, name
+    assert opt.stats["skipped_params"] == 2
+    want = [p for p in ref.parameters() if p.requires_grad]
+    for i, m in masters(opt).items():
+        torch.testing.assert_close(m, want[i].detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_frozen_params_and_buffers_follow_dtype(dtype):
+    """Finding 6: with the module known, frozen params and buffers are cast too (forward would mismatch)."""
+    model = net()
+    zk.ZeroOffloadAdamW(model, dtype=dtype, **HP)
+    assert {t.dtype for t in model.parameters()} | {t.dtype for t in model.buffers()} == {dtype}
+    model(torch.randn(2, 8, dtype=dtype)).backward()  # runs
+
+
+def test_frozen_params_in_params_follow_dtype_without_module():
+    model = net()
+    zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.bfloat16, **HP)
+    assert model.frozen.weight.dtype == torch.bfloat16 and model.shift.dtype == torch.float32  # buffers: no module
+
+
+def test_each_param_has_its_own_storage_and_safetensors_saves_all(tmp_path):
+    """Finding 4: params were views of one flat buffer; safetensors kept 1 tensor or refused."""
+    st = pytest.importorskip("safetensors.torch")
+    model = net()
+    opt = zo_run(model, batches(2), dtype=torch.bfloat16)
+    ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(ptrs) == len(list(model.parameters()))
+    path = str(tmp_path / "m.safetensors")
+    st.save_model(model, path)
+    loaded = st.load_file(path)
+    assert set(loaded) == set(model.state_dict())
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded[k], v), k
+    # the aliases are the flat buffer: a step moves what the model and the saved file see
+    assert torch.equal(opt.flat[: model.a.weight.numel()].view_as(model.a.weight), model.a.weight)
+
+
+def test_framework_clipping_fails_loudly():
+    """Finding 5: clip_grad_norm_ on p.grad silently did nothing (returned 0.0): it must raise, saying what to do."""
+    model = net()
+    opt = zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.float32, **HP)
+    model(torch.randn(4, 8)).backward()
+    assert isinstance(model.a.weight.grad, zk.MovedGrad)
+    with pytest.raises(RuntimeError, match="max_grad_norm"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    assert model.a.weight.grad is None
+
+
+def test_load_state_dict_keeps_every_group_key():
+    """Finding 7: a scheduler's initial_lr was dropped and resuming it raised KeyError."""
+    model = net()
+    opt = zo_run(model, batches(2))
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5).step()
+    sd = opt.state_dict()
+    model2 = net()
+    opt2 = zk.ZeroOffloadAdamW(model2.parameters(), dtype=torch.float32, **HP)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["initial_lr"] == HP["lr"]
+    topt = torch.optim.AdamW(net().parameters(), **HP)
+    topt.param_groups[0].update(initial_lr=HP["lr"], lr=sd["param_groups"][0]["lr"])
+    for o in (opt2, topt):  # raised KeyError 'initial_lr' on opt2
+        torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5, last_epoch=1).step()
+    assert opt2.param_groups[0]["lr"] == topt.param_groups[0]["lr"] < HP["lr"] / 2
+
+
+def test_a_model_cast_after_construction_is_detected():
+    """Finding 8: model.float(); model.bfloat16() disconnected the model silently."""
+    model = net()
+    opt = zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.bfloat16, **HP)
+    model.float()
+    model.bfloat16()
+    with pytest.raises(RuntimeError, match="cast or moved after ZeroOffloadAdamW was built"):
+        model(torch.randn(2, 8, dtype=torch.bfloat16)).backward()
+    with pytest.raises(RuntimeError, match="cast or moved"):
+        opt.step()
+
+
+def test_model_zero_grad_discards_like_opt_zero_grad():
+    model, data = net(), batches(2, micro=2)
+    ref_model = copy.deepcopy(model)
+    opt = zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.float32, **HP)
+    ref = zk.ZeroOffloadAdamW(ref_model.parameters(), dtype=torch.float32, **HP)
+    for step in data:
+        model(step[0]).backward()
+        model.zero_grad()
+        model(step[1]).backward()
+        opt.step()
+        ref_model(step[1]).backward()
+        ref.step()
+    assert digest(*model.parameters()) == digest(*ref_model.parameters())
+
+
+def test_clearing_some_grads_is_refused():
+    model = net()
+    zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.float32, **HP)
+    model(torch.randn(4, 8)).backward()
+    model.a.weight.grad = None
+    with pytest.raises(RuntimeError, match="cleared"):
+        model(torch.randn(4, 8)).backward()
+
+
+def test_reentrant_checkpoint_is_one_backward():
+    """Finding 2: each reentrant segment became a micro-batch (and flushed every bucket)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+    ref_layers = copy.deepcopy(layers)
+    opt = zk.ZeroOffloadAdamW(layers.parameters(), dtype=torch.float32, bucket_numel=50, **HP)
+    topt = torch.optim.AdamW(ref_layers.parameters(), foreach=False, **HP)
+    x = torch.randn(4, 8, requires_grad=True)
+    for _ in range(3):
+        for lay, o in ((layers, opt), (ref_layers, topt)):
+            h = x
+            for m in lay:
+                h = checkpoint(m, h, use_reentrant=True)
+            h.square().mean().backward()  # every trainable param is inside a segment
+            o.step()
+            o.zero_grad()
+        assert opt.stats["micro_batches"] == 1
+    for a, b in zip(layers.parameters(), ref_layers.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_step_between_forward_and_backward_is_refused_by_autograd():
+    """In-place parameter updates bump autograd's version counter, as torch's optimizers do."""
+    model = net()
+    opt = zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.float32, **HP)
+    model(torch.randn(4, 8)).backward()
+    loss = model(torch.randn(4, 8))
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_misuse_is_loud_and_changes_nothing():
+    model = net()
+    opt = zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.float32, **HP)
+    with pytest.raises(RuntimeError, match="after construction"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    model(torch.randn(4, 8)).backward()
+    before = digest(*model.parameters())
+    model.a.weight.grad = torch.zeros_like(model.a.weight)
+    with pytest.raises(RuntimeError, match="did not come from backward"):
+        opt.step()
+    assert digest(*model.parameters()) == before
+    model.a.weight.grad = zk.MovedGrad(model.a.weight)
+    opt.step()
+    opt.close()
+    for call in (opt.step, opt.zero_grad, opt.state_dict):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+
+
+@pytest.mark.parametrize("threads, exc", [(0, ValueError), (-2, ValueError), ("4", TypeError), (2**31, ValueError)])
+def test_bad_threads_refused_at_construction(threads, exc):
+    model = net()
+    before = digest(*model.parameters(), *model.buffers())
+    with pytest.raises(exc, match="threads"):
+        zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.bfloat16, threads=threads, **HP)
+    assert digest(*model.parameters(), *model.buffers()) == before
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_empty_param_refused_before_rebinding():
+    p = torch.nn.Parameter(torch.empty(0))
+    with pytest.raises(ValueError, match="no elements"):
+        zk.ZeroOffloadAdamW([p])
+    assert p.dtype == torch.float32
+
+
+@pytest.mark.parametrize("corrupt, match", [
+    (lambda sd: sd["state"][0].__setitem__("exp_avg_sq", -sd["state"][0]["exp_avg_sq"] - 1), "negative"),
+    (lambda sd: sd["state"][0]["exp_avg"].fill_(float("nan")), "inf or NaN"),
+    (lambda sd: sd["state"][1].__setitem__("step", "abc"), "step"),
+    (lambda sd: sd["zero_offload"].pop("good_steps"), "good_steps"),
+    (lambda sd: sd["param_groups"][0].__setitem__("lr", float("inf")), "lr"),
+])  # fmt: skip
+def test_bad_state_dict_changes_nothing(corrupt, match):
+    model = net()
+    opt = zo_run(model, batches(2))
+    sd = opt.state_dict()
+    corrupt(sd)
+    before = digest(opt.master, opt.exp_avg, opt.exp_avg_sq, *model.parameters())
+    groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+    with pytest.raises((ValueError, TypeError), match=match):
+        opt.load_state_dict(sd)
+    assert digest(opt.master, opt.exp_avg, opt.exp_avg_sq, *model.parameters()) == before
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
