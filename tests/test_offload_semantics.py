@@ -290,3 +290,14 @@ def test_bad_state_dict_changes_nothing(corrupt, match):
         opt.load_state_dict(sd)
     assert digest(opt.master, opt.exp_avg, opt.exp_avg_sq, *model.parameters()) == before
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
+
+
+@pytest.mark.parametrize("backend, device, want", [
+    ("nccl", "cuda", "nccl"), ("gloo", "cpu", "gloo"), ("cpu:gloo,cuda:nccl", "cuda", "nccl"),
+    ("cpu:gloo,cuda:nccl", "cpu", "gloo"), ("cpu:gloo", "cuda", ""),
+])  # fmt: skip
+def test_backend_of_a_mixed_group(backend, device, want):
+    """Issue 12 finding 10: "cpu:gloo,cuda:nccl" != "nccl" sent every all-gather through pageable host memory."""
+    from zo_kernels.offload import backend_for_device
+
+    assert backend_for_device(backend, device) == want

@@ -37,6 +37,7 @@ SCALE_INIT, SCALE_GROWTH, SCALE_BACKOFF, SCALE_INTERVAL = 2.0**16, 2.0, 0.5, 200
 UPDATE_TIMEOUT_S = 600.0  # default bound on waiting for the background (DPU) update
 COLLECTIVE_TIMEOUT_S = 300.0  # default bound on a gloo collective: a dead peer fails this rank, no hang
 MAX_THREADS = 4096
+GATHER_CHUNK_NUMEL = 1 << 24  # elements per broadcast when state_dict() gathers the partitions (64 MiB fp32)
 
 
 @dataclass
@@ -224,6 +225,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.update_timeout_s, self.collective_timeout_s = float(update_timeout_s), float(collective_timeout_s)
         self._failed: BaseException | None = None
         self._staged = False  # DPU: staging holds the last update's params, not yet on the device
+        self._staging_read: Any = None  # event of the last copy out of staging (the DPU writes after it)
         self.group = process_group
         if self.group is None and dist.is_available() and dist.is_initialized():
             self.group = dist.group.WORLD
@@ -349,7 +351,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     def _wait_work(self, work: Any, what: str) -> None:
         """Wait for a collective; on gloo at most collective_timeout_s, so a dead peer fails this rank clearly."""
         try:
-            if dist.get_backend(self.group) == "nccl":
+            if _backend_for(self.group, self.device) == "nccl":
                 work.wait()  # orders the current stream; NCCL's watchdog bounds it
             else:
                 work.wait(timeout=timedelta(seconds=self.collective_timeout_s))
@@ -457,7 +459,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     def _launch(self, b: _Bucket) -> None:
         t0 = time.perf_counter()
         k = b.index % 2
-        self._wait_buffer(k)
+        self._wait_buffer(k, host=False)  # inside a gradient hook: order the device, never block the host
         if self._direct_landing:  # one rank, host memory is the device: pack straight into the landing buffer
             buf = self.landing[self._slot][b.lo - self.part_lo : b.hi - self.part_lo]
         else:
@@ -491,12 +493,16 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._phase("reduce", t2 - t1)
         self._phase("offload", (t1 - t0) + (time.perf_counter() - t2))
 
-    def _wait_buffer(self, k: int) -> None:
+    def _wait_buffer(self, k: int, host: bool = True) -> None:
+        """Wait for the reduces and copies still reading bucket buffer k: the host waits for them, or (host=False)
+        only the compute stream does (NCCL's work.wait() and transport.device_wait() do not block the host)."""
         for item in self._buf_busy[k]:
             if isinstance(item, tuple):
                 self._wait_work(*item)
-            else:
+            elif host:
                 self.transport.wait(item)
+            else:
+                self.transport.device_wait(item)
         self._buf_busy[k] = []
 
     def _end_micro_callback(self) -> None:
@@ -693,8 +699,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         return found, sum_sq, got
 
     def _comm_device(self) -> torch.device:
-        backend = dist.get_backend(self.group)
-        return self.device if backend == "nccl" else torch.device("cpu")
+        """Where this group's collectives take their tensors: the device if its backend for the device's type
+        is NCCL (also for a mixed "cpu:gloo,cuda:nccl" group), else host memory."""
+        return self.device if _backend_for(self.group, self.device) == "nccl" else torch.device("cpu")
 
     def _cpu_update(self, grad: torch.Tensor, grad_scale: float, runs: list, writeback: bool) -> float:
         """CPU Adam over the ranges `runs` of this rank's partition; with writeback, tiles go to the device.
@@ -717,6 +724,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                           self.exp_avg_sq[a:b], dst=dst, staging=staging, timings=self._times,
                                           **adam)  # fmt: skip
             else:
+                self.transport.wait(self._staging_read)  # the copy of the last update may still read staging
                 cpu_adam_step(self.master[a:b], grad[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b],
                               param_out=self.staging_buf[a:b], **adam)  # fmt: skip
         for ev in events:
@@ -728,9 +736,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         t0 = time.perf_counter()
         own = self.flat[self.part_lo : self.part_hi]
         if not self._staging_in_place:
-            ev = self.transport.h2d(own, self.staging_buf)
-            self.transport.device_wait(ev)
-            self.transport.wait(ev)
+            # the compute stream waits for the copy; the next update waits for it before writing staging
+            self._staging_read = self.transport.h2d(own, self.staging_buf)
+            self.transport.device_wait(self._staging_read)
         self._phase("writeback", time.perf_counter() - t0)
         self._all_gather()
         self._bump_versions()
@@ -739,13 +747,14 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self.world == 1:
             return
         t0 = time.perf_counter()
+        # In place into the flat buffer (the input is this rank's slice of the output): no hidden temporary.
         if self._comm_device().type == self.device.type:
-            self._collective("the all-gather of the parameters", dist.all_gather, list(self.flat.chunk(self.world)),
-                             self.flat[self.part_lo : self.part_hi].clone())  # fmt: skip
+            self._collective("the all-gather of the parameters", _all_gather_single, self.flat,
+                             self.flat[self.part_lo : self.part_hi])  # fmt: skip
         else:
             host = self.flat.cpu()
-            self._collective("the all-gather of the parameters", dist.all_gather, list(host.chunk(self.world)),
-                             host[self.part_lo : self.part_hi].clone())  # fmt: skip
+            self._collective("the all-gather of the parameters", _all_gather_single, host,
+                             host[self.part_lo : self.part_hi])  # fmt: skip
             self.flat.copy_(host)
         self._phase("all_gather", time.perf_counter() - t0)
 
@@ -797,14 +806,26 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
 
     def _gather(self, part: torch.Tensor) -> torch.Tensor:
-        """The full flat tensor from every rank's partition (a collective when N > 1)."""
+        """The full flat tensor (on the host) from every rank's partition (a collective when N > 1).
+
+        Each rank's partition is broadcast in chunks of at most GATHER_CHUNK_NUMEL elements through one
+        buffer on the collective's device: device memory stays bounded whatever the model size.
+        """
         if self.world == 1:
             return part
         dev = self._comm_device()
-        out = torch.empty(self.flat_numel, dtype=part.dtype, device=dev)
-        self._collective("the all-gather of the optimizer state", dist.all_gather, list(out.chunk(self.world)),
-                         part.to(dev))  # fmt: skip
-        return out.cpu()
+        out = torch.empty(self.flat_numel, dtype=part.dtype)
+        chunk = min(self.part, GATHER_CHUNK_NUMEL)
+        buf = torch.empty(chunk, dtype=part.dtype, device=dev)
+        for r in range(self.world):
+            for lo in range(0, self.part, chunk):
+                n = min(chunk, self.part - lo)
+                if r == self.rank:
+                    buf[:n].copy_(part[lo : lo + n])
+                self._collective("the gather of the optimizer state", dist.broadcast, buf[:n],
+                                 src=self.group_rank_to_global(r))  # fmt: skip
+                out[r * self.part + lo : r * self.part + lo + n].copy_(buf[:n])
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim layout, world-size independent: per param step/exp_avg/exp_avg_sq/master (fp32, CPU)."""
@@ -983,6 +1004,26 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
 
 # ---------------------------------------------------------------------- argument checks
+
+
+def _backend_for(group: Any, device: torch.device) -> str:
+    """The backend a group uses for tensors on `device`."""
+    return backend_for_device(str(dist.get_backend(group)), device.type)
+
+
+def backend_for_device(backend: str, device_type: str) -> str:
+    """The backend of a group's backend string for one device type: "nccl" -> "nccl";
+    "cpu:gloo,cuda:nccl" -> "nccl" for "cuda" and "gloo" for "cpu"."""
+    if ":" not in backend:
+        return backend
+    per_device = dict(item.split(":", 1) for item in backend.split(","))
+    return per_device.get(device_type, "")
+
+
+def _all_gather_single(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:
+    """dist.all_gather_single (torch >= 2.13), else its older name all_gather_into_tensor."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, **kwargs)
 
 
 def _check_loss_scale(loss_scale: Any) -> tuple[float, bool]:
