@@ -137,16 +137,42 @@ def test_each_param_has_its_own_storage_and_safetensors_saves_all(tmp_path):
     assert torch.equal(opt.flat[: model.a.weight.numel()].view_as(model.a.weight), model.a.weight)
 
 
-def test_framework_clipping_fails_loudly():
-    """Finding 5: clip_grad_norm_ on p.grad silently did nothing (returned 0.0): it must raise, saying what to do."""
-    model = net()
+@pytest.mark.parametrize("micro", [1, 3])
+def test_framework_clipping_takes_effect(micro):
+    """Finding 5: clip_grad_norm_ on p.grad silently did nothing (returned 0.0, clipped nothing). p.grad is now
+    a placeholder whose norm is the host gradient's and whose multiplication is applied at step()."""
+    model, data = net(), batches(4, micro=micro)
+    ref_master = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW([p for p in ref_master.parameters() if p.requires_grad], foreach=False, **HP)
     opt = zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.float32, **HP)
+    for step in data:
+        for x in step:
+            model(x).backward()
+            ref_master(x).backward()
+        assert isinstance(model.a.weight.grad, zk.MovedGrad)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_master.parameters(), 0.05)
+        assert norm.item() == pytest.approx(ref_norm.item(), rel=1e-5) and ref_norm.item() > 0.05
+        inf_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None], "inf")
+        ref_inf = torch.nn.utils.get_total_norm([p.grad for p in ref_master.parameters() if p.grad is not None], "inf")
+        assert inf_norm.item() == pytest.approx(ref_inf.item(), rel=1e-5)  # after the clip: scaled as torch's
+        opt.step()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert model.a.weight.grad is None
+    want = [p for p in ref_master.parameters() if p.requires_grad]
+    for i, m in masters(opt).items():
+        torch.testing.assert_close(m, want[i].detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_other_uses_of_p_grad_fail_loudly():
+    model = net()
+    zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.float32, **HP)
     model(torch.randn(4, 8)).backward()
-    assert isinstance(model.a.weight.grad, zk.MovedGrad)
-    with pytest.raises(RuntimeError, match="max_grad_norm"):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    assert model.a.weight.grad is None
+    for use in (lambda g: g.add_(1.0), lambda g: g.sum(), lambda g: g.clone(), lambda g: g.zero_(),
+                lambda g: torch.linalg.vector_norm(g, 1.0)):  # fmt: skip
+        with pytest.raises(RuntimeError, match="moved to the host|only 2 and inf"):
+            use(model.a.weight.grad)
 
 
 def test_load_state_dict_keeps_every_group_key():

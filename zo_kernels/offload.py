@@ -369,12 +369,15 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ gradients leave during backward
 
     def _reset_grad_state(self) -> None:
-        self._n_micro = 0  # completed backward passes since the last step/zero_grad
+        self._n_micro = 0  # gradient sets in the landing buffer since the last step (a backward, or a part of one)
+        self._n_backward = 0  # completed backward passes since the last step/zero_grad (stats["micro_batches"])
         self._in_backward = False  # a backward pass is open: gradients arriving belong to it
         self._seen: set[torch.Tensor] = set()  # params whose gradient arrived in the open backward pass
         self._callback_tasks: set[int] = set()  # autograd graph tasks that will close the open pass
         self._moved: list[torch.Tensor] = []  # params whose p.grad is a MovedGrad placeholder
         self._got = [False] * len(self._params)  # which params received a gradient since the last step
+        self._factor = [1.0] * len(self._params)  # p.grad.mul_(f) since the last step (framework clipping)
+        self._norm_cache: dict[float, torch.Tensor] = {}  # per-param gradient norms, by order, until it changes
         self._next_bucket = 0
         self._found_inf = torch.zeros((), dtype=torch.bool, device=self.device)
         self._sum_sq = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -393,10 +396,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self._check_open()
             self._check_usable()
             if self._in_backward and p in self._seen:
-                # p got a second gradient: a new backward pass began (the last one ran entirely inside nested,
-                # reentrant-checkpoint backwards, which cannot close it), or a param is shared by two segments.
-                # Either way closing the pass here is exact: micro-batch gradients are summed.
-                self._end_micro()
+                # p got a second gradient: a param shared by two reentrant-checkpoint segments of one backward
+                # (an outer backward that will close the pass is still running), or a new backward pass (the
+                # last one ran entirely inside nested backwards, which cannot close it). Either way the pass is
+                # cut here, which is exact: the parts are summed like micro-batches.
+                self._end_micro(same_backward=bool(self._callback_tasks))
             if not self._in_backward:
                 self._begin_micro()
             if not in_nested_backward():
@@ -471,7 +475,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._sum_sq += packed.sum_sq
         for (p, _, _), h in zip(b.params, has):
             if h:  # the device gradient is freed as soon as its bucket has left
-                p.grad = MovedGrad(p)
+                p.grad = MovedGrad(p, self, self._index[p])
                 self._moved.append(p)
         busy = self._buf_busy[k]
         t1 = time.perf_counter()
@@ -509,15 +513,19 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self._in_backward:
             self._end_micro()
 
-    def _end_micro(self) -> None:
-        """End of a backward pass: flush buckets with missing gradients (as zeros) and wait for the copies."""
+    def _end_micro(self, same_backward: bool = False) -> None:
+        """End of a backward pass (or of a part of one): flush buckets with missing gradients (as zeros) and
+        wait for the copies."""
         t0 = time.perf_counter()
         self._launch_ready(flush=True)
         for k in range(2):
             self._wait_buffer(k)
         self.transport.synchronize()
         self._in_backward = False
-        self._callback_tasks = set()
+        if not same_backward:
+            self._callback_tasks = set()
+            self._n_backward += 1
+        self._norm_cache = {}
         self._n_micro += 1
         self._phase("backward_offload_wait", time.perf_counter() - t0)
 
@@ -594,7 +602,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         found_inf, sum_sq, got = self._global_checks(grad)
         scale = self._scale
         norm = math.sqrt(sum_sq) / (self.world * scale) if math.isfinite(sum_sq) else float("inf")
-        n_micro = self._n_micro
+        n_micro, factor = self._n_backward, self._factor
         for p in self._moved:
             p.grad = None
         self._reset_grad_state()
@@ -607,7 +615,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
         grad_scale = clip / (self.world * scale)
-        runs = self._runs(got)
+        runs = self._runs(got, factor)
         for i, g in enumerate(got):
             self._pstep[i] += g
         for gi, group in enumerate(self.param_groups):
@@ -659,21 +667,69 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """The device params changed in place: autograd must refuse graphs that saved their old values."""
         torch.autograd.graph.increment_version(self._params)
 
-    def _runs(self, got: list[bool]) -> list[tuple[int, int, int, int]]:
-        """(group, start, end, step) ranges of the partition to update: the params that got a gradient,
-        cut where the group or the step count changes (one range per group when nothing is skipped)."""
-        runs: list[tuple[int, int, int, int]] = []
+    def _runs(self, got: list[bool], factor: list[float]) -> list[tuple[int, int, int, int, float]]:
+        """(group, start, end, step, gradient factor) ranges of the partition to update: the params that got a
+        gradient, cut where the group, the step count or the factor changes (one range per group when nothing
+        is skipped or scaled apart)."""
+        runs: list[tuple[int, int, int, int, float]] = []
         for i, p in enumerate(self._params):
             off, n = self._offset[p], p.numel()
             a, b = max(off, self.part_lo) - self.part_lo, min(off + n, self.part_hi) - self.part_lo
             if a >= b or not got[i]:
                 continue
-            key = (self._pgroup[i], self._pstep[i] + 1)
-            if runs and runs[-1][0] == key[0] and runs[-1][3] == key[1] and runs[-1][2] == a:
-                runs[-1] = (key[0], runs[-1][1], b, key[1])
+            key = (self._pgroup[i], self._pstep[i] + 1, factor[i])
+            if runs and runs[-1][2] == a and (runs[-1][0], runs[-1][3], runs[-1][4]) == key:
+                runs[-1] = (key[0], runs[-1][1], b, key[1], key[2])
             else:
-                runs.append((key[0], a, b, key[1]))
+                runs.append((key[0], a, b, key[1], key[2]))
         return runs
+
+    # ------------------------------------------------------------------ p.grad placeholders (MovedGrad)
+
+    def _host_gradient(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(last micro-batch's reduced gradient, sum of the earlier ones or None) of this rank's partition."""
+        self._check_open()
+        self._check_usable()
+        if self._in_backward and torch._C._current_graph_task_id() == -1:
+            self._end_micro()
+        if self._in_backward or self._n_micro == 0:
+            raise RuntimeError("p.grad is read during backward: its gradient is complete only after backward")
+        s = self._slot
+        return self.landing[s], (self._accum[s] if self._n_micro > 1 else None)
+
+    @torch.no_grad()
+    def _host_grad_norms(self, indices: list[int], ord: float) -> list[float]:
+        """Norms of the params' gradients as torch would hold them in p.grad (summed over micro-batches,
+        averaged over ranks, unscaled, times any factor applied since), for ord 2 or inf. A collective when
+        N > 1 (all ranks clip together, as with DDP); computed once per gradient and order."""
+        if ord not in (2.0, math.inf):
+            raise RuntimeError(f"a norm of order {ord} of p.grad: only 2 and inf are supported on the host copy")
+        if ord not in self._norm_cache:
+            last, earlier = self._host_gradient()
+            part = torch.zeros(len(self._params), dtype=torch.float64)
+            for i, p in enumerate(self._params):
+                off, n = self._offset[p], p.numel()
+                a, b = max(off, self.part_lo) - self.part_lo, min(off + n, self.part_hi) - self.part_lo
+                if a < b:
+                    g = last[a:b].double() + (earlier[a:b].double() if earlier is not None else 0.0)
+                    part[i] = g.square().sum() if ord == 2.0 else g.abs().max()
+            if self.world > 1:
+                op = dist.ReduceOp.SUM if ord == 2.0 else dist.ReduceOp.MAX
+                part = part.to(self._comm_device())
+                self._collective("the all-reduce of per-parameter gradient norms", dist.all_reduce, part, op=op)
+                part = part.cpu()
+            norms = part.sqrt() if ord == 2.0 else part
+            self._norm_cache[ord] = norms / (self.world * self._scale)
+        factor = torch.tensor(self._factor, dtype=torch.float64).abs()
+        return (self._norm_cache[ord] * factor)[indices].tolist()
+
+    def _scale_host_grads(self, indices: list[int], factor: float) -> None:
+        """p.grad.mul_(factor) on placeholders: the host gradients of those params are scaled at step()."""
+        self._host_gradient()
+        if not math.isfinite(factor):
+            raise RuntimeError(f"p.grad multiplied by {factor}: the factor must be finite")
+        for i in indices:
+            self._factor[i] *= factor
 
     # ------------------------------------------------------------------ the step's pieces
 
@@ -710,10 +766,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """
         t0 = time.perf_counter()
         events = []
-        for gi, a, b, step in runs:
+        for gi, a, b, step, factor in runs:
             group, staging = self.param_groups[gi], self._staging[gi]
             adam = dict(step=step, lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                        weight_decay=group["weight_decay"], grad_scale=grad_scale, threads=self.threads)  # fmt: skip
+                        weight_decay=group["weight_decay"], grad_scale=grad_scale * factor,
+                        threads=self.threads)  # fmt: skip
             if (a, b) != self._group_ranges[gi]:  # part of a group (a param was skipped): a staging of its own,
                 for ev in staging.events.values():  # once the group's earlier copies are done
                     self.transport.wait(ev)

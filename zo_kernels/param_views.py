@@ -4,9 +4,9 @@
   parameters of ZeroOffloadAdamW are such aliases, not views: tools that deduplicate tensors by storage
   (safetensors, accelerate's save_state, HF save_pretrained) then see one tensor per parameter and save each.
   The alias keeps the flat buffer alive.
-- `MovedGrad`: the placeholder left in `p.grad` once the gradient has gone to the host. Any operation on it
-  raises with instructions, so a framework that clips or reads `p.grad` fails loudly instead of silently
-  doing nothing.
+- `MovedGrad`: the placeholder left in `p.grad` once the gradient has gone to the host. It answers the
+  norm and the scalar multiplication of gradient clipping from the host copy; anything else raises with
+  instructions, so a framework that reads or changes `p.grad` otherwise fails loudly, never silently.
 - `in_nested_backward`: whether autograd is running a backward inside another one (reentrant activation
   checkpointing runs one per checkpointed segment).
 """
@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 import numpy as np
@@ -63,29 +64,79 @@ def is_alias_of(p: torch.Tensor, flat: torch.Tensor, offset: int) -> bool:
 
 
 MOVED_GRAD_HELP = (
-    "this parameter's gradient was moved to the host by ZeroOffloadAdamW during backward, so p.grad cannot be "
-    "read or changed. To clip gradients pass max_grad_norm= to ZeroOffloadAdamW and turn the framework's own "
-    "clipping off (HF Trainer: TrainingArguments(max_grad_norm=0); accelerate: do not call clip_grad_norm_); "
-    "opt.stats['grad_norm'] reports the norm after each step. To discard gradients call opt.zero_grad() or "
-    "model.zero_grad() (set_to_none=True)."
+    "this parameter's gradient was moved to the host by ZeroOffloadAdamW during backward: p.grad supports "
+    "only a norm (torch.linalg.vector_norm, ord 2 or inf) and an in-place multiplication by a scalar, which is "
+    "what torch.nn.utils.clip_grad_norm_ does (so framework clipping works: the factor is applied on the host "
+    "at step()). To discard gradients call opt.zero_grad() or model.zero_grad() (set_to_none=True)."
 )
+
+_aten = torch.ops.aten
+_NORMS = (_aten.linalg_vector_norm.default, _aten._foreach_norm.Scalar)
+_MULS = (_aten.mul_.Tensor, _aten.mul_.Scalar, _aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar)
 
 
 class MovedGrad(torch.Tensor):
-    """Placeholder in p.grad after the gradient left for the host: shape, dtype and device only, no data."""
+    """Placeholder in p.grad after the gradient left for the host: shape, dtype and device, no data.
+
+    It answers what gradient clipping asks (torch.nn.utils.clip_grad_norm_, so HF Trainer and accelerate too):
+    a norm is the true norm of the parameter's gradient on the host (summed over the micro-batches, averaged
+    over the ranks, loss scale removed); an in-place multiplication by a scalar is applied to that gradient at
+    step(). Anything else raises, saying so.
+    """
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor) -> MovedGrad:
-        return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+    def __new__(cls, like: torch.Tensor, owner: Any = None, index: int = -1) -> MovedGrad:
+        r = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+        r._owner = weakref.ref(owner) if owner is not None else (lambda: None)
+        r._index = index
+        return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _NORMS:
+            return _norms(func, args, kwargs)
+        if func in _MULS:
+            return _scale(func, args)
         raise RuntimeError(f"{func} on p.grad: {MOVED_GRAD_HELP}")
 
     def __repr__(self) -> str:
         return f"MovedGrad(shape={tuple(self.shape)}, dtype={self.dtype}: the gradient is on the host)"
+
+
+def _owner_of(grads: list[Any]) -> Any:
+    owners = {id(o): o for o in (g._owner() for g in grads if isinstance(g, MovedGrad))}
+    if len(owners) != 1 or None in owners.values() or not all(isinstance(g, MovedGrad) for g in grads):
+        raise RuntimeError(f"p.grad mixes MovedGrad placeholders of several optimizers, or with tensors: "
+                           f"{MOVED_GRAD_HELP}")  # fmt: skip
+    return next(iter(owners.values()))
+
+
+def _norms(func: Any, args: Any, kwargs: dict) -> Any:
+    foreach = func is _aten._foreach_norm.Scalar
+    grads = list(args[0]) if foreach else [args[0]]
+    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    if not foreach and (kwargs.get("dim", args[2] if len(args) > 2 else None) is not None
+                        or kwargs.get("keepdim", args[3] if len(args) > 3 else False)):  # fmt: skip
+        raise RuntimeError(f"a norm over some dimensions of p.grad: {MOVED_GRAD_HELP}")
+    dtype = kwargs.get("dtype") or grads[0].dtype
+    values = _owner_of(grads)._host_grad_norms([g._index for g in grads], float(ord_))
+    out = [torch.tensor(v, dtype=dtype, device=g.device) for v, g in zip(values, grads)]
+    return out if foreach else out[0]
+
+
+def _scale(func: Any, args: Any) -> Any:
+    foreach = func in (_aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar)
+    grads = list(args[0]) if foreach else [args[0]]
+    factor = args[1]
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1:
+            raise RuntimeError(f"p.grad multiplied by a tensor that is not a scalar: {MOVED_GRAD_HELP}")
+        factor = factor.item()
+    _owner_of(grads)._scale_host_grads([g._index for g in grads], float(factor))
+    return args[0]
 
 
 _BACKWARD_APPLY = torch.autograd.function.BackwardCFunction.apply.__code__

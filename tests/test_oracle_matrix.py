@@ -1,0 +1,400 @@
+"""Differential matrix: ZeroOffloadAdamW against the plain-PyTorch oracle (tests/oracle.py).
+
+Factors: dtype x micro-batches x clipping x loss scale x DPU x ranks x model features (param groups, frozen
+params, tied weights, unused branches, buffers) x an inf injected into one backward. A deterministic greedy
+covering array (`covering_array`) covers every pair of levels of every two factors, and every combination of
+a few stronger tuples (STRONGER): 25 cases of 8 steps. All 2-rank cases run in ONE launch of two gloo processes
+(each case in a process group of its own, so a case that fails on one rank cannot derail the next).
+
+Compared per case: the losses of every step, rank and micro-batch; skip decisions and the loss scale after
+every step (exactly); per parameter the step count (exactly), and the fp32 master, exp_avg and exp_avg_sq of
+state_dict(); the model's tensors before and after synchronize(): dtypes and frozen params and buffers
+exactly, the working params within tolerance. A param that never had a gradient must be exactly untouched
+(master, moments, working copy), as AdamW leaves a param whose .grad is None.
+
+Tolerances. Per kind of quantity (losses, master, exp_avg, exp_avg_sq, working params) the oracle's own noise
+is measured in the case as rel = max over the kind's tensors of max|oracle - other| / max|oracle|, and each
+tensor t must satisfy |got - oracle| <= (FACTOR * rel + FLOOR_ULPS * eps32 [+ eps(dtype)]) * max|oracle_t|.
+Pooling over the kind keeps one tensor whose two runs happen to agree (a param updated twice) from getting
+a bound below the noise every tensor carries.
+- fp32: `other` = the oracle with AdamW(foreach=True), micro-batches and ranks summed in reverse order and
+  every initial master moved by one ulp: fp32 rounding alone. The code under test rounds differently in the
+  same places (its own Adam kernel, its summation order). FACTOR_FP32 = 4; measured: err/bound <= 0.2
+  (rel is ~1e-7 to 6e-7).
+- bf16/fp16: `other` = the oracle run in fp32, i.e. what 16-bit rounding does to the training; the code
+  under test differs from the 16-bit oracle by a part of that (it reduces over ranks in 16 bits).
+  FACTOR_16 = 2 ("at most 2x the error of PyTorch in the same precision"); measured: err/bound <= 0.7, the
+  largest on exp_avg_sq of 2-rank bf16 cases (rel: bf16 ~1e-2, fp16 ~1e-3).
+- floor: one fp32 ulp of the tensor's largest value per step (FLOOR_ULPS = STEPS); the working 16-bit params
+  get one ulp of their dtype on top (a master that differs in its last bits may round to the next value).
+16-bit CPU kernels (LayerNorm's weight gradient) round differently with another thread count, and the ranks
+pin themselves to their share of the cores: the oracle runs with the thread count the code under test had.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import traceback
+from itertools import combinations, product
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from dist_worker import free_port
+from oracle import FeatureNet, Oracle, param_groups
+
+import zo_kernels as zk
+
+STEPS = 8
+INF_STEP = 3  # 0-based; with DPU k=2 it is a delayed step
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+MAX_GRAD_NORM = 2.5  # this model's gradient norms are about 2 to 3.4: some steps clip, some do not
+STATIC_SCALE = 1024.0
+BUCKET_NUMEL = 1_000  # several buckets; params of ~600-900 elements
+BATCH, SEQ, VOCAB = 3, 5, 37
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FACTOR_FP32, FACTOR_16 = 4.0, 2.0
+FLOOR_ULPS = STEPS
+FP32_EPS = torch.finfo(torch.float32).eps
+
+FACTORS = {
+    "dtype": ("fp32", "bf16", "fp16"),
+    "micro": (1, 3),
+    "clip": (False, True),
+    "scale": (None, "static", "dynamic"),
+    "dpu": (None, 2),
+    "world": (1, 2),
+    "groups": (False, True),
+    "frozen": (False, True),
+    "tied": (False, True),
+    "unused": (False, True),
+    "buffers": (False, True),
+    "inf": (False, True),
+}
+# Stronger than pairs where the bugs were: accumulation by dtype, ranks and DPU; the overflow path by dtype and
+# loss scale; a skipped step under DPU on 1 and 2 ranks; params without a gradient on some micro-batches/ranks.
+STRONGER = (("dtype", "micro", "world", "dpu"), ("dtype", "scale", "inf"), ("dpu", "inf", "world"),
+          ("unused", "micro", "world"))
+
+
+def covering_array(factors: dict, stronger=(), seed: int = 0, candidates: int = 40) -> list[dict]:
+    """Rows (factor -> level) covering every pair of levels of every two factors, and every combination of
+    levels of each tuple of factors in `stronger`.
+
+    Greedy (AETG-like), deterministic for a seed: each row starts from an uncovered tuple, then fixes the other
+    factors one at a time (random order) to the level that covers the most uncovered tuples; the best of
+    `candidates` such rows is kept. Ends when nothing is uncovered.
+    """
+    names = list(factors)
+    rng = random.Random(seed)
+    groups = [tuple(c) for c in combinations(names, 2)] + [tuple(t) for t in stronger]
+    uncovered = {(g, v) for g in groups for v in product(*(range(len(factors[n])) for n in g))}
+
+    def covered_by(row: dict) -> set:
+        return {(g, tuple(row[n] for n in g)) for g in groups if all(n in row for n in g)} & uncovered
+
+    rows = []
+    while uncovered:
+        best, best_gain = None, -1
+        pool = sorted(uncovered)
+        for _ in range(candidates):
+            g, v = rng.choice(pool)
+            row = dict(zip(g, v))
+            rest = [n for n in names if n not in row]
+            rng.shuffle(rest)
+            for n in rest:
+                row[n] = max(range(len(factors[n])), key=lambda lv: (len(covered_by({**row, n: lv})), -lv))
+            gain = len(covered_by(row))
+            if gain > best_gain:
+                best, best_gain = row, gain
+        uncovered -= covered_by(best)
+        rows.append({n: factors[n][best[n]] for n in names})
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    index: int
+    dtype: str
+    micro: int
+    clip: bool
+    scale: str | None
+    dpu: int | None
+    world: int
+    groups: bool
+    frozen: bool
+    tied: bool
+    unused: bool
+    buffers: bool
+    inf: bool
+
+    @property
+    def id(self) -> str:
+        on = [k for k in ("clip", "groups", "frozen", "tied", "unused", "buffers", "inf") if getattr(self, k)]
+        return "-".join([f"c{self.index:02d}", self.dtype, f"m{self.micro}", f"w{self.world}",
+                         f"scale={self.scale}", f"dpu={self.dpu}", *on])  # fmt: skip
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+    def model(self) -> FeatureNet:
+        return FeatureNet(VOCAB, frozen=self.frozen, tied=self.tied, unused=self.unused, buffers=self.buffers)
+
+    def loss_scale(self) -> float | str | None:
+        return {None: None, "static": STATIC_SCALE, "dynamic": "dynamic"}[self.scale]
+
+    def batches(self) -> list[list[list[tuple]]]:
+        """[step][rank][micro] -> (x, y, branch, inject): the `sometimes` branch runs on rank 0's first
+        micro-batch every third step (so it has no gradient on the other steps, and on one rank only)."""
+        g = torch.Generator().manual_seed(1000 + self.index)
+        shape = (STEPS, self.world, self.micro, BATCH, SEQ)
+        x, y = torch.randint(0, VOCAB, shape, generator=g), torch.randint(0, VOCAB, shape, generator=g)
+        return [[[(x[s, r, i], y[s, r, i], s % 3 == 0 and r == 0 and i == 0,
+                   self.inf and s == INF_STEP and r == self.world - 1 and i == self.micro - 1)
+                  for i in range(self.micro)] for r in range(self.world)] for s in range(STEPS)]  # fmt: skip
+
+
+CASES = [Case(i, **row) for i, row in enumerate(covering_array(FACTORS, STRONGER))]
+
+
+def forward(model, batch) -> torch.Tensor:
+    x, y, branch, inject = batch
+    return model(x, y, branch=branch, inject=inject)
+
+
+# ---------------------------------------------------------------------- the code under test
+
+
+def run_zo(case: Case, rank: int, group) -> dict:
+    """Train the case with ZeroOffloadAdamW on this rank; everything the comparison needs, on the CPU."""
+    model = case.model()
+    params, extra = (param_groups(model), {"module": model}) if case.groups else (model, {})
+    opt = zk.ZeroOffloadAdamW(params, **ADAMW, dtype=DTYPES[case.dtype], loss_scale=case.loss_scale(),
+                              max_grad_norm=MAX_GRAD_NORM if case.clip else None, delay_update_after=case.dpu,
+                              bucket_numel=BUCKET_NUMEL, process_group=group, collective_timeout_s=30.0,
+                              **extra)  # fmt: skip
+    try:
+        losses, skipped, scales = [], [], []
+        for step in case.batches():
+            losses.append([])
+            for batch in step[rank]:
+                loss = forward(model, batch)
+                losses[-1].append(loss.item())
+                if case.scale is None:
+                    loss.backward()
+                else:
+                    opt.backward(loss)
+            opt.step()
+            skipped.append(bool(opt.stats["skipped"]))
+            scales.append(float(opt.loss_scale))
+        sd = opt.state_dict()
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+        state = {order[i]: {k: (float(v) if k == "step" else v.clone()) for k, v in st.items()}
+                 for i, st in sd["state"].items()}  # fmt: skip
+        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        opt.synchronize()
+        after = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return dict(losses=losses, skipped=skipped, scales=scales, state=state, before=before, after=after,
+                    threads=torch.get_num_threads())  # fmt: skip
+    finally:
+        opt.close()
+
+
+def _rank_entry(rank: int, port: int, cases: list[Case], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        for case in cases:
+            group = dist.new_group(backend="gloo")  # a fresh group: a case stuck on one rank stays in its own
+            try:
+                result = run_zo(case, rank, group)
+            except Exception:
+                result = {"error": traceback.format_exc(limit=4)}
+            torch.save(result, os.path.join(out, f"{case.index}.{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_two_ranks(cases: list[Case], out: str) -> dict[int, list[dict]]:
+    """All the cases in one launch of two gloo processes: case index -> each rank's results."""
+    failure = "no result written"
+    try:
+        mp.spawn(_rank_entry, args=(free_port(), cases, out), nprocs=2, join=True)
+    except Exception as e:  # a rank died: every case it did not finish reports this
+        failure = f"the 2-rank launch failed: {type(e).__name__}: {e}"
+    results = {}
+    for c in cases:
+        paths = [os.path.join(out, f"{c.index}.{r}.pt") for r in range(2)]
+        results[c.index] = [torch.load(p, weights_only=False) if os.path.exists(p) else {"error": failure}
+                            for p in paths]  # fmt: skip
+    return results
+
+
+def run_one_rank(case: Case) -> list[dict]:
+    try:
+        return [run_zo(case, 0, None)]
+    except Exception:
+        return [{"error": traceback.format_exc(limit=4)}]
+
+
+_RESULTS: dict[int, list[dict]] = {}
+
+
+def zo_results(case: Case, tmp_dir) -> list[dict]:
+    """Each rank's results for the case; the 2-rank cases all run in one launch, on first need."""
+    if case.index not in _RESULTS:
+        if case.world == 1:
+            _RESULTS[case.index] = run_one_rank(case)
+        else:
+            _RESULTS.update(run_two_ranks([c for c in CASES if c.world == 2], str(tmp_dir)))
+    return _RESULTS[case.index]
+
+
+@pytest.fixture(scope="module")
+def spawn_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("oracle_matrix")
+
+
+# ---------------------------------------------------------------------- the oracle side
+
+
+def run_oracle(case: Case, dtype: torch.dtype, **perturb) -> dict:
+    model = case.model()
+    oracle = Oracle(model, dtype, groups=param_groups(model) if case.groups else None, loss_scale=case.loss_scale(),
+                    max_grad_norm=MAX_GRAD_NORM if case.clip else None, delay_update_after=case.dpu, **perturb,
+                    **ADAMW)  # fmt: skip
+    losses, skipped, scales = [], [], []
+    for step in case.batches():
+        step_losses, skip = oracle.step(step, forward)
+        losses.append(step_losses)
+        skipped.append(skip)
+        scales.append(oracle.scale)
+    state = {n: oracle.state(n) for n in oracle.masters}
+    before = {k: v.detach().clone() for k, v in oracle.work.state_dict().items()}
+    oracle.synchronize()
+    after = {k: v.detach().clone() for k, v in oracle.work.state_dict().items()}
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad} | {n for n, _ in model.named_buffers()}
+    return dict(losses=losses, skipped=skipped, scales=scales, state=state, before=before, after=after, fixed=frozen)
+
+
+def top(t: torch.Tensor) -> float:
+    return t.abs().max().item() if t.numel() else 0.0
+
+
+def rel_spread(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """max over the tensors of max|want - other| / max|want|: the oracle's own noise, relative, pooled."""
+    return max((top(w.double() - o.double()) / top(w) for w, o in pairs if top(w) > 0), default=0.0)
+
+
+def compare(what: str, got: torch.Tensor, want: torch.Tensor, bound: float) -> str | None:
+    """Element-wise |got - want| <= bound (NaN never passes); a message with the first bad indices."""
+    got, want = got.double().reshape(-1), want.double().reshape(-1)
+    if got.shape != want.shape:
+        return f"{what}: shape {tuple(got.shape)}, oracle {tuple(want.shape)}"
+    err = (got - want).abs()
+    bad = (err > bound) | got.isnan()
+    if not bad.any():
+        return None
+    idx = bad.nonzero().flatten()[:4].tolist()
+    first = ", ".join(f"[{i}] {got[i].item():.7g} vs {want[i].item():.7g}" for i in idx)
+    return (f"{what}: {int(bad.sum())}/{bad.numel()} off by more than {bound:.3g} (max err {err.max().item():.3g}); "
+            f"first bad: {first}")  # fmt: skip
+
+
+def check_case(case: Case, zo: list[dict], want: dict, other: dict) -> list[str]:
+    """Everything the code under test reported against the oracle; the list of what differs."""
+    dtype = DTYPES[case.dtype]
+    factor = FACTOR_FP32 if dtype == torch.float32 else FACTOR_16
+    errors = []
+    for r, res in enumerate(zo):
+        if res["skipped"] != want["skipped"]:
+            errors.append(f"rank {r} skip decisions {res['skipped']}, oracle {want['skipped']}")
+        if res["scales"] != want["scales"]:
+            errors.append(f"rank {r} loss scales {res['scales']}, oracle {want['scales']}")
+    # kind -> [(what, got, want, other, extra floor in ulps of dtype)]
+    kinds: dict[str, list] = {"losses": [], "master": [], "exp_avg": [], "exp_avg_sq": [], "working params": []}
+    got_losses = torch.tensor([[res["losses"][s] for res in zo] for s in range(STEPS)])
+    kinds["losses"].append(("losses[step, rank, micro]", got_losses, torch.tensor(want["losses"]),
+                            torch.tensor(other["losses"]), 0))  # fmt: skip
+    never = set()
+    for name, w in want["state"].items():
+        st = zo[0]["state"].get(name)
+        if st is None:
+            errors.append(f"state_dict has no entry for trainable param {name}")
+            continue
+        if float(st["step"]) != w["step"]:
+            errors.append(f"{name}: step {float(st['step'])}, oracle {w['step']}")
+        if w["step"] == 0:
+            never.add(name)  # skipped like AdamW skips grad None: nothing may change, exactly
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                if not torch.equal(st[key], w[key]):
+                    errors.append(f"{name} never had a gradient, yet its {key} changed (max err "
+                                  f"{top(st[key].double() - w[key].double()):.3g})")  # fmt: skip
+            continue
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            kinds[key].append((f"{key}[{name}]", st[key], w[key], other["state"][name][key], 0))
+    for phase in ("before", "after"):  # the model's tensors before and after synchronize()
+        for r, res in enumerate(zo):
+            got_t, want_t, other_t = res[phase], want[phase], other[phase]
+            if sorted(got_t) != sorted(want_t):
+                errors.append(f"rank {r} model state keys {sorted(got_t)}, oracle {sorted(want_t)}")
+                continue
+            for k, w in want_t.items():
+                g = got_t[k]
+                where = f"rank {r} model.{k} ({phase} synchronize)"
+                if g.dtype != w.dtype:
+                    errors.append(f"{where}: dtype {g.dtype}, oracle {w.dtype}")
+                elif k in want["fixed"]:
+                    if not torch.equal(g, w):
+                        errors.append(f"{where}: frozen param/buffer differs from its cast (max err "
+                                      f"{top(g.double() - w.double()):.3g})")  # fmt: skip
+                elif k in never:
+                    if not torch.equal(g, w):
+                        errors.append(f"{where}: never had a gradient, yet changed")
+                else:
+                    kinds["working params"].append((where, g, w, other_t[k], 1))
+    for items in kinds.values():
+        rel = rel_spread([(w, o) for _, _, w, o, _ in items])
+        for what, g, w, _, ulps in items:
+            bound = (factor * rel + FLOOR_ULPS * FP32_EPS + ulps * torch.finfo(dtype).eps) * top(w)
+            msg = compare(what, g, w, bound)
+            if msg:
+                errors.append(msg)
+    return errors
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_matches_oracle(case: Case, spawn_dir) -> None:
+    dtype = DTYPES[case.dtype]
+    zo = zo_results(case, spawn_dir)
+    errors = [f"rank {r}: {res['error']}" for r, res in enumerate(zo) if "error" in res]
+    if not errors:
+        # 16-bit CPU kernels (LayerNorm's weight gradient) round differently with another thread count, and the
+        # ranks pin themselves to their share of the cores: the oracle computes with the ranks' thread count.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(zo[0]["threads"])
+        try:
+            want = run_oracle(case, dtype)
+            if dtype == torch.float32:
+                other = run_oracle(case, dtype, foreach=True, reverse_sums=True, nudge=True)
+            else:
+                other = run_oracle(case, torch.float32)
+        finally:
+            torch.set_num_threads(threads)
+        errors = check_case(case, zo, want, other)
+    if errors:
+        shown = errors[:12] + ([f"... and {len(errors) - 12} more"] if len(errors) > 12 else [])
+        pytest.fail(f"case {case.id} ({case.describe()}):\n  " + "\n  ".join(shown), pytrace=False)
+
+
+def test_covering_array_covers_every_pair():
+    """The generator's promise, checked independently of it: every pair (and listed triple) of levels occurs."""
+    rows = [dataclasses.asdict(c) for c in CASES]
+    for group in [*combinations(FACTORS, 2), *STRONGER]:
+        seen = {tuple(r[n] for n in group) for r in rows}
+        assert seen == set(product(*(FACTORS[n] for n in group))), group
+    assert len({c.id for c in CASES}) == len(CASES)
