@@ -141,6 +141,7 @@ def test_demo_picks_its_dtype_and_says_why(capsys, monkeypatch, native):
     else:
         assert first.startswith("working dtype: float32 (this CPU has no native bf16"), first
         assert "device   4.00 B" in out and "host  16.00 B" in out and "largest per-step loss gap 0.0000" in out
+        assert "both forward/backward in float32" in out
     assert "the curves agree" in out
 
 

@@ -222,9 +222,11 @@ def report(out: TextIO, zo: Run, ref: Run, phi: int, args: Any) -> None:
         a, b = zo.losses[i], ref.losses[i]
         out.write(f"  step {i + 1:>5}            {a:7.4f}  {b:7.4f}  {a - b:+8.4f}\n")
     out.write(f"  validation loss        {zo.val_loss:7.4f}  {ref.val_loss:7.4f}  {zo.val_loss - ref.val_loss:+8.4f}\n")
+    torch_math = "bf16 autocast" if args.device_type == "cuda" else "float32"
+    why = (f"forward/backward in {args.dtype_name} vs {torch_math} is most of the difference"
+           if args.dtype_name != torch_math else f"both forward/backward in {torch_math}")  # fmt: skip
     out.write(f"\nthroughput: zo {zo.tokens_per_s / 1e3:.1f}k tokens/s, torch {ref.tokens_per_s / 1e3:.1f}k tokens/s "
-              f"({zo.tokens_per_s / max(1e-9, ref.tokens_per_s):.2f}x; forward/backward in {args.dtype_name} vs "
-              f"{'bf16 autocast' if args.device_type == 'cuda' else 'fp32'} is most of the difference)\n")  # fmt: skip
+              f"({zo.tokens_per_s / max(1e-9, ref.tokens_per_s):.2f}x; {why})\n")
     step_ms = zo.seconds / len(zo.losses) * 1e3
     out.write(f"\nzo step phases (mean per step, of {step_ms:.1f} ms):\n")
     for k, ms in phase_ms(zo).items():
