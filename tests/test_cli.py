@@ -8,8 +8,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import zo_kernels
+from zo_kernels import demo
 from zo_kernels.cli import main
 from zo_kernels.planner import plan
 
@@ -85,13 +87,62 @@ def test_bad_subcommand_arguments_exit_2(capsys):
 def test_demo_small_run(capsys, tmp_path):
     png = tmp_path / "curves.png"
     code, out, _ = run_cli(capsys, "demo", "--steps", "12", "--model-size", "2e5", "--batch", "4", "--context", "32",
-                           "--quiet", "--plot", str(png))  # fmt: skip
+                           "--dtype", "bf16", "--quiet", "--plot", str(png))  # fmt: skip
     assert code == 0
+    assert out.splitlines()[0] == "working dtype: bfloat16 (set by --dtype)"
     for text in ("loss (training batches)", "validation loss", "tokens/s", "step phases", "cpu_update",
                  "memory per parameter", "the curves agree"):  # fmt: skip
         assert text in out, text
     assert "host  14.00 B" in out and "device   2.00 B" in out
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_dtype_follows_native_bf16():
+    """bf16 where the device multiplies it in hardware; else fp32 on a CPU (torch emulates bf16 and fp16 there)."""
+    assert demo.pick_dtype("cpu", True)[0] == torch.bfloat16
+    dtype, why = demo.pick_dtype("cpu", False)
+    assert dtype == torch.float32 and "no native bf16" in why and "emulated" in why
+    assert demo.pick_dtype("cuda", True)[0] == torch.bfloat16
+    assert demo.pick_dtype("cuda", False)[0] == torch.float16
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [({"avx2", "fma", "f16c"}, False), ({"avx512f", "avx512bw"}, False), ({"avx512f", "avx512_bf16"}, True),
+     ({"amx_bf16"}, True), ({"fp", "asimd", "bf16"}, True), (set(), False)],
+)  # fmt: skip
+def test_native_bf16_reads_the_cpu_flags(monkeypatch, flags, expected):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    assert demo.native_bf16(torch.device("cpu"), flags=lambda: flags) is expected
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")  # torch's private probe gone: the flags alone
+    assert demo.native_bf16(torch.device("cpu"), flags=lambda: flags) is expected
+
+
+def test_cpu_flags_parses_x86_and_arm(tmp_path):
+    x86, arm = tmp_path / "x86", tmp_path / "arm"
+    x86.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    arm.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd bf16\n")
+    assert demo.cpu_flags(str(x86)) == {"fpu", "avx2", "avx512_bf16"}
+    assert demo.cpu_flags(str(arm)) == {"fp", "asimd", "bf16"}
+    assert demo.cpu_flags(str(tmp_path / "missing")) == set()
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_demo_picks_its_dtype_and_says_why(capsys, monkeypatch, native):
+    """The first line names the working dtype and the reason; fp32 (a CPU without bf16) trains like torch."""
+    monkeypatch.setattr(demo, "native_bf16", lambda device: native)
+    code, out, _ = run_cli(capsys, "demo", "--steps", "6", "--model-size", "1e5", "--batch", "2", "--context", "16",
+                           "--quiet")  # fmt: skip
+    assert code == 0
+    first = out.splitlines()[0]
+    if native:
+        assert first.startswith("working dtype: bfloat16 (this CPU computes bf16 natively"), first
+        assert "device   2.00 B" in out
+    else:
+        assert first.startswith("working dtype: float32 (this CPU has no native bf16"), first
+        assert "device   4.00 B" in out and "host  16.00 B" in out and "largest per-step loss gap 0.0000" in out
+        assert "both forward/backward in float32" in out
+    assert "the curves agree" in out
 
 
 def test_python_dash_m_works():

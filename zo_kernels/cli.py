@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="train a small GPT with ZeroOffloadAdamW and with torch AdamW, side by side")
     d.add_argument("--steps", type=_positive_int("--steps"), default=400)
     d.add_argument("--model-size", type=_count, default=1e6, help="approximate parameters (e.g. 1M, 5e6)")
-    d.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="device parameter dtype")
+    d.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="device parameter dtype (auto: bf16 where the device computes it natively, else fp32 on a "
+                        "CPU, fp16 on a GPU)")  # fmt: skip
     d.add_argument("--delay-update-after", type=int, default=None, help="enable the delayed parameter update")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--batch", type=_positive_int("--batch"), default=16)
@@ -152,7 +154,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
         raise UsageError(f"--lr must be in (0, 1), got {a.lr}")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
-    a.dtype = DTYPES[a.dtype]
+    a.dtype = None if a.dtype == "auto" else DTYPES[a.dtype]  # None: the demo picks one for the device
     return demo.main(a)
 
 
