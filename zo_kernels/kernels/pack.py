@@ -26,7 +26,7 @@ NCOL = 5
 def _find_segment(cum_ptr, n_seg, pid, LOG2_N: tl.constexpr):
     """The segment t with cum[t] <= pid < cum[t + 1] (binary search, LOG2_N + 1 steps)."""
     lo = tl.zeros((), dtype=tl.int64)
-    hi = n_seg.to(tl.int64)
+    hi = lo + n_seg  # not n_seg.to(): compiled Triton passes n_seg == 1 as a compile-time int, which has no .to
     for _ in range(LOG2_N + 1):
         mid = (lo + hi) // 2
         right = tl.load(cum_ptr + mid + 1) <= pid
