@@ -20,7 +20,8 @@ def report(tmp_path_factory):
     r = subprocess.run([sys.executable, os.path.join(HERE, "triton_compile.py"), str(out)], capture_output=True,
                        text=True, timeout=900, env=env)  # fmt: skip
     if not out.exists():
-        pytest.fail(f"the compile script wrote no report (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        pytest.fail(f"the compile script wrote no report (exit {r.returncode}):\n{r.stdout[-3000:]}\n"
+                    f"{r.stderr[-3000:]}")  # fmt: skip
     return json.loads(out.read_text())
 
 
@@ -57,3 +58,10 @@ def test_aligned_pack_and_unpack_use_vector_loads_and_stores(report, kernel):
             loads = sum(v for k, v in ops.items() if k.startswith("ld."))
             stores = sum(v for k, v in ops.items() if k.startswith("st."))
             assert loads and stores, f"{target} {c['case']}: no vector loads/stores in the PTX ({ops})"
+
+
+def test_no_float_atomics(report):
+    """Finding 11: the sum of squares is reduced in a fixed order (per-block partials, then one program), so
+    a GPU run with clipping is bitwise reproducible; a float atomic in any kernel would break that."""
+    bad = {(c["kernel"], c["target"]) for c in report["compiled"] if c["float_atomics"]}
+    assert not bad, f"float atomics in {sorted(bad)}"

@@ -23,6 +23,7 @@ import traceback
 
 TARGETS = (80, 90)  # compute capabilities compiled for: A100 and H100 class
 VECTOR = re.compile(r"\b(ld|st)\.global(?:\.[a-z0-9]+)*\.v([248])\.")
+FLOAT_ATOMIC = re.compile(r"\b(?:atom|red)(?:\.[a-z0-9:_]+)*\.f(?:16|32|64)\b")  # order-dependent float sums
 
 
 class StandInDriver:
@@ -147,7 +148,8 @@ def compile_all() -> dict:
                         for op, width in VECTOR.findall(ptx):
                             vec[f"{op}.v{width}"] = vec.get(f"{op}.v{width}", 0) + 1
                         info = {"kernel": k, "target": f"sm_{cc}", "signature": str(key).split("{")[0],
-                                "cubin_bytes": len(ck.asm["cubin"]), "vector_ops": vec, "case": label}
+                                "cubin_bytes": len(ck.asm["cubin"]), "vector_ops": vec,
+                                "float_atomics": len(FLOAT_ATOMIC.findall(ptx)), "case": label}
                         entry["kernels"].append(info)
                         report["compiled"].append(info)
                 report["cases"].append(entry)
