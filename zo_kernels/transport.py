@@ -32,23 +32,44 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 class HostPool:
     """A bounded pool of host buffers (page-locked on CUDA), allocated on demand and reused by size.
 
+    Every tensor handed out keeps its block's owner alive, so memory whose owner frees it when collected
+    (pinned memory) is never freed under a live view. Copies reading or writing a block leave their events
+    on it (`fence`); a block is handed out again, or released, only after they are done.
+
     Args:
         max_bytes: the pool never holds more than this; a request beyond it raises MemoryError.
         allocate: nbytes -> (address, owner); the owner keeps the memory alive until `release`.
         release: (address, owner) -> None.
+        wait: blocks the host until an event is done (the transport's `wait`); None: events are ignored.
     """
 
     def __init__(self, max_bytes: int, allocate: Callable[[int], tuple[int, Any]],
-                 release: Callable[[int, Any], None]) -> None:  # fmt: skip
+                 release: Callable[[int, Any], None], wait: Callable[[Any], None] | None = None) -> None:  # fmt: skip
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
         self.max_bytes = max_bytes
-        self._allocate, self._release = allocate, release
+        self._allocate, self._release, self._wait = allocate, release, wait
         self._free: dict[int, list[tuple[int, Any]]] = {}  # nbytes -> blocks ready for reuse
         self._live: dict[int, tuple[int, Any]] = {}  # address -> (nbytes, owner) handed out
         self._freed: dict[int, int] = {}  # address -> nbytes of blocks given back and not handed out again
+        self._fences: dict[int, dict[Any, Any]] = {}  # address -> {stream key: last event of a copy on it}
         self.reserved = 0  # bytes allocated from the system (live + free)
         self._lock = threading.Lock()
+
+    def fence(self, t: torch.Tensor, key: Any, event: Any) -> None:
+        """A copy on stream `key` reads or writes `t` until `event`: its block is not reused before then.
+        Copies on one stream finish in order, so the last event per stream covers the earlier ones."""
+        start = t.data_ptr()
+        with self._lock:
+            for addr, (nbytes, _) in self._live.items():
+                if addr <= start < addr + nbytes:
+                    self._fences.setdefault(addr, {})[key] = event
+                    return
+
+    def _drain(self, addr: int) -> None:
+        for ev in self._fences.pop(addr, {}).values():
+            if self._wait is not None:
+                self._wait(ev)
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D host tensor of `numel` elements of `dtype` (contents undefined)."""
@@ -61,6 +82,7 @@ class HostPool:
             blocks = self._free.get(nbytes)
             if blocks:
                 addr, owner = blocks.pop()
+                self._drain(addr)  # copies still reading or writing it (given back early) finish first
             else:
                 if self.reserved + nbytes > self.max_bytes:
                     self._trim(self.reserved + nbytes - self.max_bytes)
@@ -84,6 +106,12 @@ class HostPool:
             self._free.setdefault(nbytes, []).append((addr, owner))
             self._freed[addr] = nbytes
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether `t` lies in a block handed out by this pool and not given back."""
+        start = t.data_ptr()
+        with self._lock:
+            return any(addr <= start < addr + nbytes for addr, (nbytes, _) in self._live.items())
+
     def check_usable(self, t: torch.Tensor, name: str) -> None:
         """Raise if `t` lies in a buffer of this pool that was given back (a copy into freed memory)."""
         start = t.data_ptr()
@@ -97,6 +125,7 @@ class HostPool:
             while self._free[nbytes] and need > 0:
                 addr, owner = self._free[nbytes].pop()
                 self._freed.pop(addr, None)
+                self._drain(addr)
                 self._release(addr, owner)
                 self.reserved -= nbytes
                 need -= nbytes
@@ -104,16 +133,40 @@ class HostPool:
                 del self._free[nbytes]
 
     def close(self) -> None:
-        """Release every free block (live ones stay with their holders until given back)."""
+        """Release every block: free ones now, live ones when the last tensor viewing them is gone."""
         with self._lock:
             self._trim(self.reserved)
+            for addr, (nbytes, owner) in list(self._live.items()):
+                self._drain(addr)
+                self._release(addr, owner)
+                self.reserved -= nbytes
+            self._live.clear()
 
 
 def _wrap(addr: int, nbytes: int, owner: Any) -> torch.Tensor:
     if isinstance(owner, torch.Tensor):
         return owner
     buf = (ctypes.c_uint8 * nbytes).from_address(addr)
+    buf._owner = owner  # the tensor keeps buf alive (buffer protocol), buf the owner: views own their memory
     return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+class PinnedBlock:
+    """Owner of one page-locked allocation: freed (cudaFreeHost) when the last reference is gone.
+
+    The pool and every tensor viewing the block hold a reference; the finalizer does not run at interpreter
+    exit (the driver may be gone by then; the process's memory goes with it)."""
+
+    def __init__(self, addr: int, free: Callable[[int], None]) -> None:
+        self.addr = addr
+        weakref.finalize(self, _quietly, free, addr).atexit = False
+
+
+def _quietly(fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - a finalizer has no caller to raise to
+        pass
 
 
 class Event:
@@ -122,7 +175,7 @@ class Event:
     def __init__(self, handle: Any = None, destroy: Callable[[Any], None] | None = None) -> None:
         self.handle = handle
         if destroy is not None:  # a CUDA event: destroyed when no one holds it (allowed while pending)
-            weakref.finalize(self, destroy, handle)
+            weakref.finalize(self, _quietly, destroy, handle).atexit = False
 
     def done(self) -> bool:
         h = self.handle
@@ -189,14 +242,16 @@ class HostTransport(Transport):
     Args:
         pool_bytes: bound of the host buffer pool.
         copy_thread: run copies asynchronously on one background thread.
-        copy_delay_s: sleep before each copy on that thread (makes transfers dominate compute).
+        copy_delay_s: sleep before each copy on that thread (makes transfers dominate compute): seconds,
+            or a callable (dst, src) -> seconds.
     """
 
-    def __init__(self, pool_bytes: int = 1 << 40, *, copy_thread: bool = False, copy_delay_s: float = 0.0) -> None:
+    def __init__(self, pool_bytes: int = 1 << 40, *, copy_thread: bool = False,
+                 copy_delay_s: float | Callable[[torch.Tensor, torch.Tensor], float] = 0.0) -> None:  # fmt: skip
         self.device = torch.device("cpu")
         self.needs_staging = False
-        self.pool = HostPool(pool_bytes, _host_alloc, lambda addr, owner: None)
-        self.copy_delay_s = float(copy_delay_s)
+        self.pool = HostPool(pool_bytes, _host_alloc, lambda addr, owner: None, wait=self.wait)
+        self.copy_delay_s = copy_delay_s if callable(copy_delay_s) else float(copy_delay_s)
         self._queue: queue.Queue | None = None
         self._last: Event = Event()
         self._error: BaseException | None = None
@@ -215,9 +270,11 @@ class HostTransport(Transport):
                 return
             dst, src, ev = item
             try:
-                if self.copy_delay_s:
-                    time.sleep(self.copy_delay_s)
-                self._copy(dst, src)
+                if dst is not None:  # None: a marker (record_h2d, synchronize)
+                    delay = self.copy_delay_s(dst, src) if callable(self.copy_delay_s) else self.copy_delay_s
+                    if delay:
+                        time.sleep(delay)
+                    self._copy(dst, src)
             except BaseException as e:  # surfaced by wait()/synchronize()
                 self._error = e
             ev.set()
@@ -232,13 +289,25 @@ class HostTransport(Transport):
         if self._queue is None:
             self._copy(dst, src)
             return Event()
+        ev = self._enqueue(dst, src)
+        for t in (dst, src):
+            self.pool.fence(t, "copy", ev)  # one queue: one stream
+        return ev
+
+    def _enqueue(self, dst: torch.Tensor | None, src: torch.Tensor | None) -> Event:
         ev = Event(threading.Event())
         self._queue.put((dst, src, ev.handle))
         self._last = ev
         return ev
 
-    h2d = _submit
-    d2h = _submit
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        return self._submit(dst, src)
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        return self._submit(dst, src)
+
+    def record_h2d(self) -> Event:
+        return Event() if self._queue is None else self._enqueue(None, None)
 
     def wait(self, event: Event | None) -> None:
         if event is not None and isinstance(event.handle, threading.Event):
@@ -248,7 +317,8 @@ class HostTransport(Transport):
             err, self._error = self._error, None
             raise RuntimeError("a queued host copy failed") from err
 
-    device_wait = wait
+    def device_wait(self, event: Event | None) -> None:
+        self.wait(event)  # the CPU's compute stream is the host thread: it can only wait by blocking
 
     def synchronize(self) -> None:
         self.wait(self._last)
@@ -258,6 +328,46 @@ class HostTransport(Transport):
             self._queue.put(None)
             self._thread.join(timeout=10.0)
             self._queue = None
+
+
+class CopyEngineTransport(HostTransport):
+    """The GPU's data flow on the CPU: a stand-in for CudaTransport that makes a missing wait observable.
+
+    "Device" tensors are ordinary CPU tensors, but host memory is not device memory here: staging is
+    required (`needs_staging`), and the host side of every copy must lie in a block of `pool` (the stand-in
+    for page-locked memory; CudaTransport refuses pageable memory the same way), the device side must not.
+    Every copy is queued to one background thread (a copy engine) and runs later, in order, after an
+    injectable delay: it reads its source and writes its destination only then, as a CUDA copy does. So a
+    reader that skips `wait`/`device_wait` sees the old destination, a writer that does not wait for a copy
+    still reading its source changes what is copied. `device_wait` blocks the host (on the CPU the host
+    thread is the compute stream); `wait` blocks the host; `synchronize` waits for every queued copy.
+
+    Args:
+        pool_bytes: bound of the host buffer pool.
+        delay_s: seconds before each copy runs, or a callable (dst, src) -> seconds.
+    """
+
+    def __init__(self, pool_bytes: int = 1 << 40, *,
+                 delay_s: float | Callable[[torch.Tensor, torch.Tensor], float] = 0.0) -> None:  # fmt: skip
+        super().__init__(pool_bytes, copy_thread=True, copy_delay_s=delay_s)
+        self.needs_staging = True
+
+    def _check_sides(self, device_side: torch.Tensor, host_side: torch.Tensor, host_name: str) -> None:
+        _check_tensor_any(host_side, host_name)
+        _check_tensor_any(device_side, "dst" if host_name == "src" else "src")
+        if host_side.numel() and not self.pool.holds(host_side):
+            raise ValueError(f"{host_name} must be page-locked (a block of transport.pool), or the copy is "
+                             "synchronous")  # fmt: skip
+        if device_side.numel() and self.pool.holds(device_side):
+            raise ValueError(f"{'dst' if host_name == 'src' else 'src'} must be device memory, not a pool block")
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        self._check_sides(dst, src, "src")
+        return self._submit(dst, src)
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        self._check_sides(src, dst, "dst")
+        return self._submit(dst, src)
 
 
 def _host_alloc(nbytes: int) -> tuple[int, torch.Tensor]:
