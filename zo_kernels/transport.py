@@ -392,9 +392,10 @@ class CudaTransport(Transport):
     """Pinned host buffers, a D2H and an H2D stream, events: through zo_kernels._cuda (cuda/copy.cu).
 
     NEVER RUN ON A GPU (no GPU where this was written): its error paths are tested without a device.
+    Every stream, event and allocation is made on the transport's device, whatever the current one.
 
     Args:
-        device: the CUDA device (default: the current one).
+        device: the CUDA device ("cuda" or None: the current one).
         pool_bytes: bound of the page-locked host pool.
     """
 
@@ -402,19 +403,27 @@ class CudaTransport(Transport):
         cu = _cuda_module()
         if cu.device_count() == 0 or not torch.cuda.is_available():
             raise RuntimeError("CudaTransport needs a CUDA device; none is visible (use HostTransport on the CPU)")
-        self._cu = cu
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        self.pool = HostPool(pool_bytes, lambda n: (cu.host_alloc(n), None), lambda addr, owner: cu.host_free(addr))
+        dev = torch.device("cuda") if device is None else torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {dev}")
+        self.device = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        self._cu, self._index = cu, self.device.index
+        self.pool = HostPool(pool_bytes, self._host_alloc, lambda addr, owner: None, wait=self.wait)
         self.h2d_stream = torch.cuda.Stream(self.device)
         self.d2h_stream = torch.cuda.Stream(self.device)
-        self._last: Event | None = None
+        self._sink_src: list[torch.Tensor] = []  # staging read by C tile sinks since the last record_h2d
+        self._registered: dict[int, Any] = {}  # storage address -> its finalizer (register_host)
+
+    def _host_alloc(self, nbytes: int) -> tuple[int, PinnedBlock]:
+        addr = self._cu.host_alloc(nbytes, self._index)
+        return addr, PinnedBlock(addr, self._cu.host_free)
 
     def _event(self, stream: torch.cuda.Stream) -> Event:
-        ev = Event(self._cu.event_create(), self._cu.event_destroy)
-        self._cu.event_record(ev.handle, stream.cuda_stream)
+        ev = Event(self._cu.event_create(self._index), self._cu.event_destroy)
+        self._cu.event_record(ev.handle, stream.cuda_stream, self._index)
         return ev
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> Event:
+    def _check_endpoints(self, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> None:
         _check_pair(dst, src)
         dev, host = (dst, src) if to_device else (src, dst)
         if dev.device != self.device:
@@ -425,34 +434,49 @@ class CudaTransport(Transport):
         self.pool.check_usable(host, name)
         if host.numel() and self._cu.pointer_kind(host.data_ptr()) != 1:
             raise ValueError(f"{name} must be page-locked (from transport.pool or pinned), or the copy is synchronous")
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> Event:
+        self._check_endpoints(dst, src, to_device)
+        dev, host = (dst, src) if to_device else (src, dst)
         stream = self.h2d_stream if to_device else self.d2h_stream
-        compute = torch.cuda.current_stream(self.device)
-        stream.wait_stream(compute)  # the producer (D2H) or the forward reading dst (H2D) comes first
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer (D2H) or the forward reading dst
         nbytes = dst.numel() * dst.element_size()
         (self._cu.h2d_async if to_device else self._cu.d2h_async)(dst.data_ptr(), src.data_ptr(), nbytes,
-                                                                  stream.cuda_stream)  # fmt: skip
-        dev.record_stream(stream)  # the caching allocator must not reuse it while the copy runs
-        self._last = self._event(stream)
-        return self._last
+                                                                  stream.cuda_stream, self._index)  # fmt: skip
+        dev.record_stream(stream)  # the caching allocator must not reuse it (a gradient bucket) while the copy runs
+        ev = self._event(stream)
+        self.pool.fence(host, "h2d" if to_device else "d2h", ev)
+        return ev
 
     def register_host(self, t: torch.Tensor) -> None:
-        """Page-lock an existing host tensor in place (cudaHostRegister), cheaper than a pinned copy of it."""
+        """Page-lock the storage of an existing host tensor in place (cudaHostRegister), cheaper than a pinned
+        copy of it; unregistered when the storage is freed (not when this tensor object is)."""
         _check_tensor_any(t, "t")
         if t.device.type != "cpu" or t.numel() == 0:
             raise ValueError(f"t must be a non-empty host tensor, got {t.numel()} elements on {t.device}")
-        self._cu.host_register(t.data_ptr(), t.numel() * t.element_size())
-        weakref.finalize(t, self._cu.host_unregister, t.data_ptr())
+        storage = t.untyped_storage()
+        addr = storage.data_ptr()
+        if addr in self._registered and self._registered[addr].alive:
+            return
+        self._cu.host_register(addr, storage.nbytes(), self._index)
+        fin = weakref.finalize(storage, _quietly, self._cu.host_unregister, addr)
+        fin.atexit = False
+        self._registered[addr] = fin
 
     def tile_sink(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        _check_pair(dst, src)
-        self.pool.check_usable(src, "src")
+        self._check_endpoints(dst, src, True)  # pageable staging would make every tile's copy synchronous
         self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the forward reading dst
         dst.record_stream(self.h2d_stream)
-        return self._cu.h2d_tile_sink(dst.data_ptr(), src.data_ptr(), src.element_size(), self.h2d_stream.cuda_stream)
+        self._sink_src.append(src)
+        return self._cu.h2d_tile_sink(dst.data_ptr(), src.data_ptr(), src.element_size(), self.h2d_stream.cuda_stream,
+                                      self._index)  # fmt: skip
 
     def record_h2d(self) -> Event:
-        self._last = self._event(self.h2d_stream)
-        return self._last
+        ev = self._event(self.h2d_stream)
+        for src in self._sink_src:
+            self.pool.fence(src, "h2d", ev)
+        self._sink_src = []
+        return ev
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         return self._copy(dst, src, True)
@@ -466,10 +490,17 @@ class CudaTransport(Transport):
 
     def device_wait(self, event: Event | None) -> None:
         if event is not None and event.handle is not None:
-            self._cu.stream_wait_event(torch.cuda.current_stream(self.device).cuda_stream, event.handle)
+            self._cu.stream_wait_event(torch.cuda.current_stream(self.device).cuda_stream, event.handle, self._index)
 
     def synchronize(self) -> None:
-        self.wait(self._last)
+        """Wait for every copy queued so far on both streams (C tile sinks' included)."""
+        for stream in (self.h2d_stream, self.d2h_stream):
+            self.wait(self._event(stream))
+
+    def close(self) -> None:
+        """Wait for the copies, then give every pinned block back (freed once no tensor views it)."""
+        self.synchronize()
+        self.pool.close()
 
 
 def default_transport(device: torch.device) -> Transport:
