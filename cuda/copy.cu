@@ -26,6 +26,27 @@ void check(cudaError_t err, const char* what) {
   }
 }
 
+// The calling thread's current device, set to `device` for the lifetime of the guard. This module links its
+// own (static) CUDA runtime, whose current device is not torch's: every call that creates or uses a resource
+// names its device explicitly.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&prev_), "cudaGetDevice");
+    if (prev_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int now = -1;
+    if (cudaGetDevice(&now) == cudaSuccess && now != prev_) cudaSetDevice(prev_);
+    cudaGetLastError();
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0;
+};
+
 cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 cudaEvent_t as_event(uintptr_t e) { return reinterpret_cast<cudaEvent_t>(e); }
 
@@ -39,8 +60,9 @@ int device_count() {
   return n;
 }
 
-uintptr_t host_alloc(size_t nbytes) {
+uintptr_t host_alloc(size_t nbytes, int device) {
   if (nbytes == 0) throw std::invalid_argument("host_alloc: nbytes must be > 0");
+  DeviceGuard guard(device);
   void* p = nullptr;
   check(cudaHostAlloc(&p, nbytes, cudaHostAllocPortable), "cudaHostAlloc");
   return reinterpret_cast<uintptr_t>(p);
@@ -48,8 +70,9 @@ uintptr_t host_alloc(size_t nbytes) {
 
 void host_free(uintptr_t p) { check(cudaFreeHost(reinterpret_cast<void*>(p)), "cudaFreeHost"); }
 
-void host_register(uintptr_t p, size_t nbytes) {
+void host_register(uintptr_t p, size_t nbytes, int device) {
   if (!p || nbytes == 0) throw std::invalid_argument("host_register: null pointer or zero size");
+  DeviceGuard guard(device);
   check(cudaHostRegister(reinterpret_cast<void*>(p), nbytes, cudaHostRegisterPortable), "cudaHostRegister");
 }
 
@@ -70,18 +93,33 @@ int pointer_kind(uintptr_t p) {
   }
 }
 
-void copy_async(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream, cudaMemcpyKind kind, const char* what) {
+void copy_async(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream, int device, cudaMemcpyKind kind,
+                const char* what) {
   if (nbytes == 0) return;
   if (!dst || !src) throw std::invalid_argument(std::string(what) + ": null pointer");
+  DeviceGuard guard(device);
   check(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes, kind,
                         as_stream(stream)),
         what);
 }
 
-uintptr_t event_create() {
+// Blocking-sync events: a host waiting for a copy sleeps instead of spinning on a core the CPU update needs.
+uintptr_t event_create(int device) {
+  DeviceGuard guard(device);
   cudaEvent_t e = nullptr;
-  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventBlockingSync), "cudaEventCreateWithFlags");
   return reinterpret_cast<uintptr_t>(e);
+}
+
+// Destroying an event can run from a finalizer during interpreter or driver shutdown: those errors are not
+// the caller's to handle.
+void event_destroy(uintptr_t e) {
+  const cudaError_t r = cudaEventDestroy(as_event(e));
+  if (r == cudaErrorCudartUnloading || r == cudaErrorContextIsDestroyed) {
+    cudaGetLastError();
+    return;
+  }
+  check(r, "cudaEventDestroy");
 }
 
 // The CUDA tile sink: queue the H2D copy of each finished tile of a pinned staging buffer on a stream,
@@ -91,12 +129,16 @@ struct H2DSink {
   const char* src;
   size_t elem;
   cudaStream_t stream;
+  int device;
 };
 
 int h2d_tile(void* ctx, int64_t start, int64_t end, char* err, size_t err_len) {
   const auto* s = static_cast<const H2DSink*>(ctx);
+  int prev = -1;
+  if (cudaGetDevice(&prev) == cudaSuccess && prev != s->device) cudaSetDevice(s->device);
   const cudaError_t r = cudaMemcpyAsync(s->dst + start * s->elem, s->src + start * s->elem,
                                         size_t(end - start) * s->elem, cudaMemcpyHostToDevice, s->stream);
+  if (prev >= 0 && prev != s->device) cudaSetDevice(prev);
   if (r == cudaSuccess) return 0;
   cudaGetLastError();
   std::snprintf(err, err_len, "cudaMemcpyAsync(H2D) failed: %s", cudaGetErrorString(r));
@@ -113,30 +155,35 @@ PYBIND11_MODULE(_cuda, m) {
     check(cudaRuntimeGetVersion(&v), "cudaRuntimeGetVersion");
     return v;
   });
-  m.def("host_alloc", &host_alloc, py::arg("nbytes"), "Page-locked host memory (cudaHostAlloc); returns its address.");
+  m.def("host_alloc", &host_alloc, py::arg("nbytes"), py::arg("device"),
+        "Page-locked host memory (cudaHostAlloc, portable) allocated with `device` current; returns its address.");
   m.def("host_free", &host_free, py::arg("ptr"));
-  m.def("host_register", &host_register, py::arg("ptr"), py::arg("nbytes"), "Page-lock an existing host buffer.");
+  m.def("host_register", &host_register, py::arg("ptr"), py::arg("nbytes"), py::arg("device"),
+        "Page-lock an existing host buffer.");
   m.def("host_unregister", &host_unregister, py::arg("ptr"));
   m.def("pointer_kind", &pointer_kind, py::arg("ptr"), "0 pageable host, 1 pinned host, 2 device, 3 managed.");
   // The copies and waits release the GIL: a copy issued per tile never stalls the Python thread that
   // drives the CPU update (the update itself runs with the GIL released too).
   m.def(
       "h2d_async",
-      [](uintptr_t dst, uintptr_t src, size_t n, uintptr_t s) {
-        copy_async(dst, src, n, s, cudaMemcpyHostToDevice, "cudaMemcpyAsync(H2D)");
+      [](uintptr_t dst, uintptr_t src, size_t n, uintptr_t s, int device) {
+        copy_async(dst, src, n, s, device, cudaMemcpyHostToDevice, "cudaMemcpyAsync(H2D)");
       },
-      py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+      py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"), py::arg("device"),
+      py::call_guard<py::gil_scoped_release>());
   m.def(
       "d2h_async",
-      [](uintptr_t dst, uintptr_t src, size_t n, uintptr_t s) {
-        copy_async(dst, src, n, s, cudaMemcpyDeviceToHost, "cudaMemcpyAsync(D2H)");
+      [](uintptr_t dst, uintptr_t src, size_t n, uintptr_t s, int device) {
+        copy_async(dst, src, n, s, device, cudaMemcpyDeviceToHost, "cudaMemcpyAsync(D2H)");
       },
-      py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+      py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"), py::arg("device"),
+      py::call_guard<py::gil_scoped_release>());
   m.def(
       "h2d_tile_sink",
-      [](uintptr_t dst, uintptr_t src, size_t elem, uintptr_t stream) {
+      [](uintptr_t dst, uintptr_t src, size_t elem, uintptr_t stream, int device) {
         if (!dst || !src || !elem) throw std::invalid_argument("h2d_tile_sink: null address or zero element size");
-        auto* ctx = new H2DSink{reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src), elem, as_stream(stream)};
+        auto* ctx = new H2DSink{reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src), elem, as_stream(stream),
+                                device};
         auto* sink = new zo::TileSink{h2d_tile, ctx, [](void* p) { delete static_cast<H2DSink*>(p); }};
         return py::capsule(sink, zo::kTileSinkCapsule, [](PyObject* cap) {
           auto* s = static_cast<zo::TileSink*>(PyCapsule_GetPointer(cap, zo::kTileSinkCapsule));
@@ -144,15 +191,24 @@ PYBIND11_MODULE(_cuda, m) {
           delete s;
         });
       },
-      py::arg("dst"), py::arg("src"), py::arg("elem_size"), py::arg("stream"),
+      py::arg("dst"), py::arg("src"), py::arg("elem_size"), py::arg("stream"), py::arg("device"),
       "A C tile sink queueing the H2D copy of tile [start, end) of pinned src to device dst on `stream`.");
-  m.def("event_create", &event_create);
-  m.def("event_destroy", [](uintptr_t e) { check(cudaEventDestroy(as_event(e)), "cudaEventDestroy"); });
-  m.def("event_record", [](uintptr_t e, uintptr_t s) { check(cudaEventRecord(as_event(e), as_stream(s)), "cudaEventRecord"); },
-        py::arg("event"), py::arg("stream"));
-  m.def("stream_wait_event",
-        [](uintptr_t s, uintptr_t e) { check(cudaStreamWaitEvent(as_stream(s), as_event(e), 0), "cudaStreamWaitEvent"); },
-        py::arg("stream"), py::arg("event"));
+  m.def("event_create", &event_create, py::arg("device"), "A blocking-sync, timing-free event on `device`.");
+  m.def("event_destroy", &event_destroy, py::arg("event"));
+  m.def(
+      "event_record",
+      [](uintptr_t e, uintptr_t s, int device) {
+        DeviceGuard guard(device);
+        check(cudaEventRecord(as_event(e), as_stream(s)), "cudaEventRecord");
+      },
+      py::arg("event"), py::arg("stream"), py::arg("device"));
+  m.def(
+      "stream_wait_event",
+      [](uintptr_t s, uintptr_t e, int device) {
+        DeviceGuard guard(device);
+        check(cudaStreamWaitEvent(as_stream(s), as_event(e), 0), "cudaStreamWaitEvent");
+      },
+      py::arg("stream"), py::arg("event"), py::arg("device"));
   m.def("event_synchronize", [](uintptr_t e) { check(cudaEventSynchronize(as_event(e)), "cudaEventSynchronize"); },
         py::arg("event"), py::call_guard<py::gil_scoped_release>());
   m.def(

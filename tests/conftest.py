@@ -1,7 +1,10 @@
 import os
 import sys
 
-# The Triton kernels run on CPU tensors through Triton's interpreter; it must be chosen before triton
-# is first imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# Without a CUDA device the Triton kernels run on CPU tensors through Triton's interpreter; it must be chosen
+# before triton is first imported. With one, the tests compile and launch them for real (no interpreter).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))  # tests import the shared helpers module

@@ -255,10 +255,12 @@ def test_cuda_transport_without_a_device_says_so():
     if ext is None:
         pytest.skip("zo_kernels._cuda was not built (no CUDA compiler at build time)")
     assert ext.device_count() == 0
-    with pytest.raises(RuntimeError, match="cudaHostAlloc failed"):
-        ext.host_alloc(1024)
+    with pytest.raises(RuntimeError, match=r"cuda(GetDevice|SetDevice|HostAlloc) failed"):
+        ext.host_alloc(1024, 0)
     with pytest.raises(ValueError, match="nbytes must be > 0"):
-        ext.host_alloc(0)
+        ext.host_alloc(0, 0)
+    with pytest.raises(RuntimeError, match=r"cuda(GetDevice|SetDevice|EventCreateWithFlags) failed"):
+        ext.event_create(0)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: the CUDA sources are not compiled here")

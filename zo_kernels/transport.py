@@ -32,23 +32,44 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 class HostPool:
     """A bounded pool of host buffers (page-locked on CUDA), allocated on demand and reused by size.
 
+    Every tensor handed out keeps its block's owner alive, so memory whose owner frees it when collected
+    (pinned memory) is never freed under a live view. Copies reading or writing a block leave their events
+    on it (`fence`); a block is handed out again, or released, only after they are done.
+
     Args:
         max_bytes: the pool never holds more than this; a request beyond it raises MemoryError.
         allocate: nbytes -> (address, owner); the owner keeps the memory alive until `release`.
         release: (address, owner) -> None.
+        wait: blocks the host until an event is done (the transport's `wait`); None: events are ignored.
     """
 
     def __init__(self, max_bytes: int, allocate: Callable[[int], tuple[int, Any]],
-                 release: Callable[[int, Any], None]) -> None:  # fmt: skip
+                 release: Callable[[int, Any], None], wait: Callable[[Any], None] | None = None) -> None:  # fmt: skip
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
         self.max_bytes = max_bytes
-        self._allocate, self._release = allocate, release
+        self._allocate, self._release, self._wait = allocate, release, wait
         self._free: dict[int, list[tuple[int, Any]]] = {}  # nbytes -> blocks ready for reuse
         self._live: dict[int, tuple[int, Any]] = {}  # address -> (nbytes, owner) handed out
         self._freed: dict[int, int] = {}  # address -> nbytes of blocks given back and not handed out again
+        self._fences: dict[int, dict[Any, Any]] = {}  # address -> {stream key: last event of a copy on it}
         self.reserved = 0  # bytes allocated from the system (live + free)
         self._lock = threading.Lock()
+
+    def fence(self, t: torch.Tensor, key: Any, event: Any) -> None:
+        """A copy on stream `key` reads or writes `t` until `event`: its block is not reused before then.
+        Copies on one stream finish in order, so the last event per stream covers the earlier ones."""
+        start = t.data_ptr()
+        with self._lock:
+            for addr, (nbytes, _) in self._live.items():
+                if addr <= start < addr + nbytes:
+                    self._fences.setdefault(addr, {})[key] = event
+                    return
+
+    def _drain(self, addr: int) -> None:
+        for ev in self._fences.pop(addr, {}).values():
+            if self._wait is not None:
+                self._wait(ev)
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D host tensor of `numel` elements of `dtype` (contents undefined)."""
@@ -61,6 +82,7 @@ class HostPool:
             blocks = self._free.get(nbytes)
             if blocks:
                 addr, owner = blocks.pop()
+                self._drain(addr)  # copies still reading or writing it (given back early) finish first
             else:
                 if self.reserved + nbytes > self.max_bytes:
                     self._trim(self.reserved + nbytes - self.max_bytes)
@@ -84,6 +106,12 @@ class HostPool:
             self._free.setdefault(nbytes, []).append((addr, owner))
             self._freed[addr] = nbytes
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether `t` lies in a block handed out by this pool and not given back."""
+        start = t.data_ptr()
+        with self._lock:
+            return any(addr <= start < addr + nbytes for addr, (nbytes, _) in self._live.items())
+
     def check_usable(self, t: torch.Tensor, name: str) -> None:
         """Raise if `t` lies in a buffer of this pool that was given back (a copy into freed memory)."""
         start = t.data_ptr()
@@ -97,6 +125,7 @@ class HostPool:
             while self._free[nbytes] and need > 0:
                 addr, owner = self._free[nbytes].pop()
                 self._freed.pop(addr, None)
+                self._drain(addr)
                 self._release(addr, owner)
                 self.reserved -= nbytes
                 need -= nbytes
@@ -104,16 +133,40 @@ class HostPool:
                 del self._free[nbytes]
 
     def close(self) -> None:
-        """Release every free block (live ones stay with their holders until given back)."""
+        """Release every block: free ones now, live ones when the last tensor viewing them is gone."""
         with self._lock:
             self._trim(self.reserved)
+            for addr, (nbytes, owner) in list(self._live.items()):
+                self._drain(addr)
+                self._release(addr, owner)
+                self.reserved -= nbytes
+            self._live.clear()
 
 
 def _wrap(addr: int, nbytes: int, owner: Any) -> torch.Tensor:
     if isinstance(owner, torch.Tensor):
         return owner
     buf = (ctypes.c_uint8 * nbytes).from_address(addr)
+    buf._owner = owner  # the tensor keeps buf alive (buffer protocol), buf the owner: views own their memory
     return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+class PinnedBlock:
+    """Owner of one page-locked allocation: freed (cudaFreeHost) when the last reference is gone.
+
+    The pool and every tensor viewing the block hold a reference; the finalizer does not run at interpreter
+    exit (the driver may be gone by then; the process's memory goes with it)."""
+
+    def __init__(self, addr: int, free: Callable[[int], None]) -> None:
+        self.addr = addr
+        weakref.finalize(self, _quietly, free, addr).atexit = False
+
+
+def _quietly(fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - a finalizer has no caller to raise to
+        pass
 
 
 class Event:
@@ -122,7 +175,7 @@ class Event:
     def __init__(self, handle: Any = None, destroy: Callable[[Any], None] | None = None) -> None:
         self.handle = handle
         if destroy is not None:  # a CUDA event: destroyed when no one holds it (allowed while pending)
-            weakref.finalize(self, destroy, handle)
+            weakref.finalize(self, _quietly, destroy, handle).atexit = False
 
     def done(self) -> bool:
         h = self.handle
@@ -189,14 +242,16 @@ class HostTransport(Transport):
     Args:
         pool_bytes: bound of the host buffer pool.
         copy_thread: run copies asynchronously on one background thread.
-        copy_delay_s: sleep before each copy on that thread (makes transfers dominate compute).
+        copy_delay_s: sleep before each copy on that thread (makes transfers dominate compute): seconds,
+            or a callable (dst, src) -> seconds.
     """
 
-    def __init__(self, pool_bytes: int = 1 << 40, *, copy_thread: bool = False, copy_delay_s: float = 0.0) -> None:
+    def __init__(self, pool_bytes: int = 1 << 40, *, copy_thread: bool = False,
+                 copy_delay_s: float | Callable[[torch.Tensor, torch.Tensor], float] = 0.0) -> None:  # fmt: skip
         self.device = torch.device("cpu")
         self.needs_staging = False
-        self.pool = HostPool(pool_bytes, _host_alloc, lambda addr, owner: None)
-        self.copy_delay_s = float(copy_delay_s)
+        self.pool = HostPool(pool_bytes, _host_alloc, lambda addr, owner: None, wait=self.wait)
+        self.copy_delay_s = copy_delay_s if callable(copy_delay_s) else float(copy_delay_s)
         self._queue: queue.Queue | None = None
         self._last: Event = Event()
         self._error: BaseException | None = None
@@ -215,9 +270,11 @@ class HostTransport(Transport):
                 return
             dst, src, ev = item
             try:
-                if self.copy_delay_s:
-                    time.sleep(self.copy_delay_s)
-                self._copy(dst, src)
+                if dst is not None:  # None: a marker (record_h2d, synchronize)
+                    delay = self.copy_delay_s(dst, src) if callable(self.copy_delay_s) else self.copy_delay_s
+                    if delay:
+                        time.sleep(delay)
+                    self._copy(dst, src)
             except BaseException as e:  # surfaced by wait()/synchronize()
                 self._error = e
             ev.set()
@@ -232,13 +289,25 @@ class HostTransport(Transport):
         if self._queue is None:
             self._copy(dst, src)
             return Event()
+        ev = self._enqueue(dst, src)
+        for t in (dst, src):
+            self.pool.fence(t, "copy", ev)  # one queue: one stream
+        return ev
+
+    def _enqueue(self, dst: torch.Tensor | None, src: torch.Tensor | None) -> Event:
         ev = Event(threading.Event())
         self._queue.put((dst, src, ev.handle))
         self._last = ev
         return ev
 
-    h2d = _submit
-    d2h = _submit
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        return self._submit(dst, src)
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        return self._submit(dst, src)
+
+    def record_h2d(self) -> Event:
+        return Event() if self._queue is None else self._enqueue(None, None)
 
     def wait(self, event: Event | None) -> None:
         if event is not None and isinstance(event.handle, threading.Event):
@@ -248,7 +317,8 @@ class HostTransport(Transport):
             err, self._error = self._error, None
             raise RuntimeError("a queued host copy failed") from err
 
-    device_wait = wait
+    def device_wait(self, event: Event | None) -> None:
+        self.wait(event)  # the CPU's compute stream is the host thread: it can only wait by blocking
 
     def synchronize(self) -> None:
         self.wait(self._last)
@@ -258,6 +328,46 @@ class HostTransport(Transport):
             self._queue.put(None)
             self._thread.join(timeout=10.0)
             self._queue = None
+
+
+class CopyEngineTransport(HostTransport):
+    """The GPU's data flow on the CPU: a stand-in for CudaTransport that makes a missing wait observable.
+
+    "Device" tensors are ordinary CPU tensors, but host memory is not device memory here: staging is
+    required (`needs_staging`), and the host side of every copy must lie in a block of `pool` (the stand-in
+    for page-locked memory; CudaTransport refuses pageable memory the same way), the device side must not.
+    Every copy is queued to one background thread (a copy engine) and runs later, in order, after an
+    injectable delay: it reads its source and writes its destination only then, as a CUDA copy does. So a
+    reader that skips `wait`/`device_wait` sees the old destination, a writer that does not wait for a copy
+    still reading its source changes what is copied. `device_wait` blocks the host (on the CPU the host
+    thread is the compute stream); `wait` blocks the host; `synchronize` waits for every queued copy.
+
+    Args:
+        pool_bytes: bound of the host buffer pool.
+        delay_s: seconds before each copy runs, or a callable (dst, src) -> seconds.
+    """
+
+    def __init__(self, pool_bytes: int = 1 << 40, *,
+                 delay_s: float | Callable[[torch.Tensor, torch.Tensor], float] = 0.0) -> None:  # fmt: skip
+        super().__init__(pool_bytes, copy_thread=True, copy_delay_s=delay_s)
+        self.needs_staging = True
+
+    def _check_sides(self, device_side: torch.Tensor, host_side: torch.Tensor, host_name: str) -> None:
+        _check_tensor_any(host_side, host_name)
+        _check_tensor_any(device_side, "dst" if host_name == "src" else "src")
+        if host_side.numel() and not self.pool.holds(host_side):
+            raise ValueError(f"{host_name} must be page-locked (a block of transport.pool), or the copy is "
+                             "synchronous")  # fmt: skip
+        if device_side.numel() and self.pool.holds(device_side):
+            raise ValueError(f"{'dst' if host_name == 'src' else 'src'} must be device memory, not a pool block")
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        self._check_sides(dst, src, "src")
+        return self._submit(dst, src)
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        self._check_sides(src, dst, "dst")
+        return self._submit(dst, src)
 
 
 def _host_alloc(nbytes: int) -> tuple[int, torch.Tensor]:
@@ -282,9 +392,10 @@ class CudaTransport(Transport):
     """Pinned host buffers, a D2H and an H2D stream, events: through zo_kernels._cuda (cuda/copy.cu).
 
     NEVER RUN ON A GPU (no GPU where this was written): its error paths are tested without a device.
+    Every stream, event and allocation is made on the transport's device, whatever the current one.
 
     Args:
-        device: the CUDA device (default: the current one).
+        device: the CUDA device ("cuda" or None: the current one).
         pool_bytes: bound of the page-locked host pool.
     """
 
@@ -292,19 +403,27 @@ class CudaTransport(Transport):
         cu = _cuda_module()
         if cu.device_count() == 0 or not torch.cuda.is_available():
             raise RuntimeError("CudaTransport needs a CUDA device; none is visible (use HostTransport on the CPU)")
-        self._cu = cu
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        self.pool = HostPool(pool_bytes, lambda n: (cu.host_alloc(n), None), lambda addr, owner: cu.host_free(addr))
+        dev = torch.device("cuda") if device is None else torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {dev}")
+        self.device = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        self._cu, self._index = cu, self.device.index
+        self.pool = HostPool(pool_bytes, self._host_alloc, lambda addr, owner: None, wait=self.wait)
         self.h2d_stream = torch.cuda.Stream(self.device)
         self.d2h_stream = torch.cuda.Stream(self.device)
-        self._last: Event | None = None
+        self._sink_src: list[torch.Tensor] = []  # staging read by C tile sinks since the last record_h2d
+        self._registered: dict[int, Any] = {}  # storage address -> its finalizer (register_host)
+
+    def _host_alloc(self, nbytes: int) -> tuple[int, PinnedBlock]:
+        addr = self._cu.host_alloc(nbytes, self._index)
+        return addr, PinnedBlock(addr, self._cu.host_free)
 
     def _event(self, stream: torch.cuda.Stream) -> Event:
-        ev = Event(self._cu.event_create(), self._cu.event_destroy)
-        self._cu.event_record(ev.handle, stream.cuda_stream)
+        ev = Event(self._cu.event_create(self._index), self._cu.event_destroy)
+        self._cu.event_record(ev.handle, stream.cuda_stream, self._index)
         return ev
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> Event:
+    def _check_endpoints(self, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> None:
         _check_pair(dst, src)
         dev, host = (dst, src) if to_device else (src, dst)
         if dev.device != self.device:
@@ -315,34 +434,49 @@ class CudaTransport(Transport):
         self.pool.check_usable(host, name)
         if host.numel() and self._cu.pointer_kind(host.data_ptr()) != 1:
             raise ValueError(f"{name} must be page-locked (from transport.pool or pinned), or the copy is synchronous")
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> Event:
+        self._check_endpoints(dst, src, to_device)
+        dev, host = (dst, src) if to_device else (src, dst)
         stream = self.h2d_stream if to_device else self.d2h_stream
-        compute = torch.cuda.current_stream(self.device)
-        stream.wait_stream(compute)  # the producer (D2H) or the forward reading dst (H2D) comes first
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer (D2H) or the forward reading dst
         nbytes = dst.numel() * dst.element_size()
         (self._cu.h2d_async if to_device else self._cu.d2h_async)(dst.data_ptr(), src.data_ptr(), nbytes,
-                                                                  stream.cuda_stream)  # fmt: skip
-        dev.record_stream(stream)  # the caching allocator must not reuse it while the copy runs
-        self._last = self._event(stream)
-        return self._last
+                                                                  stream.cuda_stream, self._index)  # fmt: skip
+        dev.record_stream(stream)  # the caching allocator must not reuse it (a gradient bucket) while the copy runs
+        ev = self._event(stream)
+        self.pool.fence(host, "h2d" if to_device else "d2h", ev)
+        return ev
 
     def register_host(self, t: torch.Tensor) -> None:
-        """Page-lock an existing host tensor in place (cudaHostRegister), cheaper than a pinned copy of it."""
+        """Page-lock the storage of an existing host tensor in place (cudaHostRegister), cheaper than a pinned
+        copy of it; unregistered when the storage is freed (not when this tensor object is)."""
         _check_tensor_any(t, "t")
         if t.device.type != "cpu" or t.numel() == 0:
             raise ValueError(f"t must be a non-empty host tensor, got {t.numel()} elements on {t.device}")
-        self._cu.host_register(t.data_ptr(), t.numel() * t.element_size())
-        weakref.finalize(t, self._cu.host_unregister, t.data_ptr())
+        storage = t.untyped_storage()
+        addr = storage.data_ptr()
+        if addr in self._registered and self._registered[addr].alive:
+            return
+        self._cu.host_register(addr, storage.nbytes(), self._index)
+        fin = weakref.finalize(storage, _quietly, self._cu.host_unregister, addr)
+        fin.atexit = False
+        self._registered[addr] = fin
 
     def tile_sink(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        _check_pair(dst, src)
-        self.pool.check_usable(src, "src")
+        self._check_endpoints(dst, src, True)  # pageable staging would make every tile's copy synchronous
         self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the forward reading dst
         dst.record_stream(self.h2d_stream)
-        return self._cu.h2d_tile_sink(dst.data_ptr(), src.data_ptr(), src.element_size(), self.h2d_stream.cuda_stream)
+        self._sink_src.append(src)
+        return self._cu.h2d_tile_sink(dst.data_ptr(), src.data_ptr(), src.element_size(), self.h2d_stream.cuda_stream,
+                                      self._index)  # fmt: skip
 
     def record_h2d(self) -> Event:
-        self._last = self._event(self.h2d_stream)
-        return self._last
+        ev = self._event(self.h2d_stream)
+        for src in self._sink_src:
+            self.pool.fence(src, "h2d", ev)
+        self._sink_src = []
+        return ev
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         return self._copy(dst, src, True)
@@ -356,10 +490,17 @@ class CudaTransport(Transport):
 
     def device_wait(self, event: Event | None) -> None:
         if event is not None and event.handle is not None:
-            self._cu.stream_wait_event(torch.cuda.current_stream(self.device).cuda_stream, event.handle)
+            self._cu.stream_wait_event(torch.cuda.current_stream(self.device).cuda_stream, event.handle, self._index)
 
     def synchronize(self) -> None:
-        self.wait(self._last)
+        """Wait for every copy queued so far on both streams (C tile sinks' included)."""
+        for stream in (self.h2d_stream, self.d2h_stream):
+            self.wait(self._event(stream))
+
+    def close(self) -> None:
+        """Wait for the copies, then give every pinned block back (freed once no tensor views it)."""
+        self.synchronize()
+        self.pool.close()
 
 
 def default_transport(device: torch.device) -> Transport:

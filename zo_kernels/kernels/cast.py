@@ -1,5 +1,7 @@
 """Fused scale-and-cast: y = (x.float() * scale).to(y.dtype), one read and one write per element."""
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -27,13 +29,19 @@ def as_kernel_arg(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
+def on_device(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensor's (a no-op for CPU tensors)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def cast(x: torch.Tensor, out: torch.Tensor, scale: float) -> None:
     """Launch on validated, contiguous, same-device x and out of equal numel."""
     n = x.numel()
     if n == 0:
         return
     grid = (triton.cdiv(n, BLOCK),)
-    _cast_kernel[grid](
-        as_kernel_arg(x), as_kernel_arg(out), n, float(scale),
-        IN_KIND=KIND[x.dtype], OUT_KIND=KIND[out.dtype], BLOCK=BLOCK, num_warps=NUM_WARPS,
-    )  # fmt: skip
+    with on_device(x):
+        _cast_kernel[grid](
+            as_kernel_arg(x), as_kernel_arg(out), n, float(scale),
+            IN_KIND=KIND[x.dtype], OUT_KIND=KIND[out.dtype], BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )  # fmt: skip

@@ -1,0 +1,229 @@
+"""The GPU path on a CUDA device: compiled Triton kernels bitwise against torch, copy ordering under injected
+delays, ZeroOffloadAdamW against the oracle, peak device memory, pinned memory over many constructions.
+
+NEVER RUN: written on a machine without a GPU (bench/gpu_check.sh runs it on one). Skipped without CUDA.
+"""
+
+import gc
+import math
+
+import pytest
+import torch
+from helpers import assert_bits_equal
+from offload_ref import Reference, flat, make_data, make_model
+
+import zo_kernels as zk
+from zo_kernels.transport import CudaTransport, Staging, tiled_writeback
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU: none is visible here (bench/gpu_check.sh runs these on one)",
+                allow_module_level=True)  # fmt: skip
+
+DEV = torch.device("cuda")
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+SLEEP_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: far longer than any copy or kernel below
+
+
+def sizes(count, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [int(n) for n in torch.randint(1, 5000, (count,), generator=g)]
+
+
+@pytest.mark.parametrize("count", [1, 1000])
+@pytest.mark.parametrize("align", [1, 8])
+@pytest.mark.parametrize("out_dtype", FLOATS, ids=str)
+def test_compiled_pack_and_unpack_match_torch_bitwise(count, align, out_dtype):
+    ns = sizes(count)
+    tensors = [(torch.randn(n, device=DEV) * 100).to(FLOATS[i % 3]) for i, n in enumerate(ns)]
+    p = zk.pack(tensors, dtype=out_dtype, align=align, scale=0.37, impl="triton")
+    ref = torch.zeros_like(p.flat)
+    for t, off in zip(tensors, p.offsets):
+        ref[off : off + t.numel()] = (t.float() * 0.37).to(out_dtype)
+    assert_bits_equal(p.flat, ref, "flat")
+    want_sq = sum(float(((t.float() * 0.37).double() ** 2).sum()) for t in tensors)
+    assert abs(p.sum_sq.item() - want_sq) <= 1e-5 * want_sq
+    again = zk.pack(tensors, dtype=out_dtype, align=align, scale=0.37, impl="triton")
+    assert again.sum_sq.view(torch.int32).item() == p.sum_sq.view(torch.int32).item(), "sum of squares not bitwise"
+    outs = [torch.full_like(t, float("nan")) for t in tensors]
+    zk.unpack(p.flat, outs, offsets=p.offsets, impl="triton")
+    for i, (o, t) in enumerate(zip(outs, tensors)):
+        assert_bits_equal(o, ref[p.offsets[i] : p.offsets[i] + t.numel()].to(t.dtype), f"unpack {i}")
+
+
+def test_offsets_past_2_31():
+    big = torch.zeros((1 << 31) + 5, dtype=torch.bfloat16, device=DEV)
+    small = torch.randn(3000, device=DEV)
+    p = zk.pack([big, small], dtype=torch.bfloat16, impl="triton")
+    assert p.offsets[1] > 2**31
+    assert_bits_equal(p.flat[p.offsets[1] :], small.to(torch.bfloat16), "segment past 2^31")
+    out = torch.empty_like(small)
+    zk.unpack(p.flat, [big, out], offsets=p.offsets, impl="triton")
+    assert_bits_equal(out, small.to(torch.bfloat16).float(), "unpack past 2^31")
+
+
+def test_kernels_launch_on_the_tensors_device():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("one GPU: the wrong-device launch cannot happen")
+    x = torch.randn(5000, device="cuda:1")
+    with torch.cuda.device(0):
+        assert_bits_equal(zk.cast(x, torch.bfloat16, impl="triton"), x.to(torch.bfloat16), "cast on cuda:1")
+
+
+def test_transport_on_cuda_without_an_index_is_the_current_device():
+    tr = CudaTransport("cuda")
+    assert tr.device == torch.device("cuda", torch.cuda.current_device())
+    host = tr.pool.take(1000, torch.float32)
+    dev = torch.randn(1000, device=DEV)
+    tr.wait(tr.d2h(host, dev))
+    assert torch.equal(host, dev.cpu())
+    tr.close()
+
+
+def test_d2h_waits_for_a_delayed_producer():
+    tr = CudaTransport()
+    n = 1 << 22
+    host = tr.pool.take(n, torch.float32)
+    host.fill_(float("nan"))
+    x = torch.empty(n, device=DEV)
+    torch.cuda._sleep(SLEEP_CYCLES)  # the compute stream is busy: the producer below runs late
+    x.fill_(3.0)
+    ev = tr.d2h(host, x)
+    tr.wait(ev)
+    assert (host == 3.0).all()
+    tr.close()
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full-staging", "ring"])
+def test_writebacks_wait_for_a_delayed_h2d_stream(full):
+    """Two consecutive writebacks behind a sleeping H2D stream, destinations prefilled with NaN: every slot
+    is reused only after its copy, and the compute stream reads dst only after device_wait."""
+    tr = CudaTransport()
+    n, tile = 1 << 20, 1 << 16
+    g = torch.Generator().manual_seed(0)
+    p, m, v = torch.randn(n, generator=g), torch.zeros(n), torch.zeros(n)
+    grads = [torch.randn(n, generator=g).to(torch.bfloat16) for _ in range(2)]
+    rp, rm, rv = p.clone(), m.clone(), v.clone()
+    ref = torch.empty(n, dtype=torch.bfloat16)
+    for step, gr in enumerate(grads, 1):
+        zk.cpu_adam_step(rp, gr, rm, rv, step=step, lr=1e-2, param_out=ref)
+    dst = torch.full((n,), float("nan"), dtype=torch.bfloat16, device=DEV)
+    staging = Staging(tr.pool.take(n if full else 2 * tile, torch.bfloat16), tile)
+    for step, gr in enumerate(grads, 1):
+        with torch.cuda.stream(tr.h2d_stream):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        for ev in tiled_writeback(tr, p, gr, m, v, dst=dst, staging=staging, step=step, lr=1e-2):
+            tr.device_wait(ev)
+    assert_bits_equal(dst.cpu(), ref, "dst after two delayed writebacks")
+    tr.close()
+
+
+def test_synchronize_waits_for_both_streams():
+    tr = CudaTransport()
+    n = 1 << 22
+    host_in, host_out = tr.pool.take(n, torch.float32), tr.pool.take(n, torch.float32)
+    host_in.fill_(1.0)
+    host_out.fill_(float("nan"))
+    dev = torch.full((n,), 2.0, device=DEV)
+    with torch.cuda.stream(tr.d2h_stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    tr.d2h(host_out, dev)
+    tr.h2d(torch.empty(n, device=DEV), host_in)  # the last copy queued, on the other stream
+    tr.synchronize()
+    assert (host_out == 2.0).all()
+    tr.close()
+
+
+SCENARIOS = {
+    "synchronous": dict(),
+    "dpu": dict(delay_update_after=1),
+    "accumulation": dict(micro=2),
+    "fp16-dynamic": dict(dtype=torch.float16, loss_scale="dynamic"),
+    "clip": dict(max_grad_norm=0.5),
+}
+
+
+def run(scenario, steps=6):
+    kw = dict(SCENARIOS[scenario])
+    micro = kw.pop("micro", 1)
+    model = make_model(seed=0).to(DEV)
+    data = make_data(steps, batch=4, micro=micro, seed=2)
+    ref = Reference(model, zk.CPUAdam, dtype=kw.get("dtype", torch.bfloat16), lr=2e-3, weight_decay=0.01,
+                    **{k: v for k, v in kw.items() if k != "dtype"})  # fmt: skip
+    opt = zk.ZeroOffloadAdamW(model.parameters(), lr=2e-3, weight_decay=0.01, bucket_numel=100_000, **kw)
+    losses, ref_losses = [], []
+    for step in data:
+        mb = [(x[:, :-1].to(DEV), x[:, 1:].to(DEV)) for x in step]
+        ref_losses.append(ref.train_step(mb))
+        total = 0.0
+        for x, y in mb:
+            loss = model(x, y)
+            total += loss.item()
+            opt.backward(loss)
+        opt.step()
+        losses.append(total)
+    opt.synchronize()
+    sd = opt.state_dict()
+    got = torch.cat([sd["state"][i]["master"].reshape(-1) for i in range(len(sd["state"]))])
+    opt.close()
+    return got, flat(ref.master.parameters()).cpu(), losses, ref_losses
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_offload_on_cuda_against_the_oracle(scenario):
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    got, want, losses, ref_losses = run(scenario)
+    again, _, losses2, _ = run(scenario)
+    assert torch.equal(got, again) and losses == losses2, "two identical GPU runs differ"
+    if scenario != "clip":  # the same update kernel on the same gradients: bit for bit (the clip coefficient
+        # comes from a sum of squares taken in another order, so it may differ in its last bit)
+        assert torch.equal(got, want), f"not bit-identical to the CPUAdam oracle: max err {(got - want).abs().max()}"
+    for a, b in zip(losses, ref_losses):
+        assert math.isclose(a, b, rel_tol=1e-3), (losses, ref_losses)
+    init = flat(make_model(seed=0).parameters())
+    travelled = (want - init).norm()
+    assert (got - want).norm() <= 0.1 * travelled, f"masters off the oracle by {(got - want).norm() / travelled:.3f}"
+
+
+def test_peak_device_memory_of_a_step():
+    """At most 2 bytes x params (the flat 16-bit parameters) + the two buckets + the model's activations
+    and gradients of one bucket, plus a stated margin of 64 MiB (allocator rounding, workspaces)."""
+    model = make_model(seed=0).to(DEV)
+    phi = sum(p.numel() for p in model.parameters())
+    opt = zk.ZeroOffloadAdamW(model.parameters(), lr=1e-3, bucket_numel=100_000)
+    x = make_data(1, batch=4)[0][0].to(DEV)
+    opt.backward(model(x[:, :-1], x[:, 1:]))  # warm-up: kernels compiled, workspaces allocated
+    opt.step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    opt.backward(model(x[:, :-1], x[:, 1:]))
+    opt.step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    buckets = opt.memory_report().device_buckets
+    margin = 64 << 20
+    assert peak <= 2 * phi + buckets + margin, f"step peak {peak:,} B > 2 x {phi:,} + {buckets:,} + {margin:,}"
+    opt.close()
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_pinned_memory_flat_over_100_constructions():
+    def once():
+        tr = CudaTransport()
+        bufs = [tr.pool.take(1 << 22, torch.bfloat16) for _ in range(4)]  # 32 MiB pinned
+        tr.wait(tr.d2h(bufs[0], torch.zeros(1 << 22, dtype=torch.bfloat16, device=DEV)))
+        tr.close()
+        del bufs, tr
+        gc.collect()
+
+    for _ in range(5):
+        once()
+    before = _rss()
+    for _ in range(100):
+        once()
+    grown = _rss() - before
+    assert grown < 64 << 20, f"resident memory grew by {grown:,} B over 100 constructions (32 MiB pinned each)"
