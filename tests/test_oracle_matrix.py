@@ -47,6 +47,7 @@ from dist_worker import free_port
 from oracle import FeatureNet, Oracle, param_groups
 
 import zo_kernels as zk
+from zo_kernels.transport import CopyEngineTransport
 
 STEPS = 8
 INF_STEP = 3  # 0-based; with DPU k=2 it is a delayed step
@@ -73,11 +74,15 @@ FACTORS = {
     "unused": (False, True),
     "buffers": (False, True),
     "inf": (False, True),
+    # "copy_engine": the GPU's data flow on the CPU (CopyEngineTransport: separate device buffers, staging,
+    # asynchronous delayed copies): buckets, D2H, landing, tiled writeback, staging and their events all run.
+    "transport": ("host", "copy_engine"),
 }
 # Stronger than pairs where the bugs were: accumulation by dtype, ranks and DPU; the overflow path by dtype and
 # loss scale; a skipped step under DPU on 1 and 2 ranks; params without a gradient on some micro-batches/ranks.
 STRONGER = (("dtype", "micro", "world", "dpu"), ("dtype", "scale", "inf"), ("dpu", "inf", "world"),
-          ("unused", "micro", "world"))
+          ("unused", "micro", "world"), ("transport", "dpu", "world", "micro"))
+COPY_DELAY_S = 0.001  # each copy of the copy-engine transport lands this late: a missing wait reads stale data
 
 
 def covering_array(factors: dict, stronger=(), seed: int = 0, candidates: int = 40) -> list[dict]:
@@ -130,12 +135,13 @@ class Case:
     unused: bool
     buffers: bool
     inf: bool
+    transport: str
 
     @property
     def id(self) -> str:
         on = [k for k in ("clip", "groups", "frozen", "tied", "unused", "buffers", "inf") if getattr(self, k)]
         return "-".join([f"c{self.index:02d}", self.dtype, f"m{self.micro}", f"w{self.world}",
-                         f"scale={self.scale}", f"dpu={self.dpu}", *on])  # fmt: skip
+                         f"scale={self.scale}", f"dpu={self.dpu}", self.transport, *on])  # fmt: skip
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
@@ -172,10 +178,11 @@ def run_zo(case: Case, rank: int, group) -> dict:
     """Train the case with ZeroOffloadAdamW on this rank; everything the comparison needs, on the CPU."""
     model = case.model()
     params, extra = (param_groups(model), {"module": model}) if case.groups else (model, {})
+    transport = CopyEngineTransport(delay_s=COPY_DELAY_S) if case.transport == "copy_engine" else None
     opt = zk.ZeroOffloadAdamW(params, **ADAMW, dtype=DTYPES[case.dtype], loss_scale=case.loss_scale(),
                               max_grad_norm=MAX_GRAD_NORM if case.clip else None, delay_update_after=case.dpu,
                               bucket_numel=BUCKET_NUMEL, process_group=group, collective_timeout_s=30.0,
-                              **extra)  # fmt: skip
+                              transport=transport, **extra)  # fmt: skip
     try:
         losses, skipped, scales = [], [], []
         for step in case.batches():
@@ -202,6 +209,8 @@ def run_zo(case: Case, rank: int, group) -> dict:
                     threads=torch.get_num_threads())  # fmt: skip
     finally:
         opt.close()
+        if transport is not None:
+            transport.close()
 
 
 def _rank_entry(rank: int, port: int, cases: list[Case], out: str) -> None:

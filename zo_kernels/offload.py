@@ -238,6 +238,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._closed = False
         self._layout(trainable)
         self.transport = transport if transport is not None else default_transport(device)
+        self._own_transport = transport is None  # close() closes (returns the pinned memory of) what it made
         self._cast_followers(followers)
         self._allocate(trainable, bucket_numel or DEFAULT_BUCKET_NUMEL)
         self._built = True
@@ -1057,6 +1058,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 p.grad = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self._own_transport and hasattr(self.transport, "close"):
+            self.transport.synchronize()
+            self.transport.close()
         self._closed = True
 
 
