@@ -327,3 +327,18 @@ def test_backend_of_a_mixed_group(backend, device, want):
     from zo_kernels.offload import backend_for_device
 
     assert backend_for_device(backend, device) == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_params_start_on_16_byte_boundaries(dtype):
+    """Issue 12 finding 8: the pack kernels move 16-byte vectors only when every segment is aligned; the flat
+    layout pads each param to a 16-byte boundary (the padding is packed as zeros and stays zero)."""
+    model = net()
+    opt = zo_run(model, batches(2), dtype=dtype)
+    step = 16 // torch.empty((), dtype=dtype).element_size()
+    assert opt.align == step
+    assert all(opt._offset[p] % step == 0 for p in opt._params) and opt.part % step == 0
+    used = torch.zeros(opt.flat_numel, dtype=torch.bool)
+    for p in opt._params:
+        used[opt._offset[p] : opt._offset[p] + p.numel()] = True
+    assert not opt.flat[~used].any() and not opt.master[~used].any() and not opt.exp_avg_sq[~used].any()

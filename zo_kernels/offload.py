@@ -37,6 +37,7 @@ SCALE_INIT, SCALE_GROWTH, SCALE_BACKOFF, SCALE_INTERVAL = 2.0**16, 2.0, 0.5, 200
 UPDATE_TIMEOUT_S = 600.0  # default bound on waiting for the background (DPU) update
 COLLECTIVE_TIMEOUT_S = 300.0  # default bound on a gloo collective: a dead peer fails this rank, no hang
 MAX_THREADS = 4096
+PARAM_ALIGN_BYTES = 16  # every param starts on a 16-byte boundary of the flat buffer: vector loads in pack
 GATHER_CHUNK_NUMEL = 1 << 24  # elements per broadcast when state_dict() gathers the partitions (64 MiB fp32)
 
 
@@ -83,11 +84,11 @@ class MemoryReport:
 class _Bucket:
     """A contiguous range [lo, hi) of the flat space and the parameters in it (flat order)."""
 
-    def __init__(self, index: int, params: list[tuple[torch.Tensor, int, int]]) -> None:
+    def __init__(self, index: int, params: list[tuple[torch.Tensor, int, int]], hi: int) -> None:
         self.index = index
         self.params = params  # (param, flat offset, numel)
         self.lo = params[0][1]
-        self.hi = params[-1][1] + params[-1][2]
+        self.hi = hi  # the end of the last param's span (its padding included)
         self.ready = 0  # parameters whose gradient has arrived in this backward pass
 
 
@@ -255,18 +256,25 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ construction
 
     def _layout(self, trainable: list[torch.Tensor]) -> None:
-        """Flat offsets in parameter order, padding to a multiple of N, this rank's partition."""
+        """Flat offsets in parameter order, each param starting on a PARAM_ALIGN_BYTES boundary (the pack
+        kernels then move 16-byte vectors), padding to a multiple of N aligned partitions, this rank's part."""
         self._offset: dict[torch.Tensor, int] = {}
         self._params = trainable  # flat order, group by group
         self._index = {p: i for i, p in enumerate(trainable)}
         self._pgroup = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._pstep = [0] * len(trainable)  # each parameter's own Adam step count (torch keeps one per param)
+        self.align = PARAM_ALIGN_BYTES // torch.empty((), dtype=self.dtype).element_size()
+        up = lambda n, k: -(-n // k) * k  # noqa: E731
         pos = 0
         for p in trainable:
+            pos = up(pos, self.align)
             self._offset[p] = pos
             pos += p.numel()
-        self.numel = pos
-        self.flat_numel = -(-pos // self.world) * self.world
+        self.numel = sum(p.numel() for p in trainable)
+        # param i's span: [offset, next offset); the zeros of its padding are updated with it (they stay 0)
+        ends = [self._offset[p] for p in trainable[1:]] + [up(pos, self.align)]
+        self._span_end = {p: e for p, e in zip(trainable, ends)}
+        self.flat_numel = up(pos, self.world * self.align)
         self.part = self.flat_numel // self.world
         self.part_lo = self.rank * self.part
         self.part_hi = self.part_lo + self.part
@@ -274,7 +282,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._group_ranges = []
         for group in self.param_groups:
             ps = group["params"]
-            lo, hi = self._offset[ps[0]], self._offset[ps[-1]] + ps[-1].numel()
+            lo, hi = self._offset[ps[0]], self._span_end[ps[-1]]
             a, b = max(lo, self.part_lo) - self.part_lo, min(hi, self.part_hi) - self.part_lo
             self._group_ranges.append((a, b) if a < b else None)
 
@@ -326,12 +334,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         cur: list[tuple[torch.Tensor, int, int]] = []
         size = 0
         for p in reversed(trainable):
-            if cur and size + p.numel() > bucket_numel:
-                self._buckets.append(_Bucket(len(self._buckets), list(reversed(cur))))
+            span = self._span_end[p] - self._offset[p]
+            if cur and size + span > bucket_numel:
+                self._buckets.append(_Bucket(len(self._buckets), list(reversed(cur)), self._span_end[cur[0][0]]))
                 cur, size = [], 0
             cur.append((p, self._offset[p], p.numel()))
-            size += p.numel()
-        self._buckets.append(_Bucket(len(self._buckets), list(reversed(cur))))
+            size += span
+        self._buckets.append(_Bucket(len(self._buckets), list(reversed(cur)), self._span_end[cur[0][0]]))
         self._bucket_of = {p: b for b in self._buckets for p, _, _ in b.params}
         # One rank whose device memory is host memory needs no bucket: gradients pack into the landing buffer.
         self._direct_landing = self.world == 1 and not self.transport.needs_staging
@@ -471,7 +480,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             buf = self._bucket_bufs[k][: b.hi - b.lo]
         has = [p.grad is not None and not isinstance(p.grad, MovedGrad) for p, _, _ in b.params]
         grads = [p.grad if h else torch.zeros_like(p) for (p, _, _), h in zip(b.params, has)]
-        packed = pack(grads, dtype=self.dtype, out=buf)
+        packed = pack(grads, dtype=self.dtype, out=buf, align=self.align)
         self._found_inf |= packed.found_inf
         self._sum_sq += packed.sum_sq
         for (p, _, _), h in zip(b.params, has):
@@ -674,8 +683,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         is skipped or scaled apart)."""
         runs: list[tuple[int, int, int, int, float]] = []
         for i, p in enumerate(self._params):
-            off, n = self._offset[p], p.numel()
-            a, b = max(off, self.part_lo) - self.part_lo, min(off + n, self.part_hi) - self.part_lo
+            off, end = self._offset[p], self._span_end[p]
+            a, b = max(off, self.part_lo) - self.part_lo, min(end, self.part_hi) - self.part_lo
             if a >= b or not got[i]:
                 continue
             key = (self._pgroup[i], self._pstep[i] + 1, factor[i])
