@@ -134,18 +134,21 @@ PYBIND11_MODULE(_cuda, m) {
       py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
   m.def(
       "h2d_tile_sink",
-      [](uintptr_t dst, uintptr_t src, size_t elem, uintptr_t stream) {
-        if (!dst || !src || !elem) throw std::invalid_argument("h2d_tile_sink: null address or zero element size");
+      [](uintptr_t dst, uintptr_t src, size_t elem, int64_t numel, uintptr_t stream) {
+        if (!dst) throw std::invalid_argument("h2d_tile_sink: dst address is null");
+        if (!src) throw std::invalid_argument("h2d_tile_sink: src address is null");
+        if (!elem) throw std::invalid_argument("h2d_tile_sink: elem_size must be > 0");
+        if (numel < 0) throw std::invalid_argument("h2d_tile_sink: numel must be >= 0");
         auto* ctx = new H2DSink{reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src), elem, as_stream(stream)};
-        auto* sink = new zo::TileSink{h2d_tile, ctx, [](void* p) { delete static_cast<H2DSink*>(p); }};
+        auto* sink = new zo::TileSink{h2d_tile, ctx, [](void* p) { delete static_cast<H2DSink*>(p); }, numel};
         return py::capsule(sink, zo::kTileSinkCapsule, [](PyObject* cap) {
           auto* s = static_cast<zo::TileSink*>(PyCapsule_GetPointer(cap, zo::kTileSinkCapsule));
           if (s && s->destroy) s->destroy(s->ctx);
           delete s;
         });
       },
-      py::arg("dst"), py::arg("src"), py::arg("elem_size"), py::arg("stream"),
-      "A C tile sink queueing the H2D copy of tile [start, end) of pinned src to device dst on `stream`.");
+      py::arg("dst"), py::arg("src"), py::arg("elem_size"), py::arg("numel"), py::arg("stream"),
+      "A C tile sink queueing the H2D copy of tile [start, end) of pinned src to device dst on `stream` (numel each).");
   m.def("event_create", &event_create);
   m.def("event_destroy", [](uintptr_t e) { check(cudaEventDestroy(as_event(e)), "cudaEventDestroy"); });
   m.def("event_record", [](uintptr_t e, uintptr_t s) { check(cudaEventRecord(as_event(e), as_stream(s)), "cudaEventRecord"); },
