@@ -701,7 +701,7 @@ def _tmp(name):
 for _name, _key, _value in [("np-int64", "step", np.int64(5)), ("np-array", "arr", np.zeros(3)),
                             ("datetime", "when", datetime.datetime(2024, 1, 1)),
                             ("namespace", "args", argparse.Namespace(lr=1.0)), ("lambda", "fn", lambda: 0),
-                            ("nested-np", "cfg", {"a": [np.float32(1.0)]}), ("set", "tags", {1, 2})]:
+                            ("nested-np", "cfg", {"a": [np.float32(1.0)]}), ("frozenset", "tags", frozenset([1, 2]))]:
 
     @case(f"ckpt-save-extra-{_name}", TypeError, _key)
     def _(key=_key, value=_value):
