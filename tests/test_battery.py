@@ -13,6 +13,10 @@ a hash of every tensor (its whole storage) and file it lists, before and after. 
 
 A case with exc=None must succeed: its call checks the result itself and raises Wrong (-> silent) if not.
 `python tests/test_battery.py --summary` prints the totals per class and every case that is not clear.
+
+Totals (251 cases): on bf654dd crash 10, silent 51, modified 7, unclear 32, clear 151; after the fixes of
+issue 11 outside offload.py: crash 0, silent 9, modified 3, unclear 2, clear 237 -- the 14 left are the
+cases marked LEAD (ZeroOffloadAdamW's own checks, xfail here until those fixes land).
 """
 
 from __future__ import annotations
