@@ -401,6 +401,11 @@ bool isa_supported(int isa) {
   }
 }
 
+void check_buffer(const void* p, const char* name, size_t align) {
+  require(p != nullptr, std::string(name) + " address is null");
+  require(uintptr_t(p) % align == 0, std::string(name) + " address must be " + std::to_string(align) + "-byte aligned");
+}
+
 void check_common(const Buffers& b, int isa, int threads) {
   require(b.n >= 0, "n must be >= 0, got " + std::to_string(b.n));
   require(b.grad_dtype == kF32 || b.grad_dtype == kF16 || b.grad_dtype == kBF16,
@@ -411,10 +416,12 @@ void check_common(const Buffers& b, int isa, int threads) {
   require(isa_supported(isa), "isa " + std::to_string(isa) + " is not supported by this CPU");
   require(threads >= 1, "threads must be >= 1, got " + std::to_string(threads));
   if (b.n == 0) return;
-  require(b.param && b.exp_avg && b.exp_avg_sq && b.grad, "null buffer address");
-  require(b.out_dtype == kNone || b.param_out, "param_out address is null but its dtype is set");
-  const uintptr_t f32 = uintptr_t(b.param) | uintptr_t(b.exp_avg) | uintptr_t(b.exp_avg_sq);
-  require(f32 % 4 == 0, "fp32 buffers must be 4-byte aligned");
+  const size_t gsz = b.grad_dtype == kF32 ? 4 : 2, osz = b.out_dtype == kF32 ? 4 : 2;
+  check_buffer(b.param, "param", 4);
+  check_buffer(b.exp_avg, "exp_avg", 4);
+  check_buffer(b.exp_avg_sq, "exp_avg_sq", 4);
+  check_buffer(b.grad, "grad", gsz);
+  if (b.out_dtype != kNone) check_buffer(b.param_out, "param_out", osz);
 }
 
 void adam_step(const Buffers& b, const AdamParams& a, int isa, int threads) {
@@ -432,9 +439,12 @@ void adam_step(const Buffers& b, const AdamParams& a, int isa, int threads) {
   run_parallel(pick<false>(isa, b.grad_dtype, b.out_dtype), make_coef(a), bufs, b.n, threads);
 }
 
-void adam_step_tiled(const Buffers& b, const AdamParams& a, int isa, int threads, int64_t tile, const TileSink& sink) {
+void adam_step_tiled(const Buffers& b, const AdamParams& a, int isa, int threads, int64_t tile, const TileSink& sink,
+                     int64_t* progress) {
   require(tile >= 1, "tile_numel must be >= 1, got " + std::to_string(tile));
-  require(sink.fn != nullptr, "tile sink has no function");
+  require(sink.fn != nullptr, "sink has no function");
+  require(b.n <= sink.numel, "sink covers " + std::to_string(sink.numel) + " elements, the step " +
+                                 std::to_string(b.n));
   adam_step({b.param, b.exp_avg, b.exp_avg_sq, b.grad, b.grad_dtype, b.param_out, b.out_dtype, 0}, a, isa, threads);
   const size_t gsz = b.grad_dtype == kF32 ? 4 : 2, osz = b.out_dtype == kF32 ? 4 : 2;
   for (int64_t start = 0; start < b.n; start += tile) {
@@ -447,6 +457,7 @@ void adam_step_tiled(const Buffers& b, const AdamParams& a, int isa, int threads
     if (b.out_dtype != kNone) t.param_out = static_cast<char*>(b.param_out) + start * osz;
     t.n = end - start;
     adam_step(t, a, isa, threads);
+    if (progress) *progress = end;
     char err[256] = {};
     if (sink.fn(sink.ctx, start, end, err, sizeof(err)) != 0)
       throw std::runtime_error(std::string("tile sink failed on [") + std::to_string(start) + ", " +
@@ -463,11 +474,11 @@ void stream_pass(const Buffers& b, int isa, int threads) {
 
 SumSquares sum_squares(const void* x, void* y, int dtype, int64_t n, int isa, int threads) {
   require(n >= 0, "n must be >= 0, got " + std::to_string(n));
-  require(dtype == kF32 || dtype == kF16 || dtype == kBF16, "dtype code must be 0, 1 or 2");
+  require(dtype == kF32 || dtype == kF16 || dtype == kBF16, "x dtype code must be 0, 1 or 2");
   require(isa >= kScalar && isa <= kAvx512 && isa_supported(isa), "isa " + std::to_string(isa) + " is not supported");
   require(threads >= 1, "threads must be >= 1, got " + std::to_string(threads));
   if (n == 0) return {0.0, false};
-  require(x != nullptr, "null buffer address");
+  require(x != nullptr, "x address is null");
   using SumFn = double (*)(const void*, void*, int64_t, int64_t, int*);
   const SumFn table[3][3] = {
       {scalar::sumsq<kF32>, scalar::sumsq<kF16>, scalar::sumsq<kBF16>},

@@ -31,7 +31,9 @@ bool isa_supported(int isa);
 void adam_step(const Buffers& b, const AdamParams& a, int isa, int threads);
 // adam_step over [0, n) in tiles of `tile` elements, calling sink.fn(ctx, start, end) after each tile is
 // final (param_out included). The whole loop runs without Python; a sink error is thrown as runtime_error.
-void adam_step_tiled(const Buffers& b, const AdamParams& a, int isa, int threads, int64_t tile, const TileSink& sink);
+// With `progress`, *progress is set to the end of each tile once it is updated (what a failure left written).
+void adam_step_tiled(const Buffers& b, const AdamParams& a, int isa, int threads, int64_t tile, const TileSink& sink,
+                     int64_t* progress = nullptr);
 // The streaming ceiling: the same loads and stores as adam_step with trivial arithmetic.
 void stream_pass(const Buffers& b, int isa, int threads);
 

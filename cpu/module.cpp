@@ -65,44 +65,51 @@ PYBIND11_MODULE(_cpu, m) {
       [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
          uintptr_t param_out, int out_dtype, int64_t n, int64_t step, double lr, double beta1, double beta2,
          double eps, double weight_decay, double grad_scale, bool adamw, bool bias_correction, int isa,
-         int threads) {
+         int threads, uintptr_t progress) {
         zo::adam_step(buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, param_out, out_dtype, n),
                       params(step, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw, bias_correction), isa,
                       threads);
+        if (progress) *reinterpret_cast<int64_t*>(progress) += n;  // after the update: exact under Ctrl-C
       },
       py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
       py::arg("param_out"), py::arg("out_dtype"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
       py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("adamw"),
-      py::arg("bias_correction"), py::arg("isa"), py::arg("threads"), py::call_guard<py::gil_scoped_release>(),
-      "Adam/AdamW over n elements at raw addresses.");
+      py::arg("bias_correction"), py::arg("isa"), py::arg("threads"), py::arg("progress") = 0,
+      py::call_guard<py::gil_scoped_release>(),
+      "Adam/AdamW over n elements at raw addresses; adds n to the int64 at `progress` (if not 0) when done.");
   m.def(
       "adam_step_tiled",
       [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
          uintptr_t param_out, int out_dtype, int64_t n, int64_t step, double lr, double beta1, double beta2,
          double eps, double weight_decay, double grad_scale, bool adamw, bool bias_correction, int isa,
-         int threads, int64_t tile, const py::capsule& sink) {
-        if (std::strcmp(sink.name(), zo::kTileSinkCapsule) != 0)
+         int threads, int64_t tile, const py::capsule& sink, uintptr_t progress) {
+        if (!sink.name() || std::strcmp(sink.name(), zo::kTileSinkCapsule) != 0)
           throw py::type_error("sink must be a zo_kernels tile sink capsule");
         const auto* s = sink.get_pointer<zo::TileSink>();
         py::gil_scoped_release release;  // the whole tile loop, sink calls included, runs without Python
         zo::adam_step_tiled(buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, param_out, out_dtype, n),
                             params(step, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw, bias_correction),
-                            isa, threads, tile, *s);
+                            isa, threads, tile, *s, reinterpret_cast<int64_t*>(progress));
       },
       py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
       py::arg("param_out"), py::arg("out_dtype"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
       py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("adamw"),
       py::arg("bias_correction"), py::arg("isa"), py::arg("threads"), py::arg("tile"), py::arg("sink"),
-      "adam_step in tiles, calling a C tile sink after each one (no Python between tiles).");
+      py::arg("progress") = 0,
+      "adam_step in tiles, calling a C tile sink after each one (no Python between tiles); the int64 at "
+      "`progress` (if not 0) is set to the end of each tile once it is updated.");
   m.def(
       "copy_tile_sink",
-      [](uintptr_t dst, uintptr_t src, size_t elem) {
-        if (!dst || !src || !elem) throw std::invalid_argument("copy_tile_sink: null address or zero element size");
+      [](uintptr_t dst, uintptr_t src, size_t elem, int64_t numel) {
+        if (!dst) throw std::invalid_argument("copy_tile_sink: dst address is null");
+        if (!src) throw std::invalid_argument("copy_tile_sink: src address is null");
+        if (!elem) throw std::invalid_argument("copy_tile_sink: elem_size must be > 0");
+        if (numel < 0) throw std::invalid_argument("copy_tile_sink: numel must be >= 0");
         auto* ctx = new CopySink{reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src), elem};
-        return make_sink(new zo::TileSink{copy_tile, ctx, [](void* c) { delete static_cast<CopySink*>(c); }});
+        return make_sink(new zo::TileSink{copy_tile, ctx, [](void* c) { delete static_cast<CopySink*>(c); }, numel});
       },
-      py::arg("dst"), py::arg("src"), py::arg("elem_size"),
-      "A C tile sink copying tile [start, end) of src to dst (element size elem_size).");
+      py::arg("dst"), py::arg("src"), py::arg("elem_size"), py::arg("numel"),
+      "A C tile sink copying tile [start, end) of src to dst (element size elem_size, numel elements each).");
   m.def(
       "sum_squares",
       [](uintptr_t x, uintptr_t y, int dtype, int64_t n, int isa, int threads) {

@@ -180,19 +180,22 @@ PYBIND11_MODULE(_cuda, m) {
       py::call_guard<py::gil_scoped_release>());
   m.def(
       "h2d_tile_sink",
-      [](uintptr_t dst, uintptr_t src, size_t elem, uintptr_t stream, int device) {
-        if (!dst || !src || !elem) throw std::invalid_argument("h2d_tile_sink: null address or zero element size");
+      [](uintptr_t dst, uintptr_t src, size_t elem, int64_t numel, uintptr_t stream, int device) {
+        if (!dst) throw std::invalid_argument("h2d_tile_sink: dst address is null");
+        if (!src) throw std::invalid_argument("h2d_tile_sink: src address is null");
+        if (!elem) throw std::invalid_argument("h2d_tile_sink: elem_size must be > 0");
+        if (numel < 0) throw std::invalid_argument("h2d_tile_sink: numel must be >= 0");
         auto* ctx = new H2DSink{reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src), elem, as_stream(stream),
                                 device};
-        auto* sink = new zo::TileSink{h2d_tile, ctx, [](void* p) { delete static_cast<H2DSink*>(p); }};
+        auto* sink = new zo::TileSink{h2d_tile, ctx, [](void* p) { delete static_cast<H2DSink*>(p); }, numel};
         return py::capsule(sink, zo::kTileSinkCapsule, [](PyObject* cap) {
           auto* s = static_cast<zo::TileSink*>(PyCapsule_GetPointer(cap, zo::kTileSinkCapsule));
           if (s && s->destroy) s->destroy(s->ctx);
           delete s;
         });
       },
-      py::arg("dst"), py::arg("src"), py::arg("elem_size"), py::arg("stream"), py::arg("device"),
-      "A C tile sink queueing the H2D copy of tile [start, end) of pinned src to device dst on `stream`.");
+      py::arg("dst"), py::arg("src"), py::arg("elem_size"), py::arg("numel"), py::arg("stream"), py::arg("device"),
+      "A C tile sink queueing the H2D copy of tile [start, end) of pinned src to device dst on `stream` (numel each).");
   m.def("event_create", &event_create, py::arg("device"), "A blocking-sync, timing-free event on `device`.");
   m.def("event_destroy", &event_destroy, py::arg("event"));
   m.def(

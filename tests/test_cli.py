@@ -63,8 +63,8 @@ def test_plan_lands_near_the_offload_paper_headline(capsys):
     [
         (["--params=-5"], "params"),
         (["--params", "0"], "params must be > 0"),
-        (["--params", "13e9", "--gpus", "0"], "gpus must be an int >= 1"),
-        (["--params", "13e9", "--gpus", "two"], "not a number"),
+        (["--params", "13e9", "--gpus", "0"], "--gpus must be >= 1"),
+        (["--params", "13e9", "--gpus", "two"], "--gpus must be an integer"),
         (["--params", "13e9", "--gpu-mem", "32XB"], "cannot read '32XB' as a size"),
         (["--params", "13e9", "--host-mem=-1GB"], "host_mem"),
         (["--params", "13e9", "--reserve", "1.5"], "reserve must be a fraction"),

@@ -90,10 +90,10 @@ def _ordering_run(monkeypatch, skip_waits: bool):
     staging = Staging(tr.pool.take(2 * tile, torch.bfloat16), tile)
     run = cpu_adam.AdamPlan.run
 
-    def logged_run(self, start, end, out_addr=0):
+    def logged_run(self, start, end, out=None, progress=None):
         with tr.lock:
-            tr.log.append(("compute_start", out_addr, start, end))
-        run(self, start, end, out_addr)
+            tr.log.append(("compute_start", out.data_ptr(), start, end))
+        run(self, start, end, out, progress)
 
     monkeypatch.setattr(cpu_adam.AdamPlan, "run", logged_run)
     if skip_waits:  # a deliberately broken writeback: it never waits for a slot's copy

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from .cpu_adam import _real, check_no_overlap, sum_squares
+from .cpu_adam import _real, bump_version, check_memory, check_no_overlap, sum_squares
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 IMPLS = ("triton", "torch")
@@ -71,6 +71,14 @@ def _check_float(t, name: str) -> None:
         raise ValueError(f"{name} must be a dense strided tensor, got layout {t.layout}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)})")
+
+
+def _check_writable(t: torch.Tensor, name: str) -> None:
+    """An output must not need grad: autograd would refuse the write halfway (after earlier outputs changed)."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"{name} requires grad: it cannot be written in place here (use torch.no_grad() or "
+                           f"{name}.detach())")  # fmt: skip
+    check_memory(t, name, written=t.device.type == "cpu")
 
 
 def _check_dtype(dtype, name: str = "dtype") -> torch.dtype:
@@ -131,12 +139,14 @@ def cast(x: torch.Tensor, dtype: torch.dtype, *, scale: float = 1.0, out: torch.
             raise ValueError(f"out has {out.numel()} elements, x has {x.numel()}")
         if out.device != x.device:
             raise ValueError(f"out is on {out.device}, x on {x.device}")
+        _check_writable(out, "out")
         if not (out.data_ptr() == x.data_ptr() and out.dtype == x.dtype):  # in place is fine, overlap is not
             check_no_overlap({"x": x, "out": out})
     if _choose_impl(impl, x.device) == "triton":
         from .kernels import cast as kcast
 
-        kcast.cast(x, out, scale)
+        kcast.cast(x.resolve_neg(), out, scale)
+        bump_version(out)
     else:
         out.copy_((x.float() * scale).reshape(out.shape))
     return out
@@ -149,7 +159,7 @@ def pack(tensors: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None, s
     Segment i starts at offsets[i] (a multiple of `align`); the gaps between segments are zero-filled.
     The bucket's size is the sum of the aligned sizes. One kernel launch for any number of tensors.
     """
-    tensors = _check_tensor_list(tensors)
+    tensors = [t.resolve_neg() for t in _check_tensor_list(tensors)]  # the kernels read raw values
     if dtype is None:
         dtype = tensors[0].dtype if tensors else torch.float32
     dtype = _check_dtype(dtype)
@@ -158,6 +168,7 @@ def pack(tensors: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None, s
     device = tensors[0].device if tensors else (out.device if isinstance(out, torch.Tensor) else torch.device("cpu"))
     if out is not None:
         _check_out(out, dtype, total, device)
+        _check_writable(out, "out")
         check_no_overlap({"out": out, **{f"tensors[{i}]": t for i, t in enumerate(tensors)}})
         flat = out[:total]
     else:
@@ -168,6 +179,7 @@ def pack(tensors: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None, s
         from .kernels import pack as kpack
 
         stats = kpack.pack(tensors, offsets, segs, flat, scale)
+        bump_version(flat)
         return Packed(flat, offsets, stats[1] > 0, stats[0])
     # The exact torch path. On the CPU, when the bucket holds the values unchanged (same dtype, scale 1: the
     # offload step's case), one C++ pass per tensor copies it and sums its squares and flags inf/NaN.
@@ -216,11 +228,14 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], *, offsets: Sequ
             raise ValueError(f"offsets[{i}] must be an int >= 0, got {off!r}")
         if off + t.numel() > flat.numel():
             raise ValueError(f"offsets[{i}] + tensors[{i}].numel() = {off + t.numel()} > flat.numel() = {flat.numel()}")
+    for i, t in enumerate(tensors):
+        _check_writable(t, f"tensors[{i}]")
     check_no_overlap({"flat": flat, **{f"tensors[{i}]": t for i, t in enumerate(tensors)}})
     if _choose_impl(impl, flat.device) == "triton":
         from .kernels import pack as kpack
 
-        kpack.unpack(flat, tensors, list(offsets))
+        kpack.unpack(flat.resolve_neg(), tensors, list(offsets))
+        bump_version(*tensors)
         return
     for t, off in zip(tensors, offsets):
         t.copy_(flat[off : off + t.numel()].reshape(t.shape))

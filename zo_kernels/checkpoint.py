@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,91 @@ def _check_objects(path: Any, model: Any, optimizer: Any) -> Path:
     return Path(path)
 
 
+# What torch.load(weights_only=True) reads back, by exact type (np.float64 is a float subclass it cannot load).
+_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.nn.Parameter, torch.Size,
+           torch.dtype, torch.device)  # fmt: skip
+_CONTAINERS = (dict, OrderedDict, list, tuple, set)
+
+
+def _check_loadable(value: Any, name: str) -> None:
+    """Raise TypeError naming the first part of `value` that load_checkpoint could not read back."""
+    if type(value) in _LEAVES:
+        return
+    if type(value) not in _CONTAINERS:
+        raise TypeError(f"{name} is a {type(value).__module__}.{type(value).__qualname__}, which a checkpoint "
+                        "cannot load back (weights_only): use plain Python values, tensors, lists, tuples and "
+                        "dicts")  # fmt: skip
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for k, v in items:
+        if isinstance(value, dict):
+            _check_loadable(k, f"{name} key {k!r}")
+        _check_loadable(v, f"{name}[{k!r}]")
+
+
+def _check_payload(ckpt: Any, path: Path, model: torch.nn.Module, optimizer: Any) -> tuple[Any, dict[str, Any]]:
+    """Everything load_checkpoint relies on, checked before anything changes; returns (optimizer state, extra)."""
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise ValueError(f"path: {path} is not a zo_kernels checkpoint (format {FORMAT!r} expected)")
+    saved, current = ckpt.get("model"), model.state_dict()
+    if not isinstance(saved, dict):
+        raise ValueError(f"path: {path} holds no 'model' state dict")
+    missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint and model differ: missing in the checkpoint {missing[:5]}, "
+                         f"not in the model {unexpected[:5]}")  # fmt: skip
+    for key, value in current.items():
+        got = saved[key]
+        if not isinstance(got, torch.Tensor):
+            raise ValueError(f"checkpoint model[{key!r}] is a {type(got).__name__}, not a tensor")
+        if tuple(got.shape) != tuple(value.shape):
+            raise ValueError(f"checkpoint model[{key!r}] has shape {tuple(got.shape)}, "
+                             f"the model's has {tuple(value.shape)}")  # fmt: skip
+        if got.is_floating_point() != value.is_floating_point() or got.is_complex() != value.is_complex():
+            raise ValueError(f"checkpoint model[{key!r}] is {got.dtype}, the model's is {value.dtype}")
+    extra = ckpt.get("extra")
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(f"checkpoint extra is a {type(extra).__name__}, not a dict")
+    state = ckpt.get("optimizer")
+    if optimizer is not None and state is not None:
+        if not (isinstance(state, dict) and isinstance(state.get("state"), dict)
+                and isinstance(state.get("param_groups"), list)):  # fmt: skip
+            raise ValueError("checkpoint optimizer state is not a state dict ('state' dict and 'param_groups' list)")
+        if isinstance(optimizer, ZeroOffloadAdamW):
+            optimizer.check_state_dict(state)
+        else:
+            _check_optimizer_state(state, optimizer)
+    return state, dict(extra or {})
+
+
+def _check_optimizer_state(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    """What torch's Optimizer.load_state_dict would refuse (or accept and fail on later), checked up front."""
+    groups = state["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"checkpoint optimizer state has {len(groups)} param groups, the optimizer "
+                         f"{len(optimizer.param_groups)}")  # fmt: skip
+    params = {}
+    for gi, (saved, group) in enumerate(zip(groups, optimizer.param_groups)):
+        ids = saved.get("params") if isinstance(saved, dict) else None
+        if not isinstance(ids, list) or len(ids) != len(group["params"]):
+            got = len(ids) if isinstance(ids, list) else repr(ids)
+            raise ValueError(f"checkpoint optimizer param group {gi} has {got} params, the optimizer's "
+                             f"{len(group['params'])}")  # fmt: skip
+        params.update(zip(ids, group["params"]))
+    for pid, entry in state["state"].items():
+        if pid not in params or not isinstance(entry, dict):
+            raise ValueError(f"checkpoint optimizer state[{pid!r}] belongs to no param of its param groups")
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) != tuple(params[pid].shape):
+                raise ValueError(f"checkpoint optimizer state[{pid!r}][{k!r}] has shape {tuple(v.shape)}, its param "
+                                 f"{tuple(params[pid].shape)}")  # fmt: skip
+
+
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     **extra: Any) -> None:  # fmt: skip
     """Write model, optimizer state and `extra` (plain values) to `path`, atomically.
 
+    Anything load_checkpoint could not read back (numpy values, datetimes, Namespaces, functions...) is refused
+    with a TypeError naming it, before a file is written.
     The file is written to a temporary file in the same directory, flushed and fsync'ed, then renamed over
     `path` (and the directory fsync'ed): a crash at any moment leaves either the previous checkpoint or the
     new one, never a torn file. The optimizer state is world-size independent; with a ZeroOffloadAdamW on
@@ -46,6 +128,10 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
         raise FileNotFoundError(f"path: directory {path.parent} does not exist")
     payload = {"format": FORMAT, "model": model.state_dict(),
                "optimizer": optimizer.state_dict() if optimizer is not None else None, "extra": extra}  # fmt: skip
+    for key, value in extra.items():
+        _check_loadable(value, key)
+    _check_loadable(payload["model"], "model state")
+    _check_loadable(payload["optimizer"], "optimizer state")
     if _rank(optimizer) == 0:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
@@ -82,24 +168,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ValueError(f"path: {path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
-    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-        raise ValueError(f"path: {path} is not a zo_kernels checkpoint (format {FORMAT!r} expected)")
-    saved, current = ckpt["model"], model.state_dict()
-    missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
-    if missing or unexpected:
-        raise ValueError(f"checkpoint and model differ: missing in the checkpoint {missing[:5]}, "
-                         f"not in the model {unexpected[:5]}")  # fmt: skip
-    for key, value in current.items():
-        if tuple(saved[key].shape) != tuple(value.shape):
-            raise ValueError(f"checkpoint model[{key!r}] has shape {tuple(saved[key].shape)}, "
-                             f"the model's has {tuple(value.shape)}")  # fmt: skip
-    state = ckpt.get("optimizer")
-    if optimizer is not None and state is not None:
-        if isinstance(optimizer, ZeroOffloadAdamW):
-            optimizer.check_state_dict(state)
-        elif len(state.get("param_groups", [])) != len(optimizer.param_groups):
-            raise ValueError("checkpoint optimizer state has a different number of param groups")
-    model.load_state_dict(saved)
+    state, extra = _check_payload(ckpt, path, model, optimizer)
+    model.load_state_dict(ckpt["model"])
     if optimizer is not None:
         if state is not None:
             optimizer.load_state_dict(state)
@@ -108,4 +178,4 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                           "weights (bits below their dtype are lost); Adam's moments and steps are unchanged",
                           stacklevel=2)  # fmt: skip
             optimizer.refresh_masters_from_model()
-    return dict(ckpt.get("extra") or {})
+    return extra

@@ -11,35 +11,61 @@ from pathlib import Path
 
 import torch
 
-from .planner import format_plan, parse_count, plan
+from .planner import MAX_GPUS, format_plan, parse_count, plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SUITES = {"cpu_adam": "test_bench_cpu_adam.py", "buckets": "test_bench_buckets.py",
           "transport": "test_bench_transport.py", "step": "test_bench_step.py"}  # fmt: skip
 
 
+# Bounds of the demo: beyond them it would not fit in a machine's memory (the batches are made up front).
+MAX_DEMO_PARAMS, MAX_STEPS, MAX_BATCH, MAX_CONTEXT = 2e8, 100_000, 4096, 4096
+
+
 class UsageError(Exception):
     """A bad argument: reported on one line, exit status 2."""
 
 
-def _positive_int(name: str):
+def _int_in(name: str, lo: int, hi: int):
+    """An argparse type: an integer in [lo, hi], the error naming the option."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {lo}, got {value}")
+        if value > hi:
+            raise argparse.ArgumentTypeError(f"{name} must be <= {hi}, got {str(value)[:20]}")
         return value
+
+    return parse
+
+
+def _positive_int(name: str, hi: int = 2**31 - 1):
+    return _int_in(name, 1, hi)
+
+
+def _float(name: str):
+    def parse(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
 
     return parse
 
 
 def _count(text: str) -> float:
     try:
-        return parse_count(text, "--model-size")
+        value = parse_count(text, "--model-size")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if value > MAX_DEMO_PARAMS:
+        raise argparse.ArgumentTypeError(f"--model-size must be <= {MAX_DEMO_PARAMS:.0e} (a demo on one machine), "
+                                         f"got {text!r}")  # fmt: skip
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,16 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     d = sub.add_parser("demo", help="train a small GPT with ZeroOffloadAdamW and with torch AdamW, side by side")
-    d.add_argument("--steps", type=_positive_int("--steps"), default=400)
+    d.add_argument("--steps", type=_positive_int("--steps", MAX_STEPS), default=400)
     d.add_argument("--model-size", type=_count, default=1e6, help="approximate parameters (e.g. 1M, 5e6)")
     d.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="device parameter dtype (auto: bf16 where the device computes it natively, else fp32 on a "
                         "CPU, fp16 on a GPU)")  # fmt: skip
-    d.add_argument("--delay-update-after", type=int, default=None, help="enable the delayed parameter update")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--batch", type=_positive_int("--batch"), default=16)
-    d.add_argument("--context", type=_positive_int("--context"), default=64)
-    d.add_argument("--lr", type=float, default=3e-3)
+    d.add_argument("--delay-update-after", type=_int_in("--delay-update-after", 0, 2**31 - 1), default=None,
+                   help="enable the delayed parameter update")  # fmt: skip
+    d.add_argument("--seed", type=_int_in("--seed", 0, 2**63 - 1), default=0)
+    d.add_argument("--batch", type=_positive_int("--batch", MAX_BATCH), default=16)
+    d.add_argument("--context", type=_positive_int("--context", MAX_CONTEXT), default=64)
+    d.add_argument("--lr", type=_float("--lr"), default=3e-3)
     d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     d.add_argument("--plot", metavar="FILE.png", help="save the loss curves and the phase breakdown (matplotlib)")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -93,11 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_plan(a: argparse.Namespace) -> int:
     try:
-        gpus = int(a.gpus)
-        per_host = None if a.gpus_per_host is None else int(a.gpus_per_host)
-        k, reserve = float(a.k), float(a.reserve)
-    except ValueError as e:
-        raise UsageError(f"not a number: {e}") from None
+        gpus = _int_in("--gpus", 1, MAX_GPUS)(a.gpus)
+        per_host = None if a.gpus_per_host is None else _int_in("--gpus-per-host", 1, MAX_GPUS)(a.gpus_per_host)
+        k, reserve = _float("--k")(a.k), _float("--reserve")(a.reserve)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(str(e)) from None
     try:
         p = plan(a.params, gpus, a.gpu_mem, a.host_mem, k=k, activations=a.activations, workspace=a.workspace,
                  reserve=reserve, bucket_bytes=a.buckets, gpus_per_host=per_host)  # fmt: skip
@@ -117,7 +144,9 @@ def bench_dir() -> Path:
 def cmd_bench(a: argparse.Namespace) -> int:
     root = bench_dir()
     suites = a.suite or sorted(SUITES)
-    out = a.output or f"bench-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    # pytest runs in the checkout: a relative path is made absolute here, relative to the caller's directory
+    out = Path(a.output or f"bench-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json").absolute()
+    _check_output_dir(out, "--output")
     for s in a.sizes.split(","):
         try:
             parse_count(s, "--sizes")
@@ -130,9 +159,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return subprocess.call(cmd, cwd=root.parent, env=env)
 
 
+def _check_output_dir(path: Path, option: str) -> None:
+    if not Path(path).absolute().parent.is_dir():
+        raise UsageError(f"{option}: directory {Path(path).absolute().parent} does not exist")
+
+
 def cmd_dashboard(a: argparse.Namespace) -> int:
     from .dashboard import render
 
+    _check_output_dir(Path(a.output), "--output")
     for r in a.runs:
         if not Path(r).is_file():
             raise UsageError(f"no such benchmark JSON: {r}")
@@ -152,6 +187,12 @@ def cmd_demo(a: argparse.Namespace) -> int:
         raise UsageError(f"--delay-update-after must be >= 0, got {a.delay_update_after}")
     if not (a.lr > 0 and a.lr < 1):
         raise UsageError(f"--lr must be in (0, 1), got {a.lr}")
+    if a.plot:
+        _check_output_dir(Path(a.plot), "--plot")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
     if a.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     a.dtype = None if a.dtype == "auto" else DTYPES[a.dtype]  # None: the demo picks one for the device

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -15,6 +16,11 @@ ISAS = ("scalar", "avx2", "avx512")
 ISA_ENV = "ZO_KERNELS_ISA"  # forces one variant ("scalar", "avx2", "avx512"), e.g. to test all three here
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _NO_OUT = 3
+
+FP32_MAX = torch.finfo(torch.float32).max  # a hyper-parameter beyond it is inf once the kernel rounds it
+FP32_TINY = torch.finfo(torch.float32).tiny
+MAX_THREADS = 1 << 16
+MAX_STEP = 2**63 - 1  # the kernel's int64
 
 # Tile handed to the sink when the caller gives a sink but no tile size: 1M elements is ~28 MB of
 # traffic (a few ms), long enough to hide a Python call, short enough for copy/compute overlap.
@@ -52,6 +58,8 @@ def _real(x: Any, name: str) -> float:
     x = float(x)
     if not math.isfinite(x):
         raise ValueError(f"{name} must be finite, got {x}")
+    if abs(x) > FP32_MAX:
+        raise ValueError(f"{name} must be finite in fp32 (|{name}| <= {FP32_MAX:.4g}), got {x}")
     return x
 
 
@@ -67,15 +75,16 @@ def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> tuple[flo
         if not 0.0 <= b < 1.0:
             raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
     eps = _real(eps, "eps")
-    if eps <= 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
+    if eps < FP32_TINY:
+        raise ValueError(f"eps must be > 0 and >= {FP32_TINY:.4g} (fp32's smallest normal), got {eps}")
     weight_decay = _real(weight_decay, "weight_decay")
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
     return lr, b1, b2, eps, weight_decay
 
 
-def _check_tensor(t: Any, name: str, dtypes: tuple[torch.dtype, ...], numel: int | None, like: str = "param") -> None:
+def _check_tensor(t: Any, name: str, dtypes: tuple[torch.dtype, ...], numel: int | None, like: str = "param",
+                  written: bool = False) -> None:  # fmt: skip
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -89,17 +98,56 @@ def _check_tensor(t: Any, name: str, dtypes: tuple[torch.dtype, ...], numel: int
         raise ValueError(f"{name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)})")
     if numel is not None and t.numel() != numel:
         raise ValueError(f"{name} has {t.numel()} elements, expected {numel} (the number in {like})")
+    check_memory(t, name, written)
 
+
+def check_memory(t: torch.Tensor, name: str, written: bool = False) -> None:
+    """What a kernel given t's address relies on: plain values, aligned, inside t's storage, writable if written."""
+    if t.is_neg() or t.is_conj():
+        raise ValueError(f"{name} is a negated or conjugated view; pass {name}.resolve_neg() / resolve_conj()")
+    if t.numel() == 0:
+        return
+    if t.data_ptr() % t.element_size():
+        raise ValueError(f"{name} is not aligned to its {t.element_size()}-byte elements (address {t.data_ptr():#x})")
+    storage = t.untyped_storage()
+    need = (t.storage_offset() + t.numel()) * t.element_size()
+    if storage.nbytes() < need:
+        raise ValueError(f"{name}'s storage holds {storage.nbytes()} bytes, its {t.numel()} elements need {need} "
+                         "(was the storage resized?)")  # fmt: skip
+    if written and not storage.resizable():  # torch's own allocations are writable; check foreign memory
+        why = _readonly(storage.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
+        if why:
+            raise ValueError(f"{name} is read-only memory ({why}); it would be written")
+
+
+def _readonly(base: int, start: int, nbytes: int) -> str | None:
+    """Why [start, start + nbytes) may not be written (a mapping without 'w', a Python bytes object), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = [line.split()[:2] for line in f]
+    except OSError:
+        return None  # no /proc (not Linux): nothing more to check
+    spans = []
+    for rng, perms in maps:
+        lo, hi = (int(x, 16) for x in rng.split("-"))
+        spans.append((lo, hi, perms))
+        if lo < start + nbytes and start < hi and "w" not in perms:
+            return f"mapped {perms}"
+    head = base - bytes.__basicsize__ + 1  # a bytes object's header sits right before its first byte
+    if any(lo <= head and base <= hi and "r" in perms for lo, hi, perms in spans):
+        if ctypes.c_void_p.from_address(head + ctypes.sizeof(ctypes.c_ssize_t)).value == id(bytes):
+            return "the buffer of an immutable bytes object"
+    return None
 
 def _check_adam_tensors(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_out: Any = None) -> int:
     """The tensor checks shared by every Adam entry point; returns the element count."""
-    _check_tensor(param, "param", (torch.float32,), None)
+    _check_tensor(param, "param", (torch.float32,), None, written=True)
     n = param.numel()
     _check_tensor(grad, "grad", tuple(_DTYPE_CODE), n)
-    _check_tensor(exp_avg, "exp_avg", (torch.float32,), n)
-    _check_tensor(exp_avg_sq, "exp_avg_sq", (torch.float32,), n)
+    _check_tensor(exp_avg, "exp_avg", (torch.float32,), n, written=True)
+    _check_tensor(exp_avg_sq, "exp_avg_sq", (torch.float32,), n, written=True)
     if param_out is not None:
-        _check_tensor(param_out, "param_out", tuple(_DTYPE_CODE), n)
+        _check_tensor(param_out, "param_out", tuple(_DTYPE_CODE), n, written=True)
     check_no_overlap(
         {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out}
     )
@@ -123,33 +171,62 @@ def check_no_overlap(named: dict[str, torch.Tensor]) -> None:
 class AdamPlan(NamedTuple):
     """A validated cpu_adam_step call that can run on any sub-range [start, end) of its tensors.
 
-    Built by `plan_adam_step`; each `run` costs one C call (no re-validation), which is what lets a
-    tiled pipeline drive thousands of tiles per second from Python.
+    Built by `plan_adam_step`; it holds its tensors (so their memory outlives it). Each `run` checks its range
+    and `out` and that the storages still cover the tensors, then makes one C call, which is what lets a tiled
+    pipeline drive thousands of tiles per second from Python.
     """
 
     numel: int
-    param: int
-    grad: int
-    grad_size: int
+    tensors: tuple  # param, grad, exp_avg, exp_avg_sq: kept alive and re-checked by run
     grad_code: int
-    exp_avg: int
-    exp_avg_sq: int
-    out_code: int
-    out_size: int
+    out_dtype: torch.dtype | None
     args: tuple  # step, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw, bias_correction, isa, threads
 
-    def run_tiled(self, tile: int, sink: Any, out_addr: int = 0) -> None:
-        """All of [0, numel) in tiles, a C tile sink called after each: the loop runs in C++, GIL released."""
-        _cpu.adam_step_tiled(
-            self.param, self.grad, self.grad_code, self.exp_avg, self.exp_avg_sq, out_addr,
-            self.out_code if out_addr else _NO_OUT, self.numel, *self.args, tile, sink,
-        )  # fmt: skip
+    def _addresses(self) -> tuple[int, int, int, int]:
+        for t, name in zip(self.tensors, ("param", "grad", "exp_avg", "exp_avg_sq")):
+            check_memory(t, name)
+        return tuple(t.data_ptr() for t in self.tensors)
 
-    def run(self, start: int, end: int, out_addr: int = 0) -> None:
-        """Update elements [start, end); if out_addr, write the new params there (out dtype of the plan)."""
+    def _check_out(self, out: Any, numel: int, name: str) -> int:
+        if out is None:
+            return 0
+        if self.out_dtype is None:
+            raise ValueError(f"{name} given, but the plan was made without out_dtype")
+        _check_tensor(out, name, (self.out_dtype,), numel, like="the range", written=True)
+        check_no_overlap({name: out, **dict(zip(("param", "grad", "exp_avg", "exp_avg_sq"), self.tensors))})
+        return out.data_ptr()
+
+    def run_tiled(self, tile: int, sink: TileSink, out: torch.Tensor | None = None,
+                  progress: torch.Tensor | None = None) -> None:  # fmt: skip
+        """All of [0, numel) in tiles, a C tile sink called after each: the loop runs in C++, GIL released.
+
+        `progress` (a 1-element int64 tensor) is set to the end of each tile once it is updated."""
+        tile = _check_tile(tile, self.numel, sink)
+        out_addr = self._check_out(out, self.numel, "out")
+        if not isinstance(sink, TileSink):
+            raise TypeError(f"sink must be a TileSink (copy_tile_sink, Transport.tile_sink), got {type(sink).__name__}")
+        sink.check(out if out is not None else self.tensors[0], self.numel)
+        param, grad, m, v = self._addresses()
+        _cpu.adam_step_tiled(param, grad, self.grad_code, m, v, out_addr,
+                             _DTYPE_CODE[out.dtype] if out is not None else _NO_OUT, self.numel, *self.args, tile,
+                             sink.capsule, 0 if progress is None else progress.data_ptr())  # fmt: skip
+
+    def run(self, start: int, end: int, out: torch.Tensor | None = None, progress: torch.Tensor | None = None) -> None:
+        """Update elements [start, end); with `out` (end - start elements of the plan's out dtype), write the new
+        params there. `progress` (a 1-element int64 tensor), if given, grows by end - start once they are updated."""
+        for x, name in ((start, "start"), (end, "end")):
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+        if not 0 <= start <= end <= self.numel:
+            raise ValueError(f"start and end must satisfy 0 <= start <= end <= {self.numel}, got start={start}, "
+                             f"end={end}")  # fmt: skip
+        out_addr = self._check_out(out, end - start, "out")
+        param, grad, m, v = self._addresses()
+        gsize = self.tensors[1].element_size()
         _cpu.adam_step(
-            self.param + 4 * start, self.grad + self.grad_size * start, self.grad_code, self.exp_avg + 4 * start,
-            self.exp_avg_sq + 4 * start, out_addr, self.out_code if out_addr else _NO_OUT, end - start, *self.args,
+            param + 4 * start, grad + gsize * start, self.grad_code, m + 4 * start, v + 4 * start, out_addr,
+            _DTYPE_CODE[out.dtype] if out is not None else _NO_OUT, end - start, *self.args,
+            progress=0 if progress is None else progress.data_ptr(),
         )  # fmt: skip
 
 
@@ -192,18 +269,19 @@ def _plan(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_out: Any, 
         raise TypeError(f"step must be an int, got {type(step).__name__}")
     if step < 1:
         raise ValueError(f"step must be >= 1 (counted from 1), got {step}")
+    if step > MAX_STEP:
+        raise ValueError(f"step must be <= 2**63 - 1 (the kernel's int64), got {step}")
     lr, b1, b2, eps, weight_decay = check_hparams(lr, betas, eps, weight_decay)
     grad_scale = _real(grad_scale, "grad_scale")
     if grad_scale < 0:
         raise ValueError(f"grad_scale must be >= 0, got {grad_scale}")
     threads = _check_threads(threads)
     isa = best_isa() if isa is None else _check_isa(isa)
-    out_code = _NO_OUT if out_dtype is None else _DTYPE_CODE[out_dtype]
-    out_size = 0 if out_dtype is None else torch.empty((), dtype=out_dtype).element_size()
+    if out_dtype is not None and out_dtype not in _DTYPE_CODE:
+        raise TypeError(f"out_dtype must be torch.float32, torch.float16 or torch.bfloat16, got {out_dtype!r}")
     args = (step, lr, b1, b2, eps, weight_decay, grad_scale, bool(adamw), bool(bias_correction))
     args += (ISAS.index(isa), threads)
-    return AdamPlan(n, param.data_ptr(), grad.data_ptr(), grad.element_size(), _DTYPE_CODE[grad.dtype],
-                    exp_avg.data_ptr(), exp_avg_sq.data_ptr(), out_code, out_size, args)  # fmt: skip
+    return AdamPlan(n, (param, grad, exp_avg, exp_avg_sq), _DTYPE_CODE[grad.dtype], out_dtype, args)
 
 
 def cpu_adam_step(
@@ -231,27 +309,53 @@ def cpu_adam_step(
     `grad` (fp32/fp16/bf16) is multiplied by `grad_scale` first. With `sink`, the tensor is processed in
     tiles of `tile_numel` elements and `sink(start, end)` is called after each tile is final (its
     `param_out` slice included), so the caller can copy tile t while tile t+1 is computed. `sink` may be a
-    Python callable or a C tile sink (`copy_tile_sink`, `zo_kernels._cuda.h2d_tile_sink`): then the whole
-    tile loop, sink calls included, runs in C++ without the GIL. Every argument is checked first.
+    Python callable or a TileSink (`copy_tile_sink`, `Transport.tile_sink`, checked against this step): then the
+    whole tile loop, sink calls included, runs in C++ without the GIL. Every argument is checked first.
+
+    Interruption: the update is not transactional. If it fails after it started writing (a sink raised, a C
+    sink failed, Ctrl-C between tiles), the exception carries `updated = (0, k)` (and a note saying so):
+    elements [0, k) of param, exp_avg, exp_avg_sq and param_out hold the new step, [k, n) are untouched.
+    A failed check raises before anything is written (then there is no `updated`).
     """
     plan = _plan(
         param, grad, exp_avg, exp_avg_sq, param_out, step=step, lr=lr, betas=betas, eps=eps,
         weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction, grad_scale=grad_scale,
         out_dtype=None, threads=threads, isa=isa,
     )  # fmt: skip
-    c_sink = _is_tile_sink(sink)
-    if sink is not None and not callable(sink) and not c_sink:
-        raise TypeError(f"sink must be callable(start, end) or a C tile sink, got {type(sink).__name__}")
+    c_sink = isinstance(sink, TileSink)
+    if sink is not None and (not callable(sink) or type(sink).__name__ == "PyCapsule") and not c_sink:
+        raise TypeError(f"sink must be callable(start, end) or a TileSink (copy_tile_sink), got {type(sink).__name__}")
     tile = _check_tile(tile_numel, plan.numel, sink)
-    out = 0 if param_out is None else param_out.data_ptr()
     if c_sink:
-        plan.run_tiled(tile, sink, out)
-        return
-    for start in range(0, plan.numel, tile):
-        end = min(plan.numel, start + tile)
-        plan.run(start, end, out + plan.out_size * start if out else 0)
-        if sink is not None:
-            sink(start, end)
+        sink.check(param_out if param_out is not None else param, plan.numel)
+    progress = torch.zeros(1, dtype=torch.int64)  # written by the kernel after each tile: exact under Ctrl-C
+    try:
+        if c_sink:
+            plan.run_tiled(tile, sink, param_out, progress)
+            return
+        for start in range(0, plan.numel, tile):
+            end = min(plan.numel, start + tile)
+            plan.run(start, end, None if param_out is None else param_out[start:end], progress)
+            if sink is not None:
+                sink(start, end)
+    except BaseException as e:
+        done = int(progress)
+        if done:
+            e.updated = (0, done)
+            if hasattr(e, "add_note"):
+                e.add_note(f"cpu_adam_step: updated = (0, {done}): elements [0, {done}) hold the new step, "
+                           f"[{done}, {plan.numel}) are untouched")  # fmt: skip
+        raise
+    finally:
+        if int(progress):
+            bump_version(param, exp_avg, exp_avg_sq, param_out)
+
+
+def bump_version(*tensors: torch.Tensor | None) -> None:
+    """Tell autograd that these tensors were written in place (as torch's own in-place ops do)."""
+    for t in tensors:
+        if t is not None and not t.is_inference():
+            torch.autograd.graph.increment_version(t)
 
 
 def stream_pass(
@@ -273,6 +377,7 @@ def stream_pass(
         param_out.data_ptr() if param_out is not None else 0,
         _DTYPE_CODE[param_out.dtype] if param_out is not None else _NO_OUT, n, ISAS.index(isa), threads,
     )  # fmt: skip
+    bump_version(param, exp_avg, exp_avg_sq, param_out)
 
 
 def sum_squares(x: torch.Tensor, *, out: torch.Tensor | None = None, threads: int | None = None,
@@ -284,26 +389,51 @@ def sum_squares(x: torch.Tensor, *, out: torch.Tensor | None = None, threads: in
     """
     _check_tensor(x, "x", tuple(_DTYPE_CODE), None)
     if out is not None:
-        _check_tensor(out, "out", (x.dtype,), x.numel(), like="x")
+        _check_tensor(out, "out", (x.dtype,), x.numel(), like="x", written=True)
         check_no_overlap({"x": x, "out": out})
     isa = best_isa() if isa is None else _check_isa(isa)
+    threads = _check_threads(threads)
     y = 0 if out is None else out.data_ptr()
-    return _cpu.sum_squares(x.data_ptr(), y, _DTYPE_CODE[x.dtype], x.numel(), ISAS.index(isa), _check_threads(threads))
+    result = _cpu.sum_squares(x.data_ptr(), y, _DTYPE_CODE[x.dtype], x.numel(), ISAS.index(isa), threads)
+    bump_version(out)
+    return result
 
 
-def _is_tile_sink(sink: Any) -> bool:
-    return type(sink).__name__ == "PyCapsule"
+class TileSink:
+    """A C tile sink (what the C++ tile loop calls after each tile) and the tensors it copies between.
 
+    It holds `dst` and `src`, so their memory lives as long as the sink; every use checks it against the step it
+    serves: `src` must be what the step writes (its param_out, else param), and both storages must still be
+    where, and as large as, they were when the sink was made.
 
-def copy_tile_sink(dst: torch.Tensor, src: torch.Tensor) -> Any:
-    """A C tile sink copying each finished tile of `src` to `dst` (host tensors of one dtype and size).
-
-    Both tensors must outlive every call that uses the sink.
+    Args:
+        capsule: the C sink (zo_kernels._cpu.copy_tile_sink, zo_kernels._cuda.h2d_tile_sink).
+        dst: where the tiles go. src: where they are read, tile [start, end) of its elements.
     """
+
+    def __init__(self, capsule: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.capsule, self.dst, self.src = capsule, dst, src
+        self._addresses = (dst.data_ptr(), src.data_ptr())
+
+    def check(self, written: torch.Tensor, numel: int) -> None:
+        """Raise unless this sink can serve a step over `numel` elements that writes `written` each tile."""
+        src = self.src
+        if (src.data_ptr(), src.dtype, src.numel()) != (written.data_ptr(), written.dtype, numel):
+            raise ValueError(f"sink copies {src.numel()} {src.dtype} elements at {src.data_ptr():#x}; this step "
+                             f"writes {numel} {written.dtype} elements at {written.data_ptr():#x} (its param_out, "
+                             "else param): make the sink from that tensor")  # fmt: skip
+        for t, name, addr in ((self.dst, "dst", self._addresses[0]), (src, "src", self._addresses[1])):
+            if t.data_ptr() != addr:
+                raise ValueError(f"sink {name} was moved to other memory (set_) after the sink was made")
+            check_memory(t, f"sink {name}", written=name == "dst" and t.device.type == "cpu")
+
+
+def copy_tile_sink(dst: torch.Tensor, src: torch.Tensor) -> TileSink:
+    """A C tile sink copying each finished tile of `src` to `dst` (host tensors of one dtype and size)."""
     _check_tensor(src, "src", tuple(_DTYPE_CODE), None)
-    _check_tensor(dst, "dst", (src.dtype,), src.numel(), like="src")
+    _check_tensor(dst, "dst", (src.dtype,), src.numel(), like="src", written=True)
     check_no_overlap({"dst": dst, "src": src})
-    return _cpu.copy_tile_sink(dst.data_ptr(), src.data_ptr(), src.element_size())
+    return TileSink(_cpu.copy_tile_sink(dst.data_ptr(), src.data_ptr(), src.element_size(), src.numel()), dst, src)
 
 
 def _check_threads(threads: int | None) -> int:
@@ -313,6 +443,8 @@ def _check_threads(threads: int | None) -> int:
         raise TypeError(f"threads must be an int or None, got {type(threads).__name__}")
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    if threads > MAX_THREADS:
+        raise ValueError(f"threads must be <= {MAX_THREADS}, got {threads}")
     return threads
 
 
@@ -323,7 +455,7 @@ def _check_tile(tile_numel: int | None, n: int, sink: Any) -> int:
         raise TypeError(f"tile_numel must be an int or None, got {type(tile_numel).__name__}")
     if tile_numel < 1:
         raise ValueError(f"tile_numel must be >= 1, got {tile_numel}")
-    return tile_numel
+    return min(tile_numel, max(1, n))
 
 
 class CPUAdam(torch.optim.Optimizer):

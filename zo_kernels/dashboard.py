@@ -25,6 +25,22 @@ def load_run(path: Path) -> dict:
         raise ValueError(f"{path}: not a readable JSON file ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
         raise ValueError(f"{path}: not pytest-benchmark output (no 'benchmarks' list)")
+    for key, kind in (("datetime", str), ("machine_info", dict)):
+        if key in data and not isinstance(data[key], kind):
+            raise ValueError(f"{path}: {key} must be a {kind.__name__}, got {type(data[key]).__name__}")
+    for i, b in enumerate(data["benchmarks"]):
+        where = f"{path}: benchmarks[{i}]"
+        if not isinstance(b, dict):
+            raise ValueError(f"{where} must be an object, got {type(b).__name__}")
+        for key, kind in (("stats", dict), ("extra_info", dict), ("group", str), ("name", str)):
+            if b.get(key) is not None and not isinstance(b[key], kind):
+                raise ValueError(f"{where}.{key} must be a {kind.__name__}, got {type(b[key]).__name__}")
+        numbers = [("stats", k, (b.get("stats") or {}).get(k)) for k in ("min", "median")]
+        numbers += [("extra_info", k, (b.get("extra_info") or {}).get(k)) for k in ("numel", "bytes")]
+        for part, key, v in numbers:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v < 0 or (part == "stats" and v == 0)):  # fmt: skip
+                raise ValueError(f"{where}.{part}.{key} must be a finite number > 0, got {v!r}")
     return data
 
 

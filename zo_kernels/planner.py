@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + offload")
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9, "T": 1e12, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+MAX_GPUS = 10**9  # beyond it the per-GPU shares underflow to 0 and big ints overflow float division
 _COUNTS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
 
@@ -126,6 +127,8 @@ def plan(
     params = parse_count(params, "params")
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be an int >= 1, got {gpus!r}")
+    if gpus > MAX_GPUS:
+        raise ValueError(f"gpus must be <= {MAX_GPUS:.0e}, got {str(gpus)[:20]}")
     per_host = gpus if gpus_per_host is None else gpus_per_host
     if isinstance(per_host, bool) or not isinstance(per_host, int) or not 1 <= per_host <= gpus:
         raise ValueError(f"gpus_per_host must be an int in [1, gpus], got {gpus_per_host!r}")

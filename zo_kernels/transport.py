@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .cpu_adam import check_no_overlap, plan_adam_step
+from .cpu_adam import TileSink, bump_version, check_memory, check_no_overlap, plan_adam_step
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -197,6 +197,8 @@ def _check_tensor_any(t: Any, name: str) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+    if t.is_neg() or t.is_conj():
+        raise ValueError(f"{name} is a negated or conjugated view; pass {name}.resolve_neg() / resolve_conj()")
 
 
 class Transport:
@@ -214,7 +216,7 @@ class Transport:
         """Queue dst (host) <- src (device), after the work already queued on the compute stream."""
         raise NotImplementedError
 
-    def tile_sink(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    def tile_sink(self, dst: torch.Tensor, src: torch.Tensor) -> TileSink | None:
         """A C tile sink queueing the H2D copy of each finished tile of src to dst, or None (copies from Python)."""
         return None
 
@@ -463,13 +465,14 @@ class CudaTransport(Transport):
         fin.atexit = False
         self._registered[addr] = fin
 
-    def tile_sink(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    def tile_sink(self, dst: torch.Tensor, src: torch.Tensor) -> TileSink:
         self._check_endpoints(dst, src, True)  # pageable staging would make every tile's copy synchronous
         self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the forward reading dst
         dst.record_stream(self.h2d_stream)
         self._sink_src.append(src)
-        return self._cu.h2d_tile_sink(dst.data_ptr(), src.data_ptr(), src.element_size(), self.h2d_stream.cuda_stream,
-                                      self._index)  # fmt: skip
+        capsule = self._cu.h2d_tile_sink(dst.data_ptr(), src.data_ptr(), src.element_size(), src.numel(),
+                                         self.h2d_stream.cuda_stream, self._index)  # fmt: skip
+        return TileSink(capsule, dst, src)
 
     def record_h2d(self) -> Event:
         ev = self._event(self.h2d_stream)
@@ -572,6 +575,7 @@ def tiled_writeback(
         raise TypeError("dst must be an fp32/fp16/bf16 tensor on the device")
     if not dst.is_contiguous():
         raise ValueError("dst must be contiguous")
+    check_memory(dst, "dst", written=dst.device.type == "cpu")
     if not isinstance(staging, Staging):
         raise TypeError(f"staging must be a Staging, got {type(staging).__name__}")
     if staging.buf.dtype != dst.dtype:
@@ -579,16 +583,28 @@ def tiled_writeback(
     plan = plan_adam_step(param, grad, exp_avg, exp_avg_sq, out_dtype=dst.dtype, **adam)
     if dst.numel() != plan.numel:
         raise ValueError(f"dst has {dst.numel()} elements, param has {plan.numel}")
-    check_no_overlap({"staging": staging.buf, "param": param, "grad": grad, "exp_avg": exp_avg,
-                      "exp_avg_sq": exp_avg_sq})  # fmt: skip
+    state = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    check_no_overlap({"staging": staging.buf, **state})
+    if dst.device.type == "cpu":  # dst may be the staging itself (host memory is the device), never part of it
+        in_place = dst.data_ptr() == staging.buf.data_ptr() and staging.buf.numel() >= plan.numel
+        check_no_overlap({"dst": dst, **state, **({} if in_place else {"staging": staging.buf})})
     tile = staging.tile_numel
     staging.region(0, 0, min(tile, plan.numel), plan.numel)  # raises on a staging buffer too small to use
     full = staging.buf.numel() >= plan.numel
+    try:
+        return _writeback_tiles(transport, plan, dst, staging, timings, full)
+    finally:
+        bump_version(param, exp_avg, exp_avg_sq, staging.buf, dst)
+
+
+def _writeback_tiles(transport: Transport, plan: Any, dst: torch.Tensor, staging: Staging,
+                     timings: dict[str, float] | None, full: bool) -> list[Event]:  # fmt: skip
+    tile = staging.tile_numel
     sink = transport.tile_sink(dst, staging.buf[: plan.numel]) if full and plan.numel else None
     if sink is not None:  # the transport copies from C++: the whole tile loop runs without Python
         transport.wait(staging.events.get("all"))  # the previous step's copies out of this staging
         t0 = time.perf_counter()
-        plan.run_tiled(tile, sink, staging.buf.data_ptr())
+        plan.run_tiled(tile, sink, staging.buf[: plan.numel])
         if timings is not None:
             timings["kernel"] = timings.get("kernel", 0.0) + time.perf_counter() - t0
         staging.events["all"] = ev = transport.record_h2d()
@@ -599,7 +615,7 @@ def tiled_writeback(
         key, out = staging.region(t, start, end, plan.numel)
         transport.wait(staging.events.get(key))  # never overwrite a region whose copy is still reading it
         t0 = time.perf_counter()
-        plan.run(start, end, out.data_ptr())
+        plan.run(start, end, out)
         if timings is not None:
             timings["kernel"] = timings.get("kernel", 0.0) + time.perf_counter() - t0
         if out.data_ptr() == dst[start:end].data_ptr():
