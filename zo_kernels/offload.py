@@ -936,6 +936,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                  f"this optimizer {len(group['params'])}")  # fmt: skip
             check_hparams(saved.get("lr", group["lr"]), saved.get("betas", group["betas"]),
                           saved.get("eps", group["eps"]), saved.get("weight_decay", group["weight_decay"]))  # fmt: skip
+            if "step" in saved:
+                _check_step(saved["step"], f"param group {gi}: 'step'")
             for i, p in zip(saved["params"], group["params"]):
                 st = state.get(i, state.get(str(i)))
                 if st is None:
@@ -1110,7 +1112,9 @@ def _check_loss_scale(loss_scale: Any) -> tuple[float, bool]:
 
 
 def _check_int(x: Any, name: str, minimum: int, required: bool = False) -> int | None:
-    if x is None and not required:
+    if x is None:
+        if required:
+            raise ValueError(f"{name} is missing")
         return None
     if isinstance(x, bool) or not isinstance(x, int):
         raise TypeError(f"{name} must be an int or None, got {type(x).__name__}")
