@@ -27,6 +27,7 @@ N_TENSORS = 64  # a bucket of this many gradients, sizes spread around the mean
 
 def _sync(fn):
     """fn, then wait for the device: host time then spans the kernels (each round ends idle)."""
+
     def run():
         fn()
         torch.cuda.synchronize()
