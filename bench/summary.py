@@ -13,7 +13,7 @@ import sys
 from collections import defaultdict
 
 # Providers named by the suites: a group's ratios are against the first baseline and the first ceiling present.
-BASELINES = ("torch_fused", "torch", "kernel", "pageable")
+BASELINES = ("torch_fused", "torch", "kernel", "reference", "pageable")
 CEILINGS = ("ceiling", "copy", "torch_pinned")
 
 
