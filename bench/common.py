@@ -35,9 +35,9 @@ def machine() -> dict:
     }
 
 
-def sizes(default: list[int]) -> list[int]:
-    """$ZO_BENCH_SIZES (comma-separated, e.g. '1e6,1e7') overrides a suite's default sizes."""
-    env = os.environ.get("ZO_BENCH_SIZES")
+def sizes(default: list[int], var: str = "ZO_BENCH_SIZES") -> list[int]:
+    """$ZO_BENCH_SIZES (or $var; comma-separated, e.g. '1e6,1e7') overrides a suite's default sizes."""
+    env = os.environ.get(var)
     return [int(float(s)) for s in env.split(",")] if env else default
 
 

@@ -2,10 +2,23 @@
 # The one command that verifies the GPU path on a machine with one CUDA GPU and no network:
 #   bash bench/gpu_check.sh OUTDIR
 # Builds the project in place with the Python found here (torch, triton, pybind11, scikit-build-core, cmake,
-# ninja, pytest, pytest-benchmark preinstalled), runs tests/test_gpu.py, the CUDA tests and the GPU benchmarks,
-# and writes OUTDIR/gpu_check.log, OUTDIR/bench.json, OUTDIR/tests.xml and OUTDIR/summary.txt.
+# ninja, pytest, pytest-benchmark preinstalled), runs tests/test_gpu.py, the CUDA tests and the GPU benchmarks:
+#   bench/test_bench_buckets.py          pack (and cast) vs torch's flatten + cast, and a device copy of the same
+#                                        bytes: GB/s and fraction of that copy bandwidth   -> OUTDIR/bench-pack.json
+#   bench/test_bench_transport.py -k cuda  H2D/D2H GB/s, zo pinned pool / torch pinned / pageable, 64 MiB..1 GiB;
+#                                        CPU Adam alone, H2D alone, tiled writeback: hidden fraction
+#                                                                                    -> OUTDIR/bench-transport.json
+#   bench/test_bench_step.py -k cuda     one GPT step, zo vs torch AdamW(fused) on fp32 masters: time, peak
+#                                        torch.cuda.max_memory_allocated                  -> OUTDIR/bench-step.json
+# and writes OUTDIR/gpu_check.log (everything), OUTDIR/tests.xml and OUTDIR/summary.txt (one line per step,
+# then bench/summary.py's ratios). Sizes: ZO_BENCH_SIZES (elements/params, default here 1e7,1e8),
+# ZO_BENCH_COPY_MIB (default 64,256,1024). Every step has a time limit and the whole run a deadline
+# (ZO_CHECK_BUDGET_S, default 480 s) so that it ends within 9 minutes on one H100; a step cut short is
+# reported FAILED (rc 124) and a benchmark step keeps the JSON of the benchmarks it finished (SIGINT).
+# NEVER RUN ON A GPU: written without one; its no-GPU path runs in .ci/run.
 # Without a GPU it says so, runs the CPU-side compile checks (every Triton kernel to cubin for sm_80/sm_90,
-# cuda/*.cu with nvcc where present) and exits with their status (0 when they pass).
+# cuda/*.cu with nvcc where present) and the benchmarks' collection (the CUDA ones skip, with the reason),
+# and exits with their status (0 when they pass).
 set -uo pipefail
 out="${1:?usage: bash bench/gpu_check.sh OUTDIR}"
 mkdir -p "$out"
@@ -27,6 +40,20 @@ step() { # step NAME CMD...: run, log, one summary line with the exit status and
   say "$(printf '%-34s %s (%ss)' "$name" "$([ $rc = 0 ] && echo ok || echo "FAILED rc=$rc")" $(($(date +%s) - t0)))"
   return $rc
 }
+start=$(date +%s)
+budget="${ZO_CHECK_BUDGET_S:-480}"
+limited() { # limited CAP RESERVE NAME CMD...: step under a limit of CAP s, leaving RESERVE s of the budget for later
+  local cap="$1" reserve="$2" name="$3" t
+  shift 3
+  t=$((budget - ($(date +%s) - start) - reserve))
+  [ "$t" -gt "$cap" ] && t="$cap"
+  if [ "$t" -lt 15 ]; then
+    say "$(printf '%-34s %s' "$name" "NOT RUN: the ${budget}s budget is spent")"
+    return 1
+  fi
+  # SIGINT first: pytest then ends the session and pytest-benchmark writes the JSON of what finished
+  step "$name" timeout -s INT -k 5 "$t" "$@"
+}
 
 say "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname); $("$py" --version 2>&1)"
 gpu="$("$py" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "")' 2>>"$log")"
@@ -41,28 +68,30 @@ if [ -z "$gpu" ]; then
   else
     say "nvcc not found: cuda/*.cu not compiled"
   fi
+  step "benchmarks: CUDA ones skip here" "$py" -m pytest -q -rs -p no:cacheprovider bench -k cuda || status=1
   say "result: $([ $status = 0 ] && echo 'compile checks passed (no GPU)' || echo 'compile checks FAILED')"
   exit $status
 fi
 
 say "GPU: $gpu; torch $("$py" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
-export ZO_BENCH_SIZES="${ZO_BENCH_SIZES:-1e7}"  # keeps the whole run well inside 9 minutes
-step "build (pip install -e .)" "$py" -m pip install --no-build-isolation --no-deps -e . || status=1
-step "triton kernels -> cubin sm_80/90" env -u TRITON_INTERPRET "$py" tests/triton_compile.py \
+export ZO_BENCH_SIZES="${ZO_BENCH_SIZES:-1e7,1e8}" ZO_BENCH_COPY_MIB="${ZO_BENCH_COPY_MIB:-64,256,1024}"
+say "benchmark sizes: ZO_BENCH_SIZES=$ZO_BENCH_SIZES ZO_BENCH_COPY_MIB=$ZO_BENCH_COPY_MIB; budget ${budget}s"
+limited 240 240 "build (pip install -e .)" "$py" -m pip install --no-build-isolation --no-deps -e . || status=1
+limited 120 240 "triton kernels -> cubin sm_80/90" env -u TRITON_INTERPRET "$py" tests/triton_compile.py \
   "$out/triton_compile.json" || status=1
-step "tests: GPU and CUDA" timeout 300 "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/tests.xml" \
+limited 240 150 "tests: GPU and CUDA" "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/tests.xml" \
   tests/test_gpu.py tests/test_transport.py tests/test_buckets.py tests/test_gpu_shaped.py || status=1
-step "benchmarks: pack, cast, copies" timeout 200 "$py" -m pytest -q -p no:cacheprovider \
-  bench/test_bench_buckets.py bench/test_bench_transport.py --benchmark-json="$out/bench.json" || status=1
 grep -E "passed|failed|error" "$log" | grep -E "^[0-9=]" | tail -4 >>"$summary"
-if [ -f "$out/bench.json" ]; then
-  "$py" - "$out/bench.json" >>"$summary" 2>>"$log" <<'PY'
-import json, sys
-for b in json.load(open(sys.argv[1]))["benchmarks"]:
-    gbs = b["extra_info"].get("GB/s")
-    print(f"  {b['group']:<40} {b['extra_info'].get('provider', b['name']):<12} "
-          f"min {b['stats']['min'] * 1e3:9.3f} ms" + (f"  {gbs:7.1f} GB/s" if gbs else ""))
-PY
-fi
-say "result: $([ $status = 0 ] && echo 'GPU checks passed' || echo 'GPU checks FAILED') on $gpu"
+bench() { # bench CAP RESERVE NAME JSON FILE [pytest args]: one benchmark suite into OUTDIR/JSON
+  local cap="$1" reserve="$2" name="$3" json="$out/$4"
+  shift 4
+  limited "$cap" "$reserve" "$name" "$py" -m pytest -q -rs -p no:cacheprovider --benchmark-json="$json" "$@"
+}
+bench 90 100 "bench: pack, cast vs copy" bench-pack.json bench/test_bench_buckets.py || status=1
+bench 90 60 "bench: H2D/D2H, writeback hidden" bench-transport.json bench/test_bench_transport.py -k cuda || status=1
+bench 120 0 "bench: train step vs AdamW" bench-step.json bench/test_bench_step.py -k cuda || status=1
+say "--- benchmark ratios (bench/summary.py; best of N rounds)"
+"$py" bench/summary.py "$out"/bench-*.json 2>>"$log" | tee -a "$summary" || status=1
+say "result: $([ $status = 0 ] && echo 'GPU checks passed' || echo 'GPU checks FAILED') on $gpu" \
+  "in $(($(date +%s) - start))s"
 exit $status

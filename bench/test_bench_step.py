@@ -5,12 +5,14 @@ grads upcast and params copied back each step) and `zo` (ZeroOffloadAdamW, devic
 Reported for zo: orchestration = the optimizer's time (offload during backward + step()) minus the time
 inside the CPU Adam kernel in that step, as a fraction of the whole step (bar: <= 10%); and the host memory
 of the optimizer, measured as resident-set growth in a fresh process (bar: <= 18 B/param + buckets).
-CUDA (skipped here, NOT MEASURED): step time and peak GPU memory against plain PyTorch AdamW.
+CUDA (skipped here, NOT MEASURED): step time and peak GPU memory (torch.cuda.max_memory_allocated) of zo
+against torch.optim.AdamW(fused=True) on fp32 masters on the GPU, at the last of $ZO_BENCH_SIZES params.
 Run: pytest bench/test_bench_step.py   (sizes: $ZO_BENCH_SIZES, default 1e7,1e8)
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -165,32 +167,55 @@ def bare_kernel_time(opt: zk.ZeroOffloadAdamW) -> float:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; not measured (no GPU here)")
-@pytest.mark.parametrize("provider", ["torch", "zo"])
+@pytest.mark.parametrize("provider", ["torch", "torch_amp", "zo"])
 def test_cuda_train_step(benchmark, provider):
+    """One step (forward, backward, optimizer) of the GPT of SIZES[-1] params on the GPU, and the peak device
+    memory over the warm-up and timed steps (torch.cuda.max_memory_allocated, reset after construction).
+    `torch`: ReferenceLoop on the GPU, the same bf16 forward as zo, fp32 masters, AdamW(fused=True).
+    `torch_amp`: fp32 params under autocast(bf16), AdamW(fused=True) on them. `zo`: ZeroOffloadAdamW(model)."""
+    gc.collect()
+    torch.cuda.empty_cache()
     cfg = config(SIZES[-1])
-    model = GPT(cfg).cuda()
-    x = torch.randint(0, cfg.vocab, (BATCH, CONTEXT + 1), device="cuda")
-    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = GPT(cfg)
+        x = torch.randint(0, cfg.vocab, (BATCH, CONTEXT + 1))
+    params = num_params(model)
+    opt = None
     if provider == "torch":
+        loop = ReferenceLoop(model)
+        step = lambda: loop.step(x)  # noqa: E731
+    elif provider == "torch_amp":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
-        def run():
+        def step():
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(x[:, :-1], x[:, 1:])
             loss.backward()
             opt.step()
-            opt.zero_grad()
-            torch.cuda.synchronize()
+            opt.zero_grad(set_to_none=True)
 
     else:
-        opt = zk.ZeroOffloadAdamW(model.parameters(), lr=1e-4)
+        opt = zk.ZeroOffloadAdamW(model, lr=1e-4)
 
-        def run():
+        def step():
             opt.backward(model(x[:, :-1], x[:, 1:]))
             opt.step()
-            torch.cuda.synchronize()
 
-    benchmark.group = "train step cuda"
-    benchmark.extra_info.update(provider=provider, numel=num_params(model))
-    benchmark.pedantic(run, warmup_rounds=1, rounds=5, iterations=1)
-    benchmark.extra_info["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    def run():
+        step()
+        torch.cuda.synchronize()
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    benchmark.group = f"train step cuda params={params:.2e} batch={BATCH}x{CONTEXT}"
+    benchmark.extra_info.update(provider=provider, numel=params, bytes=0)
+    try:
+        benchmark.pedantic(run, warmup_rounds=2, rounds=5, iterations=1)
+        benchmark.extra_info.update(peak_gpu_bytes=torch.cuda.max_memory_allocated(),
+                                    resident_gpu_bytes=torch.cuda.memory_allocated())  # fmt: skip
+        if provider == "zo":
+            benchmark.extra_info["zo_device_bytes"] = opt.memory_report().device_bytes
+    finally:
+        if provider == "zo":
+            opt.close()

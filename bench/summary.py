@@ -1,0 +1,90 @@
+"""The ratios of pytest-benchmark JSON files (`--benchmark-json`), one block per group, best of N rounds.
+
+Usage: python bench/summary.py FILE.json...   (bench/gpu_check.sh writes its summary.txt with it)
+Per provider: best time, GB/s of the bytes the op must move, time against the group's baseline, fraction of
+the group's ceiling (ceiling time / provider time). Also, where a group holds them: the hidden fraction of
+the tiled writeback, and the peak device memory of a training step. Needs only the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+
+# Providers named by the suites: a group's ratios are against the first baseline and the first ceiling present.
+BASELINES = ("torch_fused", "torch", "kernel", "reference", "pageable")
+CEILINGS = ("ceiling", "copy", "torch_pinned")
+
+
+def hidden_fraction(a: float, b: float, both: float) -> float:
+    """Share of the shorter of two jobs hidden behind the longer one when run overlapped in `both` seconds:
+    1 - (both - max(a, b)) / min(a, b); 1 = fully hidden, 0 = serial (a + b), below 0 = slower than serial."""
+    return 1.0 - (both - max(a, b)) / min(a, b)
+
+
+def load(paths: list[str]) -> tuple[dict, list[str]]:
+    """({group: {provider: benchmark}}, [machine lines]) from the files that exist."""
+    groups: dict[str, dict[str, dict]] = defaultdict(dict)
+    machines = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            machines.append(f"{path}: not read ({e.__class__.__name__}: {e})")
+            continue
+        m = data.get("machine_info", {}).get("zo") or {}
+        machines.append(f"{path}: cpu {m.get('cpu')} ({m.get('cores')} cores, {m.get('isa')}), cuda {m.get('cuda')}, "
+                        f"torch {m.get('torch')}, {len(data.get('benchmarks', []))} benchmarks")  # fmt: skip
+        for b in data.get("benchmarks", []):
+            groups[b["group"] or b["name"]][b["extra_info"].get("provider", b["name"])] = b
+    return groups, machines
+
+
+def group_lines(group: str, by_provider: dict[str, dict]) -> list[str]:
+    best = {p: b["stats"]["min"] for p, b in by_provider.items()}
+    base = next((p for p in BASELINES if p in best), None)
+    ceil = next((p for p in CEILINGS if p in best), None)
+    out = [group]
+    for p, b in by_provider.items():
+        t, info = best[p], b["extra_info"]
+        line = f"  {p:<13} {t * 1e3:10.3f} ms  {b['stats']['rounds']:>3} rounds"
+        if info.get("bytes"):
+            line += f"  {info['bytes'] / t / 1e9:8.1f} GB/s"
+        if base is not None and p != base:
+            line += f"  {t / best[base]:6.2f}x {base}"
+        if ceil is not None and p != ceil:
+            line += f"  {best[ceil] / t:5.0%} of {ceil}"
+        if "peak_gpu_bytes" in info:
+            peak = info["peak_gpu_bytes"]
+            line += f"  peak GPU {peak / 2**30:.2f} GiB"
+            if info.get("numel"):
+                line += f" ({peak / info['numel']:.1f} B/param)"
+        out.append(line)
+    if {"adam", "h2d", "writeback"} <= best.keys():
+        a, c, both = best["adam"], best["h2d"], best["writeback"]
+        out.append(f"  hidden fraction = 1 - (writeback - max(adam, h2d)) / min(adam, h2d) = "
+                   f"{hidden_fraction(a, c, both):.1%}; writeback {both / max(a, c):.2f}x the longer")  # fmt: skip
+    peaks = {
+        p: b["extra_info"]["peak_gpu_bytes"] for p, b in by_provider.items() if "peak_gpu_bytes" in b["extra_info"]
+    }
+    if "zo" in peaks and base in peaks:
+        out.append(f"  zo vs {base}: step time {best['zo'] / best[base]:.2f}x, peak GPU memory "
+                   f"{peaks['zo'] / peaks[base]:.2f}x")  # fmt: skip
+    return out
+
+
+def main(paths: list[str]) -> int:
+    if not paths:
+        print(__doc__.strip().splitlines()[2])
+        return 2
+    groups, machines = load(paths)
+    print("\n".join(machines))
+    for group, by_provider in groups.items():
+        print("\n".join(group_lines(group, by_provider)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
