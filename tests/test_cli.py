@@ -40,7 +40,8 @@ def test_plan_reproduces_the_zero_table(capsys):
         assert rows[strategy][18:30].strip() == gb, rows[strategy]
     p = plan(7.5e9, 64, "32GB")
     exact = {"DDP": 16 * 7.5e9, "ZeRO-1": (4 + 12 / 64) * 7.5e9, "ZeRO-2": (2 + 14 / 64) * 7.5e9,
-             "ZeRO-3": 16 / 64 * 7.5e9, "ZeRO-2 + offload": 2 * 7.5e9}  # fmt: skip
+             "ZeRO-3": 16 / 64 * 7.5e9, "ZeRO-2 + offload": 2 * 7.5e9, "ZeRO-3 + offload": 0.0,
+             "ZeRO-Inf (opt)": 0.0, "ZeRO-Infinity": 0.0}  # fmt: skip
     for s in p.strategies:
         assert s.gpu_states == pytest.approx(exact[s.strategy], rel=1e-12)
     assert p.row("ZeRO-2 + offload").host == pytest.approx(16 / 64 * 7.5e9)
@@ -61,14 +62,22 @@ def test_plan_lands_near_the_offload_paper_headline(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--params=-5"], "params"),
-        (["--params", "0"], "params must be > 0"),
+        (["--params=-5"], "--params: cannot read '-5' as a count"),
+        (["--params", "0"], "--params must be > 0"),
         (["--params", "13e9", "--gpus", "0"], "--gpus must be >= 1"),
         (["--params", "13e9", "--gpus", "two"], "--gpus must be an integer"),
-        (["--params", "13e9", "--gpu-mem", "32XB"], "cannot read '32XB' as a size"),
-        (["--params", "13e9", "--host-mem=-1GB"], "host_mem"),
-        (["--params", "13e9", "--reserve", "1.5"], "reserve must be a fraction"),
-        (["--params", "lots"], "cannot read 'lots' as a count"),
+        (["--params", "13e9", "--gpu-mem", "32XB"], "--gpu-mem: cannot read '32XB' as a size"),
+        (["--params", "13e9", "--host-mem=-1GB"], "--host-mem"),
+        (["--params", "13e9", "--reserve", "1.5"], "--reserve must be a fraction"),
+        (["--params", "lots"], "--params: cannot read 'lots' as a count"),
+        (["--params", "13e9", "--k", "twelve"], "--k must be a number"),
+        (["--params", "13e9", "--gpus", "2", "--gpus-per-host", "3"], "--gpus-per-host must be an int in [1, gpus]"),
+        (["--params", "13e9", "--nvme", "4XB"], "--nvme: cannot read '4XB' as a size"),
+        (["--params", "13e9", "--layer-params", "14e9"], "--layer-params must be <= params"),
+        (["--params", "13e9", "--layer-params", "0"], "--layer-params must be > 0"),
+        (["--params", "13e9", "--prefetch", "-1"], "--prefetch must be >= 0"),
+        (["--params", "13e9", "--prefetch", "one"], "--prefetch must be an integer"),
+        (["--params", "13e9", "--io-pool", "lots"], "--io-pool: cannot read 'lots' as a size"),
     ],
 )
 def test_plan_bad_numbers_one_line_exit_2(capsys, argv, message):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--plot", metavar="FILE.png", help="save the loss curves and the phase breakdown (matplotlib)")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    pl = sub.add_parser("plan", help="bytes per device for DDP, ZeRO-1/2/3 and ZeRO-2 + offload")
+    pl = sub.add_parser("plan", help="bytes per device for DDP, ZeRO-1/2/3, ZeRO-2/3 + offload and ZeRO-Infinity")
     pl.add_argument("--params", required=True, help="model size, e.g. 13e9 or 13B")
     pl.add_argument("--gpus", default="1", help="data-parallel GPUs")
     pl.add_argument("--gpu-mem", default="32GiB", help="memory per GPU (GB = 1e9, GiB = 2^30)")
@@ -105,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--workspace", default="1GiB", help="workspace memory per GPU")
     pl.add_argument("--reserve", default="0.05", help="fraction of GPU memory lost to fragmentation")
     pl.add_argument("--buckets", default="64MiB", help="GPU gradient buckets of the offload strategy")
+    pl.add_argument("--nvme", default="0", help="NVMe capacity per host for the ZeRO-Infinity rows (e.g. 4TB)")
+    pl.add_argument("--layer-params", default=None,
+                    help="largest layer gathered at once by stage 3 (default: params / 32)")  # fmt: skip
+    pl.add_argument("--prefetch", default="1", help="stage 3: layers gathered ahead of the one computing")
+    pl.add_argument("--io-pool", default="1GiB", help="host I/O buffers per GPU of the NVMe rows")
     pl.add_argument("--max", action="store_true", help="also print the largest model each strategy can train")
 
     b = sub.add_parser("bench", help="run the pytest-benchmark suites and write their JSON")
@@ -118,18 +124,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# plan()'s argument names -> the options that set them, so every error names the option
+PLAN_OPTIONS = {"params": "--params", "gpus": "--gpus", "gpu_mem": "--gpu-mem", "host_mem": "--host-mem",
+                "gpus_per_host": "--gpus-per-host", "k": "--k", "activations": "--activations",
+                "workspace": "--workspace", "reserve": "--reserve", "bucket_bytes": "--buckets", "nvme": "--nvme",
+                "layer_params": "--layer-params", "prefetch": "--prefetch", "io_pool": "--io-pool"}  # fmt: skip
+
+
 def cmd_plan(a: argparse.Namespace) -> int:
     try:
         gpus = _int_in("--gpus", 1, MAX_GPUS)(a.gpus)
         per_host = None if a.gpus_per_host is None else _int_in("--gpus-per-host", 1, MAX_GPUS)(a.gpus_per_host)
+        prefetch = _int_in("--prefetch", 0, 1024)(a.prefetch)
         k, reserve = _float("--k")(a.k), _float("--reserve")(a.reserve)
     except argparse.ArgumentTypeError as e:
         raise UsageError(str(e)) from None
     try:
         p = plan(a.params, gpus, a.gpu_mem, a.host_mem, k=k, activations=a.activations, workspace=a.workspace,
-                 reserve=reserve, bucket_bytes=a.buckets, gpus_per_host=per_host)  # fmt: skip
+                 reserve=reserve, bucket_bytes=a.buckets, gpus_per_host=per_host, nvme=a.nvme,
+                 layer_params=a.layer_params, prefetch=prefetch, io_pool=a.io_pool)  # fmt: skip
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(re.sub(r"^\w+", lambda m: PLAN_OPTIONS.get(m[0], m[0]), str(e))) from None
     print(format_plan(p, show_max=a.max))
     return 0
 

@@ -1,10 +1,16 @@
-"""Memory planner: bytes per device for DDP, ZeRO-1/2/3 and ZeRO-2 + offload (DESIGN.md's table).
+"""Memory planner: bytes per device for DDP, ZeRO-1/2/3, ZeRO-2/3 + CPU offload and ZeRO-Infinity (NVMe).
 
 Model states follow the ZeRO paper: 2 bytes of fp16/bf16 parameters, 2 of gradients and K of optimizer
 state per parameter (K = 12 for mixed-precision Adam: fp32 master, momentum, variance). On top of the model
 states every GPU needs activations and workspace (options), and only part of its memory is usable (the
-allocator's fragmentation reserve). The offload strategy keeps 2 bytes of parameters and two gradient
-buckets on the GPU and (2 + K)/N + 2/N bytes per parameter (gradients, optimizer state, staging) on the host.
+allocator's fragmentation reserve). Each row's formula, with its source, is in `_per_param`.
+
+Stage 3 rows also hold a working set on the GPU (`working_set`): the largest gathered layer's 16-bit
+parameters, (1 + prefetch) of them in flight, and that layer's 16-bit gradient before it is reduce-scattered,
+plus the gradient buckets. Modelled: model states, that working set, buckets, the NVMe rows' host I/O pool,
+and activations + workspace as given (per GPU). Not modelled: activations derived from the model's shape,
+activation checkpoints offloaded to the host, memory-centric tiling of a layer too large to gather, the
+allocator's behaviour beyond a fixed reserve, pinned-memory limits and NVMe bandwidth (only capacity).
 """
 
 from __future__ import annotations
@@ -13,7 +19,11 @@ import math
 import re
 from dataclasses import dataclass, field
 
-STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + offload")
+STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + offload", "ZeRO-3 + offload", "ZeRO-Inf (opt)",
+              "ZeRO-Infinity")  # fmt: skip
+STAGE3 = frozenset({"ZeRO-3", "ZeRO-3 + offload", "ZeRO-Inf (opt)", "ZeRO-Infinity"})
+NVME_ROWS = frozenset({"ZeRO-Inf (opt)", "ZeRO-Infinity"})
+LAYERS_GUESS = 32  # without layer_params the largest gathered layer is params / 32: one block of a 32-block model
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9, "T": 1e12, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 MAX_GPUS = 10**9  # beyond it the per-GPU shares underflow to 0 and big ints overflow float division
@@ -49,13 +59,16 @@ def parse_count(text: str | float, name: str = "params") -> float:
 
 @dataclass
 class StrategyPlan:
-    """One strategy's bytes per device (GPU and host) and whether they fit.
+    """One strategy's bytes per device (GPU, host and NVMe) and whether they fit.
 
     Args:
         strategy: one of STRATEGIES. gpu_states: model-state bytes on each GPU (the ZeRO table's column).
-        gpu_total: gpu_states + activations + workspace (+ buckets for offload). host: host bytes per GPU.
+        gpu_total: gpu_states + working set (stage 3) + buckets (offload, stage 3) + activations + workspace.
+        host: host bytes per GPU (model states + the NVMe rows' I/O pool).
         fits_gpu, fits_host: against the usable GPU memory and the host memory per GPU.
         max_params: the largest model this strategy can train on this hardware.
+        nvme: NVMe bytes per GPU. fits_nvme: against the NVMe capacity per GPU.
+        working_set: the stage-3 GPU bytes of gathered layers in flight and the gathered layer's gradient.
     """
 
     strategy: str
@@ -65,15 +78,24 @@ class StrategyPlan:
     fits_gpu: bool
     fits_host: bool
     max_params: float
+    nvme: float = 0.0
+    fits_nvme: bool = True
+    working_set: float = 0.0
 
     @property
     def fits(self) -> bool:
-        return self.fits_gpu and self.fits_host
+        return self.fits_gpu and self.fits_host and self.fits_nvme
 
 
 @dataclass
 class Plan:
-    """The planner's answer for a model on some hardware, per strategy, with its assumptions."""
+    """The planner's answer for a model on some hardware, per strategy, with its assumptions.
+
+    Args:
+        layer_params: the largest gathered layer's parameters (stage 3); 0 means params / LAYERS_GUESS.
+        prefetch: layers gathered ahead of the one computing. io_pool: host I/O buffers per GPU (NVMe rows).
+        nvme_mem: NVMe capacity per host (shared like host_mem by the GPUs of one host).
+    """
 
     params: float
     gpus: int
@@ -84,6 +106,10 @@ class Plan:
     workspace: float
     reserve: float
     bucket_bytes: float
+    nvme_mem: float = 0.0
+    layer_params: float = 0.0
+    prefetch: int = 1
+    io_pool: float = 0.0
     strategies: list[StrategyPlan] = field(default_factory=list)
 
     @property
@@ -91,19 +117,65 @@ class Plan:
         """GPU memory left after the fragmentation reserve, activations and workspace."""
         return self.gpu_mem * (1 - self.reserve) - self.activations - self.workspace
 
+    @property
+    def layer(self) -> float:
+        """The largest gathered layer's parameter count for this model (given, or params / LAYERS_GUESS)."""
+        return self.layer_params or self.params / LAYERS_GUESS
+
     def row(self, strategy: str) -> StrategyPlan:
         return next(s for s in self.strategies if s.strategy == strategy)
 
 
-def _per_param(strategy: str, k: float, n: int) -> tuple[float, float]:
-    """(GPU bytes, host bytes) per parameter per device."""
+def _per_param(strategy: str, k: float, n: int) -> tuple[float, float, float]:
+    """(GPU, host, NVMe) bytes of model states per parameter per device.
+
+    Sources (seeds in /work/shared/seeds, DESIGN.md):
+    - DDP (2+2+K), ZeRO-1 P_os (2+2+K/N), ZeRO-2 P_os+g (2+(2+K)/N), ZeRO-3 P_os+g+p (2+2+K)/N: the ZeRO
+      paper's Figure 1 as given in seed 001 §3 and §4.1-4.3 (7.5B, N = 64, K = 12: 120, 31.4, 16.6, 1.9 GB)
+      and seed 003 §5.1-5.3; DESIGN.md's first table.
+    - ZeRO-2 + offload: the ZeRO-Offload paper (seed 000 §4, seed 001 §6.1): p16 stays on the GPU (2), the
+      partition's g16, p32, m, v move to the host ((2+K)/N), plus the p16 staging of the writeback (2/N).
+    - ZeRO-3 + offload (offload_param=cpu, offload_optimizer=cpu): DESIGN.md "Stages and where the state
+      lives": no persistent state on the GPU; the host keeps the p16 shard, the g16 landing, p32, m, v:
+      (2+2+K)/N. The p16 shard is the writeback's destination, so no separate staging.
+    - ZeRO-Inf (opt) (offload_param=cpu, offload_optimizer=nvme) and ZeRO-Infinity (both on NVMe): seed 001
+      §6.2 (ZeRO-Infinity extends ZeRO-3 with NVMe) and the ZeRO-Infinity paper (arXiv 2104.07857) §3, which
+      offloads every model state; DESIGN.md gives the host only an I/O pool (+ the p16 shard). So the NVMe
+      holds the partition's g16 and p32, m, v ((2+K)/N), and with offload_param=nvme the p16 shard too.
+      The paper counts 20 bytes per parameter: 2 + 2 + K with K = 16 (an fp32 gradient copy as well).
+    """
     return {
-        "DDP": (2 + 2 + k, 0.0),
-        "ZeRO-1": (2 + 2 + k / n, 0.0),
-        "ZeRO-2": (2 + (2 + k) / n, 0.0),
-        "ZeRO-3": ((2 + 2 + k) / n, 0.0),
-        "ZeRO-2 + offload": (2.0, (2 + k) / n + 2 / n),
+        "DDP": (2 + 2 + k, 0.0, 0.0),
+        "ZeRO-1": (2 + 2 + k / n, 0.0, 0.0),
+        "ZeRO-2": (2 + (2 + k) / n, 0.0, 0.0),
+        "ZeRO-3": ((2 + 2 + k) / n, 0.0, 0.0),
+        "ZeRO-2 + offload": (2.0, (2 + k) / n + 2 / n, 0.0),
+        "ZeRO-3 + offload": (0.0, (2 + 2 + k) / n, 0.0),
+        "ZeRO-Inf (opt)": (0.0, 2 / n, (2 + k) / n),
+        "ZeRO-Infinity": (0.0, 0.0, (2 + 2 + k) / n),
     }[strategy]
+
+
+def working_set_per_layer_param(prefetch: int) -> float:
+    """Stage-3 GPU bytes per parameter of the largest layer: 2 (1 + prefetch) gathered p16 + 2 of its g16.
+
+    With prefetch = 0 this is the ZeRO-Infinity paper's model-state working memory (§3: the parameters and
+    gradients of the largest operator in 16 bits, 4 bytes per parameter; 16 hd^2 for a Transformer).
+    """
+    return 2.0 * (1 + prefetch) + 2.0
+
+
+def _largest(cap: float, per_param: float, fixed: float) -> float:
+    """The largest params with per_param * params + fixed <= cap."""
+    if fixed > cap:
+        return 0.0
+    return (cap - fixed) / per_param if per_param > 0 else math.inf
+
+
+def _int_at_least(value: object, name: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
 
 
 def plan(
@@ -118,15 +190,20 @@ def plan(
     reserve: float = 0.05,
     bucket_bytes: float | str = "64MiB",
     gpus_per_host: int | None = None,
+    nvme: float | str = 0,
+    layer_params: float | str | None = None,
+    prefetch: int = 1,
+    io_pool: float | str = "1GiB",
 ) -> Plan:
     """Bytes per device for each strategy, whether it fits, and the largest trainable model per strategy.
 
     Defaults: activations 4 GiB and workspace 1 GiB per GPU, 5% of GPU memory lost to fragmentation, two
-    32 MiB offload buckets; all GPUs on one host unless `gpus_per_host` says otherwise.
+    32 MiB gradient buckets; all GPUs on one host unless `gpus_per_host` says otherwise; no NVMe; the largest
+    gathered layer params / 32 unless `layer_params` gives it (then `max_params` keeps that layer); one layer
+    prefetched; a 1 GiB host I/O pool per GPU for the NVMe rows.
     """
     params = parse_count(params, "params")
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"gpus must be an int >= 1, got {gpus!r}")
+    _int_at_least(gpus, "gpus", 1)
     if gpus > MAX_GPUS:
         raise ValueError(f"gpus must be <= {MAX_GPUS:.0e}, got {str(gpus)[:20]}")
     per_host = gpus if gpus_per_host is None else gpus_per_host
@@ -136,24 +213,34 @@ def plan(
         raise ValueError(f"k must be a number >= 0, got {k!r}")
     if not (isinstance(reserve, (int, float)) and 0 <= reserve < 1):
         raise ValueError(f"reserve must be a fraction in [0, 1), got {reserve!r}")
+    _int_at_least(prefetch, "prefetch", 0)
+    layer = 0.0 if layer_params is None else parse_count(layer_params, "layer_params")
+    if layer > params:
+        raise ValueError(f"layer_params must be <= params ({params:g}), got {layer_params!r}")
     p = Plan(
         params=params, gpus=gpus, gpu_mem=parse_bytes(gpu_mem, "gpu_mem"), host_mem=parse_bytes(host_mem, "host_mem"),
         k=float(k), activations=parse_bytes(activations, "activations"), workspace=parse_bytes(workspace, "workspace"),
         reserve=float(reserve), bucket_bytes=parse_bytes(bucket_bytes, "bucket_bytes"),
+        nvme_mem=parse_bytes(nvme, "nvme"), layer_params=layer, prefetch=prefetch,
+        io_pool=parse_bytes(io_pool, "io_pool"),
     )  # fmt: skip
     if p.gpu_mem <= 0:
         raise ValueError(f"gpu_mem must be > 0, got {gpu_mem!r}")
-    host_per_gpu = p.host_mem / per_host
+    host_per_gpu, nvme_per_gpu = p.host_mem / per_host, p.nvme_mem / per_host
+    w = working_set_per_layer_param(prefetch)
     for s in STRATEGIES:
-        g, h = _per_param(s, p.k, gpus)
-        fixed = p.bucket_bytes if s == "ZeRO-2 + offload" else 0.0
-        gpu_total = g * params + p.activations + p.workspace + fixed
-        room = p.usable_gpu - fixed
-        max_gpu = room / g if room > 0 else 0.0
-        max_host = host_per_gpu / h if h else math.inf
-        fits_gpu = gpu_total <= p.gpu_mem * (1 - p.reserve)
-        row = StrategyPlan(s, g * params, gpu_total, h * params, fits_gpu, h * params <= host_per_gpu,
-                           max_params=min(max_gpu, max_host))  # fmt: skip
+        g, h, v = _per_param(s, p.k, gpus)
+        ws = w * p.layer if s in STAGE3 else 0.0
+        fixed = p.bucket_bytes if s == "ZeRO-2 + offload" or s in STAGE3 else 0.0
+        pool = p.io_pool if s in NVME_ROWS else 0.0
+        gpu_total = g * params + ws + p.activations + p.workspace + fixed
+        # max_params: a given layer stays fixed as the model grows; the guessed one grows with it
+        g_max, ws_fixed = (g, ws) if layer else (g + (w / LAYERS_GUESS if s in STAGE3 else 0.0), 0.0)
+        max_params = min(_largest(p.usable_gpu, g_max, ws_fixed + fixed), _largest(host_per_gpu, h, pool),
+                         _largest(nvme_per_gpu, v, 0.0))  # fmt: skip
+        row = StrategyPlan(s, g * params, gpu_total, h * params + pool, gpu_total <= p.gpu_mem * (1 - p.reserve),
+                           h * params + pool <= host_per_gpu, max_params, nvme=v * params,
+                           fits_nvme=v * params <= nvme_per_gpu, working_set=ws)  # fmt: skip
         p.strategies.append(row)
     return p
 
@@ -163,25 +250,35 @@ def _fmt_bytes(b: float) -> str:
 
 
 def _fmt_count(n: float) -> str:
+    if math.isinf(n):
+        return "unbounded"
     return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.0f}M"
 
 
 def format_plan(p: Plan, show_max: bool = False) -> str:
     """The planner's table as text (GB = 1e9 bytes, as in the ZeRO paper)."""
+    layer = f"{_fmt_count(p.layer)} params" + ("" if p.layer_params else f" (params / {LAYERS_GUESS})")
     lines = [f"model {_fmt_count(p.params)} params, {p.gpus} GPU(s) x {_fmt_bytes(p.gpu_mem)}, host "
-             f"{_fmt_bytes(p.host_mem)}, K = {p.k:g}",
+             f"{_fmt_bytes(p.host_mem)}, NVMe {_fmt_bytes(p.nvme_mem)}, K = {p.k:g}",
              f"assumed per GPU: activations {_fmt_bytes(p.activations)}, workspace {_fmt_bytes(p.workspace)}, "
-             f"{p.reserve:.0%} fragmentation reserve, offload buckets {_fmt_bytes(p.bucket_bytes)} "
-             f"(usable for model states: {_fmt_bytes(max(0.0, p.usable_gpu))})", ""]  # fmt: skip
-    head = f"{'strategy':<18}{'GPU states':>12}{'GPU total':>12}{'host/GPU':>12}  fits"
+             f"{p.reserve:.0%} fragmentation reserve, buckets {_fmt_bytes(p.bucket_bytes)} "
+             f"(usable for model states: {_fmt_bytes(max(0.0, p.usable_gpu))})",
+             f"stage 3: largest gathered layer {layer}, prefetch {p.prefetch}; NVMe rows: host I/O pool "
+             f"{_fmt_bytes(p.io_pool)} per GPU", ""]  # fmt: skip
+    head = f"{'strategy':<18}{'GPU states':>12}{'GPU total':>12}{'host/GPU':>12}{'NVMe/GPU':>12}  fits"
     if show_max:
         head += f"{'max params':>14}"
     lines.append(head)
     for s in p.strategies:
-        fits = "yes" if s.fits else ("no (GPU)" if not s.fits_gpu else "no (host)")
+        fits = "yes" if s.fits else ("no (GPU)" if not s.fits_gpu else "no (host)" if not s.fits_host else "no (NVMe)")
         row = f"{s.strategy:<18}{_fmt_bytes(s.gpu_states):>12}{_fmt_bytes(s.gpu_total):>12}"
-        row += f"{_fmt_bytes(s.host):>12}  {fits:<9}"
+        row += f"{_fmt_bytes(s.host):>12}{_fmt_bytes(s.nvme):>12}  {fits:<9}"
         if show_max:
             row += f"{_fmt_count(s.max_params):>13}"
         lines.append(row.rstrip())
+    lines += [
+        "",
+        "ZeRO-3 + offload: params and optimizer on the host; ZeRO-Inf (opt): params on the host, gradients",
+        "and optimizer on NVMe; ZeRO-Infinity: all on NVMe. Stage 3's GPU total holds the gathered layers.",
+    ]
     return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""The planner's stage-3, CPU-offload and ZeRO-Infinity rows, against hand-computed formulas and published figures."""
+
+import pytest
+
+from zo_kernels.cli import main
+from zo_kernels.planner import plan
+
+GiB, TiB = 2**30, 2**40
+
+
+def rows_of(text):
+    """The table's lines by strategy name (the first 18 columns)."""
+    return {line[:18].strip(): line for line in text.splitlines()}
+
+
+def test_headline_70b_fits_one_80gb_gpu_only_with_zero_infinity(capsys):
+    """Issue 13: 70B params, one 80 GiB GPU, 512 GiB host, 4 TB NVMe: ZeRO-Infinity fits, ZeRO-2 + offload does not."""
+    argv = ["plan", "--params", "70e9", "--gpus", "1", "--gpu-mem", "80GiB", "--host-mem", "512GiB", "--nvme", "4TB"]
+    assert main([*argv, "--max"]) == 0
+    rows = rows_of(capsys.readouterr().out)
+    assert "  yes " in rows["ZeRO-Infinity"] and "  yes " in rows["ZeRO-Inf (opt)"]
+    assert "no (GPU)" in rows["ZeRO-2 + offload"] and "no (host)" in rows["ZeRO-3 + offload"]
+    for name in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"):
+        assert "no (GPU)" in rows[name], rows[name]
+    # --max, ZeRO-Infinity: NVMe-bound, 4e12 B / 16 B per param = 250B (GPU-bound at 406B, host unbounded)
+    assert rows["ZeRO-Infinity"].endswith("250.00B")
+
+    p = plan(70e9, 1, "80GiB", "512GiB", nvme="4TB")
+    inf = p.row("ZeRO-Infinity")
+    layer = 70e9 / 32  # no --layer-params: one block of a 32-block model
+    assert inf.working_set == pytest.approx((2 * (1 + 1) + 2) * layer, rel=1e-12)
+    assert inf.gpu_states == 0
+    assert inf.gpu_total == pytest.approx(inf.working_set + 64 * 2**20 + 4 * GiB + 1 * GiB, rel=1e-12)
+    assert inf.gpu_total < 80 * GiB * 0.95
+    assert inf.host == 1 * GiB and inf.nvme == pytest.approx(16 * 70e9, rel=1e-12)
+    assert p.row("ZeRO-Inf (opt)").host == pytest.approx(2 * 70e9 + GiB, rel=1e-12)
+    assert p.row("ZeRO-Inf (opt)").nvme == pytest.approx(14 * 70e9, rel=1e-12)
+    assert p.row("ZeRO-3 + offload").host == pytest.approx(16 * 70e9, rel=1e-12)
+    assert p.row("ZeRO-2 + offload").gpu_states == 140e9
+
+
+def test_without_nvme_the_nvme_rows_do_not_fit(capsys):
+    """The issue's starting point: no --nvme, nothing fits a 70B model on one 80 GiB GPU + 512 GiB host."""
+    assert main(["plan", "--params", "70e9", "--gpu-mem", "80GiB", "--host-mem", "512GiB"]) == 0
+    rows = rows_of(capsys.readouterr().out)
+    assert "no (NVMe)" in rows["ZeRO-Infinity"] and "no (NVMe)" in rows["ZeRO-Inf (opt)"]
+    assert not any(p.fits for p in plan(70e9, 1, "80GiB", "512GiB").strategies)
+
+
+# ZeRO-Infinity paper (Rajbhandari et al., SC'21, arXiv 2104.07857), Table 1: Transformer models of 12 nl hd^2
+# params; "model states" = 20 bytes per param (fp16 p and g, fp32 p, m, v, g: 2 + 2 + K with K = 16), "model
+# state working memory per GPU" = fp16 params + grads of the largest operator (the hd x 4hd linear) = 16 hd^2.
+# Its TB and GB are 2^40 and 2^30 bytes (that is what the printed digits give). Columns: params (trillions),
+# layers, hidden size, model states (TB), model state working memory per GPU (GB).
+INFINITY_TABLE_1 = [
+    (0.50, 100, 20 * 1024, 9.16, 6.25),
+    (1.01, 128, 25 * 1024, 18.31, 9.77),
+    (10.05, 195, 64 * 1024, 182.81, 64.00),
+    (101.47, 315, 160 * 1024, 1845.70, 400.00),
+]
+
+
+@pytest.mark.parametrize("trillions, layers, hidden, states_tb, working_gb", INFINITY_TABLE_1)
+def test_zero_infinity_table_1(trillions, layers, hidden, states_tb, working_gb):
+    """Reproduce the ZeRO-Infinity paper's Table 1 within the rounding of its printed digits (+-0.005)."""
+    params = 12 * layers * hidden**2
+    assert params / 1e12 == pytest.approx(trillions, abs=0.005)
+    p = plan(params, 1, "80GiB", "1GiB", k=16, nvme=1e16, layer_params=4 * hidden**2, prefetch=0, io_pool=0)
+    inf = p.row("ZeRO-Infinity")
+    states = inf.gpu_states + inf.host + inf.nvme  # all model states, wherever they are
+    assert states / TiB == pytest.approx(states_tb, abs=0.005)
+    assert inf.working_set / GiB == pytest.approx(working_gb, abs=0.005)
+    for name in ("ZeRO-3 + offload", "ZeRO-Inf (opt)"):  # every placement holds the same 20 bytes per param
+        r = p.row(name)
+        assert r.gpu_states + r.host + r.nvme - p.io_pool * (name != "ZeRO-3 + offload") == pytest.approx(states)
+
+
+def test_a_trillion_parameters_fit_one_dgx2_node_only_with_nvme():
+    """ZeRO-Infinity paper: the 1T model (Table 1, 128 x 25K) trains on one DGX-2 node: 16 x V100 32 GB,
+    1.5 TB of CPU memory, 28 TB of NVMe. CPU offload alone cannot hold it; NVMe offload can, with K = 12 and
+    with the paper's 20 bytes per param (K = 16)."""
+    hidden = 25 * 1024
+    for k in (12, 16):
+        p = plan(12 * 128 * hidden**2, 16, "32GiB", "1.5TB", k=k, nvme="28TB", layer_params=4 * hidden**2)
+        assert p.row("ZeRO-Infinity").fits, p.row("ZeRO-Infinity")
+        assert p.row("ZeRO-Inf (opt)").fits_gpu and not p.row("ZeRO-Inf (opt)").fits_host  # 2 TB of fp16 params
+        assert not p.row("ZeRO-3 + offload").fits_host and not p.row("ZeRO-3").fits_gpu
+        assert not p.row("ZeRO-2 + offload").fits_gpu
+
+
+def test_zero3_matches_the_seed_trillion_on_1024_gpus():
+    """Seed 003 (ZeRO paper notes): a 1T model on 1024 GPUs at stage 3 holds (2 + 2 + 12) x 1T / 1024 = 16 G each."""
+    p = plan(1e12, 1024, "32GB")
+    assert p.row("ZeRO-3").gpu_states == 16e12 / 1024
+    assert round(p.row("ZeRO-3").gpu_states / 2**30) == 15 and round(p.row("ZeRO-3").gpu_states / 1e9) == 16
+
+
+def test_working_set_grows_with_prefetch_and_stays_out_of_the_states():
+    """Stage 3's GPU total = states + (2 (1 + prefetch) + 2) x largest layer + buckets + activations + workspace."""
+    layer = 1.5e9
+    for prefetch in (0, 1, 3):
+        p = plan(70e9, 8, "80GiB", "1TiB", layer_params=layer, prefetch=prefetch, bucket_bytes="64MiB")
+        for name in ("ZeRO-3", "ZeRO-3 + offload", "ZeRO-Inf (opt)", "ZeRO-Infinity"):
+            r = p.row(name)
+            assert r.working_set == (2 * (1 + prefetch) + 2) * layer
+            assert r.gpu_total == pytest.approx(r.gpu_states + r.working_set + 64 * 2**20 + 5 * GiB, rel=1e-12)
+        for name in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-2 + offload"):
+            assert p.row(name).working_set == 0
+    assert plan(70e9, 8, "80GiB", layer_params=layer).row("ZeRO-3").gpu_states == 16 * 70e9 / 8
+
+
+def test_max_params_per_row():
+    """--max: the bound that binds. A given layer stays fixed as the model grows; params / 32 grows with it."""
+    p = plan(70e9, 1, "80GiB", "512GiB", nvme="4TB", layer_params=1e9)
+    usable = 80 * GiB * 0.95 - 5 * GiB
+    assert p.row("ZeRO-3 + offload").max_params == pytest.approx(512 * GiB / 16, rel=1e-12)  # host-bound
+    assert p.row("ZeRO-Inf (opt)").max_params == pytest.approx((512 * GiB - GiB) / 2, rel=1e-12)  # host-bound
+    assert p.row("ZeRO-Infinity").max_params == pytest.approx(4e12 / 16, rel=1e-12)  # NVMe-bound
+    zero3 = (usable - 64 * 2**20 - 6 * 1e9) / 16
+    assert p.row("ZeRO-3").max_params == pytest.approx(zero3, rel=1e-12)
+    guessed = plan(70e9, 1, "80GiB", "512GiB", nvme="4TB")
+    assert guessed.row("ZeRO-3").max_params == pytest.approx((usable - 64 * 2**20) / (16 + 6 / 32), rel=1e-12)
+    big = plan(70e9, 1, "80GiB", "512GiB", nvme="1000TB", io_pool=0)  # only the GPU binds: layer = params / 32
+    assert big.row("ZeRO-Infinity").max_params == pytest.approx((usable - 64 * 2**20) / (6 / 32), rel=1e-12)
+    assert plan(70e9, 1, "80GiB", "512GiB", nvme="1000TB", layer_params=1e9).row("ZeRO-Infinity").max_params == (
+        pytest.approx(1e15 / 16, rel=1e-12)
+    )
+
+
+def test_nvme_and_host_are_shared_by_the_gpus_of_a_host():
+    """--nvme is per host like --host-mem: 8 GPUs on one host share it; one GPU per host gets all of it."""
+    shared = plan(140e9, 8, "80GiB", "512GiB", nvme="2TB")
+    alone = plan(140e9, 8, "80GiB", "512GiB", nvme="2TB", gpus_per_host=1)
+    assert shared.row("ZeRO-Infinity").nvme == alone.row("ZeRO-Infinity").nvme == 16 * 140e9 / 8
+    assert not shared.row("ZeRO-Infinity").fits_nvme and alone.row("ZeRO-Infinity").fits_nvme
+
+
+def test_a_layer_too_large_to_gather_does_not_fit():
+    """Memory-centric tiling is not modelled: a layer whose gathered copies exceed the GPU does not fit."""
+    p = plan(100e9, 64, "80GiB", "1TiB", nvme="30TB", layer_params=20e9)
+    assert not p.row("ZeRO-Infinity").fits_gpu and p.row("ZeRO-Infinity").max_params == 0
