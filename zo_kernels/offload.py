@@ -13,6 +13,7 @@ import math
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -227,6 +228,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._failed: BaseException | None = None
         self._staged = False  # DPU: staging holds the last update's params, not yet on the device
         self._staging_read: Any = None  # event of the last copy out of staging (the DPU writes after it)
+        self._last_got: list[bool] = []  # which params had a gradient at the last step (zero_grad(set_to_none=False))
         self.group = process_group
         if self.group is None and dist.is_available() and dist.is_initialized():
             self.group = dist.group.WORLD
@@ -235,6 +237,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.threads = threads if threads is not None else _pin_rank_threads(self.world, self.rank)
         self.tile_numel = tile_numel or DEFAULT_TILE_NUMEL
 
+        for p in trainable:  # a new optimizer over these params replaces the old one (as with torch's)
+            old = getattr(p, "_zo_owner", lambda: None)()
+            if old is not None and not old._closed and p in old._index:  # not a deepcopy's inherited attribute
+                old.close()
         self._built = False  # add_param_group is refused once the flat layout exists
         self._closed = False
         self._layout(trainable)
@@ -250,8 +256,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._executor: ThreadPoolExecutor | None = None
         self._reset_grad_state()
         self.stats: dict[str, Any] = {}
+        # each param's AccumulateGrad node: a hook fired by torch.autograd.grad (which accumulates nothing) is ignored
+        self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in trainable]
         self._hooks = [p.register_hook(self._before_accumulate(p)) for p in trainable]
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+        for p in trainable:
+            p._zo_owner = weakref.ref(self)
 
     # ------------------------------------------------------------------ construction
 
@@ -384,10 +394,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._in_backward = False  # a backward pass is open: gradients arriving belong to it
         self._seen: set[torch.Tensor] = set()  # params whose gradient arrived in the open backward pass
         self._callback_tasks: set[int] = set()  # autograd graph tasks that will close the open pass
-        self._moved: list[torch.Tensor] = []  # params whose p.grad is a MovedGrad placeholder
+        self._moved: dict[int, torch.Tensor] = {}  # params whose p.grad is a MovedGrad placeholder, by index
         self._got = [False] * len(self._params)  # which params received a gradient since the last step
         self._factor = [1.0] * len(self._params)  # p.grad.mul_(f) since the last step (framework clipping)
         self._norm_cache: dict[float, torch.Tensor] = {}  # per-param gradient norms, by order, until it changes
+        self._sum_sq_stale = False  # pack's in-pass sum of squares no longer describes the landing buffer
         self._next_bucket = 0
         self._found_inf = torch.zeros((), dtype=torch.bool, device=self.device)
         self._sum_sq = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -402,7 +413,17 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     def _before_accumulate(self, p: torch.Tensor) -> Any:
         """Tensor hook of p, run by autograd before p's gradient is accumulated into p.grad."""
 
+        i = self._index[p]
+
         def hook(grad: torch.Tensor) -> None:
+            if not is_alias_of(p, self.flat, self._offset[p]):
+                self._check_connected()  # raises, naming the first param that was cast or moved
+            try:
+                accumulates = torch._C._will_engine_execute_node(self._accumulators[i])
+            except RuntimeError:  # torch refuses the question inside torch.autograd.grad: nothing accumulates there
+                accumulates = False
+            if not accumulates:
+                return  # torch.autograd.grad(..., inputs=...) or a graph that does not reach p: nothing to send
             self._check_open()
             self._check_usable()
             if self._in_backward and p in self._seen:
@@ -440,7 +461,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._seen = set()
         if self._n_micro == 0:
             return
-        left = sum(isinstance(q.grad, MovedGrad) for q in self._moved)
+        left = sum(isinstance(q.grad, MovedGrad) for q in self._moved.values())
         if self._moved and left == 0:  # model.zero_grad() since the last backward: discard, as torch would
             self._reset_grad_state()
             self._in_backward = True
@@ -457,6 +478,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self._accum[s].copy_(self.landing[s])
         else:
             self._accum[s].add_(self.landing[s])
+        for i, f in enumerate(self._factor):  # p.grad.mul_(f) so far applies to the sum so far, not to what follows
+            if f != 1.0:
+                a, b = self._part_range(self._params[i])
+                self._accum[s][a:b] *= f
+                self._factor[i] = 1.0
         for b in self._buckets:
             b.ready = 0
         self._next_bucket = 0
@@ -485,8 +511,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._sum_sq += packed.sum_sq
         for (p, _, _), h in zip(b.params, has):
             if h:  # the device gradient is freed as soon as its bucket has left
-                p.grad = MovedGrad(p, self, self._index[p])
-                self._moved.append(p)
+                self._place_moved_grad(p)
         busy = self._buf_busy[k]
         t1 = time.perf_counter()
         if self.world > 1:
@@ -506,6 +531,16 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             busy.append(self.transport.d2h(dst, buf[lo - b.lo : hi - b.lo]))
         self._phase("reduce", t2 - t1)
         self._phase("offload", (t1 - t0) + (time.perf_counter() - t2))
+
+    def _part_range(self, p: torch.Tensor) -> tuple[int, int]:
+        """p's elements [offset, offset + numel) in this rank's partition coordinates (empty: a >= b)."""
+        off = self._offset[p]
+        return max(off, self.part_lo) - self.part_lo, min(off + p.numel(), self.part_hi) - self.part_lo
+
+    def _place_moved_grad(self, p: torch.Tensor) -> None:
+        i = self._index[p]
+        p.grad = MovedGrad(p, self, i)
+        self._moved[i] = p
 
     def _wait_buffer(self, k: int, host: bool = True) -> None:
         """Wait for the reduces and copies still reading bucket buffer k: the host waits for them, or (host=False)
@@ -531,6 +566,14 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         for k in range(2):
             self._wait_buffer(k)
         self.transport.synchronize()
+        if self.world > 1:  # a param with a gradient on some rank has one on every rank (DDP averages them)
+            got = torch.tensor(self._got, dtype=torch.uint8).to(self._comm_device())
+            self._collective("the all-reduce of which params got a gradient", dist.all_reduce, got,
+                             op=dist.ReduceOp.MAX)  # fmt: skip
+            for i, g in enumerate(got.cpu().tolist()):
+                if g and not self._got[i]:
+                    self._got[i] = True
+                    self._place_moved_grad(self._params[i])
         self._in_backward = False
         if not same_backward:
             self._callback_tasks = set()
@@ -549,6 +592,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """The current loss scale (1.0 without loss scaling)."""
         return self._scale
 
+    @torch.compiler.disable  # a compiled train step calls it eagerly: it runs hooks, copies, threads
     def backward(self, loss: torch.Tensor) -> None:
         """loss * loss_scale, then backward."""
         if not isinstance(loss, torch.Tensor):
@@ -563,17 +607,31 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self._in_backward and torch._C._current_graph_task_id() == -1:
             self._end_micro()  # a backward whose gradients all arrived in nested (reentrant) backwards
 
+    @torch.compiler.disable  # a compiled train step calls it eagerly: it runs hooks, copies, threads
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Discard the gradients accumulated since the last step."""
+        """Discard the gradients accumulated since the last step. With set_to_none=False the params that had a
+        gradient keep a zero one, as in torch: the next step updates them (decay, moments) even if no new
+        gradient arrives for them."""
         self._check_open()
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError("zero_grad() was called during backward")
-        for p in self._params:
-            if isinstance(p.grad, MovedGrad):
-                p.grad = None
+        if self._in_backward:
+            self._end_micro()
         for k in range(2):
             self._wait_buffer(k)
+        kept = {} if set_to_none else dict(self._moved)
+        if not set_to_none and not self._n_micro:  # after step(): torch still held the step's gradients
+            kept = {i: p for i, (p, g) in enumerate(zip(self._params, self._last_got)) if g}
+        if set_to_none:
+            for p in self._moved.values():
+                p.grad = None
         self._reset_grad_state()
+        if kept:  # zero gradients: the landing buffer holds zeros until the next backward overwrites it
+            self.landing[self._slot].zero_()
+            for i, p in kept.items():
+                self._place_moved_grad(p)
+                self._got[i] = True
+            self._n_micro = self._n_backward = 1
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused after construction: the flat buffer and the partitions are laid out once."""
@@ -582,6 +640,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                "and partitions are laid out once): build a new optimizer over all of them")  # fmt: skip
         super().add_param_group(param_group)
 
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Consume the accumulated gradients: overflow check, clip, CPU update, parameters back to the device."""
@@ -597,6 +656,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         if self._in_backward:  # the last backward ran entirely inside nested (reentrant) backwards
             self._end_micro()
+        self._drop_cleared_grads()
+        if self.max_grad_norm is not None and any(f != 1.0 for f in self._factor):
+            raise RuntimeError("the gradients were clipped twice: by p.grad.mul_ (e.g. Trainer's or accelerate's "
+                               "clip_grad_norm_) and by max_grad_norm; use one (Trainer: max_grad_norm=0)")  # fmt: skip
         t_step = time.perf_counter()
         if self._n_micro == 0:
             self.stats = {"skipped": True, "skip_reason": "no gradients", "loss_scale": self._scale, "grad_norm": None}
@@ -610,10 +673,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self._n_micro > 1:
             grad = self._accum[s].add_(self.landing[s])
         found_inf, sum_sq, got = self._global_checks(grad)
+        self._last_got = got
         scale = self._scale
         norm = math.sqrt(sum_sq) / (self.world * scale) if math.isfinite(sum_sq) else float("inf")
         n_micro, factor = self._n_backward, self._factor
-        for p in self._moved:
+        for p in self._moved.values():
             p.grad = None
         self._reset_grad_state()
         if found_inf:
@@ -630,13 +694,16 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self._pstep[i] += g
         for gi, group in enumerate(self.param_groups):
             group["step"] = max(self._pstep[i] for i, pg in enumerate(self._pgroup) if pg == gi)
+        # the hyper-parameters as they are now: a scheduler may change them before a background update runs
+        hparams = [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
+                   for g in self.param_groups]  # fmt: skip
         if delayed:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-dpu")
-            self._pending = self._executor.submit(self._cpu_update, grad, grad_scale, runs, False)
+            self._pending = self._executor.submit(self._cpu_update, grad, grad_scale, runs, hparams, False)
         else:
             kernel_before = self._times.get("kernel", 0.0)
-            seconds = self._cpu_update(grad, grad_scale, runs, True)
+            seconds = self._cpu_update(grad, grad_scale, runs, hparams, True)
             self._phase("cpu_update", seconds)
             # the part of the tiled update that is not the kernel: queueing copies, waiting for staging slots
             self._phase("writeback", seconds - (self._times.get("kernel", 0.0) - kernel_before))
@@ -656,6 +723,22 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this ZeroOffloadAdamW was closed: build a new one to go on training")
+
+    def _drop_cleared_grads(self) -> None:
+        """p.grad = None (model.zero_grad(), or by hand) since the last backward discards those gradients."""
+        cleared = [i for i, p in self._moved.items() if not isinstance(p.grad, MovedGrad)]
+        if cleared and len(cleared) == len(self._moved):
+            self.zero_grad()
+            return
+        s = self._slot
+        for i in cleared:
+            self._got[i] = False
+            del self._moved[i]
+            a, b = self._part_range(self._params[i])
+            for buf in (self.landing[s], self._accum[s] if self._n_micro > 1 else None):
+                if buf is not None and a < b:
+                    buf[a:b].zero_()  # out of the norm too
+            self._sum_sq_stale = True
 
     def _check_grads_untouched(self) -> None:
         """p.grad is None or our placeholder: a gradient set by hand would otherwise be silently ignored."""
@@ -710,10 +793,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def _host_grad_norms(self, indices: list[int], ord: float) -> list[float]:
         """Norms of the params' gradients as torch would hold them in p.grad (summed over micro-batches,
-        averaged over ranks, unscaled, times any factor applied since), for ord 2 or inf. A collective when
-        N > 1 (all ranks clip together, as with DDP); computed once per gradient and order."""
-        if ord not in (2.0, math.inf):
-            raise RuntimeError(f"a norm of order {ord} of p.grad: only 2 and inf are supported on the host copy")
+        averaged over ranks, unscaled, times any factor applied since), of order p >= 1 or inf. A collective
+        when N > 1 (every rank must ask, as every rank does in clip_grad_norm_); once per gradient and order."""
+        if not (ord >= 1.0):
+            raise RuntimeError(f"a norm of order {ord} of p.grad: orders p >= 1 and inf are supported")
         if ord not in self._norm_cache:
             last, earlier = self._host_gradient()
             part = torch.zeros(len(self._params), dtype=torch.float64)
@@ -721,25 +804,27 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 off, n = self._offset[p], p.numel()
                 a, b = max(off, self.part_lo) - self.part_lo, min(off + n, self.part_hi) - self.part_lo
                 if a < b:
-                    g = last[a:b].double() + (earlier[a:b].double() if earlier is not None else 0.0)
-                    part[i] = g.square().sum() if ord == 2.0 else g.abs().max()
+                    g = (last[a:b].double() + (earlier[a:b].double() if earlier is not None else 0.0)).abs()
+                    part[i] = g.max() if ord == math.inf else g.pow(ord).sum()
             if self.world > 1:
-                op = dist.ReduceOp.SUM if ord == 2.0 else dist.ReduceOp.MAX
+                op = dist.ReduceOp.MAX if ord == math.inf else dist.ReduceOp.SUM
                 part = part.to(self._comm_device())
                 self._collective("the all-reduce of per-parameter gradient norms", dist.all_reduce, part, op=op)
                 part = part.cpu()
-            norms = part.sqrt() if ord == 2.0 else part
+            norms = part if ord == math.inf else part.pow(1.0 / ord)
             self._norm_cache[ord] = norms / (self.world * self._scale)
         factor = torch.tensor(self._factor, dtype=torch.float64).abs()
         return (self._norm_cache[ord] * factor)[indices].tolist()
 
     def _scale_host_grads(self, indices: list[int], factor: float) -> None:
-        """p.grad.mul_(factor) on placeholders: the host gradients of those params are scaled at step()."""
+        """p.grad.mul_(factor) on placeholders: the host gradients of those params are scaled at step()
+        (or when the next micro-batch starts accumulating). A non-finite factor (the clip coefficient of an
+        overflowed gradient) makes the step an overflow, skipped as torch's GradScaler would."""
         self._host_gradient()
         if not math.isfinite(factor):
-            raise RuntimeError(f"p.grad multiplied by {factor}: the factor must be finite")
+            self._found_inf.fill_(True)
         for i in indices:
-            self._factor[i] *= factor
+            self._factor[i] *= factor if math.isfinite(factor) else 1.0
 
     # ------------------------------------------------------------------ the step's pieces
 
@@ -747,7 +832,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """found_inf, the sum of squares of the reduced (summed over ranks) gradient, and which params got a
         gradient on some rank: all-reduced."""
         t0 = time.perf_counter()
-        if self.world == 1 and self._n_micro == 1:
+        if self.world == 1 and self._n_micro == 1 and not self._sum_sq_stale:
             sum_sq, nonfinite = float(self._sum_sq.item()), False  # pack's in-pass sum: no extra pass
         else:
             sum_sq, nonfinite = sum_squares(grad, threads=self.threads)
@@ -769,7 +854,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         is NCCL (also for a mixed "cpu:gloo,cuda:nccl" group), else host memory."""
         return self.device if _backend_for(self.group, self.device) == "nccl" else torch.device("cpu")
 
-    def _cpu_update(self, grad: torch.Tensor, grad_scale: float, runs: list, writeback: bool) -> float:
+    def _cpu_update(self, grad: torch.Tensor, grad_scale: float, runs: list, hparams: list, writeback: bool) -> float:
         """CPU Adam over the ranges `runs` of this rank's partition; with writeback, tiles go to the device.
 
         Returns its wall time. Runs in the background thread under DPU: no collectives, no stats here.
@@ -777,10 +862,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         t0 = time.perf_counter()
         events = []
         for gi, a, b, step, factor in runs:
-            group, staging = self.param_groups[gi], self._staging[gi]
-            adam = dict(step=step, lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                        weight_decay=group["weight_decay"], grad_scale=grad_scale * factor,
-                        threads=self.threads)  # fmt: skip
+            staging = self._staging[gi]
+            adam = dict(step=step, grad_scale=grad_scale * factor, threads=self.threads, **hparams[gi])
             if (a, b) != self._group_ranges[gi]:  # part of a group (a param was skipped): a staging of its own,
                 for ev in staging.events.values():  # once the group's earlier copies are done
                     self.transport.wait(ev)
@@ -894,6 +977,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 out[r * self.part + lo : r * self.part + lo + n].copy_(buf[:n])
         return out
 
+    @torch.compiler.disable  # a compiled train step calls it eagerly: it runs hooks, copies, threads
     def state_dict(self) -> dict[str, Any]:
         """torch.optim layout, world-size independent: per param step/exp_avg/exp_avg_sq/master (fp32, CPU)."""
         self._check_open()
@@ -971,6 +1055,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         return plan
 
     @torch.no_grad()
+    @torch.compiler.disable  # a compiled train step calls it eagerly: it runs hooks, copies, threads
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class (any world size) or of torch.optim.AdamW.
 
@@ -984,6 +1069,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """
         self._check_open()
         self._check_usable()
+        if self._n_micro or self._in_backward:
+            raise RuntimeError("load_state_dict() between backward and step(): call step() or zero_grad() first")
         plan = self.check_state_dict(state_dict)
         self._finish_pending(write=False)
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
@@ -1042,6 +1129,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """Take the fp32 masters from the model's current (device) parameters, e.g. after model.load_state_dict."""
         self._finish_pending(write=False)
         self.master.copy_(self.flat[self.part_lo : self.part_hi].float().cpu())
+        if not self._staging_in_place:  # staging holds the params a skipped range keeps
+            self.staging_buf.copy_(self.flat[self.part_lo : self.part_hi].cpu())
         self._staged = False  # the device parameters are the truth now
 
     def memory_report(self) -> MemoryReport:

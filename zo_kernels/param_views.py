@@ -65,9 +65,10 @@ def is_alias_of(p: torch.Tensor, flat: torch.Tensor, offset: int) -> bool:
 
 MOVED_GRAD_HELP = (
     "this parameter's gradient was moved to the host by ZeroOffloadAdamW during backward: p.grad supports "
-    "only a norm (torch.linalg.vector_norm, ord 2 or inf) and an in-place multiplication by a scalar, which is "
-    "what torch.nn.utils.clip_grad_norm_ does (so framework clipping works: the factor is applied on the host "
-    "at step()). To discard gradients call opt.zero_grad() or model.zero_grad() (set_to_none=True)."
+    "only a norm (torch.linalg.vector_norm of any order p >= 1 or inf; with several ranks a collective that every "
+    "rank must call, as all do in clip_grad_norm_) and an in-place multiplication by a scalar, which is what "
+    "torch.nn.utils.clip_grad_norm_ does (so framework clipping works: the factor is applied on the host). To "
+    "discard gradients call opt.zero_grad() or model.zero_grad()."
 )
 
 _aten = torch.ops.aten
@@ -106,25 +107,34 @@ class MovedGrad(torch.Tensor):
         return f"MovedGrad(shape={tuple(self.shape)}, dtype={self.dtype}: the gradient is on the host)"
 
 
-def _owner_of(grads: list[Any]) -> Any:
-    owners = {id(o): o for o in (g._owner() for g in grads if isinstance(g, MovedGrad))}
-    if len(owners) != 1 or None in owners.values() or not all(isinstance(g, MovedGrad) for g in grads):
-        raise RuntimeError(f"p.grad mixes MovedGrad placeholders of several optimizers, or with tensors: "
-                           f"{MOVED_GRAD_HELP}")  # fmt: skip
-    return next(iter(owners.values()))
+def _by_owner(grads: list[Any]) -> dict[int, tuple[Any, list[int]]]:
+    """{id(optimizer): (optimizer, positions in grads)} for the placeholders among grads."""
+    owners: dict[int, tuple[Any, list[int]]] = {}
+    for k, g in enumerate(grads):
+        if isinstance(g, MovedGrad):
+            owner = g._owner()
+            if owner is None:
+                raise RuntimeError("p.grad is a placeholder of an optimizer that no longer exists")
+            owners.setdefault(id(owner), (owner, []))[1].append(k)
+    return owners
 
 
 def _norms(func: Any, args: Any, kwargs: dict) -> Any:
     foreach = func is _aten._foreach_norm.Scalar
     grads = list(args[0]) if foreach else [args[0]]
-    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    ord_ = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
     if not foreach and (kwargs.get("dim", args[2] if len(args) > 2 else None) is not None
                         or kwargs.get("keepdim", args[3] if len(args) > 3 else False)):  # fmt: skip
         raise RuntimeError(f"a norm over some dimensions of p.grad: {MOVED_GRAD_HELP}")
-    dtype = kwargs.get("dtype") or grads[0].dtype
-    values = _owner_of(grads)._host_grad_norms([g._index for g in grads], float(ord_))
-    out = [torch.tensor(v, dtype=dtype, device=g.device) for v, g in zip(values, grads)]
-    return out if foreach else out[0]
+    dtype = kwargs.get("dtype")
+    values: list[Any] = [None] * len(grads)
+    for owner, where in _by_owner(grads).values():
+        for k, v in zip(where, owner._host_grad_norms([grads[k]._index for k in where], ord_)):
+            values[k] = torch.tensor(v, dtype=dtype or grads[k].dtype, device=grads[k].device)
+    for k, g in enumerate(grads):  # ordinary tensors in the same call (another optimizer's gradients)
+        if values[k] is None:
+            values[k] = torch.linalg.vector_norm(g, ord_, dtype=dtype)
+    return values if foreach else values[0]
 
 
 def _scale(func: Any, args: Any) -> Any:
@@ -134,9 +144,12 @@ def _scale(func: Any, args: Any) -> Any:
     if isinstance(factor, torch.Tensor):
         if factor.numel() != 1:
             raise RuntimeError(f"p.grad multiplied by a tensor that is not a scalar: {MOVED_GRAD_HELP}")
-        factor = factor.item()
-    _owner_of(grads)._scale_host_grads([g._index for g in grads], float(factor))
-    return args[0]
+    for owner, where in _by_owner(grads).values():
+        owner._scale_host_grads([grads[k]._index for k in where], float(factor))
+    for g in grads:
+        if not isinstance(g, MovedGrad):
+            g.mul_(factor)
+    return None if foreach else args[0]  # the foreach op's schema returns nothing
 
 
 _BACKWARD_APPLY = torch.autograd.function.BackwardCFunction.apply.__code__
