@@ -11,10 +11,12 @@ from . import _cpu
 
 ALIGN = _cpu.AIO_ALIGN  # buffer addresses, file offsets and lengths are multiples of it (4096)
 BACKENDS = ("threads", "uring")
-# Measured on this machine's disk (virtio, ext4; 1 GiB sequential, O_DIRECT, same run, best of 3; README
-# "NVMe offload"): threads (4 x 1 MiB) wrote 2.07 GB/s and read 1.39, io_uring (32 x 1 MiB) 2.09 and 1.40,
-# both ~0.07 CPU s/GB. A tie; threads win on where they run: io_uring is refused by Docker's default seccomp
-# profile and by kernel.io_uring_disabled, and its queued pieces only move when the caller enters the engine.
+# Measured on this machine's disk (virtio, ext4), bench/test_bench_nvme.py::test_aio_backends: 1 GiB sequential,
+# O_DIRECT, rounds interleaved, best of 3: threads x4 wrote 2.73 GB/s and read 0.95, io_uring x32 2.66 and 0.95,
+# plain 64 MiB pwritev/preadv 2.87 and 1.14; 0.05-0.09 CPU s/GB for all. A tie (the disk is the limit; timed
+# one after another instead of interleaved, either backend "won" by up to 1.8x). Threads win on where they
+# run: io_uring is refused by Docker's default seccomp profile and by kernel.io_uring_disabled, and its queued
+# pieces only move when the caller enters the engine. backend="uring" stays for drives where it measures ahead.
 DEFAULT_BACKEND = "threads"
 DEFAULT_DEPTH = {"threads": 4, "uring": 32}  # threads, or ring entries
 DEFAULT_CHUNK_BYTES = 1 << 20  # requests are split into pieces this big that run concurrently
