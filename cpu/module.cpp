@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "adam.h"
+#include "aio.h"
 
 namespace py = pybind11;
 
@@ -53,6 +54,56 @@ py::capsule make_sink(zo::TileSink* sink) {
     if (s && s->destroy) s->destroy(s->ctx);
     delete s;
   });
+}
+
+void bind_aio(py::module_& m) {
+  namespace aio = zo::aio;
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const aio::IoError& e) {  // OSError(errno, message naming the operation and file, file)
+      py::object err = e.path.empty() ? py::handle(PyExc_OSError)(e.err, e.what())
+                                      : py::handle(PyExc_OSError)(e.err, e.what(), e.path);
+      PyErr_SetObject(PyExc_OSError, err.ptr());
+    }
+  });
+  m.attr("AIO_ALIGN") = aio::kAlign;
+  py::class_<aio::Buffer, std::shared_ptr<aio::Buffer>>(m, "AlignedBuffer", py::buffer_protocol(),
+                                                        "Zero-filled host memory aligned to AIO_ALIGN bytes.")
+      .def(py::init<size_t>(), py::arg("nbytes"))
+      .def_buffer([](aio::Buffer& b) { return py::buffer_info(b.data(), b.nbytes()); })
+      .def_property_readonly("nbytes", &aio::Buffer::nbytes)
+      .def_property_readonly("address", [](const aio::Buffer& b) { return uintptr_t(b.data()); })
+      .def_property_readonly("busy", &aio::Buffer::busy)
+      .def_static("live_bytes", &aio::Buffer::live_bytes, "Bytes of all AlignedBuffers alive in the process.")
+      .def_static("peak_bytes", &aio::Buffer::peak_bytes, "High-water mark of live_bytes since reset_peak().")
+      .def_static("reset_peak", &aio::Buffer::reset_peak);
+  py::class_<aio::File, std::shared_ptr<aio::File>>(m, "AioFile", "A file of fixed size, O_DIRECT if asked.")
+      .def(py::init<const std::string&, int64_t, bool>(), py::arg("path"), py::arg("nbytes"), py::arg("direct"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("close", &aio::File::close, "Close it (refused while requests on it are not waited on).")
+      .def_property_readonly("path", &aio::File::path)
+      .def_property_readonly("nbytes", &aio::File::nbytes)
+      .def_property_readonly("direct", &aio::File::direct)
+      .def_property_readonly("closed", [](const aio::File& f) { return f.fd() < 0; });
+  auto submit = [](aio::Op op) {
+    return [op](aio::Engine& e, const std::shared_ptr<aio::File>& f, const std::shared_ptr<aio::Buffer>& b,
+                size_t buf_off, size_t nbytes, int64_t file_off) { return e.submit(op, f, b, buf_off, nbytes, file_off); };
+  };
+  py::class_<aio::Engine>(m, "AioEngine", "Asynchronous reads and writes of AlignedBuffers, waited on by handle.")
+      .def(py::init<const std::string&, int, size_t>(), py::arg("backend"), py::arg("depth"), py::arg("chunk_bytes"))
+      .def("read", submit(aio::Op::kRead), py::arg("file"), py::arg("buffer"), py::arg("buf_offset"),
+           py::arg("nbytes"), py::arg("file_offset"), py::call_guard<py::gil_scoped_release>(),
+           "Queue file[file_offset, +nbytes) -> buffer[buf_offset, +nbytes); returns a handle.")
+      .def("write", submit(aio::Op::kWrite), py::arg("file"), py::arg("buffer"), py::arg("buf_offset"),
+           py::arg("nbytes"), py::arg("file_offset"), py::call_guard<py::gil_scoped_release>(),
+           "Queue buffer[buf_offset, +nbytes) -> file[file_offset, +nbytes); returns a handle.")
+      .def("wait", &aio::Engine::wait, py::arg("handle"), py::call_guard<py::gil_scoped_release>(),
+           "Block until the request completes; OSError naming the operation and file if it failed.")
+      .def("drain", &aio::Engine::drain, py::call_guard<py::gil_scoped_release>(),
+           "Block until every request completes, discarding their errors.")
+      .def("pending", &aio::Engine::pending, "Requests not yet waited on.")
+      .def_property_readonly("backend", &aio::Engine::backend);
 }
 
 }  // namespace
@@ -132,4 +183,5 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
       py::arg("param_out"), py::arg("out_dtype"), py::arg("n"), py::arg("isa"), py::arg("threads"),
       py::call_guard<py::gil_scoped_release>(), "The streaming ceiling: Adam's loads and stores, no math.");
+  bind_aio(m);
 }

@@ -1,0 +1,204 @@
+"""Optimizer state on NVMe: a partition's fp32 master, exp_avg and exp_avg_sq in files, streamed tile by tile.
+
+The update of tile t runs while tile t+1 is read and tile t-1 is written: three slots of three aligned buffers
+(one per state tensor) rotate, so host memory is 9 x tile bytes whatever the partition's size.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import aio
+from .cpu_adam import _check_tensor, check_no_overlap
+from .scratch import ScratchDir
+
+STATE = ("master", "exp_avg", "exp_avg_sq")
+SLOTS = 3  # tile t+1 being read, tile t being updated, tile t-1 being written
+TILE_MULTIPLE = aio.ALIGN // 4  # fp32 elements per aligned block: tiles start on block boundaries
+DEFAULT_TILE_NUMEL = 1 << 20  # 4 MiB per tensor per tile, a 36 MiB pool; 4 pieces of 1 MiB per request
+
+UpdateFn = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], Any]
+
+
+def _release(engine: Any, files: list, scratch: ScratchDir) -> None:
+    """Wait for every request, close the files, remove the scratch directory (close() and the finalizer)."""
+    engine.drain()
+    for f in files:
+        f.close()
+    scratch.close()
+
+
+class NvmeSwapper:
+    """The fp32 master, exp_avg and exp_avg_sq of one partition, kept in files and streamed through a pool.
+
+    The files live in a scratch directory under `nvme_dir` that close() (or the finalizer) removes; if the
+    process dies first, the next swapper on the same `nvme_dir` removes it. They start zero-filled.
+
+    Args:
+        numel: elements of the partition (>= 1).
+        nvme_dir: an existing directory, on the drive that should hold the state.
+        tile_numel: elements per tile, a multiple of 1024 (one 4096-byte block of fp32); capped at the
+            partition rounded up to 1024. Host memory: 3 slots x 3 tensors x tile_numel x 4 bytes.
+        backend, depth, chunk_bytes: the I/O engine (zo_kernels.aio.make_engine).
+        direct: O_DIRECT (True), buffered (False), or O_DIRECT where the filesystem takes it, else buffered
+            with a warning (None).
+    """
+
+    def __init__(self, numel: int, nvme_dir: str, *, tile_numel: int = DEFAULT_TILE_NUMEL,
+                 backend: str | None = None, depth: int | None = None,
+                 chunk_bytes: int = aio.DEFAULT_CHUNK_BYTES, direct: bool | None = None) -> None:  # fmt: skip
+        for name, v in (("numel", numel), ("tile_numel", tile_numel)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if numel < 1:
+            raise ValueError(f"numel must be >= 1, got {numel}")
+        if tile_numel < 1 or tile_numel % TILE_MULTIPLE:
+            raise ValueError(f"tile_numel must be a positive multiple of {TILE_MULTIPLE}, got {tile_numel}")
+        if direct is not None and not isinstance(direct, bool):
+            raise TypeError(f"direct must be True, False or None, got {type(direct).__name__}")
+        self.numel = numel
+        self.tile_numel = min(tile_numel, -(-numel // TILE_MULTIPLE) * TILE_MULTIPLE)
+        self.tiles = [(lo, min(numel, lo + self.tile_numel)) for lo in range(0, numel, self.tile_numel)]
+        engine = aio.make_engine(backend, depth, chunk_bytes)  # checks its arguments before any file exists
+        scratch = ScratchDir(nvme_dir)
+        files: list = []
+        try:
+            nbytes = aio.round_up(4 * numel)
+            for name in STATE:
+                path = os.path.join(scratch.path, f"{name}.bin")
+                files.append(aio.open_file(path, nbytes, direct))
+                direct = files[0].direct  # one warning for the three, and one mode
+            self._pool = [[aio.AlignedBuffer(4 * self.tile_numel) for _ in STATE] for _ in range(SLOTS)]
+        except BaseException:
+            _release(engine, files, scratch)
+            raise
+        self._engine, self._files, self._scratch = engine, files, scratch
+        self._views = [[aio.view(b) for b in slot] for slot in self._pool]
+        self._finalizer = weakref.finalize(self, _release, engine, files, scratch)
+        self.torn: str | None = None  # why the files no longer hold one consistent state, if they don't
+
+    @property
+    def path(self) -> str:
+        """The scratch directory holding the files."""
+        return self._scratch.path
+
+    @property
+    def direct(self) -> bool:
+        """Whether the files are read and written with O_DIRECT."""
+        return self._files[0].direct
+
+    @property
+    def pool_bytes(self) -> int:
+        """Host memory of the buffer pool: all the memory the swapper holds, whatever `numel`."""
+        return sum(b.nbytes for slot in self._pool for b in slot)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def stream(self, update_fn: UpdateFn) -> None:
+        """Call update_fn(lo, hi, master, exp_avg, exp_avg_sq) on each tile [lo, hi), in order, then save it.
+
+        The three tensors are fp32 views of the tile's pool buffers (hi - lo elements, valid during the call
+        only), updated in place: e.g. `cpu_adam_step(master, grad[lo:hi], exp_avg, exp_avg_sq, ...)`. Tile
+        t+1 is read and tile t-1 written while update_fn runs on tile t. If update_fn or the I/O fails, the
+        tiles before it are already saved: the swapper is then `torn` until write_all restores a state.
+        """
+        if not callable(update_fn):
+            raise TypeError(f"update_fn must be callable(lo, hi, master, exp_avg, exp_avg_sq), got "
+                            f"{type(update_fn).__name__}")  # fmt: skip
+        self._check_usable()
+        self._run(update_fn, read=True, write=True)
+
+    def read_all(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Copy the state into the three given fp32 CPU tensors of `numel` elements (for state_dict)."""
+        outs = (master, exp_avg, exp_avg_sq)
+        for name, t in zip(STATE, outs):
+            _check_tensor(t, name, (torch.float32,), self.numel, like="the swapper's numel")
+        check_no_overlap(dict(zip(STATE, outs)))
+        self._check_usable()
+
+        def copy_out(lo: int, hi: int, *tile: torch.Tensor) -> None:
+            for out, src in zip(outs, tile):
+                out.view(-1)[lo:hi].copy_(src)
+
+        self._run(copy_out, read=True, write=False)
+
+    def write_all(self, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
+                  exp_avg_sq: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Replace the whole state by the given fp32 CPU tensors of `numel` elements (None: zeros)."""
+        ins = (master, exp_avg, exp_avg_sq)
+        for name, t in zip(STATE, ins):
+            if t is not None or name == "master":
+                _check_tensor(t, name, (torch.float32,), self.numel, like="the swapper's numel")
+        if self.closed:
+            raise RuntimeError("the NvmeSwapper is closed")
+
+        def copy_in(lo: int, hi: int, *tile: torch.Tensor) -> None:
+            for src, dst in zip(ins, tile):
+                if src is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(src.view(-1)[lo:hi])
+
+        self._run(copy_in, read=False, write=True)
+        self.torn = None
+
+    def close(self) -> None:
+        """Wait for the I/O in flight, close and remove the files and their directory (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> NvmeSwapper:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_usable(self) -> None:
+        if self.closed:
+            raise RuntimeError("the NvmeSwapper is closed")
+        if self.torn:
+            raise RuntimeError(f"the state files are torn ({self.torn}); restore a state with write_all")
+
+    def _io(self, op: Callable, slot: int, lo: int, hi: int) -> list[int]:
+        nbytes = aio.round_up(4 * (hi - lo))
+        return [op(f, buf, 0, nbytes, 4 * lo) for f, buf in zip(self._files, self._pool[slot])]
+
+    def _wait(self, handles: list[int] | None) -> None:
+        for h in handles or ():
+            self._engine.wait(h)
+
+    def _run(self, fn: Callable, *, read: bool, write: bool) -> None:
+        """The pipeline: tile t in slot t % 3; reads of t+1 and the write of t-1 in flight while fn(t) runs."""
+        eng, tiles = self._engine, self.tiles
+        reads: list = [None] * SLOTS
+        writes: list = [None] * SLOTS
+        t = 0
+        try:
+            if read:
+                reads[0] = self._io(eng.read, 0, *tiles[0])
+            for t, (lo, hi) in enumerate(tiles):
+                s = t % SLOTS
+                if read and t + 1 < len(tiles):
+                    nxt = (t + 1) % SLOTS
+                    self._wait(writes[nxt])  # the slot's last write (tile t-2) must be out before it is refilled
+                    writes[nxt] = None
+                    reads[nxt] = self._io(eng.read, nxt, *tiles[t + 1])
+                self._wait(reads[s] if read else writes[s])
+                reads[s] = writes[s] = None
+                n = hi - lo
+                fn(lo, hi, *(v[:n] for v in self._views[s]))
+                if write:
+                    writes[s] = self._io(eng.write, s, lo, hi)
+            for w in writes:
+                self._wait(w)
+        except BaseException as e:
+            eng.drain()
+            if write:
+                self.torn = f"a pass stopped at tile {t} of {len(tiles)} by {type(e).__name__}: {e}"
+            raise

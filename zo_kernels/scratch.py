@@ -1,0 +1,98 @@
+"""Scratch directories for files that live as long as their process: locked while in use, reclaimed after.
+
+Each process gets `<root>/zo-nvme-<pid>-<random>/` holding a `lock` file under an exclusive flock for its
+whole life. The kernel drops the flock when the process dies, however it dies (SIGKILL included), so the next
+ScratchDir on the same root finds the lock free and removes the directory. A directory is locked before it
+gets its final name: one being created is named `.zo-nvme-new-<pid>-...` and is removed only once that pid is
+gone. (A child forked with the lock file open keeps the lock until it exits.)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+
+PREFIX = "zo-nvme-"
+_NEW = ".zo-nvme-new-"
+LOCK = "lock"
+
+
+def _locked(path: str) -> bool:
+    """Whether a live process holds the lock of scratch directory `path`."""
+    try:
+        fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False  # a final name is given only after locking: no lock file means its owner is gone
+    except OSError:
+        return True  # unreadable: not ours to judge
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases the lock if we got it
+    return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reclaim(root: str) -> list[str]:
+    """Remove the scratch directories under `root` whose owner has died; returns their paths."""
+    removed = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not os.path.isdir(path):
+            continue
+        if name.startswith(PREFIX):
+            dead = not _locked(path)
+        elif name.startswith(_NEW):
+            pid = name[len(_NEW) :].split("-", 1)[0]
+            dead = pid.isdigit() and not _pid_alive(int(pid))
+        else:
+            continue
+        if dead:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+class ScratchDir:
+    """A directory of this process's scratch files under `root`, leftovers of dead processes removed first.
+
+    Args:
+        root: an existing, writable directory.
+    """
+
+    def __init__(self, root: str) -> None:
+        if not isinstance(root, (str, os.PathLike)):
+            raise TypeError(f"nvme_dir must be a path, got {type(root).__name__}")
+        root = os.fspath(root)
+        if not os.path.isdir(root):
+            raise ValueError(f"nvme_dir {root!r} is not an existing directory")
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise ValueError(f"nvme_dir {root!r} is not writable")
+        self.reclaimed = reclaim(root)
+        tmp = tempfile.mkdtemp(prefix=f"{_NEW}{os.getpid()}-", dir=root)
+        self._lock = os.open(os.path.join(tmp, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        os.write(self._lock, f"{os.getpid()}\n".encode())
+        self.path = os.path.join(root, PREFIX + os.path.basename(tmp)[len(_NEW) :])
+        os.rename(tmp, self.path)
+
+    def close(self) -> None:
+        """Remove the directory and its files, then drop the lock."""
+        if self._lock is None:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._lock)
+        self._lock = None
