@@ -23,24 +23,17 @@ import torch
 _NUMPY_CODE = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2"}  # numpy has no bf16: int16 bits
 
 
-class _HostArray:
-    """numpy's __array_interface__ over a range of a CPU tensor; holds the tensor."""
+class _ArrayInterface:
+    """numpy's __array_interface__ (CPU) or __cuda_array_interface__ over a range of a tensor; holds the tensor."""
 
     def __init__(self, flat: torch.Tensor, offset: int, numel: int) -> None:
         self.keep = flat
         addr = flat.data_ptr() + offset * flat.element_size()
-        self.__array_interface__ = {"shape": (numel,), "typestr": _NUMPY_CODE[flat.dtype], "data": (addr, False),
-                                    "version": 3}  # fmt: skip
-
-
-class _DeviceArray:
-    """__cuda_array_interface__ over a range of a CUDA tensor; holds the tensor."""
-
-    def __init__(self, flat: torch.Tensor, offset: int, numel: int) -> None:
-        self.keep = flat
-        addr = flat.data_ptr() + offset * flat.element_size()
-        self.__cuda_array_interface__ = {"shape": (numel,), "typestr": _NUMPY_CODE[flat.dtype], "data": (addr, False),
-                                         "version": 2}  # fmt: skip
+        iface = {"shape": (numel,), "typestr": _NUMPY_CODE[flat.dtype], "data": (addr, False)}
+        if flat.device.type == "cpu":
+            self.__array_interface__ = {**iface, "version": 3}
+        else:
+            self.__cuda_array_interface__ = {**iface, "version": 2}
 
 
 def alias(flat: torch.Tensor, offset: int, numel: int, shape: torch.Size) -> torch.Tensor:
@@ -48,9 +41,9 @@ def alias(flat: torch.Tensor, offset: int, numel: int, shape: torch.Size) -> tor
     if numel == 0:
         return torch.empty(shape, dtype=flat.dtype, device=flat.device)
     if flat.device.type == "cpu":
-        t = torch.from_numpy(np.asarray(_HostArray(flat, offset, numel)))
+        t = torch.from_numpy(np.asarray(_ArrayInterface(flat, offset, numel)))
     else:
-        t = torch.as_tensor(_DeviceArray(flat, offset, numel), device=flat.device)
+        t = torch.as_tensor(_ArrayInterface(flat, offset, numel), device=flat.device)
     if flat.dtype == torch.bfloat16:
         t = t.view(torch.bfloat16)
     return t.view(shape)
