@@ -10,76 +10,30 @@ path of `pack`): that is how it is tested without a GPU.
 from __future__ import annotations
 
 import math
-import os
 import time
 import warnings
 import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .buckets import pack
-from .cpu_adam import _check_threads, _real, check_hparams, cpu_adam_step, sum_squares
-from .param_views import MovedGrad, alias, in_nested_backward, is_alias_of
-from .transport import Staging, Transport, default_transport, tiled_writeback
+from ..buckets import pack
+from ..cpu_adam import _check_threads, _real, check_hparams, cpu_adam_step, sum_squares
+from ..param_views import MovedGrad, alias, in_nested_backward, is_alias_of
+from ..transport import Staging, Transport, default_transport, tiled_writeback
+from .checks import DTYPES, MAX_THREADS, check_int, check_params
+from .comm import COLLECTIVE_TIMEOUT_S, Comm, pin_rank_threads
+from .report import K_ADAM, MemoryReport, PhaseTimes
+from .scaler import LossScaler
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_BUCKET_NUMEL = 1 << 24  # 32 MiB of bf16 gradients per bucket (two buckets live on the device)
 DEFAULT_TILE_NUMEL = 1 << 21  # see bench/test_bench_transport.py: 1.03x the bare kernel at 100M params
-K_ADAM = 12  # bytes of fp32 optimizer state per parameter: master, exp_avg, exp_avg_sq
-# torch.amp.GradScaler's defaults.
-SCALE_INIT, SCALE_GROWTH, SCALE_BACKOFF, SCALE_INTERVAL = 2.0**16, 2.0, 0.5, 2000
 UPDATE_TIMEOUT_S = 600.0  # default bound on waiting for the background (DPU) update
-COLLECTIVE_TIMEOUT_S = 300.0  # default bound on a gloo collective: a dead peer fails this rank, no hang
-MAX_THREADS = 4096
 PARAM_ALIGN_BYTES = 16  # every param starts on a 16-byte boundary of the flat buffer: vector loads in pack
-GATHER_CHUNK_NUMEL = 1 << 24  # elements per broadcast when state_dict() gathers the partitions (64 MiB fp32)
-
-
-@dataclass
-class MemoryReport:
-    """Bytes held by the optimizer on this rank, measured from its buffers, next to DESIGN.md's formulas.
-
-    Args:
-        params: trainable parameters (Φ). world_size: data-parallel ranks (N).
-        device_params, device_buckets: the flat 16-bit parameter buffer and the gradient buckets.
-        host_state, host_landing, host_staging, host_accumulator: p32/m/v, gradient landing, p16 staging,
-            fp32 accumulation buffer (only while accumulating).
-        formula_device, formula_host: 2Φ + buckets and (2 + K)Φ/N + 2Φ/N (DESIGN.md, ZeRO-2 + offload).
-    """
-
-    params: int
-    world_size: int
-    device_params: int
-    device_buckets: int
-    host_state: int
-    host_landing: int
-    host_staging: int
-    host_accumulator: int
-    formula_device: int
-    formula_host: int
-
-    @property
-    def device_bytes(self) -> int:
-        return self.device_params + self.device_buckets
-
-    @property
-    def host_bytes(self) -> int:
-        return self.host_state + self.host_landing + self.host_staging + self.host_accumulator
-
-    def __str__(self) -> str:
-        p = max(1, self.params)
-        return (f"params {self.params:,} x {self.world_size} rank(s)\n"
-                f"  device: {self.device_bytes:,} B ({self.device_bytes / p:.2f} B/param); "
-                f"formula 2Φ + buckets = {self.formula_device:,} B\n"
-                f"  host:   {self.host_bytes:,} B ({self.host_bytes / p:.2f} B/param); "
-                f"formula (2+K)Φ/N + 2Φ/N = {self.formula_host:,} B")  # fmt: skip
 
 
 class _Bucket:
@@ -179,12 +133,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         check_hparams(lr, betas, eps, weight_decay)
         if dtype not in DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
-        self._scale, self._dynamic = _check_loss_scale(loss_scale)
+        self.scaler = LossScaler(loss_scale)
         if max_grad_norm is not None and (_real(max_grad_norm, "max_grad_norm") <= 0):
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
-        self.delay_update_after = _check_int(delay_update_after, "delay_update_after", 0)
-        bucket_numel = _check_int(bucket_numel, "bucket_numel", 1)
-        tile_numel = _check_int(tile_numel, "tile_numel", 1)
+        self.delay_update_after = check_int(delay_update_after, "delay_update_after", 0)
+        bucket_numel = check_int(bucket_numel, "bucket_numel", 1)
+        tile_numel = check_int(tile_numel, "tile_numel", 1)
         if threads is not None:
             _check_threads(threads)
             if threads > MAX_THREADS:
@@ -194,7 +148,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         for name, value in (("update_timeout_s", update_timeout_s), ("collective_timeout_s", collective_timeout_s)):
             if _real(value, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        groups = _check_params(params)
+        groups = check_params(params)
         trainable = [p for g in groups for p in g["params"] if p.requires_grad]
         if not trainable:
             raise ValueError("no trainable parameters (none has requires_grad=True)")
@@ -229,12 +183,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._staged = False  # DPU: staging holds the last update's params, not yet on the device
         self._staging_read: Any = None  # event of the last copy out of staging (the DPU writes after it)
         self._last_got: list[bool] = []  # which params had a gradient at the last step (zero_grad(set_to_none=False))
-        self.group = process_group
-        if self.group is None and dist.is_available() and dist.is_initialized():
-            self.group = dist.group.WORLD
-        self.world = dist.get_world_size(self.group) if self.group is not None else 1
-        self.rank = dist.get_rank(self.group) if self.group is not None else 0
-        self.threads = threads if threads is not None else _pin_rank_threads(self.world, self.rank)
+        self._times = PhaseTimes()  # seconds per phase since the last step
+        self.comm = Comm(process_group, device, self.collective_timeout_s, self._times)
+        self.threads = threads if threads is not None else pin_rank_threads(self.world, self.rank)
         self.tile_numel = tile_numel or DEFAULT_TILE_NUMEL
 
         for p in trainable:  # a new optimizer over these params replaces the old one (as with torch's)
@@ -249,9 +200,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._cast_followers(followers)
         self._allocate(trainable, bucket_numel or DEFAULT_BUCKET_NUMEL)
         self._built = True
-        self._times: dict[str, float] = {}  # seconds per phase since the last step
         self._iteration = 0  # step() calls that consumed gradients
-        self._good_steps = 0
         self._pending: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._reset_grad_state()
@@ -311,10 +260,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.exp_avg = torch.zeros(self.part, dtype=torch.float32)
         self.exp_avg_sq = torch.zeros(self.part, dtype=torch.float32)
         self.flat = torch.zeros(self.flat_numel, dtype=self.dtype, device=self.device)
-        src = self.group_rank_to_global(0)
+        src = self.comm.global_rank(0)
         for p in trainable:
             if self.world > 1:
-                self._collective("the initial broadcast of the parameters", dist.broadcast, p.data, src=src)
+                self.comm.collective("the initial broadcast of the parameters", dist.broadcast, p.data, src=src)
             off, n = self._offset[p], p.numel()
             a, b = max(off, self.part_lo), min(off + n, self.part_hi)
             if a < b:
@@ -358,33 +307,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._bucket_bufs = [torch.empty(buf_numel, dtype=self.dtype, device=self.device) for _ in range(2)]
         self._buf_busy: list[list[Any]] = [[], []]  # per buffer: reduce works and copy events still using it
 
-    def group_rank_to_global(self, r: int) -> int:
-        """Global rank of rank r of the optimizer's process group."""
-        if self.group is None:
-            return r
-        return dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r
-
-    def _collective(self, what: str, collective: Any, *args: Any, **kwargs: Any) -> None:
-        """Run a torch.distributed collective on the optimizer's group and wait for it (bounded on gloo)."""
-        self._wait_work(collective(*args, group=self.group, async_op=True, **kwargs), what)
-
-    def _wait_work(self, work: Any, what: str) -> None:
-        """Wait for a collective; on gloo at most collective_timeout_s, so a dead peer fails this rank clearly."""
-        try:
-            if _backend_for(self.group, self.device) == "nccl":
-                work.wait()  # orders the current stream; NCCL's watchdog bounds it
-            else:
-                work.wait(timeout=timedelta(seconds=self.collective_timeout_s))
-        except RuntimeError as e:
-            limit = f"{self.collective_timeout_s:g} s"
-            self._failed = RuntimeError(f"rank {self.rank}: {what} failed or did not finish within {limit}; "
-                                        f"another rank has probably failed: {e}")  # fmt: skip
-            raise self._failed from e
-
     def _check_usable(self) -> None:
-        if self._failed is not None:
+        failed = self.comm.failed or self._failed
+        if failed is not None:
             raise RuntimeError("this optimizer is unusable after an earlier failure (see the chained exception); "
-                               "restore from a checkpoint") from self._failed  # fmt: skip
+                               "restore from a checkpoint") from failed  # fmt: skip
 
     # ------------------------------------------------------------------ gradients leave during backward
 
@@ -518,10 +445,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             for r in range(self.world):
                 a, c = max(b.lo, r * self.part), min(b.hi, (r + 1) * self.part)
                 if a < c:
-                    work = dist.reduce(buf[a - b.lo : c - b.lo], dst=self.group_rank_to_global(r), op=dist.ReduceOp.SUM,
-                                       group=self.group, async_op=True)  # fmt: skip
+                    work = dist.reduce(buf[a - b.lo : c - b.lo], dst=self.comm.global_rank(r), op=dist.ReduceOp.SUM,
+                                       group=self.comm.group, async_op=True)  # fmt: skip
                     if r == self.rank:
-                        self._wait_work(work, f"the reduce of bucket {b.index}")  # NCCL: orders the stream only
+                        self.comm.wait(work, f"the reduce of bucket {b.index}")  # NCCL: orders the stream only
                     else:
                         busy.append((work, f"the reduce of bucket {b.index} to rank {r}"))
         t2 = time.perf_counter()
@@ -529,8 +456,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if lo < hi and not self._direct_landing:
             dst = self.landing[self._slot][lo - self.part_lo : hi - self.part_lo]
             busy.append(self.transport.d2h(dst, buf[lo - b.lo : hi - b.lo]))
-        self._phase("reduce", t2 - t1)
-        self._phase("offload", (t1 - t0) + (time.perf_counter() - t2))
+        self._times.add("reduce", t2 - t1)
+        self._times.add("offload", (t1 - t0) + (time.perf_counter() - t2))
 
     def _part_range(self, p: torch.Tensor) -> tuple[int, int]:
         """p's elements [offset, offset + numel) in this rank's partition coordinates (empty: a >= b)."""
@@ -547,7 +474,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         only the compute stream does (NCCL's work.wait() and transport.device_wait() do not block the host)."""
         for item in self._buf_busy[k]:
             if isinstance(item, tuple):
-                self._wait_work(*item)
+                self.comm.wait(*item)
             elif host:
                 self.transport.wait(item)
             else:
@@ -567,8 +494,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self._wait_buffer(k)
         self.transport.synchronize()
         if self.world > 1:  # a param with a gradient on some rank has one on every rank (DDP averages them)
-            got = torch.tensor(self._got, dtype=torch.uint8).to(self._comm_device())
-            self._collective("the all-reduce of which params got a gradient", dist.all_reduce, got,
+            got = torch.tensor(self._got, dtype=torch.uint8).to(self.comm.device_of_collectives)
+            self.comm.collective("the all-reduce of which params got a gradient", dist.all_reduce, got,
                              op=dist.ReduceOp.MAX)  # fmt: skip
             for i, g in enumerate(got.cpu().tolist()):
                 if g and not self._got[i]:
@@ -580,17 +507,26 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self._n_backward += 1
         self._norm_cache = {}
         self._n_micro += 1
-        self._phase("backward_offload_wait", time.perf_counter() - t0)
-
-    def _phase(self, name: str, seconds: float) -> None:
-        self._times[name] = self._times.get(name, 0.0) + seconds
+        self._times.add("backward_offload_wait", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ the user's calls
+
+    group = property(lambda self: self.comm.group, doc="The process group (None: a single rank).")
+    world = property(lambda self: self.comm.world, doc="Ranks in the process group (N).")
+    rank = property(lambda self: self.comm.rank, doc="This rank in the process group.")
+
+    def group_rank_to_global(self, r: int) -> int:
+        """Global rank of rank r of the optimizer's process group."""
+        return self.comm.global_rank(r)
+
+    def _collective(self, what: str, collective: Any, *args: Any, **kwargs: Any) -> None:
+        """Run a torch.distributed collective on the optimizer's group and wait for it (bounded on gloo)."""
+        self.comm.collective(what, collective, *args, **kwargs)
 
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without loss scaling)."""
-        return self._scale
+        return self.scaler.scale
 
     @torch.compiler.disable  # a compiled train step calls it eagerly: it runs hooks, copies, threads
     def backward(self, loss: torch.Tensor) -> None:
@@ -603,7 +539,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             raise ValueError("loss does not require grad: nothing to backpropagate")
         self._check_open()
         self._check_usable()
-        (loss.float() * self._scale if self._scale != 1.0 else loss).backward()
+        (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
         if self._in_backward and torch._C._current_graph_task_id() == -1:
             self._end_micro()  # a backward whose gradients all arrived in nested (reentrant) backwards
 
@@ -662,7 +598,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                "clip_grad_norm_) and by max_grad_norm; use one (Trainer: max_grad_norm=0)")  # fmt: skip
         t_step = time.perf_counter()
         if self._n_micro == 0:
-            self.stats = {"skipped": True, "skip_reason": "no gradients", "loss_scale": self._scale, "grad_norm": None}
+            self.stats = {"skipped": True, "skip_reason": "no gradients", "loss_scale": self.scaler.scale,
+                          "grad_norm": None}
             return None
         self._iteration += 1
         delayed = self.delay_update_after is not None and self._iteration > self.delay_update_after
@@ -674,14 +611,14 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             grad = self._accum[s].add_(self.landing[s])
         found_inf, sum_sq, got = self._global_checks(grad)
         self._last_got = got
-        scale = self._scale
+        scale = self.scaler.scale
         norm = math.sqrt(sum_sq) / (self.world * scale) if math.isfinite(sum_sq) else float("inf")
         n_micro, factor = self._n_backward, self._factor
         for p in self._moved.values():
             p.grad = None
         self._reset_grad_state()
         if found_inf:
-            self._update_scale(found_inf=True)
+            self.scaler.update(found_inf=True)
             self._iteration -= 1
             self._record_stats(t_step, skip_reason="overflow", grad_norm=norm, micro_batches=n_micro)
             return None
@@ -704,21 +641,21 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         else:
             kernel_before = self._times.get("kernel", 0.0)
             seconds = self._cpu_update(grad, grad_scale, runs, hparams, True)
-            self._phase("cpu_update", seconds)
+            self._times.add("cpu_update", seconds)
             # the part of the tiled update that is not the kernel: queueing copies, waiting for staging slots
-            self._phase("writeback", seconds - (self._times.get("kernel", 0.0) - kernel_before))
-            self._all_gather()
+            self._times.add("writeback", seconds - (self._times.get("kernel", 0.0) - kernel_before))
+            self.comm.all_gather_flat(self.flat, self.part_lo, self.part_hi)
             self._bump_versions()
-        self._update_scale(found_inf=False)
+        self.scaler.update(found_inf=False)
         self._record_stats(t_step, skip_reason=None, grad_norm=norm, clip=clip, micro_batches=n_micro,
                            delayed=delayed, skipped_params=len(got) - sum(got))  # fmt: skip
         return None
 
     def _record_stats(self, t_step: float, skip_reason: str | None, **kw: Any) -> None:
-        self._phase("step", time.perf_counter() - t_step)
-        self.stats = {"skipped": skip_reason is not None, "skip_reason": skip_reason, "loss_scale": self._scale, **kw,
-                      **{f"time_{k}": v for k, v in self._times.items()}}  # fmt: skip
-        self._times = {}
+        self._times.add("step", time.perf_counter() - t_step)
+        self.stats = {"skipped": skip_reason is not None, "skip_reason": skip_reason, "loss_scale": self.scaler.scale,
+                      **kw, **{f"time_{k}": v for k, v in self._times.items()}}  # fmt: skip
+        self._times.clear()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -808,11 +745,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                     part[i] = g.max() if ord == math.inf else g.pow(ord).sum()
             if self.world > 1:
                 op = dist.ReduceOp.MAX if ord == math.inf else dist.ReduceOp.SUM
-                part = part.to(self._comm_device())
-                self._collective("the all-reduce of per-parameter gradient norms", dist.all_reduce, part, op=op)
+                part = part.to(self.comm.device_of_collectives)
+                self.comm.collective("the all-reduce of per-parameter gradient norms", dist.all_reduce, part, op=op)
                 part = part.cpu()
             norms = part if ord == math.inf else part.pow(1.0 / ord)
-            self._norm_cache[ord] = norms / (self.world * self._scale)
+            self._norm_cache[ord] = norms / (self.world * self.scaler.scale)
         factor = torch.tensor(self._factor, dtype=torch.float64).abs()
         return (self._norm_cache[ord] * factor)[indices].tolist()
 
@@ -841,18 +778,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self.world > 1:
             t = torch.tensor([0.0 if math.isnan(sum_sq) else sum_sq, float(found), *map(float, got)],
                              dtype=torch.float64)  # fmt: skip
-            t = t.to(self._comm_device())
-            self._collective("the all-reduce of the gradient norm and overflow flag", dist.all_reduce, t,
+            t = t.to(self.comm.device_of_collectives)
+            self.comm.collective("the all-reduce of the gradient norm and overflow flag", dist.all_reduce, t,
                              op=dist.ReduceOp.SUM)  # fmt: skip
             t = t.cpu()
             sum_sq, found, got = float(t[0]), bool(t[1] > 0), (t[2:] > 0).tolist()
-        self._phase("reduce", time.perf_counter() - t0)
+        self._times.add("reduce", time.perf_counter() - t0)
         return found, sum_sq, got
-
-    def _comm_device(self) -> torch.device:
-        """Where this group's collectives take their tensors: the device if its backend for the device's type
-        is NCCL (also for a mixed "cpu:gloo,cuda:nccl" group), else host memory."""
-        return self.device if _backend_for(self.group, self.device) == "nccl" else torch.device("cpu")
 
     def _cpu_update(self, grad: torch.Tensor, grad_scale: float, runs: list, hparams: list, writeback: bool) -> float:
         """CPU Adam over the ranges `runs` of this rank's partition; with writeback, tiles go to the device.
@@ -889,24 +821,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             # the compute stream waits for the copy; the next update waits for it before writing staging
             self._staging_read = self.transport.h2d(own, self.staging_buf)
             self.transport.device_wait(self._staging_read)
-        self._phase("writeback", time.perf_counter() - t0)
-        self._all_gather()
+        self._times.add("writeback", time.perf_counter() - t0)
+        self.comm.all_gather_flat(self.flat, self.part_lo, self.part_hi)
         self._bump_versions()
-
-    def _all_gather(self) -> None:
-        if self.world == 1:
-            return
-        t0 = time.perf_counter()
-        # In place into the flat buffer (the input is this rank's slice of the output): no hidden temporary.
-        if self._comm_device().type == self.device.type:
-            self._collective("the all-gather of the parameters", _all_gather_single, self.flat,
-                             self.flat[self.part_lo : self.part_hi])  # fmt: skip
-        else:
-            host = self.flat.cpu()
-            self._collective("the all-gather of the parameters", _all_gather_single, host,
-                             host[self.part_lo : self.part_hi])  # fmt: skip
-            self.flat.copy_(host)
-        self._phase("all_gather", time.perf_counter() - t0)
 
     def _finish_pending(self, write: bool) -> None:
         """Wait for the background update (re-raising its exception) and, if asked, send its params down."""
@@ -925,8 +842,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         except BaseException as e:  # the worker's own exception, with its traceback
             self._failed = e
             raise
-        self._phase("cpu_update", seconds)
-        self._phase("dpu_wait", time.perf_counter() - t0)
+        self._times.add("cpu_update", seconds)
+        self._times.add("dpu_wait", time.perf_counter() - t0)
         self._staged = True
         if write:
             self._flush_staged()
@@ -937,45 +854,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self._write_staging()
             self._staged = False
 
-    def _update_scale(self, found_inf: bool) -> None:
-        if not self._dynamic:
-            return
-        if found_inf:
-            self._scale *= SCALE_BACKOFF
-            self._good_steps = 0
-        else:
-            self._good_steps += 1
-            if self._good_steps == SCALE_INTERVAL:
-                self._scale *= SCALE_GROWTH
-                self._good_steps = 0
-
     def synchronize(self) -> None:
         """Finish a pending delayed update and send its parameters to the device (e.g. before evaluation)."""
         self._finish_pending(write=True)
 
     # ------------------------------------------------------------------ state
-
-    def _gather(self, part: torch.Tensor) -> torch.Tensor:
-        """The full flat tensor (on the host) from every rank's partition (a collective when N > 1).
-
-        Each rank's partition is broadcast in chunks of at most GATHER_CHUNK_NUMEL elements through one
-        buffer on the collective's device: device memory stays bounded whatever the model size.
-        """
-        if self.world == 1:
-            return part
-        dev = self._comm_device()
-        out = torch.empty(self.flat_numel, dtype=part.dtype)
-        chunk = min(self.part, GATHER_CHUNK_NUMEL)
-        buf = torch.empty(chunk, dtype=part.dtype, device=dev)
-        for r in range(self.world):
-            for lo in range(0, self.part, chunk):
-                n = min(chunk, self.part - lo)
-                if r == self.rank:
-                    buf[:n].copy_(part[lo : lo + n])
-                self._collective("the gather of the optimizer state", dist.broadcast, buf[:n],
-                                 src=self.group_rank_to_global(r))  # fmt: skip
-                out[r * self.part + lo : r * self.part + lo + n].copy_(buf[:n])
-        return out
 
     @torch.compiler.disable  # a compiled train step calls it eagerly: it runs hooks, copies, threads
     def state_dict(self) -> dict[str, Any]:
@@ -983,7 +866,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._check_open()
         self._check_usable()
         self._finish_pending(write=False)
-        full = {k: self._gather(getattr(self, k)) for k in ("master", "exp_avg", "exp_avg_sq")}
+        full = {k: self.comm.gather(getattr(self, k), self.flat_numel) for k in ("master", "exp_avg", "exp_avg_sq")}
         state, groups, idx = {}, [], 0
         for group in self.param_groups:
             ids = []
@@ -995,7 +878,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 ids.append(idx)
                 idx += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        extra = {"loss_scale": self._scale, "dynamic": self._dynamic, "good_steps": self._good_steps,
+        extra = {"loss_scale": self.scaler.scale, "dynamic": self.scaler.dynamic, "good_steps": self.scaler.good_steps,
                  "iteration": self._iteration, "world_size": self.world, "staged": self._staged}  # fmt: skip
         return {"state": state, "param_groups": groups, "zero_offload": extra}
 
@@ -1050,8 +933,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if "loss_scale" in extra:
             if _real(extra["loss_scale"], "state_dict['zero_offload']['loss_scale']") <= 0:
                 raise ValueError("state_dict['zero_offload']['loss_scale'] must be > 0")
-            _check_int(extra.get("good_steps"), "state_dict['zero_offload']['good_steps']", 0, required=True)
-        _check_int(extra.get("iteration"), "state_dict['zero_offload']['iteration']", 0)
+            check_int(extra.get("good_steps"), "state_dict['zero_offload']['good_steps']", 0, required=True)
+        check_int(extra.get("iteration"), "state_dict['zero_offload']['iteration']", 0)
         return plan
 
     @torch.no_grad()
@@ -1098,8 +981,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if not plan or any(st.get("master") is None for _, _, st, _ in plan):
             self._refresh_stale_masters()
         extra = state_dict.get("zero_offload", {})
-        if "loss_scale" in extra and extra.get("dynamic") == self._dynamic:
-            self._scale, self._good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
+        if "loss_scale" in extra and extra.get("dynamic") == self.scaler.dynamic:
+            self.scaler.scale, self.scaler.good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
         self._iteration = int(extra.get("iteration", max(self._pstep, default=0)))
         if extra.get("staged") and not self._staging_in_place:
             self.staging_buf.copy_(self.master)  # written to the device by the next step(), as if never stopped
@@ -1164,54 +1047,6 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._closed = True
 
 
-# ---------------------------------------------------------------------- argument checks
-
-
-def _backend_for(group: Any, device: torch.device) -> str:
-    """The backend a group uses for tensors on `device`."""
-    return backend_for_device(str(dist.get_backend(group)), device.type)
-
-
-def backend_for_device(backend: str, device_type: str) -> str:
-    """The backend of a group's backend string for one device type: "nccl" -> "nccl";
-    "cpu:gloo,cuda:nccl" -> "nccl" for "cuda" and "gloo" for "cpu"."""
-    if ":" not in backend:
-        return backend
-    per_device = dict(item.split(":", 1) for item in backend.split(","))
-    return per_device.get(device_type, "")
-
-
-def _all_gather_single(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:
-    """dist.all_gather_single (torch >= 2.13), else its older name all_gather_into_tensor."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, input, **kwargs)
-
-
-def _check_loss_scale(loss_scale: Any) -> tuple[float, bool]:
-    if loss_scale is None:
-        return 1.0, False
-    if loss_scale == "dynamic":
-        return SCALE_INIT, True
-    if isinstance(loss_scale, str):
-        raise ValueError(f"loss_scale must be None, a positive number or 'dynamic', got {loss_scale!r}")
-    value = _real(loss_scale, "loss_scale")
-    if value <= 0:
-        raise ValueError(f"loss_scale must be > 0, got {value}")
-    return value, False
-
-
-def _check_int(x: Any, name: str, minimum: int, required: bool = False) -> int | None:
-    if x is None:
-        if required:
-            raise ValueError(f"{name} is missing")
-        return None
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{name} must be an int or None, got {type(x).__name__}")
-    if x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return x
-
-
 def _check_step(x: Any, name: str) -> int:
     """A saved step count: an int, or a float / one-element tensor holding an integer, in [0, 2**53]."""
     if isinstance(x, torch.Tensor):
@@ -1223,51 +1058,3 @@ def _check_step(x: Any, name: str) -> int:
     if not (math.isfinite(x) and x == int(x) and 0 <= x <= 2**53):
         raise ValueError(f"{name} must be a whole number in [0, 2**53], got {x!r}")
     return int(x)
-
-
-def _check_params(params: Any) -> list[dict[str, Any]]:
-    if isinstance(params, torch.Tensor):
-        raise TypeError("params must be an iterable of tensors or dicts, got a single tensor")
-    groups = list(params)
-    if not groups:
-        raise ValueError("params is empty")
-    if not isinstance(groups[0], dict):
-        groups = [{"params": groups}]
-    seen: set[int] = set()
-    out = []
-    for gi, g in enumerate(groups):
-        if not isinstance(g, dict) or "params" not in g:
-            raise TypeError(f"param group {gi} must be a dict with a 'params' key")
-        ps = g["params"]
-        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        for pi, p in enumerate(ps):
-            where = f"param group {gi} param {pi}"
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"{where} is a {type(p).__name__}, not a tensor")
-            if not p.is_leaf:
-                raise ValueError(f"{where} is not a leaf tensor (it was computed from others); pass model parameters")
-            if not p.is_floating_point():
-                raise TypeError(f"{where} has dtype {p.dtype}; parameters must be floating point")
-            if p.layout != torch.strided:
-                raise ValueError(f"{where} has layout {p.layout}; only dense parameters are supported")
-            if id(p) in seen:
-                raise ValueError(f"{where} appears more than once in params")
-            seen.add(id(p))
-        out.append({**g, "params": ps})
-    return out
-
-
-def _pin_rank_threads(world: int, rank: int) -> int:
-    """Ranks sharing a host split its cores: pin this process to its own slice, return its thread count."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, local_world)))
-    if local_world <= 1 or not hasattr(os, "sched_getaffinity"):
-        return max(1, torch.get_num_threads())
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < local_world:
-        return 1
-    per = len(cores) // local_world
-    mine = cores[local_rank * per : (local_rank + 1) * per]
-    os.sched_setaffinity(0, mine)
-    torch.set_num_threads(len(mine))
-    return len(mine)
