@@ -12,7 +12,8 @@ One concept per module; the data of one step walks through them in order:
 
 from .checks import DTYPES, MAX_THREADS
 from .comm import COLLECTIVE_TIMEOUT_S, GATHER_CHUNK_NUMEL, backend_for_device
-from .optimizer import DEFAULT_BUCKET_NUMEL, DEFAULT_TILE_NUMEL, PARAM_ALIGN_BYTES, UPDATE_TIMEOUT_S, ZeroOffloadAdamW
+from .layout import PARAM_ALIGN_BYTES
+from .optimizer import DEFAULT_BUCKET_NUMEL, DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S, ZeroOffloadAdamW
 from .report import K_ADAM, MemoryReport
 from .scaler import SCALE_BACKOFF, SCALE_GROWTH, SCALE_INIT, SCALE_INTERVAL
 

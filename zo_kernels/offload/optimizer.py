@@ -27,24 +27,18 @@ from ..param_views import MovedGrad, alias, in_nested_backward, is_alias_of
 from ..transport import Staging, Transport, default_transport, tiled_writeback
 from .checks import DTYPES, MAX_THREADS, check_int, check_params
 from .comm import COLLECTIVE_TIMEOUT_S, Comm, pin_rank_threads
+from .layout import Bucket, FlatLayout
 from .report import K_ADAM, MemoryReport, PhaseTimes
 from .scaler import LossScaler
 
 DEFAULT_BUCKET_NUMEL = 1 << 24  # 32 MiB of bf16 gradients per bucket (two buckets live on the device)
 DEFAULT_TILE_NUMEL = 1 << 21  # see bench/test_bench_transport.py: 1.03x the bare kernel at 100M params
 UPDATE_TIMEOUT_S = 600.0  # default bound on waiting for the background (DPU) update
-PARAM_ALIGN_BYTES = 16  # every param starts on a 16-byte boundary of the flat buffer: vector loads in pack
 
 
-class _Bucket:
-    """A contiguous range [lo, hi) of the flat space and the parameters in it (flat order)."""
-
-    def __init__(self, index: int, params: list[tuple[torch.Tensor, int, int]], hi: int) -> None:
-        self.index = index
-        self.params = params  # (param, flat offset, numel)
-        self.lo = params[0][1]
-        self.hi = hi  # the end of the last param's span (its padding included)
-        self.ready = 0  # parameters whose gradient has arrived in this backward pass
+def _from(part: str, name: str, doc: str) -> property:
+    """A read-only attribute of the optimizer that lives in one of its parts (tests and tools read them)."""
+    return property(lambda self: getattr(getattr(self, part), name), doc=doc)
 
 
 class ZeroOffloadAdamW(torch.optim.Optimizer):
@@ -194,11 +188,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 old.close()
         self._built = False  # add_param_group is refused once the flat layout exists
         self._closed = False
-        self._layout(trainable)
+        self.layout = FlatLayout([g["params"] for g in self.param_groups], dtype, self.world, self.rank,
+                                 bucket_numel or DEFAULT_BUCKET_NUMEL)  # fmt: skip
+        self._pstep = [0] * len(trainable)  # each parameter's own Adam step count (torch keeps one per param)
         self.transport = transport if transport is not None else default_transport(device)
         self._own_transport = transport is None  # close() closes (returns the pinned memory of) what it made
         self._cast_followers(followers)
-        self._allocate(trainable, bucket_numel or DEFAULT_BUCKET_NUMEL)
+        self._allocate(trainable)
         self._built = True
         self._iteration = 0  # step() calls that consumed gradients
         self._pending: Future | None = None
@@ -214,37 +210,6 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ construction
 
-    def _layout(self, trainable: list[torch.Tensor]) -> None:
-        """Flat offsets in parameter order, each param starting on a PARAM_ALIGN_BYTES boundary (the pack
-        kernels then move 16-byte vectors), padding to a multiple of N aligned partitions, this rank's part."""
-        self._offset: dict[torch.Tensor, int] = {}
-        self._params = trainable  # flat order, group by group
-        self._index = {p: i for i, p in enumerate(trainable)}
-        self._pgroup = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        self._pstep = [0] * len(trainable)  # each parameter's own Adam step count (torch keeps one per param)
-        self.align = PARAM_ALIGN_BYTES // torch.empty((), dtype=self.dtype).element_size()
-        up = lambda n, k: -(-n // k) * k  # noqa: E731
-        pos = 0
-        for p in trainable:
-            pos = up(pos, self.align)
-            self._offset[p] = pos
-            pos += p.numel()
-        self.numel = sum(p.numel() for p in trainable)
-        # param i's span: [offset, next offset); the zeros of its padding are updated with it (they stay 0)
-        ends = [self._offset[p] for p in trainable[1:]] + [up(pos, self.align)]
-        self._span_end = {p: e for p, e in zip(trainable, ends)}
-        self.flat_numel = up(pos, self.world * self.align)
-        self.part = self.flat_numel // self.world
-        self.part_lo = self.rank * self.part
-        self.part_hi = self.part_lo + self.part
-        # each group's flat range, intersected with the partition, in partition coordinates
-        self._group_ranges = []
-        for group in self.param_groups:
-            ps = group["params"]
-            lo, hi = self._offset[ps[0]], self._span_end[ps[-1]]
-            a, b = max(lo, self.part_lo) - self.part_lo, min(hi, self.part_hi) - self.part_lo
-            self._group_ranges.append((a, b) if a < b else None)
-
     @torch.no_grad()
     def _cast_followers(self, followers: list[torch.Tensor]) -> None:
         """Frozen params and the module's buffers follow `dtype`, so the whole model computes in it."""
@@ -253,7 +218,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 t.data = t.data.to(self.dtype)
 
     @torch.no_grad()
-    def _allocate(self, trainable: list[torch.Tensor], bucket_numel: int) -> None:
+    def _allocate(self, trainable: list[torch.Tensor]) -> None:
         pool_bytes = 8 * self.part * torch.empty((), dtype=self.dtype).element_size() + (1 << 20)
         self.transport.pool.max_bytes = max(self.transport.pool.max_bytes, pool_bytes)
         self.master = torch.zeros(self.part, dtype=torch.float32)
@@ -288,19 +253,6 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._staging = [Staging(self.staging_buf[r[0] : r[1]], self.tile_numel) if r else None
                          for r in self._group_ranges]  # fmt: skip
         self._accum: list[torch.Tensor | None] = [None] * n_landing
-        # buckets: contiguous flat ranges taken from the end (backward order)
-        self._buckets: list[_Bucket] = []
-        cur: list[tuple[torch.Tensor, int, int]] = []
-        size = 0
-        for p in reversed(trainable):
-            span = self._span_end[p] - self._offset[p]
-            if cur and size + span > bucket_numel:
-                self._buckets.append(_Bucket(len(self._buckets), list(reversed(cur)), self._span_end[cur[0][0]]))
-                cur, size = [], 0
-            cur.append((p, self._offset[p], p.numel()))
-            size += span
-        self._buckets.append(_Bucket(len(self._buckets), list(reversed(cur)), self._span_end[cur[0][0]]))
-        self._bucket_of = {p: b for b in self._buckets for p, _, _ in b.params}
         # One rank whose device memory is host memory needs no bucket: gradients pack into the landing buffer.
         self._direct_landing = self.world == 1 and not self.transport.needs_staging
         buf_numel = 0 if self._direct_landing else max(b.hi - b.lo for b in self._buckets)
@@ -407,7 +359,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self._accum[s].add_(self.landing[s])
         for i, f in enumerate(self._factor):  # p.grad.mul_(f) so far applies to the sum so far, not to what follows
             if f != 1.0:
-                a, b = self._part_range(self._params[i])
+                a, b = self.layout.part_range(self._params[i])
                 self._accum[s][a:b] *= f
                 self._factor[i] = 1.0
         for b in self._buckets:
@@ -423,7 +375,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self._launch(b)
             self._next_bucket += 1
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: Bucket) -> None:
         t0 = time.perf_counter()
         k = b.index % 2
         self._wait_buffer(k, host=False)  # inside a gradient hook: order the device, never block the host
@@ -458,11 +410,6 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             busy.append(self.transport.d2h(dst, buf[lo - b.lo : hi - b.lo]))
         self._times.add("reduce", t2 - t1)
         self._times.add("offload", (t1 - t0) + (time.perf_counter() - t2))
-
-    def _part_range(self, p: torch.Tensor) -> tuple[int, int]:
-        """p's elements [offset, offset + numel) in this rank's partition coordinates (empty: a >= b)."""
-        off = self._offset[p]
-        return max(off, self.part_lo) - self.part_lo, min(off + p.numel(), self.part_hi) - self.part_lo
 
     def _place_moved_grad(self, p: torch.Tensor) -> None:
         i = self._index[p]
@@ -511,9 +458,24 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the user's calls
 
-    group = property(lambda self: self.comm.group, doc="The process group (None: a single rank).")
-    world = property(lambda self: self.comm.world, doc="Ranks in the process group (N).")
-    rank = property(lambda self: self.comm.rank, doc="This rank in the process group.")
+    _params = _from("layout", "params", "The trainable parameters in flat order.")
+    _index = _from("layout", "index", "{param: its position in the flat order}.")
+    _offset = _from("layout", "offset", "{param: its flat offset}.")
+    _span_end = _from("layout", "span_end", "{param: the end of its span (padding included)}.")
+    _pgroup = _from("layout", "pgroup", "Each parameter's group index.")
+    _group_ranges = _from("layout", "group_ranges", "Each group's range of the partition (None: none of it).")
+    _buckets = _from("layout", "buckets", "The gradient buckets, in backward order.")
+    _bucket_of = _from("layout", "bucket_of", "{param: its bucket}.")
+    align = _from("layout", "align", "Elements per PARAM_ALIGN_BYTES.")
+    numel = _from("layout", "numel", "Trainable elements (Φ).")
+    flat_numel = _from("layout", "flat_numel", "Elements of the flat buffer (padding included).")
+    part = _from("layout", "part", "Elements of this rank's partition.")
+    part_lo = _from("layout", "part_lo", "Where this rank's partition starts in the flat buffer.")
+    part_hi = _from("layout", "part_hi", "Where it ends.")
+
+    group = _from("comm", "group", "The process group (None: a single rank).")
+    world = _from("comm", "world", "Ranks in the process group (N).")
+    rank = _from("comm", "rank", "This rank in the process group.")
 
     def group_rank_to_global(self, r: int) -> int:
         """Global rank of rank r of the optimizer's process group."""
@@ -626,7 +588,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
         grad_scale = clip / (self.world * scale)
-        runs = self._runs(got, factor)
+        runs = self.layout.runs(got, self._pstep, factor)
         for i, g in enumerate(got):
             self._pstep[i] += g
         for gi, group in enumerate(self.param_groups):
@@ -671,7 +633,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         for i in cleared:
             self._got[i] = False
             del self._moved[i]
-            a, b = self._part_range(self._params[i])
+            a, b = self.layout.part_range(self._params[i])
             for buf in (self.landing[s], self._accum[s] if self._n_micro > 1 else None):
                 if buf is not None and a < b:
                     buf[a:b].zero_()  # out of the norm too
@@ -697,23 +659,6 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """The device params changed in place: autograd must refuse graphs that saved their old values."""
         torch.autograd.graph.increment_version(self._params)
 
-    def _runs(self, got: list[bool], factor: list[float]) -> list[tuple[int, int, int, int, float]]:
-        """(group, start, end, step, gradient factor) ranges of the partition to update: the params that got a
-        gradient, cut where the group, the step count or the factor changes (one range per group when nothing
-        is skipped or scaled apart)."""
-        runs: list[tuple[int, int, int, int, float]] = []
-        for i, p in enumerate(self._params):
-            off, end = self._offset[p], self._span_end[p]
-            a, b = max(off, self.part_lo) - self.part_lo, min(end, self.part_hi) - self.part_lo
-            if a >= b or not got[i]:
-                continue
-            key = (self._pgroup[i], self._pstep[i] + 1, factor[i])
-            if runs and runs[-1][2] == a and (runs[-1][0], runs[-1][3], runs[-1][4]) == key:
-                runs[-1] = (key[0], runs[-1][1], b, key[1], key[2])
-            else:
-                runs.append((key[0], a, b, key[1], key[2]))
-        return runs
-
     # ------------------------------------------------------------------ p.grad placeholders (MovedGrad)
 
     def _host_gradient(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -738,8 +683,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             last, earlier = self._host_gradient()
             part = torch.zeros(len(self._params), dtype=torch.float64)
             for i, p in enumerate(self._params):
-                off, n = self._offset[p], p.numel()
-                a, b = max(off, self.part_lo) - self.part_lo, min(off + n, self.part_hi) - self.part_lo
+                a, b = self.layout.part_range(p)
                 if a < b:
                     g = (last[a:b].double() + (earlier[a:b].double() if earlier is not None else 0.0)).abs()
                     part[i] = g.max() if ord == math.inf else g.pow(ord).sum()
