@@ -13,9 +13,10 @@ One concept per module; the data of one step walks through them in order:
 from .checks import DTYPES, MAX_THREADS
 from .comm import COLLECTIVE_TIMEOUT_S, GATHER_CHUNK_NUMEL, backend_for_device
 from .layout import PARAM_ALIGN_BYTES
-from .optimizer import DEFAULT_BUCKET_NUMEL, DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S, ZeroOffloadAdamW
+from .optimizer import DEFAULT_BUCKET_NUMEL, ZeroOffloadAdamW
 from .report import K_ADAM, MemoryReport
 from .scaler import SCALE_BACKOFF, SCALE_GROWTH, SCALE_INIT, SCALE_INTERVAL
+from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_S", "DEFAULT_BUCKET_NUMEL", "DEFAULT_TILE_NUMEL", "DTYPES", "GATHER_CHUNK_NUMEL", "K_ADAM",

@@ -11,29 +11,26 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 import weakref
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..buckets import pack
-from ..cpu_adam import _check_threads, _real, check_hparams, cpu_adam_step, sum_squares
+from ..cpu_adam import _check_threads, _real, check_hparams, sum_squares
 from ..param_views import MovedGrad, alias, in_nested_backward, is_alias_of
-from ..transport import Staging, Transport, default_transport, tiled_writeback
+from ..transport import Transport, default_transport
+from . import state
 from .checks import DTYPES, MAX_THREADS, check_int, check_params
 from .comm import COLLECTIVE_TIMEOUT_S, Comm, pin_rank_threads
 from .layout import Bucket, FlatLayout
 from .report import K_ADAM, MemoryReport, PhaseTimes
 from .scaler import LossScaler
+from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S, HostUpdate
 
 DEFAULT_BUCKET_NUMEL = 1 << 24  # 32 MiB of bf16 gradients per bucket (two buckets live on the device)
-DEFAULT_TILE_NUMEL = 1 << 21  # see bench/test_bench_transport.py: 1.03x the bare kernel at 100M params
-UPDATE_TIMEOUT_S = 600.0  # default bound on waiting for the background (DPU) update
 
 
 def _from(part: str, name: str, doc: str) -> property:
@@ -173,9 +170,6 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.dtype, self.device = dtype, device
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.update_timeout_s, self.collective_timeout_s = float(update_timeout_s), float(collective_timeout_s)
-        self._failed: BaseException | None = None
-        self._staged = False  # DPU: staging holds the last update's params, not yet on the device
-        self._staging_read: Any = None  # event of the last copy out of staging (the DPU writes after it)
         self._last_got: list[bool] = []  # which params had a gradient at the last step (zero_grad(set_to_none=False))
         self._times = PhaseTimes()  # seconds per phase since the last step
         self.comm = Comm(process_group, device, self.collective_timeout_s, self._times)
@@ -190,15 +184,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._closed = False
         self.layout = FlatLayout([g["params"] for g in self.param_groups], dtype, self.world, self.rank,
                                  bucket_numel or DEFAULT_BUCKET_NUMEL)  # fmt: skip
-        self._pstep = [0] * len(trainable)  # each parameter's own Adam step count (torch keeps one per param)
         self.transport = transport if transport is not None else default_transport(device)
         self._own_transport = transport is None  # close() closes (returns the pinned memory of) what it made
         self._cast_followers(followers)
         self._allocate(trainable)
         self._built = True
         self._iteration = 0  # step() calls that consumed gradients
-        self._pending: Future | None = None
-        self._executor: ThreadPoolExecutor | None = None
         self._reset_grad_state()
         self.stats: dict[str, Any] = {}
         # each param's AccumulateGrad node: a hook fired by torch.autograd.grad (which accumulates nothing) is ignored
@@ -221,9 +212,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     def _allocate(self, trainable: list[torch.Tensor]) -> None:
         pool_bytes = 8 * self.part * torch.empty((), dtype=self.dtype).element_size() + (1 << 20)
         self.transport.pool.max_bytes = max(self.transport.pool.max_bytes, pool_bytes)
-        self.master = torch.zeros(self.part, dtype=torch.float32)
-        self.exp_avg = torch.zeros(self.part, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(self.part, dtype=torch.float32)
+        master = torch.zeros(self.part, dtype=torch.float32)
         self.flat = torch.zeros(self.flat_numel, dtype=self.dtype, device=self.device)
         src = self.comm.global_rank(0)
         for p in trainable:
@@ -233,7 +222,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             a, b = max(off, self.part_lo), min(off + n, self.part_hi)
             if a < b:
                 values = p.detach().reshape(-1)[a - off : b - off]
-                self.master[a - self.part_lo : b - self.part_lo] = values.float().cpu()
+                master[a - self.part_lo : b - self.part_lo] = values.float().cpu()
             self.flat[off : off + n].copy_(p.detach().reshape(-1))
             p.data = alias(self.flat, off, n, p.shape)
             p.grad = None
@@ -241,17 +230,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.landing = [self.transport.pool.take(self.part, self.dtype) for _ in range(n_landing)]
         for buf in self.landing:
             buf.zero_()
-        own = self.flat[self.part_lo : self.part_hi]
-        self._staging_in_place = not (self.transport.needs_staging or self.delay_update_after is not None)
-        if not self._staging_in_place:
-            self.staging_buf = self.transport.pool.take(self.part, self.dtype)
-            # staging always holds the current params: a step that skips a param (no gradient) leaves its range
-            # as is, and the padding past the last parameter is sent to the device as zeros
-            self.staging_buf.copy_(self.master)
-        else:  # host memory is the device: the update writes the parameters in place (no forward runs meanwhile)
-            self.staging_buf = own
-        self._staging = [Staging(self.staging_buf[r[0] : r[1]], self.tile_numel) if r else None
-                         for r in self._group_ranges]  # fmt: skip
+        self.update = HostUpdate(self.layout, self.flat, master, self.transport, self.comm, threads=self.threads,
+                                 tile_numel=self.tile_numel, delayed=self.delay_update_after is not None,
+                                 timeout_s=self.update_timeout_s, times=self._times)  # fmt: skip
         self._accum: list[torch.Tensor | None] = [None] * n_landing
         # One rank whose device memory is host memory needs no bucket: gradients pack into the landing buffer.
         self._direct_landing = self.world == 1 and not self.transport.needs_staging
@@ -260,7 +241,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._buf_busy: list[list[Any]] = [[], []]  # per buffer: reduce works and copy events still using it
 
     def _check_usable(self) -> None:
-        failed = self.comm.failed or self._failed
+        failed = self.comm.failed or self.update.failed
         if failed is not None:
             raise RuntimeError("this optimizer is unusable after an earlier failure (see the chained exception); "
                                "restore from a checkpoint") from failed  # fmt: skip
@@ -473,6 +454,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     part_lo = _from("layout", "part_lo", "Where this rank's partition starts in the flat buffer.")
     part_hi = _from("layout", "part_hi", "Where it ends.")
 
+    master = _from("update", "master", "fp32 masters of this rank's partition.")
+    exp_avg = _from("update", "exp_avg", "Adam's first moment of this rank's partition.")
+    exp_avg_sq = _from("update", "exp_avg_sq", "Adam's second moment of this rank's partition.")
+    staging_buf = _from("update", "staging_buf", "The new 16-bit parameters of this rank's partition, on the host.")
+
     group = _from("comm", "group", "The process group (None: a single rank).")
     world = _from("comm", "world", "Ranks in the process group (N).")
     rank = _from("comm", "rank", "This rank in the process group.")
@@ -566,7 +552,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._iteration += 1
         delayed = self.delay_update_after is not None and self._iteration > self.delay_update_after
         if delayed:
-            self._finish_pending(write=True)
+            self.update.finish_pending(write=True)
         s = (self._iteration - 1) % len(self.landing)  # the landing slot of this iteration's gradients
         grad = self.landing[s]
         if self._n_micro > 1:
@@ -588,26 +574,18 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
         grad_scale = clip / (self.world * scale)
-        runs = self.layout.runs(got, self._pstep, factor)
+        runs = self.layout.runs(got, self.update.steps, factor)
         for i, g in enumerate(got):
-            self._pstep[i] += g
+            self.update.steps[i] += g
         for gi, group in enumerate(self.param_groups):
-            group["step"] = max(self._pstep[i] for i, pg in enumerate(self._pgroup) if pg == gi)
+            group["step"] = max(self.update.steps[i] for i, pg in enumerate(self._pgroup) if pg == gi)
         # the hyper-parameters as they are now: a scheduler may change them before a background update runs
         hparams = [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
                    for g in self.param_groups]  # fmt: skip
         if delayed:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-dpu")
-            self._pending = self._executor.submit(self._cpu_update, grad, grad_scale, runs, hparams, False)
+            self.update.start(grad, grad_scale, runs, hparams)
         else:
-            kernel_before = self._times.get("kernel", 0.0)
-            seconds = self._cpu_update(grad, grad_scale, runs, hparams, True)
-            self._times.add("cpu_update", seconds)
-            # the part of the tiled update that is not the kernel: queueing copies, waiting for staging slots
-            self._times.add("writeback", seconds - (self._times.get("kernel", 0.0) - kernel_before))
-            self.comm.all_gather_flat(self.flat, self.part_lo, self.part_hi)
-            self._bump_versions()
+            self.update.run(grad, grad_scale, runs, hparams)
         self.scaler.update(found_inf=False)
         self._record_stats(t_step, skip_reason=None, grad_norm=norm, clip=clip, micro_batches=n_micro,
                            delayed=delayed, skipped_params=len(got) - sum(got))  # fmt: skip
@@ -654,10 +632,6 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                    f"optimizer's {self.dtype} parameter on {self.device}: the model was cast or moved "
                                    "after ZeroOffloadAdamW was built (model.float()/.to()/.half()?). Build the "
                                    "optimizer after the last cast or move")  # fmt: skip
-
-    def _bump_versions(self) -> None:
-        """The device params changed in place: autograd must refuse graphs that saved their old values."""
-        torch.autograd.graph.increment_version(self._params)
 
     # ------------------------------------------------------------------ p.grad placeholders (MovedGrad)
 
@@ -730,156 +704,23 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._times.add("reduce", time.perf_counter() - t0)
         return found, sum_sq, got
 
-    def _cpu_update(self, grad: torch.Tensor, grad_scale: float, runs: list, hparams: list, writeback: bool) -> float:
-        """CPU Adam over the ranges `runs` of this rank's partition; with writeback, tiles go to the device.
-
-        Returns its wall time. Runs in the background thread under DPU: no collectives, no stats here.
-        """
-        t0 = time.perf_counter()
-        events = []
-        for gi, a, b, step, factor in runs:
-            staging = self._staging[gi]
-            adam = dict(step=step, grad_scale=grad_scale * factor, threads=self.threads, **hparams[gi])
-            if (a, b) != self._group_ranges[gi]:  # part of a group (a param was skipped): a staging of its own,
-                for ev in staging.events.values():  # once the group's earlier copies are done
-                    self.transport.wait(ev)
-                staging = Staging(self.staging_buf[a:b], self.tile_numel)
-            if writeback:
-                dst = self.flat[self.part_lo + a : self.part_lo + b]
-                events += tiled_writeback(self.transport, self.master[a:b], grad[a:b], self.exp_avg[a:b],
-                                          self.exp_avg_sq[a:b], dst=dst, staging=staging, timings=self._times,
-                                          **adam)  # fmt: skip
-            else:
-                self.transport.wait(self._staging_read)  # the copy of the last update may still read staging
-                cpu_adam_step(self.master[a:b], grad[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b],
-                              param_out=self.staging_buf[a:b], **adam)  # fmt: skip
-        for ev in events:
-            self.transport.device_wait(ev)
-        return time.perf_counter() - t0
-
-    def _write_staging(self) -> None:
-        """Staging (the 16-bit params of the last update) -> this rank's slice of the device buffer."""
-        t0 = time.perf_counter()
-        own = self.flat[self.part_lo : self.part_hi]
-        if not self._staging_in_place:
-            # the compute stream waits for the copy; the next update waits for it before writing staging
-            self._staging_read = self.transport.h2d(own, self.staging_buf)
-            self.transport.device_wait(self._staging_read)
-        self._times.add("writeback", time.perf_counter() - t0)
-        self.comm.all_gather_flat(self.flat, self.part_lo, self.part_hi)
-        self._bump_versions()
-
-    def _finish_pending(self, write: bool) -> None:
-        """Wait for the background update (re-raising its exception) and, if asked, send its params down."""
-        if self._pending is None:
-            if write:
-                self._flush_staged()
-            return
-        fut, self._pending = self._pending, None
-        t0 = time.perf_counter()
-        try:
-            seconds = fut.result(timeout=self.update_timeout_s)
-        except FutureTimeout:
-            self._failed = TimeoutError(f"the delayed (background) update did not finish within "
-                                        f"{self.update_timeout_s:g} s (update_timeout_s)")  # fmt: skip
-            raise self._failed from None
-        except BaseException as e:  # the worker's own exception, with its traceback
-            self._failed = e
-            raise
-        self._times.add("cpu_update", seconds)
-        self._times.add("dpu_wait", time.perf_counter() - t0)
-        self._staged = True
-        if write:
-            self._flush_staged()
-
-    def _flush_staged(self) -> None:
-        """Send the parameters of the last (background) update to the device, if not sent yet."""
-        if self._staged:
-            self._write_staging()
-            self._staged = False
-
     def synchronize(self) -> None:
         """Finish a pending delayed update and send its parameters to the device (e.g. before evaluation)."""
-        self._finish_pending(write=True)
+        self.update.finish_pending(write=True)
 
     # ------------------------------------------------------------------ state
 
     @torch.compiler.disable  # a compiled train step calls it eagerly: it runs hooks, copies, threads
     def state_dict(self) -> dict[str, Any]:
         """torch.optim layout, world-size independent: per param step/exp_avg/exp_avg_sq/master (fp32, CPU)."""
-        self._check_open()
-        self._check_usable()
-        self._finish_pending(write=False)
-        full = {k: self.comm.gather(getattr(self, k), self.flat_numel) for k in ("master", "exp_avg", "exp_avg_sq")}
-        state, groups, idx = {}, [], 0
-        for group in self.param_groups:
-            ids = []
-            for p in group["params"]:
-                off, n = self._offset[p], p.numel()
-                # always present, also before the first step: the masters must travel with the checkpoint
-                state[idx] = {"step": torch.tensor(float(self._pstep[idx]))}
-                state[idx].update({k: v[off : off + n].clone().view(p.shape) for k, v in full.items()})
-                ids.append(idx)
-                idx += 1
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        extra = {"loss_scale": self.scaler.scale, "dynamic": self.scaler.dynamic, "good_steps": self.scaler.good_steps,
-                 "iteration": self._iteration, "world_size": self.world, "staged": self._staged}  # fmt: skip
-        return {"state": state, "param_groups": groups, "zero_offload": extra}
+        return state.state_dict(self)
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> list[tuple[int, torch.Tensor, dict, int]]:
         """Check a state dict against this optimizer (groups, counts, shapes, values); change nothing.
 
         Returns the per-parameter entries to load as (group index, param, state, step).
         """
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        groups, state = state_dict.get("param_groups"), state_dict.get("state")
-        if not isinstance(groups, list) or not isinstance(state, dict):
-            raise ValueError("state_dict must have 'param_groups' (a list) and 'state' (a dict)")
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
-        plan = []
-        for gi, (saved, group) in enumerate(zip(groups, self.param_groups)):
-            if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
-                raise ValueError(f"state_dict param group {gi} must be a dict with a 'params' list")
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(f"param group {gi}: state_dict has {len(saved['params'])} params, "
-                                 f"this optimizer {len(group['params'])}")  # fmt: skip
-            check_hparams(saved.get("lr", group["lr"]), saved.get("betas", group["betas"]),
-                          saved.get("eps", group["eps"]), saved.get("weight_decay", group["weight_decay"]))  # fmt: skip
-            if "step" in saved:
-                _check_step(saved["step"], f"param group {gi}: 'step'")
-            for i, p in zip(saved["params"], group["params"]):
-                st = state.get(i, state.get(str(i)))
-                if st is None:
-                    continue
-                if not isinstance(st, dict):
-                    raise ValueError(f"param {i}: state must be a dict, got {type(st).__name__}")
-                for key in ("exp_avg", "exp_avg_sq", "master"):
-                    t = st.get(key)
-                    if t is None:
-                        if key != "master":
-                            raise ValueError(f"param {i}: state has no {key!r}")
-                        continue
-                    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                        raise TypeError(f"param {i}: state {key!r} must be a floating-point tensor")
-                    if tuple(t.shape) != tuple(p.shape):
-                        raise ValueError(f"param {i}: saved {key} has shape {tuple(t.shape)}, "
-                                         f"the model's param has {tuple(p.shape)}")  # fmt: skip
-                    if not bool(torch.isfinite(t).all()):
-                        raise ValueError(f"param {i}: state {key!r} holds inf or NaN")
-                    if key == "exp_avg_sq" and bool((t < 0).any()):
-                        raise ValueError(f"param {i}: state 'exp_avg_sq' has negative values")
-                plan.append((gi, p, st, _check_step(st.get("step"), f"param {i}: state 'step'")))
-        extra = state_dict.get("zero_offload", {})
-        if not isinstance(extra, dict):
-            raise ValueError(f"state_dict['zero_offload'] must be a dict, got {type(extra).__name__}")
-        if "loss_scale" in extra:
-            if _real(extra["loss_scale"], "state_dict['zero_offload']['loss_scale']") <= 0:
-                raise ValueError("state_dict['zero_offload']['loss_scale'] must be > 0")
-            check_int(extra.get("good_steps"), "state_dict['zero_offload']['good_steps']", 0, required=True)
-        check_int(extra.get("iteration"), "state_dict['zero_offload']['iteration']", 0)
-        return plan
+        return state.check_state_dict(self, state_dict)
 
     @torch.no_grad()
     @torch.compiler.disable  # a compiled train step calls it eagerly: it runs hooks, copies, threads
@@ -894,71 +735,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         A state saved between a delayed update and its writeback restores that writeback as pending (the
         device parameters are then the model's, as saved with it: use zo_kernels.load_checkpoint).
         """
-        self._check_open()
-        self._check_usable()
-        if self._n_micro or self._in_backward:
-            raise RuntimeError("load_state_dict() between backward and step(): call step() or zero_grad() first")
-        plan = self.check_state_dict(state_dict)
-        self._finish_pending(write=False)
-        for saved, group in zip(state_dict["param_groups"], self.param_groups):
-            for key, value in saved.items():
-                if key != "params":
-                    group[key] = tuple(value) if key == "betas" else value
-        self._pstep = [0] * len(self._params)
-        self.exp_avg.zero_()
-        self.exp_avg_sq.zero_()
-        for _, p, st, step in plan:
-            i = self._index[p]
-            self._pstep[i] = step
-            off, n = self._offset[p], p.numel()
-            a, b = max(off, self.part_lo), min(off + n, self.part_hi)
-            if a >= b:
-                continue
-            src = slice(a - off, b - off)
-            dst = slice(a - self.part_lo, b - self.part_lo)
-            self.exp_avg[dst] = st["exp_avg"].reshape(-1)[src].float()
-            self.exp_avg_sq[dst] = st["exp_avg_sq"].reshape(-1)[src].float()
-            if st.get("master") is not None:
-                self.master[dst] = st["master"].reshape(-1)[src].float()
-        for gi, group in enumerate(self.param_groups):
-            group["step"] = max(self._pstep[i] for i, pg in enumerate(self._pgroup) if pg == gi)
-        if not plan or any(st.get("master") is None for _, _, st, _ in plan):
-            self._refresh_stale_masters()
-        extra = state_dict.get("zero_offload", {})
-        if "loss_scale" in extra and extra.get("dynamic") == self.scaler.dynamic:
-            self.scaler.scale, self.scaler.good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
-        self._iteration = int(extra.get("iteration", max(self._pstep, default=0)))
-        if extra.get("staged") and not self._staging_in_place:
-            self.staging_buf.copy_(self.master)  # written to the device by the next step(), as if never stopped
-            self._staged = True
-        else:
-            self._staged = False
-            self._write_masters_to_device()
-
-    @torch.no_grad()
-    def _write_masters_to_device(self) -> None:
-        """Device params <- this rank's masters cast to dtype, then all-gather (a collective when N > 1)."""
-        self.staging_buf.copy_(self.master)
-        self._write_staging()
-
-    @torch.no_grad()
-    def _refresh_stale_masters(self) -> None:
-        """Keep the fp32 masters if the device params are still their cast; else take them from the model."""
-        device_part = self.flat[self.part_lo : self.part_hi].cpu()
-        if not torch.equal(self.master.to(self.dtype), device_part):
-            warnings.warn("the model's parameters changed since the optimizer took its fp32 masters (e.g. "
-                          "model.load_state_dict after construction): masters refreshed from the model, losing "
-                          "the bits below its dtype", stacklevel=3)  # fmt: skip
-            self.master.copy_(device_part)
+        state.load_state_dict(self, state_dict)
 
     @torch.no_grad()
     def refresh_masters_from_model(self) -> None:
         """Take the fp32 masters from the model's current (device) parameters, e.g. after model.load_state_dict."""
-        self._finish_pending(write=False)
-        self.master.copy_(self.flat[self.part_lo : self.part_hi].float().cpu())
-        if not self._staging_in_place:  # staging holds the params a skipped range keeps
-            self.staging_buf.copy_(self.flat[self.part_lo : self.part_hi].cpu())
-        self._staged = False  # the device parameters are the truth now
+        self.update.refresh_from_model()
 
     def memory_report(self) -> MemoryReport:
         """Bytes on the device and the host for this model and world size, measured, next to DESIGN.md's formulas."""
@@ -968,7 +750,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         return MemoryReport(
             params=phi, world_size=n, device_params=nbytes([self.flat]), device_buckets=buckets,
             host_state=nbytes([self.master, self.exp_avg, self.exp_avg_sq]), host_landing=nbytes(self.landing),
-            host_staging=0 if self._staging_in_place else nbytes([self.staging_buf]),
+            host_staging=0 if self.update.staging_in_place else nbytes([self.update.staging_buf]),
             host_accumulator=nbytes(self._accum),
             formula_device=2 * phi + buckets, formula_host=(2 + K_ADAM) * phi // n + 2 * phi // n,
         )  # fmt: skip
@@ -977,28 +759,14 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """Finish a pending update, remove the hooks, stop the background worker; using it afterwards raises."""
         if self._closed:
             return
-        self._finish_pending(write=True)
+        self.update.finish_pending(write=True)
         for h in self._hooks:
             h.remove()
         for p in self._params:
             if isinstance(p.grad, MovedGrad):
                 p.grad = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        self.update.close()
         if self._own_transport and hasattr(self.transport, "close"):
             self.transport.synchronize()
             self.transport.close()
         self._closed = True
-
-
-def _check_step(x: Any, name: str) -> int:
-    """A saved step count: an int, or a float / one-element tensor holding an integer, in [0, 2**53]."""
-    if isinstance(x, torch.Tensor):
-        if x.numel() != 1:
-            raise ValueError(f"{name} must hold one number, got shape {tuple(x.shape)}")
-        x = x.item()
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(x).__name__}")
-    if not (math.isfinite(x) and x == int(x) and 0 <= x <= 2**53):
-        raise ValueError(f"{name} must be a whole number in [0, 2**53], got {x!r}")
-    return int(x)
