@@ -10,87 +10,32 @@ path of `pack`): that is how it is tested without a GPU.
 from __future__ import annotations
 
 import math
-import os
 import time
-import warnings
 import weakref
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .buckets import pack
-from .cpu_adam import _check_threads, _real, check_hparams, cpu_adam_step, sum_squares
-from .param_views import MovedGrad, alias, in_nested_backward, is_alias_of
-from .transport import Staging, Transport, default_transport, tiled_writeback
+from ..buckets import pack
+from ..cpu_adam import _check_threads, _real, check_hparams, sum_squares
+from ..param_views import MovedGrad, alias, in_nested_backward, is_alias_of
+from ..transport import Transport, default_transport
+from . import state
+from .checks import DTYPES, MAX_THREADS, check_int, check_params
+from .comm import COLLECTIVE_TIMEOUT_S, Comm, pin_rank_threads
+from .layout import Bucket, FlatLayout
+from .report import K_ADAM, MemoryReport, PhaseTimes
+from .scaler import LossScaler
+from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S, HostUpdate
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_BUCKET_NUMEL = 1 << 24  # 32 MiB of bf16 gradients per bucket (two buckets live on the device)
-DEFAULT_TILE_NUMEL = 1 << 21  # see bench/test_bench_transport.py: 1.03x the bare kernel at 100M params
-K_ADAM = 12  # bytes of fp32 optimizer state per parameter: master, exp_avg, exp_avg_sq
-# torch.amp.GradScaler's defaults.
-SCALE_INIT, SCALE_GROWTH, SCALE_BACKOFF, SCALE_INTERVAL = 2.0**16, 2.0, 0.5, 2000
-UPDATE_TIMEOUT_S = 600.0  # default bound on waiting for the background (DPU) update
-COLLECTIVE_TIMEOUT_S = 300.0  # default bound on a gloo collective: a dead peer fails this rank, no hang
-MAX_THREADS = 4096
-PARAM_ALIGN_BYTES = 16  # every param starts on a 16-byte boundary of the flat buffer: vector loads in pack
-GATHER_CHUNK_NUMEL = 1 << 24  # elements per broadcast when state_dict() gathers the partitions (64 MiB fp32)
 
 
-@dataclass
-class MemoryReport:
-    """Bytes held by the optimizer on this rank, measured from its buffers, next to DESIGN.md's formulas.
-
-    Args:
-        params: trainable parameters (Φ). world_size: data-parallel ranks (N).
-        device_params, device_buckets: the flat 16-bit parameter buffer and the gradient buckets.
-        host_state, host_landing, host_staging, host_accumulator: p32/m/v, gradient landing, p16 staging,
-            fp32 accumulation buffer (only while accumulating).
-        formula_device, formula_host: 2Φ + buckets and (2 + K)Φ/N + 2Φ/N (DESIGN.md, ZeRO-2 + offload).
-    """
-
-    params: int
-    world_size: int
-    device_params: int
-    device_buckets: int
-    host_state: int
-    host_landing: int
-    host_staging: int
-    host_accumulator: int
-    formula_device: int
-    formula_host: int
-
-    @property
-    def device_bytes(self) -> int:
-        return self.device_params + self.device_buckets
-
-    @property
-    def host_bytes(self) -> int:
-        return self.host_state + self.host_landing + self.host_staging + self.host_accumulator
-
-    def __str__(self) -> str:
-        p = max(1, self.params)
-        return (f"params {self.params:,} x {self.world_size} rank(s)\n"
-                f"  device: {self.device_bytes:,} B ({self.device_bytes / p:.2f} B/param); "
-                f"formula 2Φ + buckets = {self.formula_device:,} B\n"
-                f"  host:   {self.host_bytes:,} B ({self.host_bytes / p:.2f} B/param); "
-                f"formula (2+K)Φ/N + 2Φ/N = {self.formula_host:,} B")  # fmt: skip
-
-
-class _Bucket:
-    """A contiguous range [lo, hi) of the flat space and the parameters in it (flat order)."""
-
-    def __init__(self, index: int, params: list[tuple[torch.Tensor, int, int]], hi: int) -> None:
-        self.index = index
-        self.params = params  # (param, flat offset, numel)
-        self.lo = params[0][1]
-        self.hi = hi  # the end of the last param's span (its padding included)
-        self.ready = 0  # parameters whose gradient has arrived in this backward pass
+def _from(part: str, name: str, doc: str) -> property:
+    """A read-only attribute of the optimizer that lives in one of its parts (tests and tools read them)."""
+    return property(lambda self: getattr(getattr(self, part), name), doc=doc)
 
 
 class ZeroOffloadAdamW(torch.optim.Optimizer):
@@ -179,12 +124,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         check_hparams(lr, betas, eps, weight_decay)
         if dtype not in DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
-        self._scale, self._dynamic = _check_loss_scale(loss_scale)
+        self.scaler = LossScaler(loss_scale)
         if max_grad_norm is not None and (_real(max_grad_norm, "max_grad_norm") <= 0):
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
-        self.delay_update_after = _check_int(delay_update_after, "delay_update_after", 0)
-        bucket_numel = _check_int(bucket_numel, "bucket_numel", 1)
-        tile_numel = _check_int(tile_numel, "tile_numel", 1)
+        self.delay_update_after = check_int(delay_update_after, "delay_update_after", 0)
+        bucket_numel = check_int(bucket_numel, "bucket_numel", 1)
+        tile_numel = check_int(tile_numel, "tile_numel", 1)
         if threads is not None:
             _check_threads(threads)
             if threads > MAX_THREADS:
@@ -194,7 +139,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         for name, value in (("update_timeout_s", update_timeout_s), ("collective_timeout_s", collective_timeout_s)):
             if _real(value, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        groups = _check_params(params)
+        groups = check_params(params)
         trainable = [p for g in groups for p in g["params"] if p.requires_grad]
         if not trainable:
             raise ValueError("no trainable parameters (none has requires_grad=True)")
@@ -225,16 +170,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.dtype, self.device = dtype, device
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.update_timeout_s, self.collective_timeout_s = float(update_timeout_s), float(collective_timeout_s)
-        self._failed: BaseException | None = None
-        self._staged = False  # DPU: staging holds the last update's params, not yet on the device
-        self._staging_read: Any = None  # event of the last copy out of staging (the DPU writes after it)
         self._last_got: list[bool] = []  # which params had a gradient at the last step (zero_grad(set_to_none=False))
-        self.group = process_group
-        if self.group is None and dist.is_available() and dist.is_initialized():
-            self.group = dist.group.WORLD
-        self.world = dist.get_world_size(self.group) if self.group is not None else 1
-        self.rank = dist.get_rank(self.group) if self.group is not None else 0
-        self.threads = threads if threads is not None else _pin_rank_threads(self.world, self.rank)
+        self._times = PhaseTimes()  # seconds per phase since the last step
+        self.comm = Comm(process_group, device, self.collective_timeout_s, self._times)
+        self.threads = threads if threads is not None else pin_rank_threads(self.world, self.rank)
         self.tile_numel = tile_numel or DEFAULT_TILE_NUMEL
 
         for p in trainable:  # a new optimizer over these params replaces the old one (as with torch's)
@@ -243,17 +182,14 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 old.close()
         self._built = False  # add_param_group is refused once the flat layout exists
         self._closed = False
-        self._layout(trainable)
+        self.layout = FlatLayout([g["params"] for g in self.param_groups], dtype, self.world, self.rank,
+                                 bucket_numel or DEFAULT_BUCKET_NUMEL)  # fmt: skip
         self.transport = transport if transport is not None else default_transport(device)
         self._own_transport = transport is None  # close() closes (returns the pinned memory of) what it made
         self._cast_followers(followers)
-        self._allocate(trainable, bucket_numel or DEFAULT_BUCKET_NUMEL)
+        self._allocate(trainable)
         self._built = True
-        self._times: dict[str, float] = {}  # seconds per phase since the last step
         self._iteration = 0  # step() calls that consumed gradients
-        self._good_steps = 0
-        self._pending: Future | None = None
-        self._executor: ThreadPoolExecutor | None = None
         self._reset_grad_state()
         self.stats: dict[str, Any] = {}
         # each param's AccumulateGrad node: a hook fired by torch.autograd.grad (which accumulates nothing) is ignored
@@ -265,37 +201,6 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ construction
 
-    def _layout(self, trainable: list[torch.Tensor]) -> None:
-        """Flat offsets in parameter order, each param starting on a PARAM_ALIGN_BYTES boundary (the pack
-        kernels then move 16-byte vectors), padding to a multiple of N aligned partitions, this rank's part."""
-        self._offset: dict[torch.Tensor, int] = {}
-        self._params = trainable  # flat order, group by group
-        self._index = {p: i for i, p in enumerate(trainable)}
-        self._pgroup = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        self._pstep = [0] * len(trainable)  # each parameter's own Adam step count (torch keeps one per param)
-        self.align = PARAM_ALIGN_BYTES // torch.empty((), dtype=self.dtype).element_size()
-        up = lambda n, k: -(-n // k) * k  # noqa: E731
-        pos = 0
-        for p in trainable:
-            pos = up(pos, self.align)
-            self._offset[p] = pos
-            pos += p.numel()
-        self.numel = sum(p.numel() for p in trainable)
-        # param i's span: [offset, next offset); the zeros of its padding are updated with it (they stay 0)
-        ends = [self._offset[p] for p in trainable[1:]] + [up(pos, self.align)]
-        self._span_end = {p: e for p, e in zip(trainable, ends)}
-        self.flat_numel = up(pos, self.world * self.align)
-        self.part = self.flat_numel // self.world
-        self.part_lo = self.rank * self.part
-        self.part_hi = self.part_lo + self.part
-        # each group's flat range, intersected with the partition, in partition coordinates
-        self._group_ranges = []
-        for group in self.param_groups:
-            ps = group["params"]
-            lo, hi = self._offset[ps[0]], self._span_end[ps[-1]]
-            a, b = max(lo, self.part_lo) - self.part_lo, min(hi, self.part_hi) - self.part_lo
-            self._group_ranges.append((a, b) if a < b else None)
-
     @torch.no_grad()
     def _cast_followers(self, followers: list[torch.Tensor]) -> None:
         """Frozen params and the module's buffers follow `dtype`, so the whole model computes in it."""
@@ -304,22 +209,20 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 t.data = t.data.to(self.dtype)
 
     @torch.no_grad()
-    def _allocate(self, trainable: list[torch.Tensor], bucket_numel: int) -> None:
+    def _allocate(self, trainable: list[torch.Tensor]) -> None:
         pool_bytes = 8 * self.part * torch.empty((), dtype=self.dtype).element_size() + (1 << 20)
         self.transport.pool.max_bytes = max(self.transport.pool.max_bytes, pool_bytes)
-        self.master = torch.zeros(self.part, dtype=torch.float32)
-        self.exp_avg = torch.zeros(self.part, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(self.part, dtype=torch.float32)
+        master = torch.zeros(self.part, dtype=torch.float32)
         self.flat = torch.zeros(self.flat_numel, dtype=self.dtype, device=self.device)
-        src = self.group_rank_to_global(0)
+        src = self.comm.global_rank(0)
         for p in trainable:
             if self.world > 1:
-                self._collective("the initial broadcast of the parameters", dist.broadcast, p.data, src=src)
+                self.comm.collective("the initial broadcast of the parameters", dist.broadcast, p.data, src=src)
             off, n = self._offset[p], p.numel()
             a, b = max(off, self.part_lo), min(off + n, self.part_hi)
             if a < b:
                 values = p.detach().reshape(-1)[a - off : b - off]
-                self.master[a - self.part_lo : b - self.part_lo] = values.float().cpu()
+                master[a - self.part_lo : b - self.part_lo] = values.float().cpu()
             self.flat[off : off + n].copy_(p.detach().reshape(-1))
             p.data = alias(self.flat, off, n, p.shape)
             p.grad = None
@@ -327,64 +230,21 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.landing = [self.transport.pool.take(self.part, self.dtype) for _ in range(n_landing)]
         for buf in self.landing:
             buf.zero_()
-        own = self.flat[self.part_lo : self.part_hi]
-        self._staging_in_place = not (self.transport.needs_staging or self.delay_update_after is not None)
-        if not self._staging_in_place:
-            self.staging_buf = self.transport.pool.take(self.part, self.dtype)
-            # staging always holds the current params: a step that skips a param (no gradient) leaves its range
-            # as is, and the padding past the last parameter is sent to the device as zeros
-            self.staging_buf.copy_(self.master)
-        else:  # host memory is the device: the update writes the parameters in place (no forward runs meanwhile)
-            self.staging_buf = own
-        self._staging = [Staging(self.staging_buf[r[0] : r[1]], self.tile_numel) if r else None
-                         for r in self._group_ranges]  # fmt: skip
+        self.update = HostUpdate(self.layout, self.flat, master, self.transport, self.comm, threads=self.threads,
+                                 tile_numel=self.tile_numel, delayed=self.delay_update_after is not None,
+                                 timeout_s=self.update_timeout_s, times=self._times)  # fmt: skip
         self._accum: list[torch.Tensor | None] = [None] * n_landing
-        # buckets: contiguous flat ranges taken from the end (backward order)
-        self._buckets: list[_Bucket] = []
-        cur: list[tuple[torch.Tensor, int, int]] = []
-        size = 0
-        for p in reversed(trainable):
-            span = self._span_end[p] - self._offset[p]
-            if cur and size + span > bucket_numel:
-                self._buckets.append(_Bucket(len(self._buckets), list(reversed(cur)), self._span_end[cur[0][0]]))
-                cur, size = [], 0
-            cur.append((p, self._offset[p], p.numel()))
-            size += span
-        self._buckets.append(_Bucket(len(self._buckets), list(reversed(cur)), self._span_end[cur[0][0]]))
-        self._bucket_of = {p: b for b in self._buckets for p, _, _ in b.params}
         # One rank whose device memory is host memory needs no bucket: gradients pack into the landing buffer.
         self._direct_landing = self.world == 1 and not self.transport.needs_staging
         buf_numel = 0 if self._direct_landing else max(b.hi - b.lo for b in self._buckets)
         self._bucket_bufs = [torch.empty(buf_numel, dtype=self.dtype, device=self.device) for _ in range(2)]
         self._buf_busy: list[list[Any]] = [[], []]  # per buffer: reduce works and copy events still using it
 
-    def group_rank_to_global(self, r: int) -> int:
-        """Global rank of rank r of the optimizer's process group."""
-        if self.group is None:
-            return r
-        return dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r
-
-    def _collective(self, what: str, collective: Any, *args: Any, **kwargs: Any) -> None:
-        """Run a torch.distributed collective on the optimizer's group and wait for it (bounded on gloo)."""
-        self._wait_work(collective(*args, group=self.group, async_op=True, **kwargs), what)
-
-    def _wait_work(self, work: Any, what: str) -> None:
-        """Wait for a collective; on gloo at most collective_timeout_s, so a dead peer fails this rank clearly."""
-        try:
-            if _backend_for(self.group, self.device) == "nccl":
-                work.wait()  # orders the current stream; NCCL's watchdog bounds it
-            else:
-                work.wait(timeout=timedelta(seconds=self.collective_timeout_s))
-        except RuntimeError as e:
-            limit = f"{self.collective_timeout_s:g} s"
-            self._failed = RuntimeError(f"rank {self.rank}: {what} failed or did not finish within {limit}; "
-                                        f"another rank has probably failed: {e}")  # fmt: skip
-            raise self._failed from e
-
     def _check_usable(self) -> None:
-        if self._failed is not None:
+        failed = self.comm.failed or self.update.failed
+        if failed is not None:
             raise RuntimeError("this optimizer is unusable after an earlier failure (see the chained exception); "
-                               "restore from a checkpoint") from self._failed  # fmt: skip
+                               "restore from a checkpoint") from failed  # fmt: skip
 
     # ------------------------------------------------------------------ gradients leave during backward
 
@@ -480,7 +340,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self._accum[s].add_(self.landing[s])
         for i, f in enumerate(self._factor):  # p.grad.mul_(f) so far applies to the sum so far, not to what follows
             if f != 1.0:
-                a, b = self._part_range(self._params[i])
+                a, b = self.layout.part_range(self._params[i])
                 self._accum[s][a:b] *= f
                 self._factor[i] = 1.0
         for b in self._buckets:
@@ -496,7 +356,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self._launch(b)
             self._next_bucket += 1
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: Bucket) -> None:
         t0 = time.perf_counter()
         k = b.index % 2
         self._wait_buffer(k, host=False)  # inside a gradient hook: order the device, never block the host
@@ -518,10 +378,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             for r in range(self.world):
                 a, c = max(b.lo, r * self.part), min(b.hi, (r + 1) * self.part)
                 if a < c:
-                    work = dist.reduce(buf[a - b.lo : c - b.lo], dst=self.group_rank_to_global(r), op=dist.ReduceOp.SUM,
-                                       group=self.group, async_op=True)  # fmt: skip
+                    work = dist.reduce(buf[a - b.lo : c - b.lo], dst=self.comm.global_rank(r), op=dist.ReduceOp.SUM,
+                                       group=self.comm.group, async_op=True)  # fmt: skip
                     if r == self.rank:
-                        self._wait_work(work, f"the reduce of bucket {b.index}")  # NCCL: orders the stream only
+                        self.comm.wait(work, f"the reduce of bucket {b.index}")  # NCCL: orders the stream only
                     else:
                         busy.append((work, f"the reduce of bucket {b.index} to rank {r}"))
         t2 = time.perf_counter()
@@ -529,13 +389,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if lo < hi and not self._direct_landing:
             dst = self.landing[self._slot][lo - self.part_lo : hi - self.part_lo]
             busy.append(self.transport.d2h(dst, buf[lo - b.lo : hi - b.lo]))
-        self._phase("reduce", t2 - t1)
-        self._phase("offload", (t1 - t0) + (time.perf_counter() - t2))
-
-    def _part_range(self, p: torch.Tensor) -> tuple[int, int]:
-        """p's elements [offset, offset + numel) in this rank's partition coordinates (empty: a >= b)."""
-        off = self._offset[p]
-        return max(off, self.part_lo) - self.part_lo, min(off + p.numel(), self.part_hi) - self.part_lo
+        self._times.add("reduce", t2 - t1)
+        self._times.add("offload", (t1 - t0) + (time.perf_counter() - t2))
 
     def _place_moved_grad(self, p: torch.Tensor) -> None:
         i = self._index[p]
@@ -547,7 +402,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         only the compute stream does (NCCL's work.wait() and transport.device_wait() do not block the host)."""
         for item in self._buf_busy[k]:
             if isinstance(item, tuple):
-                self._wait_work(*item)
+                self.comm.wait(*item)
             elif host:
                 self.transport.wait(item)
             else:
@@ -567,8 +422,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self._wait_buffer(k)
         self.transport.synchronize()
         if self.world > 1:  # a param with a gradient on some rank has one on every rank (DDP averages them)
-            got = torch.tensor(self._got, dtype=torch.uint8).to(self._comm_device())
-            self._collective("the all-reduce of which params got a gradient", dist.all_reduce, got,
+            got = torch.tensor(self._got, dtype=torch.uint8).to(self.comm.device_of_collectives)
+            self.comm.collective("the all-reduce of which params got a gradient", dist.all_reduce, got,
                              op=dist.ReduceOp.MAX)  # fmt: skip
             for i, g in enumerate(got.cpu().tolist()):
                 if g and not self._got[i]:
@@ -580,17 +435,46 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self._n_backward += 1
         self._norm_cache = {}
         self._n_micro += 1
-        self._phase("backward_offload_wait", time.perf_counter() - t0)
-
-    def _phase(self, name: str, seconds: float) -> None:
-        self._times[name] = self._times.get(name, 0.0) + seconds
+        self._times.add("backward_offload_wait", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ the user's calls
+
+    _params = _from("layout", "params", "The trainable parameters in flat order.")
+    _index = _from("layout", "index", "{param: its position in the flat order}.")
+    _offset = _from("layout", "offset", "{param: its flat offset}.")
+    _span_end = _from("layout", "span_end", "{param: the end of its span (padding included)}.")
+    _pgroup = _from("layout", "pgroup", "Each parameter's group index.")
+    _group_ranges = _from("layout", "group_ranges", "Each group's range of the partition (None: none of it).")
+    _buckets = _from("layout", "buckets", "The gradient buckets, in backward order.")
+    _bucket_of = _from("layout", "bucket_of", "{param: its bucket}.")
+    align = _from("layout", "align", "Elements per PARAM_ALIGN_BYTES.")
+    numel = _from("layout", "numel", "Trainable elements (Φ).")
+    flat_numel = _from("layout", "flat_numel", "Elements of the flat buffer (padding included).")
+    part = _from("layout", "part", "Elements of this rank's partition.")
+    part_lo = _from("layout", "part_lo", "Where this rank's partition starts in the flat buffer.")
+    part_hi = _from("layout", "part_hi", "Where it ends.")
+
+    master = _from("update", "master", "fp32 masters of this rank's partition.")
+    exp_avg = _from("update", "exp_avg", "Adam's first moment of this rank's partition.")
+    exp_avg_sq = _from("update", "exp_avg_sq", "Adam's second moment of this rank's partition.")
+    staging_buf = _from("update", "staging_buf", "The new 16-bit parameters of this rank's partition, on the host.")
+
+    group = _from("comm", "group", "The process group (None: a single rank).")
+    world = _from("comm", "world", "Ranks in the process group (N).")
+    rank = _from("comm", "rank", "This rank in the process group.")
+
+    def group_rank_to_global(self, r: int) -> int:
+        """Global rank of rank r of the optimizer's process group."""
+        return self.comm.global_rank(r)
+
+    def _collective(self, what: str, collective: Any, *args: Any, **kwargs: Any) -> None:
+        """Run a torch.distributed collective on the optimizer's group and wait for it (bounded on gloo)."""
+        self.comm.collective(what, collective, *args, **kwargs)
 
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without loss scaling)."""
-        return self._scale
+        return self.scaler.scale
 
     @torch.compiler.disable  # a compiled train step calls it eagerly: it runs hooks, copies, threads
     def backward(self, loss: torch.Tensor) -> None:
@@ -603,7 +487,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             raise ValueError("loss does not require grad: nothing to backpropagate")
         self._check_open()
         self._check_usable()
-        (loss.float() * self._scale if self._scale != 1.0 else loss).backward()
+        (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
         if self._in_backward and torch._C._current_graph_task_id() == -1:
             self._end_micro()  # a backward whose gradients all arrived in nested (reentrant) backwards
 
@@ -662,26 +546,27 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                "clip_grad_norm_) and by max_grad_norm; use one (Trainer: max_grad_norm=0)")  # fmt: skip
         t_step = time.perf_counter()
         if self._n_micro == 0:
-            self.stats = {"skipped": True, "skip_reason": "no gradients", "loss_scale": self._scale, "grad_norm": None}
+            self.stats = {"skipped": True, "skip_reason": "no gradients", "loss_scale": self.scaler.scale,
+                          "grad_norm": None}
             return None
         self._iteration += 1
         delayed = self.delay_update_after is not None and self._iteration > self.delay_update_after
         if delayed:
-            self._finish_pending(write=True)
+            self.update.finish_pending(write=True)
         s = (self._iteration - 1) % len(self.landing)  # the landing slot of this iteration's gradients
         grad = self.landing[s]
         if self._n_micro > 1:
             grad = self._accum[s].add_(self.landing[s])
         found_inf, sum_sq, got = self._global_checks(grad)
         self._last_got = got
-        scale = self._scale
+        scale = self.scaler.scale
         norm = math.sqrt(sum_sq) / (self.world * scale) if math.isfinite(sum_sq) else float("inf")
         n_micro, factor = self._n_backward, self._factor
         for p in self._moved.values():
             p.grad = None
         self._reset_grad_state()
         if found_inf:
-            self._update_scale(found_inf=True)
+            self.scaler.update(found_inf=True)
             self._iteration -= 1
             self._record_stats(t_step, skip_reason="overflow", grad_norm=norm, micro_batches=n_micro)
             return None
@@ -689,36 +574,28 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
         grad_scale = clip / (self.world * scale)
-        runs = self._runs(got, factor)
+        runs = self.layout.runs(got, self.update.steps, factor)
         for i, g in enumerate(got):
-            self._pstep[i] += g
+            self.update.steps[i] += g
         for gi, group in enumerate(self.param_groups):
-            group["step"] = max(self._pstep[i] for i, pg in enumerate(self._pgroup) if pg == gi)
+            group["step"] = max(self.update.steps[i] for i, pg in enumerate(self._pgroup) if pg == gi)
         # the hyper-parameters as they are now: a scheduler may change them before a background update runs
         hparams = [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
                    for g in self.param_groups]  # fmt: skip
         if delayed:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-dpu")
-            self._pending = self._executor.submit(self._cpu_update, grad, grad_scale, runs, hparams, False)
+            self.update.start(grad, grad_scale, runs, hparams)
         else:
-            kernel_before = self._times.get("kernel", 0.0)
-            seconds = self._cpu_update(grad, grad_scale, runs, hparams, True)
-            self._phase("cpu_update", seconds)
-            # the part of the tiled update that is not the kernel: queueing copies, waiting for staging slots
-            self._phase("writeback", seconds - (self._times.get("kernel", 0.0) - kernel_before))
-            self._all_gather()
-            self._bump_versions()
-        self._update_scale(found_inf=False)
+            self.update.run(grad, grad_scale, runs, hparams)
+        self.scaler.update(found_inf=False)
         self._record_stats(t_step, skip_reason=None, grad_norm=norm, clip=clip, micro_batches=n_micro,
                            delayed=delayed, skipped_params=len(got) - sum(got))  # fmt: skip
         return None
 
     def _record_stats(self, t_step: float, skip_reason: str | None, **kw: Any) -> None:
-        self._phase("step", time.perf_counter() - t_step)
-        self.stats = {"skipped": skip_reason is not None, "skip_reason": skip_reason, "loss_scale": self._scale, **kw,
-                      **{f"time_{k}": v for k, v in self._times.items()}}  # fmt: skip
-        self._times = {}
+        self._times.add("step", time.perf_counter() - t_step)
+        self.stats = {"skipped": skip_reason is not None, "skip_reason": skip_reason, "loss_scale": self.scaler.scale,
+                      **kw, **{f"time_{k}": v for k, v in self._times.items()}}  # fmt: skip
+        self._times.clear()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -734,7 +611,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         for i in cleared:
             self._got[i] = False
             del self._moved[i]
-            a, b = self._part_range(self._params[i])
+            a, b = self.layout.part_range(self._params[i])
             for buf in (self.landing[s], self._accum[s] if self._n_micro > 1 else None):
                 if buf is not None and a < b:
                     buf[a:b].zero_()  # out of the norm too
@@ -755,27 +632,6 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                    f"optimizer's {self.dtype} parameter on {self.device}: the model was cast or moved "
                                    "after ZeroOffloadAdamW was built (model.float()/.to()/.half()?). Build the "
                                    "optimizer after the last cast or move")  # fmt: skip
-
-    def _bump_versions(self) -> None:
-        """The device params changed in place: autograd must refuse graphs that saved their old values."""
-        torch.autograd.graph.increment_version(self._params)
-
-    def _runs(self, got: list[bool], factor: list[float]) -> list[tuple[int, int, int, int, float]]:
-        """(group, start, end, step, gradient factor) ranges of the partition to update: the params that got a
-        gradient, cut where the group, the step count or the factor changes (one range per group when nothing
-        is skipped or scaled apart)."""
-        runs: list[tuple[int, int, int, int, float]] = []
-        for i, p in enumerate(self._params):
-            off, end = self._offset[p], self._span_end[p]
-            a, b = max(off, self.part_lo) - self.part_lo, min(end, self.part_hi) - self.part_lo
-            if a >= b or not got[i]:
-                continue
-            key = (self._pgroup[i], self._pstep[i] + 1, factor[i])
-            if runs and runs[-1][2] == a and (runs[-1][0], runs[-1][3], runs[-1][4]) == key:
-                runs[-1] = (key[0], runs[-1][1], b, key[1], key[2])
-            else:
-                runs.append((key[0], a, b, key[1], key[2]))
-        return runs
 
     # ------------------------------------------------------------------ p.grad placeholders (MovedGrad)
 
@@ -801,18 +657,17 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             last, earlier = self._host_gradient()
             part = torch.zeros(len(self._params), dtype=torch.float64)
             for i, p in enumerate(self._params):
-                off, n = self._offset[p], p.numel()
-                a, b = max(off, self.part_lo) - self.part_lo, min(off + n, self.part_hi) - self.part_lo
+                a, b = self.layout.part_range(p)
                 if a < b:
                     g = (last[a:b].double() + (earlier[a:b].double() if earlier is not None else 0.0)).abs()
                     part[i] = g.max() if ord == math.inf else g.pow(ord).sum()
             if self.world > 1:
                 op = dist.ReduceOp.MAX if ord == math.inf else dist.ReduceOp.SUM
-                part = part.to(self._comm_device())
-                self._collective("the all-reduce of per-parameter gradient norms", dist.all_reduce, part, op=op)
+                part = part.to(self.comm.device_of_collectives)
+                self.comm.collective("the all-reduce of per-parameter gradient norms", dist.all_reduce, part, op=op)
                 part = part.cpu()
             norms = part if ord == math.inf else part.pow(1.0 / ord)
-            self._norm_cache[ord] = norms / (self.world * self._scale)
+            self._norm_cache[ord] = norms / (self.world * self.scaler.scale)
         factor = torch.tensor(self._factor, dtype=torch.float64).abs()
         return (self._norm_cache[ord] * factor)[indices].tolist()
 
@@ -841,218 +696,31 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self.world > 1:
             t = torch.tensor([0.0 if math.isnan(sum_sq) else sum_sq, float(found), *map(float, got)],
                              dtype=torch.float64)  # fmt: skip
-            t = t.to(self._comm_device())
-            self._collective("the all-reduce of the gradient norm and overflow flag", dist.all_reduce, t,
+            t = t.to(self.comm.device_of_collectives)
+            self.comm.collective("the all-reduce of the gradient norm and overflow flag", dist.all_reduce, t,
                              op=dist.ReduceOp.SUM)  # fmt: skip
             t = t.cpu()
             sum_sq, found, got = float(t[0]), bool(t[1] > 0), (t[2:] > 0).tolist()
-        self._phase("reduce", time.perf_counter() - t0)
+        self._times.add("reduce", time.perf_counter() - t0)
         return found, sum_sq, got
-
-    def _comm_device(self) -> torch.device:
-        """Where this group's collectives take their tensors: the device if its backend for the device's type
-        is NCCL (also for a mixed "cpu:gloo,cuda:nccl" group), else host memory."""
-        return self.device if _backend_for(self.group, self.device) == "nccl" else torch.device("cpu")
-
-    def _cpu_update(self, grad: torch.Tensor, grad_scale: float, runs: list, hparams: list, writeback: bool) -> float:
-        """CPU Adam over the ranges `runs` of this rank's partition; with writeback, tiles go to the device.
-
-        Returns its wall time. Runs in the background thread under DPU: no collectives, no stats here.
-        """
-        t0 = time.perf_counter()
-        events = []
-        for gi, a, b, step, factor in runs:
-            staging = self._staging[gi]
-            adam = dict(step=step, grad_scale=grad_scale * factor, threads=self.threads, **hparams[gi])
-            if (a, b) != self._group_ranges[gi]:  # part of a group (a param was skipped): a staging of its own,
-                for ev in staging.events.values():  # once the group's earlier copies are done
-                    self.transport.wait(ev)
-                staging = Staging(self.staging_buf[a:b], self.tile_numel)
-            if writeback:
-                dst = self.flat[self.part_lo + a : self.part_lo + b]
-                events += tiled_writeback(self.transport, self.master[a:b], grad[a:b], self.exp_avg[a:b],
-                                          self.exp_avg_sq[a:b], dst=dst, staging=staging, timings=self._times,
-                                          **adam)  # fmt: skip
-            else:
-                self.transport.wait(self._staging_read)  # the copy of the last update may still read staging
-                cpu_adam_step(self.master[a:b], grad[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b],
-                              param_out=self.staging_buf[a:b], **adam)  # fmt: skip
-        for ev in events:
-            self.transport.device_wait(ev)
-        return time.perf_counter() - t0
-
-    def _write_staging(self) -> None:
-        """Staging (the 16-bit params of the last update) -> this rank's slice of the device buffer."""
-        t0 = time.perf_counter()
-        own = self.flat[self.part_lo : self.part_hi]
-        if not self._staging_in_place:
-            # the compute stream waits for the copy; the next update waits for it before writing staging
-            self._staging_read = self.transport.h2d(own, self.staging_buf)
-            self.transport.device_wait(self._staging_read)
-        self._phase("writeback", time.perf_counter() - t0)
-        self._all_gather()
-        self._bump_versions()
-
-    def _all_gather(self) -> None:
-        if self.world == 1:
-            return
-        t0 = time.perf_counter()
-        # In place into the flat buffer (the input is this rank's slice of the output): no hidden temporary.
-        if self._comm_device().type == self.device.type:
-            self._collective("the all-gather of the parameters", _all_gather_single, self.flat,
-                             self.flat[self.part_lo : self.part_hi])  # fmt: skip
-        else:
-            host = self.flat.cpu()
-            self._collective("the all-gather of the parameters", _all_gather_single, host,
-                             host[self.part_lo : self.part_hi])  # fmt: skip
-            self.flat.copy_(host)
-        self._phase("all_gather", time.perf_counter() - t0)
-
-    def _finish_pending(self, write: bool) -> None:
-        """Wait for the background update (re-raising its exception) and, if asked, send its params down."""
-        if self._pending is None:
-            if write:
-                self._flush_staged()
-            return
-        fut, self._pending = self._pending, None
-        t0 = time.perf_counter()
-        try:
-            seconds = fut.result(timeout=self.update_timeout_s)
-        except FutureTimeout:
-            self._failed = TimeoutError(f"the delayed (background) update did not finish within "
-                                        f"{self.update_timeout_s:g} s (update_timeout_s)")  # fmt: skip
-            raise self._failed from None
-        except BaseException as e:  # the worker's own exception, with its traceback
-            self._failed = e
-            raise
-        self._phase("cpu_update", seconds)
-        self._phase("dpu_wait", time.perf_counter() - t0)
-        self._staged = True
-        if write:
-            self._flush_staged()
-
-    def _flush_staged(self) -> None:
-        """Send the parameters of the last (background) update to the device, if not sent yet."""
-        if self._staged:
-            self._write_staging()
-            self._staged = False
-
-    def _update_scale(self, found_inf: bool) -> None:
-        if not self._dynamic:
-            return
-        if found_inf:
-            self._scale *= SCALE_BACKOFF
-            self._good_steps = 0
-        else:
-            self._good_steps += 1
-            if self._good_steps == SCALE_INTERVAL:
-                self._scale *= SCALE_GROWTH
-                self._good_steps = 0
 
     def synchronize(self) -> None:
         """Finish a pending delayed update and send its parameters to the device (e.g. before evaluation)."""
-        self._finish_pending(write=True)
+        self.update.finish_pending(write=True)
 
     # ------------------------------------------------------------------ state
-
-    def _gather(self, part: torch.Tensor) -> torch.Tensor:
-        """The full flat tensor (on the host) from every rank's partition (a collective when N > 1).
-
-        Each rank's partition is broadcast in chunks of at most GATHER_CHUNK_NUMEL elements through one
-        buffer on the collective's device: device memory stays bounded whatever the model size.
-        """
-        if self.world == 1:
-            return part
-        dev = self._comm_device()
-        out = torch.empty(self.flat_numel, dtype=part.dtype)
-        chunk = min(self.part, GATHER_CHUNK_NUMEL)
-        buf = torch.empty(chunk, dtype=part.dtype, device=dev)
-        for r in range(self.world):
-            for lo in range(0, self.part, chunk):
-                n = min(chunk, self.part - lo)
-                if r == self.rank:
-                    buf[:n].copy_(part[lo : lo + n])
-                self._collective("the gather of the optimizer state", dist.broadcast, buf[:n],
-                                 src=self.group_rank_to_global(r))  # fmt: skip
-                out[r * self.part + lo : r * self.part + lo + n].copy_(buf[:n])
-        return out
 
     @torch.compiler.disable  # a compiled train step calls it eagerly: it runs hooks, copies, threads
     def state_dict(self) -> dict[str, Any]:
         """torch.optim layout, world-size independent: per param step/exp_avg/exp_avg_sq/master (fp32, CPU)."""
-        self._check_open()
-        self._check_usable()
-        self._finish_pending(write=False)
-        full = {k: self._gather(getattr(self, k)) for k in ("master", "exp_avg", "exp_avg_sq")}
-        state, groups, idx = {}, [], 0
-        for group in self.param_groups:
-            ids = []
-            for p in group["params"]:
-                off, n = self._offset[p], p.numel()
-                # always present, also before the first step: the masters must travel with the checkpoint
-                state[idx] = {"step": torch.tensor(float(self._pstep[idx]))}
-                state[idx].update({k: v[off : off + n].clone().view(p.shape) for k, v in full.items()})
-                ids.append(idx)
-                idx += 1
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        extra = {"loss_scale": self._scale, "dynamic": self._dynamic, "good_steps": self._good_steps,
-                 "iteration": self._iteration, "world_size": self.world, "staged": self._staged}  # fmt: skip
-        return {"state": state, "param_groups": groups, "zero_offload": extra}
+        return state.state_dict(self)
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> list[tuple[int, torch.Tensor, dict, int]]:
         """Check a state dict against this optimizer (groups, counts, shapes, values); change nothing.
 
         Returns the per-parameter entries to load as (group index, param, state, step).
         """
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        groups, state = state_dict.get("param_groups"), state_dict.get("state")
-        if not isinstance(groups, list) or not isinstance(state, dict):
-            raise ValueError("state_dict must have 'param_groups' (a list) and 'state' (a dict)")
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
-        plan = []
-        for gi, (saved, group) in enumerate(zip(groups, self.param_groups)):
-            if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
-                raise ValueError(f"state_dict param group {gi} must be a dict with a 'params' list")
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(f"param group {gi}: state_dict has {len(saved['params'])} params, "
-                                 f"this optimizer {len(group['params'])}")  # fmt: skip
-            check_hparams(saved.get("lr", group["lr"]), saved.get("betas", group["betas"]),
-                          saved.get("eps", group["eps"]), saved.get("weight_decay", group["weight_decay"]))  # fmt: skip
-            if "step" in saved:
-                _check_step(saved["step"], f"param group {gi}: 'step'")
-            for i, p in zip(saved["params"], group["params"]):
-                st = state.get(i, state.get(str(i)))
-                if st is None:
-                    continue
-                if not isinstance(st, dict):
-                    raise ValueError(f"param {i}: state must be a dict, got {type(st).__name__}")
-                for key in ("exp_avg", "exp_avg_sq", "master"):
-                    t = st.get(key)
-                    if t is None:
-                        if key != "master":
-                            raise ValueError(f"param {i}: state has no {key!r}")
-                        continue
-                    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                        raise TypeError(f"param {i}: state {key!r} must be a floating-point tensor")
-                    if tuple(t.shape) != tuple(p.shape):
-                        raise ValueError(f"param {i}: saved {key} has shape {tuple(t.shape)}, "
-                                         f"the model's param has {tuple(p.shape)}")  # fmt: skip
-                    if not bool(torch.isfinite(t).all()):
-                        raise ValueError(f"param {i}: state {key!r} holds inf or NaN")
-                    if key == "exp_avg_sq" and bool((t < 0).any()):
-                        raise ValueError(f"param {i}: state 'exp_avg_sq' has negative values")
-                plan.append((gi, p, st, _check_step(st.get("step"), f"param {i}: state 'step'")))
-        extra = state_dict.get("zero_offload", {})
-        if not isinstance(extra, dict):
-            raise ValueError(f"state_dict['zero_offload'] must be a dict, got {type(extra).__name__}")
-        if "loss_scale" in extra:
-            if _real(extra["loss_scale"], "state_dict['zero_offload']['loss_scale']") <= 0:
-                raise ValueError("state_dict['zero_offload']['loss_scale'] must be > 0")
-            _check_int(extra.get("good_steps"), "state_dict['zero_offload']['good_steps']", 0, required=True)
-        _check_int(extra.get("iteration"), "state_dict['zero_offload']['iteration']", 0)
-        return plan
+        return state.check_state_dict(self, state_dict)
 
     @torch.no_grad()
     @torch.compiler.disable  # a compiled train step calls it eagerly: it runs hooks, copies, threads
@@ -1067,71 +735,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         A state saved between a delayed update and its writeback restores that writeback as pending (the
         device parameters are then the model's, as saved with it: use zo_kernels.load_checkpoint).
         """
-        self._check_open()
-        self._check_usable()
-        if self._n_micro or self._in_backward:
-            raise RuntimeError("load_state_dict() between backward and step(): call step() or zero_grad() first")
-        plan = self.check_state_dict(state_dict)
-        self._finish_pending(write=False)
-        for saved, group in zip(state_dict["param_groups"], self.param_groups):
-            for key, value in saved.items():
-                if key != "params":
-                    group[key] = tuple(value) if key == "betas" else value
-        self._pstep = [0] * len(self._params)
-        self.exp_avg.zero_()
-        self.exp_avg_sq.zero_()
-        for _, p, st, step in plan:
-            i = self._index[p]
-            self._pstep[i] = step
-            off, n = self._offset[p], p.numel()
-            a, b = max(off, self.part_lo), min(off + n, self.part_hi)
-            if a >= b:
-                continue
-            src = slice(a - off, b - off)
-            dst = slice(a - self.part_lo, b - self.part_lo)
-            self.exp_avg[dst] = st["exp_avg"].reshape(-1)[src].float()
-            self.exp_avg_sq[dst] = st["exp_avg_sq"].reshape(-1)[src].float()
-            if st.get("master") is not None:
-                self.master[dst] = st["master"].reshape(-1)[src].float()
-        for gi, group in enumerate(self.param_groups):
-            group["step"] = max(self._pstep[i] for i, pg in enumerate(self._pgroup) if pg == gi)
-        if not plan or any(st.get("master") is None for _, _, st, _ in plan):
-            self._refresh_stale_masters()
-        extra = state_dict.get("zero_offload", {})
-        if "loss_scale" in extra and extra.get("dynamic") == self._dynamic:
-            self._scale, self._good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
-        self._iteration = int(extra.get("iteration", max(self._pstep, default=0)))
-        if extra.get("staged") and not self._staging_in_place:
-            self.staging_buf.copy_(self.master)  # written to the device by the next step(), as if never stopped
-            self._staged = True
-        else:
-            self._staged = False
-            self._write_masters_to_device()
-
-    @torch.no_grad()
-    def _write_masters_to_device(self) -> None:
-        """Device params <- this rank's masters cast to dtype, then all-gather (a collective when N > 1)."""
-        self.staging_buf.copy_(self.master)
-        self._write_staging()
-
-    @torch.no_grad()
-    def _refresh_stale_masters(self) -> None:
-        """Keep the fp32 masters if the device params are still their cast; else take them from the model."""
-        device_part = self.flat[self.part_lo : self.part_hi].cpu()
-        if not torch.equal(self.master.to(self.dtype), device_part):
-            warnings.warn("the model's parameters changed since the optimizer took its fp32 masters (e.g. "
-                          "model.load_state_dict after construction): masters refreshed from the model, losing "
-                          "the bits below its dtype", stacklevel=3)  # fmt: skip
-            self.master.copy_(device_part)
+        state.load_state_dict(self, state_dict)
 
     @torch.no_grad()
     def refresh_masters_from_model(self) -> None:
         """Take the fp32 masters from the model's current (device) parameters, e.g. after model.load_state_dict."""
-        self._finish_pending(write=False)
-        self.master.copy_(self.flat[self.part_lo : self.part_hi].float().cpu())
-        if not self._staging_in_place:  # staging holds the params a skipped range keeps
-            self.staging_buf.copy_(self.flat[self.part_lo : self.part_hi].cpu())
-        self._staged = False  # the device parameters are the truth now
+        self.update.refresh_from_model()
 
     def memory_report(self) -> MemoryReport:
         """Bytes on the device and the host for this model and world size, measured, next to DESIGN.md's formulas."""
@@ -1141,7 +750,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         return MemoryReport(
             params=phi, world_size=n, device_params=nbytes([self.flat]), device_buckets=buckets,
             host_state=nbytes([self.master, self.exp_avg, self.exp_avg_sq]), host_landing=nbytes(self.landing),
-            host_staging=0 if self._staging_in_place else nbytes([self.staging_buf]),
+            host_staging=0 if self.update.staging_in_place else nbytes([self.update.staging_buf]),
             host_accumulator=nbytes(self._accum),
             formula_device=2 * phi + buckets, formula_host=(2 + K_ADAM) * phi // n + 2 * phi // n,
         )  # fmt: skip
@@ -1150,124 +759,14 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """Finish a pending update, remove the hooks, stop the background worker; using it afterwards raises."""
         if self._closed:
             return
-        self._finish_pending(write=True)
+        self.update.finish_pending(write=True)
         for h in self._hooks:
             h.remove()
         for p in self._params:
             if isinstance(p.grad, MovedGrad):
                 p.grad = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        self.update.close()
         if self._own_transport and hasattr(self.transport, "close"):
             self.transport.synchronize()
             self.transport.close()
         self._closed = True
-
-
-# ---------------------------------------------------------------------- argument checks
-
-
-def _backend_for(group: Any, device: torch.device) -> str:
-    """The backend a group uses for tensors on `device`."""
-    return backend_for_device(str(dist.get_backend(group)), device.type)
-
-
-def backend_for_device(backend: str, device_type: str) -> str:
-    """The backend of a group's backend string for one device type: "nccl" -> "nccl";
-    "cpu:gloo,cuda:nccl" -> "nccl" for "cuda" and "gloo" for "cpu"."""
-    if ":" not in backend:
-        return backend
-    per_device = dict(item.split(":", 1) for item in backend.split(","))
-    return per_device.get(device_type, "")
-
-
-def _all_gather_single(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:
-    """dist.all_gather_single (torch >= 2.13), else its older name all_gather_into_tensor."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, input, **kwargs)
-
-
-def _check_loss_scale(loss_scale: Any) -> tuple[float, bool]:
-    if loss_scale is None:
-        return 1.0, False
-    if loss_scale == "dynamic":
-        return SCALE_INIT, True
-    if isinstance(loss_scale, str):
-        raise ValueError(f"loss_scale must be None, a positive number or 'dynamic', got {loss_scale!r}")
-    value = _real(loss_scale, "loss_scale")
-    if value <= 0:
-        raise ValueError(f"loss_scale must be > 0, got {value}")
-    return value, False
-
-
-def _check_int(x: Any, name: str, minimum: int, required: bool = False) -> int | None:
-    if x is None:
-        if required:
-            raise ValueError(f"{name} is missing")
-        return None
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{name} must be an int or None, got {type(x).__name__}")
-    if x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return x
-
-
-def _check_step(x: Any, name: str) -> int:
-    """A saved step count: an int, or a float / one-element tensor holding an integer, in [0, 2**53]."""
-    if isinstance(x, torch.Tensor):
-        if x.numel() != 1:
-            raise ValueError(f"{name} must hold one number, got shape {tuple(x.shape)}")
-        x = x.item()
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(x).__name__}")
-    if not (math.isfinite(x) and x == int(x) and 0 <= x <= 2**53):
-        raise ValueError(f"{name} must be a whole number in [0, 2**53], got {x!r}")
-    return int(x)
-
-
-def _check_params(params: Any) -> list[dict[str, Any]]:
-    if isinstance(params, torch.Tensor):
-        raise TypeError("params must be an iterable of tensors or dicts, got a single tensor")
-    groups = list(params)
-    if not groups:
-        raise ValueError("params is empty")
-    if not isinstance(groups[0], dict):
-        groups = [{"params": groups}]
-    seen: set[int] = set()
-    out = []
-    for gi, g in enumerate(groups):
-        if not isinstance(g, dict) or "params" not in g:
-            raise TypeError(f"param group {gi} must be a dict with a 'params' key")
-        ps = g["params"]
-        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        for pi, p in enumerate(ps):
-            where = f"param group {gi} param {pi}"
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"{where} is a {type(p).__name__}, not a tensor")
-            if not p.is_leaf:
-                raise ValueError(f"{where} is not a leaf tensor (it was computed from others); pass model parameters")
-            if not p.is_floating_point():
-                raise TypeError(f"{where} has dtype {p.dtype}; parameters must be floating point")
-            if p.layout != torch.strided:
-                raise ValueError(f"{where} has layout {p.layout}; only dense parameters are supported")
-            if id(p) in seen:
-                raise ValueError(f"{where} appears more than once in params")
-            seen.add(id(p))
-        out.append({**g, "params": ps})
-    return out
-
-
-def _pin_rank_threads(world: int, rank: int) -> int:
-    """Ranks sharing a host split its cores: pin this process to its own slice, return its thread count."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, local_world)))
-    if local_world <= 1 or not hasattr(os, "sched_getaffinity"):
-        return max(1, torch.get_num_threads())
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < local_world:
-        return 1
-    per = len(cores) // local_world
-    mine = cores[local_rank * per : (local_rank + 1) * per]
-    os.sched_setaffinity(0, mine)
-    torch.set_num_threads(len(mine))
-    return len(mine)

@@ -1,0 +1,25 @@
+"""ZeroOffloadAdamW: ZeRO-2 with the optimizer state and the update offloaded to the CPU (ZeRO-Offload).
+
+One concept per module; the data of one step walks through them in order:
+- layout.py: the flat layout (params in flat order, 16-byte aligned offsets, partitions, buckets, runs).
+- grads.py: the gradient path (hooks -> pack -> reduce -> copy -> landing, accumulation, p.grad placeholders).
+- scaler.py: the loss scaler.
+- update.py: the host update (masters and moments, CPU Adam, tiled writeback, staging, the DPU worker).
+- comm.py: the process group (bounded collectives, all-gather of the parameters, gather of the state).
+- state.py: state-dict conversion. report.py: MemoryReport. checks.py: argument checks.
+- optimizer.py: ZeroOffloadAdamW, which composes them.
+"""
+
+from .checks import DTYPES, MAX_THREADS
+from .comm import COLLECTIVE_TIMEOUT_S, GATHER_CHUNK_NUMEL, backend_for_device
+from .layout import PARAM_ALIGN_BYTES
+from .optimizer import DEFAULT_BUCKET_NUMEL, ZeroOffloadAdamW
+from .report import K_ADAM, MemoryReport
+from .scaler import SCALE_BACKOFF, SCALE_GROWTH, SCALE_INIT, SCALE_INTERVAL
+from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S
+
+__all__ = [
+    "COLLECTIVE_TIMEOUT_S", "DEFAULT_BUCKET_NUMEL", "DEFAULT_TILE_NUMEL", "DTYPES", "GATHER_CHUNK_NUMEL", "K_ADAM",
+    "MAX_THREADS", "PARAM_ALIGN_BYTES", "SCALE_BACKOFF", "SCALE_GROWTH", "SCALE_INIT", "SCALE_INTERVAL",
+    "UPDATE_TIMEOUT_S", "MemoryReport", "ZeroOffloadAdamW", "backend_for_device",
+]

@@ -1,0 +1,145 @@
+"""State-dict conversion: this rank's partition <-> torch.optim's per-parameter layout, world-size independent."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..cpu_adam import _real, check_hparams
+from .checks import check_int
+
+if TYPE_CHECKING:
+    from .optimizer import ZeroOffloadAdamW
+
+
+def state_dict(opt: ZeroOffloadAdamW) -> dict[str, Any]:
+    """torch.optim layout, world-size independent: per param step/exp_avg/exp_avg_sq/master (fp32, CPU)."""
+    opt._check_open()
+    opt._check_usable()
+    opt.update.finish_pending(write=False)
+    keys = ("master", "exp_avg", "exp_avg_sq")
+    full = {k: opt.comm.gather(getattr(opt.update, k), opt.layout.flat_numel) for k in keys}
+    state, groups, idx = {}, [], 0
+    for group in opt.param_groups:
+        ids = []
+        for p in group["params"]:
+            off, n = opt.layout.offset[p], p.numel()
+            # always present, also before the first step: the masters must travel with the checkpoint
+            state[idx] = {"step": torch.tensor(float(opt.update.steps[idx]))}
+            state[idx].update({k: v[off : off + n].clone().view(p.shape) for k, v in full.items()})
+            ids.append(idx)
+            idx += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    extra = {"loss_scale": opt.scaler.scale, "dynamic": opt.scaler.dynamic, "good_steps": opt.scaler.good_steps,
+             "iteration": opt._iteration, "world_size": opt.world, "staged": opt.update.staged}  # fmt: skip
+    return {"state": state, "param_groups": groups, "zero_offload": extra}
+
+
+def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[tuple[int, torch.Tensor, dict, int]]:
+    """Check a state dict against the optimizer (groups, counts, shapes, values); change nothing.
+
+    Returns the per-parameter entries to load as (group index, param, state, step).
+    """
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    groups, state = state_dict.get("param_groups"), state_dict.get("state")
+    if not isinstance(groups, list) or not isinstance(state, dict):
+        raise ValueError("state_dict must have 'param_groups' (a list) and 'state' (a dict)")
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer {len(opt.param_groups)}")
+    plan = []
+    for gi, (saved, group) in enumerate(zip(groups, opt.param_groups)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+            raise ValueError(f"state_dict param group {gi} must be a dict with a 'params' list")
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(f"param group {gi}: state_dict has {len(saved['params'])} params, "
+                             f"this optimizer {len(group['params'])}")  # fmt: skip
+        check_hparams(saved.get("lr", group["lr"]), saved.get("betas", group["betas"]),
+                      saved.get("eps", group["eps"]), saved.get("weight_decay", group["weight_decay"]))  # fmt: skip
+        if "step" in saved:
+            _check_step(saved["step"], f"param group {gi}: 'step'")
+        for i, p in zip(saved["params"], group["params"]):
+            st = state.get(i, state.get(str(i)))
+            if st is None:
+                continue
+            if not isinstance(st, dict):
+                raise ValueError(f"param {i}: state must be a dict, got {type(st).__name__}")
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                t = st.get(key)
+                if t is None:
+                    if key != "master":
+                        raise ValueError(f"param {i}: state has no {key!r}")
+                    continue
+                if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                    raise TypeError(f"param {i}: state {key!r} must be a floating-point tensor")
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"param {i}: saved {key} has shape {tuple(t.shape)}, "
+                                     f"the model's param has {tuple(p.shape)}")  # fmt: skip
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"param {i}: state {key!r} holds inf or NaN")
+                if key == "exp_avg_sq" and bool((t < 0).any()):
+                    raise ValueError(f"param {i}: state 'exp_avg_sq' has negative values")
+            plan.append((gi, p, st, _check_step(st.get("step"), f"param {i}: state 'step'")))
+    extra = state_dict.get("zero_offload", {})
+    if not isinstance(extra, dict):
+        raise ValueError(f"state_dict['zero_offload'] must be a dict, got {type(extra).__name__}")
+    if "loss_scale" in extra:
+        if _real(extra["loss_scale"], "state_dict['zero_offload']['loss_scale']") <= 0:
+            raise ValueError("state_dict['zero_offload']['loss_scale'] must be > 0")
+        check_int(extra.get("good_steps"), "state_dict['zero_offload']['good_steps']", 0, required=True)
+    check_int(extra.get("iteration"), "state_dict['zero_offload']['iteration']", 0)
+    return plan
+
+
+def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
+    """Load a state dict of ZeroOffloadAdamW (any world size) or of torch.optim.AdamW (see its docstring)."""
+    opt._check_open()
+    opt._check_usable()
+    if opt._n_micro or opt._in_backward:
+        raise RuntimeError("load_state_dict() between backward and step(): call step() or zero_grad() first")
+    plan = check_state_dict(opt, state_dict)
+    opt.update.finish_pending(write=False)
+    for saved, group in zip(state_dict["param_groups"], opt.param_groups):
+        for key, value in saved.items():
+            if key != "params":
+                group[key] = tuple(value) if key == "betas" else value
+    opt.update.steps = [0] * len(opt.layout.params)
+    opt.update.exp_avg.zero_()
+    opt.update.exp_avg_sq.zero_()
+    for _, p, st, step in plan:
+        i = opt.layout.index[p]
+        opt.update.steps[i] = step
+        off, n = opt.layout.offset[p], p.numel()
+        a, b = max(off, opt.layout.part_lo), min(off + n, opt.layout.part_hi)
+        if a >= b:
+            continue
+        src = slice(a - off, b - off)
+        dst = slice(a - opt.layout.part_lo, b - opt.layout.part_lo)
+        opt.update.exp_avg[dst] = st["exp_avg"].reshape(-1)[src].float()
+        opt.update.exp_avg_sq[dst] = st["exp_avg_sq"].reshape(-1)[src].float()
+        if st.get("master") is not None:
+            opt.update.master[dst] = st["master"].reshape(-1)[src].float()
+    for gi, group in enumerate(opt.param_groups):
+        group["step"] = max(opt.update.steps[i] for i, pg in enumerate(opt.layout.pgroup) if pg == gi)
+    if not plan or any(st.get("master") is None for _, _, st, _ in plan):
+        opt.update.refresh_stale_masters()
+    extra = state_dict.get("zero_offload", {})
+    if "loss_scale" in extra and extra.get("dynamic") == opt.scaler.dynamic:
+        opt.scaler.scale, opt.scaler.good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
+    opt._iteration = int(extra.get("iteration", max(opt.update.steps, default=0)))
+    opt.update.resume(staged=bool(extra.get("staged")))
+
+
+def _check_step(x: Any, name: str) -> int:
+    """A saved step count: an int, or a float / one-element tensor holding an integer, in [0, 2**53]."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"{name} must hold one number, got shape {tuple(x.shape)}")
+        x = x.item()
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(x).__name__}")
+    if not (math.isfinite(x) and x == int(x) and 0 <= x <= 2**53):
+        raise ValueError(f"{name} must be a whole number in [0, 2**53], got {x!r}")
+    return int(x)

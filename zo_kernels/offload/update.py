@@ -1,0 +1,186 @@
+"""The host update: this rank's masters and moments in host memory, CPU Adam over runs of the partition, the tiled
+writeback of the new 16-bit parameters (or staging them for later), and the background (DPU) worker."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch
+
+from ..cpu_adam import cpu_adam_step
+from ..transport import Staging, Transport, tiled_writeback
+from .comm import Comm
+from .layout import FlatLayout, Run
+from .report import PhaseTimes
+
+DEFAULT_TILE_NUMEL = 1 << 21  # see bench/test_bench_transport.py: 1.03x the bare kernel at 100M params
+UPDATE_TIMEOUT_S = 600.0  # default bound on waiting for the background (DPU) update
+
+
+class HostUpdate:
+    """fp32 master, exp_avg, exp_avg_sq of this rank's partition and the update that applies a gradient to them.
+
+    Args:
+        layout, flat: the flat layout and the device's flat 16-bit buffer (this rank writes its partition of it).
+        master: the partition's fp32 masters (taken from the parameters).
+        transport, comm: the copies to the device; the all-gather of the partitions.
+        threads, tile_numel: CPU threads of the update; elements per tile of the update/writeback pipeline.
+        delayed: the delayed parameter update is on (staging is then a buffer of its own).
+        timeout_s: the longest finish_pending() waits for the background update.
+        times: the step's phase timings.
+    """
+
+    def __init__(self, layout: FlatLayout, flat: torch.Tensor, master: torch.Tensor, transport: Transport,
+                 comm: Comm, *, threads: int, tile_numel: int, delayed: bool, timeout_s: float,
+                 times: PhaseTimes) -> None:  # fmt: skip
+        self.layout, self.flat, self.transport, self.comm, self.times = layout, flat, transport, comm, times
+        self.threads, self.tile_numel, self.timeout_s = threads, tile_numel, timeout_s
+        self.master = master
+        self.exp_avg = torch.zeros(layout.part, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(layout.part, dtype=torch.float32)
+        self.steps = [0] * len(layout.params)  # each parameter's own Adam step count (torch keeps one per param)
+        self.failed: BaseException | None = None
+        self.staged = False  # DPU: staging holds the last update's params, not yet on the device
+        self._staging_read: Any = None  # event of the last copy out of staging (the DPU writes after it)
+        self._pending: Future | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        own = flat[layout.part_lo : layout.part_hi]
+        self.staging_in_place = not (transport.needs_staging or delayed)
+        if not self.staging_in_place:
+            self.staging_buf = transport.pool.take(layout.part, flat.dtype)
+            # staging always holds the current params: a step that skips a param (no gradient) leaves its range
+            # as is, and the padding past the last parameter is sent to the device as zeros
+            self.staging_buf.copy_(master)
+        else:  # host memory is the device: the update writes the parameters in place (no forward runs meanwhile)
+            self.staging_buf = own
+        self._staging = [Staging(self.staging_buf[r[0] : r[1]], tile_numel) if r else None
+                         for r in layout.group_ranges]  # fmt: skip
+
+    def run(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict]) -> None:
+        """The synchronous update: CPU Adam, the new parameters to the device tile by tile, then the all-gather."""
+        kernel_before = self.times.get("kernel", 0.0)
+        seconds = self.cpu_update(grad, grad_scale, runs, hparams, True)
+        self.times.add("cpu_update", seconds)
+        # the part of the tiled update that is not the kernel: queueing copies, waiting for staging slots
+        self.times.add("writeback", seconds - (self.times.get("kernel", 0.0) - kernel_before))
+        self.publish()
+
+    def start(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict]) -> None:
+        """The delayed update: CPU Adam into staging in the background thread; finish_pending() collects it."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-dpu")
+        self._pending = self._executor.submit(self.cpu_update, grad, grad_scale, runs, hparams, False)
+
+    def cpu_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
+                   writeback: bool) -> float:  # fmt: skip
+        """CPU Adam over the ranges `runs` of this rank's partition; with writeback, tiles go to the device.
+
+        Returns its wall time. Runs in the background thread under DPU: no collectives, no stats here.
+        """
+        t0 = time.perf_counter()
+        events = []
+        lo = self.layout.part_lo
+        for gi, a, b, step, factor in runs:
+            staging = self._staging[gi]
+            adam = dict(step=step, grad_scale=grad_scale * factor, threads=self.threads, **hparams[gi])
+            if (a, b) != self.layout.group_ranges[gi]:  # part of a group (a param was skipped): a staging of its
+                for ev in staging.events.values():  # own, once the group's earlier copies are done
+                    self.transport.wait(ev)
+                staging = Staging(self.staging_buf[a:b], self.tile_numel)
+            if writeback:
+                dst = self.flat[lo + a : lo + b]
+                events += tiled_writeback(self.transport, self.master[a:b], grad[a:b], self.exp_avg[a:b],
+                                          self.exp_avg_sq[a:b], dst=dst, staging=staging, timings=self.times,
+                                          **adam)  # fmt: skip
+            else:
+                self.transport.wait(self._staging_read)  # the copy of the last update may still read staging
+                cpu_adam_step(self.master[a:b], grad[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b],
+                              param_out=self.staging_buf[a:b], **adam)  # fmt: skip
+        for ev in events:
+            self.transport.device_wait(ev)
+        return time.perf_counter() - t0
+
+    def finish_pending(self, write: bool) -> None:
+        """Wait for the background update (re-raising its exception) and, if asked, send its params down."""
+        if self._pending is None:
+            if write:
+                self.flush_staged()
+            return
+        fut, self._pending = self._pending, None
+        t0 = time.perf_counter()
+        try:
+            seconds = fut.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self.failed = TimeoutError(f"the delayed (background) update did not finish within "
+                                       f"{self.timeout_s:g} s (update_timeout_s)")  # fmt: skip
+            raise self.failed from None
+        except BaseException as e:  # the worker's own exception, with its traceback
+            self.failed = e
+            raise
+        self.times.add("cpu_update", seconds)
+        self.times.add("dpu_wait", time.perf_counter() - t0)
+        self.staged = True
+        if write:
+            self.flush_staged()
+
+    def flush_staged(self) -> None:
+        """Send the parameters of the last (background) update to the device, if not sent yet."""
+        if self.staged:
+            self.write_staging()
+            self.staged = False
+
+    def write_staging(self) -> None:
+        """Staging (the 16-bit params of the last update) -> this rank's slice of the device buffer."""
+        t0 = time.perf_counter()
+        own = self.flat[self.layout.part_lo : self.layout.part_hi]
+        if not self.staging_in_place:
+            # the compute stream waits for the copy; the next update waits for it before writing staging
+            self._staging_read = self.transport.h2d(own, self.staging_buf)
+            self.transport.device_wait(self._staging_read)
+        self.times.add("writeback", time.perf_counter() - t0)
+        self.publish()
+
+    def publish(self) -> None:
+        """Every rank's partition to every rank; autograd must refuse graphs that saved the old values."""
+        self.comm.all_gather_flat(self.flat, self.layout.part_lo, self.layout.part_hi)
+        torch.autograd.graph.increment_version(self.layout.params)
+
+    @torch.no_grad()
+    def resume(self, staged: bool) -> None:
+        """After a state was loaded: the device params from the masters now, or (a state saved between a delayed
+        update and its writeback) by the next step(), as if never stopped."""
+        self.staging_buf.copy_(self.master)
+        if staged and not self.staging_in_place:
+            self.staged = True
+        else:
+            self.staged = False
+            self.write_staging()
+
+    @torch.no_grad()
+    def refresh_stale_masters(self) -> None:
+        """Keep the fp32 masters if the device params are still their cast; else take them from the model."""
+        device_part = self.flat[self.layout.part_lo : self.layout.part_hi].cpu()
+        if not torch.equal(self.master.to(self.flat.dtype), device_part):
+            warnings.warn("the model's parameters changed since the optimizer took its fp32 masters (e.g. "
+                          "model.load_state_dict after construction): masters refreshed from the model, losing "
+                          "the bits below its dtype", stacklevel=3)  # fmt: skip
+            self.master.copy_(device_part)
+
+    @torch.no_grad()
+    def refresh_from_model(self) -> None:
+        """Take the fp32 masters from the model's current (device) parameters, e.g. after model.load_state_dict."""
+        self.finish_pending(write=False)
+        own = self.flat[self.layout.part_lo : self.layout.part_hi]
+        self.master.copy_(own.float().cpu())
+        if not self.staging_in_place:  # staging holds the params a skipped range keeps
+            self.staging_buf.copy_(own.cpu())
+        self.staged = False  # the device parameters are the truth now
+
+    def close(self) -> None:
+        """Stop the background worker (after finish_pending)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
