@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -54,3 +55,23 @@ def check_params(params: Any) -> list[dict[str, Any]]:
             seen.add(id(p))
         out.append({**g, "params": ps})
     return out
+
+
+def check_offload(offload_optimizer: Any, nvme_dir: Any) -> str | None:
+    """offload_optimizer "cpu" or "nvme"; nvme_dir an existing writable directory, given with "nvme" only."""
+    if offload_optimizer not in ("cpu", "nvme"):
+        raise ValueError(f"offload_optimizer must be 'cpu' or 'nvme', got {offload_optimizer!r}")
+    if offload_optimizer == "cpu":
+        if nvme_dir is not None:
+            raise ValueError("nvme_dir is used only with offload_optimizer='nvme'")
+        return None
+    if nvme_dir is None:
+        raise ValueError("offload_optimizer='nvme' needs nvme_dir=, a directory for the optimizer state's files")
+    if not isinstance(nvme_dir, (str, os.PathLike)):
+        raise TypeError(f"nvme_dir must be a path, got {type(nvme_dir).__name__}")
+    path = os.fspath(nvme_dir)
+    if not os.path.isdir(path):
+        raise ValueError(f"nvme_dir {path!r} is not an existing directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"nvme_dir {path!r} is not writable")
+    return path

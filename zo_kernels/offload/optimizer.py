@@ -10,6 +10,7 @@ path of `pack`): that is how it is tested without a GPU.
 from __future__ import annotations
 
 import math
+import os
 import time
 import weakref
 from collections.abc import Iterable
@@ -23,7 +24,7 @@ from ..cpu_adam import _check_threads, _real, check_hparams, sum_squares
 from ..param_views import MovedGrad, alias, in_nested_backward, is_alias_of
 from ..transport import Transport, default_transport
 from . import state
-from .checks import DTYPES, MAX_THREADS, check_int, check_params
+from .checks import DTYPES, MAX_THREADS, check_int, check_offload, check_params
 from .comm import COLLECTIVE_TIMEOUT_S, Comm, pin_rank_threads
 from .layout import Bucket, FlatLayout
 from .report import K_ADAM, MemoryReport, PhaseTimes
@@ -91,6 +92,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         collective_timeout_s: the longest a collective on a CPU (gloo) group may take before this rank raises
             (NCCL groups use their own watchdog, set by init_process_group's timeout).
         module: the model the params belong to: its other floating-point params and buffers follow `dtype`.
+        offload_optimizer: where the fp32 master, exp_avg and exp_avg_sq live: "cpu" (host memory) or "nvme"
+            (scratch files in `nvme_dir`, streamed tile by tile through a bounded pool of aligned host buffers;
+            removed by close(), a killed run's reclaimed by the next start).
+        nvme_dir: an existing, writable directory (on an NVMe drive) for offload_optimizer="nvme".
     """
 
     def __init__(
@@ -113,6 +118,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         update_timeout_s: float = UPDATE_TIMEOUT_S,
         collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
         module: torch.nn.Module | None = None,
+        offload_optimizer: str = "cpu",
+        nvme_dir: str | os.PathLike | None = None,
     ) -> None:
         # Every argument is checked before anything (the model included) is modified.
         if isinstance(params, torch.nn.Module):
@@ -136,6 +143,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 raise ValueError(f"threads must be <= {MAX_THREADS}, got {threads}")
         if transport is not None and not isinstance(transport, Transport):
             raise TypeError(f"transport must be a zo_kernels Transport or None, got {type(transport).__name__}")
+        nvme_dir = check_offload(offload_optimizer, nvme_dir)
         for name, value in (("update_timeout_s", update_timeout_s), ("collective_timeout_s", collective_timeout_s)):
             if _real(value, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -187,7 +195,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.transport = transport if transport is not None else default_transport(device)
         self._own_transport = transport is None  # close() closes (returns the pinned memory of) what it made
         self._cast_followers(followers)
-        self._allocate(trainable)
+        self._allocate(trainable, nvme_dir)
         self._built = True
         self._iteration = 0  # step() calls that consumed gradients
         self._reset_grad_state()
@@ -209,7 +217,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 t.data = t.data.to(self.dtype)
 
     @torch.no_grad()
-    def _allocate(self, trainable: list[torch.Tensor]) -> None:
+    def _allocate(self, trainable: list[torch.Tensor], nvme_dir: str | None) -> None:
         pool_bytes = 8 * self.part * torch.empty((), dtype=self.dtype).element_size() + (1 << 20)
         self.transport.pool.max_bytes = max(self.transport.pool.max_bytes, pool_bytes)
         master = torch.zeros(self.part, dtype=torch.float32)
@@ -232,7 +240,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             buf.zero_()
         self.update = HostUpdate(self.layout, self.flat, master, self.transport, self.comm, threads=self.threads,
                                  tile_numel=self.tile_numel, delayed=self.delay_update_after is not None,
-                                 timeout_s=self.update_timeout_s, times=self._times)  # fmt: skip
+                                 timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir)  # fmt: skip
         self._accum: list[torch.Tensor | None] = [None] * n_landing
         # One rank whose device memory is host memory needs no bucket: gradients pack into the landing buffer.
         self._direct_landing = self.world == 1 and not self.transport.needs_staging
@@ -749,7 +757,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         buckets = nbytes(self._bucket_bufs)
         return MemoryReport(
             params=phi, world_size=n, device_params=nbytes([self.flat]), device_buckets=buckets,
-            host_state=nbytes([self.master, self.exp_avg, self.exp_avg_sq]), host_landing=nbytes(self.landing),
+            host_state=self.update.host_state_bytes, host_landing=nbytes(self.landing),
             host_staging=0 if self.update.staging_in_place else nbytes([self.update.staging_buf]),
             host_accumulator=nbytes(self._accum),
             formula_device=2 * phi + buckets, formula_host=(2 + K_ADAM) * phi // n + 2 * phi // n,

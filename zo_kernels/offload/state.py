@@ -20,7 +20,7 @@ def state_dict(opt: ZeroOffloadAdamW) -> dict[str, Any]:
     opt._check_usable()
     opt.update.finish_pending(write=False)
     keys = ("master", "exp_avg", "exp_avg_sq")
-    full = {k: opt.comm.gather(getattr(opt.update, k), opt.layout.flat_numel) for k in keys}
+    full = {k: opt.comm.gather(t, opt.layout.flat_numel) for k, t in zip(keys, opt.update.state())}
     state, groups, idx = {}, [], 0
     for group in opt.param_groups:
         ids = []
@@ -106,8 +106,9 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
             if key != "params":
                 group[key] = tuple(value) if key == "betas" else value
     opt.update.steps = [0] * len(opt.layout.params)
-    opt.update.exp_avg.zero_()
-    opt.update.exp_avg_sq.zero_()
+    master, exp_avg, exp_avg_sq = opt.update.state()
+    exp_avg.zero_()
+    exp_avg_sq.zero_()
     for _, p, st, step in plan:
         i = opt.layout.index[p]
         opt.update.steps[i] = step
@@ -117,10 +118,11 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
             continue
         src = slice(a - off, b - off)
         dst = slice(a - opt.layout.part_lo, b - opt.layout.part_lo)
-        opt.update.exp_avg[dst] = st["exp_avg"].reshape(-1)[src].float()
-        opt.update.exp_avg_sq[dst] = st["exp_avg_sq"].reshape(-1)[src].float()
+        exp_avg[dst] = st["exp_avg"].reshape(-1)[src].float()
+        exp_avg_sq[dst] = st["exp_avg_sq"].reshape(-1)[src].float()
         if st.get("master") is not None:
-            opt.update.master[dst] = st["master"].reshape(-1)[src].float()
+            master[dst] = st["master"].reshape(-1)[src].float()
+    opt.update.save_state(master, exp_avg, exp_avg_sq)
     for gi, group in enumerate(opt.param_groups):
         group["step"] = max(opt.update.steps[i] for i, pg in enumerate(opt.layout.pgroup) if pg == gi)
     if not plan or any(st.get("master") is None for _, _, st, _ in plan):

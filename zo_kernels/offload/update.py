@@ -1,5 +1,6 @@
-"""The host update: this rank's masters and moments in host memory, CPU Adam over runs of the partition, the tiled
-writeback of the new 16-bit parameters (or staging them for later), and the background (DPU) worker."""
+"""The host update: this rank's masters and moments (in host memory, or in NVMe files streamed tile by tile), CPU
+Adam over runs of the partition, the tiled writeback of the new 16-bit parameters (or staging them for later), and
+the background (DPU) worker."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from ..cpu_adam import cpu_adam_step
+from ..nvme import TILE_MULTIPLE, NvmeSwapper
 from ..transport import Staging, Transport, tiled_writeback
 from .comm import Comm
 from .layout import FlatLayout, Run
@@ -32,16 +34,24 @@ class HostUpdate:
         delayed: the delayed parameter update is on (staging is then a buffer of its own).
         timeout_s: the longest finish_pending() waits for the background update.
         times: the step's phase timings.
+        nvme_dir: keep master, exp_avg, exp_avg_sq in scratch files there (NvmeSwapper: host memory bounded by
+            its buffer pool; the update streams them tile by tile); None: in host memory.
     """
 
     def __init__(self, layout: FlatLayout, flat: torch.Tensor, master: torch.Tensor, transport: Transport,
                  comm: Comm, *, threads: int, tile_numel: int, delayed: bool, timeout_s: float,
-                 times: PhaseTimes) -> None:  # fmt: skip
+                 times: PhaseTimes, nvme_dir: str | None = None) -> None:  # fmt: skip
         self.layout, self.flat, self.transport, self.comm, self.times = layout, flat, transport, comm, times
         self.threads, self.tile_numel, self.timeout_s = threads, tile_numel, timeout_s
-        self.master = master
-        self.exp_avg = torch.zeros(layout.part, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(layout.part, dtype=torch.float32)
+        self.swapper: NvmeSwapper | None = None
+        if nvme_dir is not None:
+            tile = -(-tile_numel // TILE_MULTIPLE) * TILE_MULTIPLE  # the pool: 9 tiles of fp32, bounded by tile_numel
+            self.swapper = NvmeSwapper(layout.part, nvme_dir, tile_numel=tile)
+            self.swapper.write_all(master)  # zero moments
+            self._state = None
+        else:
+            self._state = (master, torch.zeros(layout.part, dtype=torch.float32),
+                           torch.zeros(layout.part, dtype=torch.float32))  # fmt: skip
         self.steps = [0] * len(layout.params)  # each parameter's own Adam step count (torch keeps one per param)
         self.failed: BaseException | None = None
         self.staged = False  # DPU: staging holds the last update's params, not yet on the device
@@ -59,6 +69,41 @@ class HostUpdate:
             self.staging_buf = own
         self._staging = [Staging(self.staging_buf[r[0] : r[1]], tile_numel) if r else None
                          for r in layout.group_ranges]  # fmt: skip
+
+    def state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(master, exp_avg, exp_avg_sq) of the partition: the tensors themselves in memory; with NVMe, copies read
+        from the files (write changes back with save_state)."""
+        if self._state is not None:
+            return self._state
+        out = tuple(torch.empty(self.layout.part, dtype=torch.float32) for _ in range(3))
+        self.swapper.read_all(*out)
+        return out
+
+    def save_state(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Make these the state (a no-op for the in-memory tensors that state() returned)."""
+        if self.swapper is not None:
+            self.swapper.write_all(master, exp_avg, exp_avg_sq)
+        else:
+            for mine, new in zip(self._state, (master, exp_avg, exp_avg_sq)):
+                if new is not mine:
+                    mine.copy_(new)
+
+    @property
+    def master(self) -> torch.Tensor:
+        return self.state()[0]
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self.state()[1]
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self.state()[2]
+
+    @property
+    def host_state_bytes(self) -> int:
+        """Host bytes the optimizer state takes: 12 per parameter in memory, the swapper's pool with NVMe."""
+        return self.swapper.pool_bytes if self.swapper is not None else 12 * self.layout.part
 
     def run(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict]) -> None:
         """The synchronous update: CPU Adam, the new parameters to the device tile by tile, then the all-gather."""
@@ -82,8 +127,12 @@ class HostUpdate:
         Returns its wall time. Runs in the background thread under DPU: no collectives, no stats here.
         """
         t0 = time.perf_counter()
+        if self.swapper is not None:
+            self._stream_update(grad, grad_scale, runs, hparams, writeback)
+            return time.perf_counter() - t0
         events = []
         lo = self.layout.part_lo
+        master, exp_avg, exp_avg_sq = self._state
         for gi, a, b, step, factor in runs:
             staging = self._staging[gi]
             adam = dict(step=step, grad_scale=grad_scale * factor, threads=self.threads, **hparams[gi])
@@ -93,16 +142,39 @@ class HostUpdate:
                 staging = Staging(self.staging_buf[a:b], self.tile_numel)
             if writeback:
                 dst = self.flat[lo + a : lo + b]
-                events += tiled_writeback(self.transport, self.master[a:b], grad[a:b], self.exp_avg[a:b],
-                                          self.exp_avg_sq[a:b], dst=dst, staging=staging, timings=self.times,
-                                          **adam)  # fmt: skip
+                events += tiled_writeback(self.transport, master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b],
+                                          dst=dst, staging=staging, timings=self.times, **adam)  # fmt: skip
             else:
                 self.transport.wait(self._staging_read)  # the copy of the last update may still read staging
-                cpu_adam_step(self.master[a:b], grad[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b],
+                cpu_adam_step(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b],
                               param_out=self.staging_buf[a:b], **adam)  # fmt: skip
         for ev in events:
             self.transport.device_wait(ev)
         return time.perf_counter() - t0
+
+    def _stream_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
+                       writeback: bool) -> None:  # fmt: skip
+        """The update with the state in NVMe files: the swapper reads tile t+1 and writes tile t-1 while CPU Adam
+        updates tile t (each run's part of it) into staging; with writeback, staging then goes to the device in
+        one copy (no tile-level overlap of the writeback yet). Elementwise, so equal bit for bit to the in-memory
+        update."""
+        self.transport.wait(self._staging_read)  # the copy of the last update may still read staging
+
+        def update(lo: int, hi: int, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+            for gi, a, b, step, factor in runs:
+                x, y = max(a, lo), min(b, hi)
+                if x < y:
+                    t0 = time.perf_counter()
+                    cpu_adam_step(p[x - lo : y - lo], grad[x:y], m[x - lo : y - lo], v[x - lo : y - lo], step=step,
+                                  grad_scale=grad_scale * factor, threads=self.threads,
+                                  param_out=self.staging_buf[x:y], **hparams[gi])  # fmt: skip
+                    self.times.add("kernel", time.perf_counter() - t0)
+
+        self.swapper.stream(update)
+        if writeback and not self.staging_in_place:
+            own = self.flat[self.layout.part_lo : self.layout.part_hi]
+            self._staging_read = self.transport.h2d(own, self.staging_buf)
+            self.transport.device_wait(self._staging_read)
 
     def finish_pending(self, write: bool) -> None:
         """Wait for the background update (re-raising its exception) and, if asked, send its params down."""
@@ -153,7 +225,7 @@ class HostUpdate:
     def resume(self, staged: bool) -> None:
         """After a state was loaded: the device params from the masters now, or (a state saved between a delayed
         update and its writeback) by the next step(), as if never stopped."""
-        self.staging_buf.copy_(self.master)
+        self.staging_buf.copy_(self.state()[0])
         if staged and not self.staging_in_place:
             self.staged = True
         else:
@@ -164,23 +236,29 @@ class HostUpdate:
     def refresh_stale_masters(self) -> None:
         """Keep the fp32 masters if the device params are still their cast; else take them from the model."""
         device_part = self.flat[self.layout.part_lo : self.layout.part_hi].cpu()
-        if not torch.equal(self.master.to(self.flat.dtype), device_part):
+        master, exp_avg, exp_avg_sq = self.state()
+        if not torch.equal(master.to(self.flat.dtype), device_part):
             warnings.warn("the model's parameters changed since the optimizer took its fp32 masters (e.g. "
                           "model.load_state_dict after construction): masters refreshed from the model, losing "
-                          "the bits below its dtype", stacklevel=3)  # fmt: skip
-            self.master.copy_(device_part)
+                          "the bits below its dtype", stacklevel=5)  # fmt: skip
+            master.copy_(device_part)
+            self.save_state(master, exp_avg, exp_avg_sq)
 
     @torch.no_grad()
     def refresh_from_model(self) -> None:
         """Take the fp32 masters from the model's current (device) parameters, e.g. after model.load_state_dict."""
         self.finish_pending(write=False)
         own = self.flat[self.layout.part_lo : self.layout.part_hi]
-        self.master.copy_(own.float().cpu())
+        master, exp_avg, exp_avg_sq = self.state()
+        master.copy_(own.float().cpu())
+        self.save_state(master, exp_avg, exp_avg_sq)
         if not self.staging_in_place:  # staging holds the params a skipped range keeps
             self.staging_buf.copy_(own.cpu())
         self.staged = False  # the device parameters are the truth now
 
     def close(self) -> None:
-        """Stop the background worker (after finish_pending)."""
+        """Stop the background worker (after finish_pending); remove the NVMe scratch files."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self.swapper is not None:
+            self.swapper.close()

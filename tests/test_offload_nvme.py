@@ -1,0 +1,120 @@
+"""offload_optimizer="nvme": the optimizer state in scratch files, streamed tile by tile (zo_kernels.nvme), must
+give the same training as the state in host memory BIT FOR BIT (the update is elementwise: tiling cannot change a
+value), through every path of the step; checkpoints move between the two; the files go away with close()."""
+
+import copy
+import os
+
+import pytest
+import torch
+from helpers import digest
+from offload_ref import make_data, make_model
+
+import zo_kernels as zk
+from zo_kernels.transport import CopyEngineTransport
+
+SCENARIOS = {
+    "synchronous": dict(),
+    "dpu": dict(delay_update_after=1),
+    "accumulation": dict(micro=2),
+    "clip+dynamic+fp16": dict(max_grad_norm=0.05, loss_scale="dynamic", dtype=torch.float16),
+    "groups+unused": dict(groups=True),
+    "gpu-shaped": dict(transport=True, delay_update_after=2, micro=2),
+}
+
+
+def train(scenario, steps=4, **where):
+    kw = dict(SCENARIOS[scenario])
+    micro = kw.pop("micro", 1)
+    transport = CopyEngineTransport(delay_s=0.0005) if kw.pop("transport", False) else None
+    model = make_model(seed=0)
+    params = model.parameters()
+    if kw.pop("groups", False):
+        named = list(model.named_parameters())
+        params = [{"params": [p for n, p in named if p.dim() > 1]},
+                  {"params": [p for n, p in named if p.dim() <= 1], "lr": 1e-3, "weight_decay": 0.0}]  # fmt: skip
+    opt = zk.ZeroOffloadAdamW(params, lr=2e-3, weight_decay=0.01, bucket_numel=50_000, tile_numel=4096,
+                              transport=transport, **kw, **where)  # fmt: skip
+    losses = []
+    for s, step in enumerate(make_data(steps, batch=4, micro=micro, seed=3)):
+        for i, x in enumerate(step):
+            loss = model(x[:, :-1], x[:, 1:])
+            losses.append(loss.item())
+            if scenario == "groups+unused" and s % 2 and i == 0:
+                loss = loss + 0 * sum(p.sum() for p in model.parameters())  # every param used on odd steps
+            opt.backward(loss)
+        opt.step()
+    opt.synchronize()
+    state = copy.deepcopy(opt.state_dict()["state"])
+    params = [p.detach().clone() for p in model.parameters()]
+    report = opt.memory_report()
+    opt.close()
+    if transport is not None:
+        transport.close()
+    return losses, state, params, report
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_nvme_equals_memory_bit_for_bit(scenario, tmp_path):
+    mem = train(scenario)
+    nvme = train(scenario, offload_optimizer="nvme", nvme_dir=str(tmp_path))
+    assert nvme[0] == mem[0], "losses"
+    for i, (a, b) in enumerate(zip(nvme[1].values(), mem[1].values())):
+        for k in ("master", "exp_avg", "exp_avg_sq", "step"):
+            assert digest(a[k]) == digest(b[k]), f"param {i} {k}"
+    assert digest(*nvme[2]) == digest(*mem[2]), "model params"
+    assert os.listdir(tmp_path) == [], "close() removes the scratch files"
+
+
+def test_host_state_is_the_pool_not_the_model(tmp_path):
+    """With NVMe the host holds the swapper's buffer pool whatever the model size; in memory, 12 bytes/param."""
+    from dataclasses import replace
+
+    from offload_ref import CFG
+
+    reports = {}
+    for layers in (2, 4):
+        for where in ("cpu", "nvme"):
+            model = make_model(seed=0, cfg=replace(CFG, layers=layers))
+            kw = dict(offload_optimizer="nvme", nvme_dir=str(tmp_path)) if where == "nvme" else {}
+            opt = zk.ZeroOffloadAdamW(model.parameters(), tile_numel=4096, **kw)
+            reports[layers, where] = opt.memory_report()
+            opt.close()
+    assert reports[2, "nvme"].host_state == reports[4, "nvme"].host_state > 0
+    assert reports[4, "cpu"].host_state > reports[2, "cpu"].host_state > reports[2, "nvme"].host_state
+
+
+def test_checkpoint_moves_between_memory_and_nvme(tmp_path):
+    model = make_model(seed=0)
+    opt = zk.ZeroOffloadAdamW(model.parameters(), lr=2e-3)
+    data = make_data(4, batch=4, seed=3)
+    for step in data[:2]:
+        opt.backward(model(step[0][:, :-1], step[0][:, 1:]))
+        opt.step()
+    zk.save_checkpoint(tmp_path / "c.pt", model, opt)
+    ends = []
+    for where in (dict(), dict(offload_optimizer="nvme", nvme_dir=str(tmp_path))):
+        m = make_model(seed=7)
+        o = zk.ZeroOffloadAdamW(m.parameters(), lr=2e-3, **where)
+        zk.load_checkpoint(tmp_path / "c.pt", m, o)
+        for step in data[2:]:
+            o.backward(m(step[0][:, :-1], step[0][:, 1:]))
+            o.step()
+        ends.append(digest(*m.parameters(), *(s["exp_avg_sq"] for s in o.state_dict()["state"].values())))
+        o.close()
+    assert ends[0] == ends[1]
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(offload_optimizer="disk"), ValueError, "offload_optimizer"),
+    (dict(offload_optimizer="nvme"), ValueError, "nvme_dir"),
+    (dict(nvme_dir="/tmp"), ValueError, "nvme_dir"),
+    (dict(offload_optimizer="nvme", nvme_dir="/nonexistent/dir"), ValueError, "nvme_dir"),
+    (dict(offload_optimizer="nvme", nvme_dir=3), TypeError, "nvme_dir"),
+])  # fmt: skip
+def test_bad_offload_arguments_change_nothing(kw, exc, match):
+    model = make_model(seed=0)
+    before = digest(*model.parameters())
+    with pytest.raises(exc, match=match):
+        zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.bfloat16, **kw)
+    assert digest(*model.parameters()) == before and next(model.parameters()).dtype == torch.float32
