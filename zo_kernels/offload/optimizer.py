@@ -23,7 +23,7 @@ from ..cpu_adam import _check_threads, _real, check_hparams
 from ..param_views import alias
 from ..transport import Transport, default_transport
 from . import state
-from .checks import DTYPES, MAX_THREADS, check_int, check_offload, check_params
+from .checks import DTYPES, MAX_THREADS, check_int, check_offload, check_params, check_trainable
 from .comm import COLLECTIVE_TIMEOUT_S, Comm, pin_rank_threads
 from .grads import GradPath
 from .layout import FlatLayout
@@ -148,20 +148,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             if _real(value, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         groups = check_params(params)
-        trainable = [p for g in groups for p in g["params"] if p.requires_grad]
-        if not trainable:
-            raise ValueError("no trainable parameters (none has requires_grad=True)")
-        if sum(p.numel() for p in trainable) == 0:
-            raise ValueError("the trainable parameters have no elements")
-        for gi, g in enumerate(groups):
-            if not any(p.requires_grad for p in g["params"]):
-                raise ValueError(f"param group {gi} has no trainable parameter")
-        device = trainable[0].device
-        for i, p in enumerate(trainable):
-            if p.device != device:
-                raise ValueError(f"all params must be on one device: param {i} is on {p.device}, param 0 on {device}")
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"params must be on a CUDA device or the CPU, got {device}")
+        trainable, device = check_trainable(groups)
         if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "
                             f"got {type(process_group).__name__}")  # fmt: skip
@@ -246,11 +233,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     _params = _from("layout", "params", "The trainable parameters in flat order.")
     _index = _from("layout", "index", "{param: its position in the flat order}.")
     _offset = _from("layout", "offset", "{param: its flat offset}.")
-    _span_end = _from("layout", "span_end", "{param: the end of its span (padding included)}.")
     _pgroup = _from("layout", "pgroup", "Each parameter's group index.")
-    _group_ranges = _from("layout", "group_ranges", "Each group's range of the partition (None: none of it).")
     _buckets = _from("layout", "buckets", "The gradient buckets, in backward order.")
-    _bucket_of = _from("layout", "bucket_of", "{param: its bucket}.")
     align = _from("layout", "align", "Elements per PARAM_ALIGN_BYTES.")
     numel = _from("layout", "numel", "Trainable elements (Φ).")
     flat_numel = _from("layout", "flat_numel", "Elements of the flat buffer (padding included).")
