@@ -35,7 +35,7 @@ class Gradients(NamedTuple):
     sum_sq: float  # of the reduced gradient
     got: list[bool]  # which params got a gradient on some rank
     n_backward: int  # completed backward passes (stats["micro_batches"])
-    factor: list[float]  # p.grad.mul_(f) per param since the last micro-batch began accumulating
+    factor: list[float]  # per param: p.grad.mul_(f) not yet applied to grad (the update applies it)
 
 
 class GradPath:

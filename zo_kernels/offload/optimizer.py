@@ -338,8 +338,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         runs = self.layout.runs(got, self.update.steps, c.factor)
         for i, g in enumerate(got):
             self.update.steps[i] += g
-        for gi, group in enumerate(self.param_groups):
-            group["step"] = max(self.update.steps[i] for i, pg in enumerate(self._pgroup) if pg == gi)
+        self._set_group_steps()
         # the hyper-parameters as they are now: a scheduler may change them before a background update runs
         hparams = [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
                    for g in self.param_groups]  # fmt: skip
@@ -351,6 +350,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._record_stats(t_step, skip_reason=None, grad_norm=norm, clip=clip, micro_batches=n_micro,
                            delayed=delayed, skipped_params=len(got) - sum(got))  # fmt: skip
         return None
+
+    def _set_group_steps(self) -> None:
+        """Each group's "step" is the count of its most-stepped parameter (each parameter counts its own)."""
+        for gi, group in enumerate(self.param_groups):
+            group["step"] = max(self.update.steps[i] for i, pg in enumerate(self._pgroup) if pg == gi)
 
     def _record_stats(self, t_step: float, skip_reason: str | None, **kw: Any) -> None:
         self._times.add("step", time.perf_counter() - t_step)

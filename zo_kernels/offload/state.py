@@ -121,8 +121,7 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
         if st.get("master") is not None:
             master[dst] = st["master"].reshape(-1)[src].float()
     opt.update.save_state(master, exp_avg, exp_avg_sq)
-    for gi, group in enumerate(opt.param_groups):
-        group["step"] = max(opt.update.steps[i] for i, pg in enumerate(opt.layout.pgroup) if pg == gi)
+    opt._set_group_steps()
     if not plan or any(st.get("master") is None for _, _, st, _ in plan):
         opt.update.refresh_stale_masters()
     extra = state_dict.get("zero_offload", {})
