@@ -22,12 +22,12 @@ import torch.distributed as dist
 from ..cpu_adam import _check_threads, _real, check_hparams
 from ..param_views import alias
 from ..transport import Transport, default_transport
-from . import state
+from . import report, state
 from .checks import DTYPES, MAX_THREADS, check_int, check_offload, check_params, check_trainable
 from .comm import COLLECTIVE_TIMEOUT_S, Comm, pin_rank_threads
 from .grads import GradPath
 from .layout import FlatLayout
-from .report import K_ADAM, MemoryReport, PhaseTimes
+from .report import MemoryReport, PhaseTimes
 from .scaler import LossScaler
 from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S, HostUpdate
 
@@ -411,16 +411,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     def memory_report(self) -> MemoryReport:
         """Bytes on the device and the host for this model and world size, measured, next to DESIGN.md's formulas."""
-        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
-        phi, n = self.numel, self.world
-        buckets = nbytes(self.grads.bucket_bufs)
-        return MemoryReport(
-            params=phi, world_size=n, device_params=nbytes([self.flat]), device_buckets=buckets,
-            host_state=self.update.host_state_bytes, host_landing=nbytes(self.grads.landing),
-            host_staging=0 if self.update.staging_in_place else nbytes([self.update.staging_buf]),
-            host_accumulator=nbytes(self.grads.accum),
-            formula_device=2 * phi + buckets, formula_host=(2 + K_ADAM) * phi // n + 2 * phi // n,
-        )  # fmt: skip
+        return report.measure(self)
 
     def close(self) -> None:
         """Finish a pending update, remove the hooks, stop the background worker; using it afterwards raises."""
