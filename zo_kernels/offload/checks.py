@@ -57,6 +57,25 @@ def check_params(params: Any) -> list[dict[str, Any]]:
     return out
 
 
+def check_trainable(groups: list[dict[str, Any]]) -> tuple[list[torch.Tensor], torch.device]:
+    """The checked groups' trainable parameters (some in every group, with elements) and their one device."""
+    trainable = [p for g in groups for p in g["params"] if p.requires_grad]
+    if not trainable:
+        raise ValueError("no trainable parameters (none has requires_grad=True)")
+    if sum(p.numel() for p in trainable) == 0:
+        raise ValueError("the trainable parameters have no elements")
+    for gi, g in enumerate(groups):
+        if not any(p.requires_grad for p in g["params"]):
+            raise ValueError(f"param group {gi} has no trainable parameter")
+    device = trainable[0].device
+    for i, p in enumerate(trainable):
+        if p.device != device:
+            raise ValueError(f"all params must be on one device: param {i} is on {p.device}, param 0 on {device}")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"params must be on a CUDA device or the CPU, got {device}")
+    return trainable, device
+
+
 def check_offload(offload_optimizer: Any, nvme_dir: Any) -> str | None:
     """offload_optimizer "cpu" or "nvme"; nvme_dir an existing writable directory, given with "nvme" only."""
     if offload_optimizer not in ("cpu", "nvme"):

@@ -19,15 +19,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..buckets import pack
-from ..cpu_adam import _check_threads, _real, check_hparams, sum_squares
-from ..param_views import MovedGrad, alias, in_nested_backward, is_alias_of
+from ..cpu_adam import _check_threads, _real, check_hparams
+from ..param_views import alias
 from ..transport import Transport, default_transport
-from . import state
-from .checks import DTYPES, MAX_THREADS, check_int, check_offload, check_params
+from . import report, state
+from .checks import DTYPES, MAX_THREADS, check_int, check_offload, check_params, check_trainable
 from .comm import COLLECTIVE_TIMEOUT_S, Comm, pin_rank_threads
-from .layout import Bucket, FlatLayout
-from .report import K_ADAM, MemoryReport, PhaseTimes
+from .grads import GradPath
+from .layout import FlatLayout
+from .report import MemoryReport, PhaseTimes
 from .scaler import LossScaler
 from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S, HostUpdate
 
@@ -148,20 +148,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             if _real(value, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         groups = check_params(params)
-        trainable = [p for g in groups for p in g["params"] if p.requires_grad]
-        if not trainable:
-            raise ValueError("no trainable parameters (none has requires_grad=True)")
-        if sum(p.numel() for p in trainable) == 0:
-            raise ValueError("the trainable parameters have no elements")
-        for gi, g in enumerate(groups):
-            if not any(p.requires_grad for p in g["params"]):
-                raise ValueError(f"param group {gi} has no trainable parameter")
-        device = trainable[0].device
-        for i, p in enumerate(trainable):
-            if p.device != device:
-                raise ValueError(f"all params must be on one device: param {i} is on {p.device}, param 0 on {device}")
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"params must be on a CUDA device or the CPU, got {device}")
+        trainable, device = check_trainable(groups)
         if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "
                             f"got {type(process_group).__name__}")  # fmt: skip
@@ -178,7 +165,6 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.dtype, self.device = dtype, device
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.update_timeout_s, self.collective_timeout_s = float(update_timeout_s), float(collective_timeout_s)
-        self._last_got: list[bool] = []  # which params had a gradient at the last step (zero_grad(set_to_none=False))
         self._times = PhaseTimes()  # seconds per phase since the last step
         self.comm = Comm(process_group, device, self.collective_timeout_s, self._times)
         self.threads = threads if threads is not None else pin_rank_threads(self.world, self.rank)
@@ -197,13 +183,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._cast_followers(followers)
         self._allocate(trainable, nvme_dir)
         self._built = True
-        self._iteration = 0  # step() calls that consumed gradients
-        self._reset_grad_state()
         self.stats: dict[str, Any] = {}
-        # each param's AccumulateGrad node: a hook fired by torch.autograd.grad (which accumulates nothing) is ignored
-        self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in trainable]
-        self._hooks = [p.register_hook(self._before_accumulate(p)) for p in trainable]
-        self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+        self.grads.attach()
         for p in trainable:
             p._zo_owner = weakref.ref(self)
 
@@ -234,19 +215,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.flat[off : off + n].copy_(p.detach().reshape(-1))
             p.data = alias(self.flat, off, n, p.shape)
             p.grad = None
-        n_landing = 2 if self.delay_update_after is not None else 1
-        self.landing = [self.transport.pool.take(self.part, self.dtype) for _ in range(n_landing)]
-        for buf in self.landing:
-            buf.zero_()
+        self.grads = GradPath(self.layout, self.flat, self.transport, self.comm, self.scaler, self._times,
+                              slots=2 if self.delay_update_after is not None else 1, threads=self.threads,
+                              guard=self._check_alive)  # fmt: skip
         self.update = HostUpdate(self.layout, self.flat, master, self.transport, self.comm, threads=self.threads,
                                  tile_numel=self.tile_numel, delayed=self.delay_update_after is not None,
                                  timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir)  # fmt: skip
-        self._accum: list[torch.Tensor | None] = [None] * n_landing
-        # One rank whose device memory is host memory needs no bucket: gradients pack into the landing buffer.
-        self._direct_landing = self.world == 1 and not self.transport.needs_staging
-        buf_numel = 0 if self._direct_landing else max(b.hi - b.lo for b in self._buckets)
-        self._bucket_bufs = [torch.empty(buf_numel, dtype=self.dtype, device=self.device) for _ in range(2)]
-        self._buf_busy: list[list[Any]] = [[], []]  # per buffer: reduce works and copy events still using it
 
     def _check_usable(self) -> None:
         failed = self.comm.failed or self.update.failed
@@ -254,207 +228,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             raise RuntimeError("this optimizer is unusable after an earlier failure (see the chained exception); "
                                "restore from a checkpoint") from failed  # fmt: skip
 
-    # ------------------------------------------------------------------ gradients leave during backward
-
-    def _reset_grad_state(self) -> None:
-        self._n_micro = 0  # gradient sets in the landing buffer since the last step (a backward, or a part of one)
-        self._n_backward = 0  # completed backward passes since the last step/zero_grad (stats["micro_batches"])
-        self._in_backward = False  # a backward pass is open: gradients arriving belong to it
-        self._seen: set[torch.Tensor] = set()  # params whose gradient arrived in the open backward pass
-        self._callback_tasks: set[int] = set()  # autograd graph tasks that will close the open pass
-        self._moved: dict[int, torch.Tensor] = {}  # params whose p.grad is a MovedGrad placeholder, by index
-        self._got = [False] * len(self._params)  # which params received a gradient since the last step
-        self._factor = [1.0] * len(self._params)  # p.grad.mul_(f) since the last step (framework clipping)
-        self._norm_cache: dict[float, torch.Tensor] = {}  # per-param gradient norms, by order, until it changes
-        self._sum_sq_stale = False  # pack's in-pass sum of squares no longer describes the landing buffer
-        self._next_bucket = 0
-        self._found_inf = torch.zeros((), dtype=torch.bool, device=self.device)
-        self._sum_sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for b in self._buckets:
-            b.ready = 0
-
-    @property
-    def _slot(self) -> int:
-        """Which landing buffer the current iteration's gradients use (alternates under DPU)."""
-        return self._iteration % len(self.landing)
-
-    def _before_accumulate(self, p: torch.Tensor) -> Any:
-        """Tensor hook of p, run by autograd before p's gradient is accumulated into p.grad."""
-
-        i = self._index[p]
-
-        def hook(grad: torch.Tensor) -> None:
-            if not is_alias_of(p, self.flat, self._offset[p]):
-                self._check_connected()  # raises, naming the first param that was cast or moved
-            try:
-                accumulates = torch._C._will_engine_execute_node(self._accumulators[i])
-            except RuntimeError:  # torch refuses the question inside torch.autograd.grad: nothing accumulates there
-                accumulates = False
-            if not accumulates:
-                return  # torch.autograd.grad(..., inputs=...) or a graph that does not reach p: nothing to send
-            self._check_open()
-            self._check_usable()
-            if self._in_backward and p in self._seen:
-                # p got a second gradient: a param shared by two reentrant-checkpoint segments of one backward
-                # (an outer backward that will close the pass is still running), or a new backward pass (the
-                # last one ran entirely inside nested backwards, which cannot close it). Either way the pass is
-                # cut here, which is exact: the parts are summed like micro-batches.
-                self._end_micro(same_backward=bool(self._callback_tasks))
-            if not self._in_backward:
-                self._begin_micro()
-            if not in_nested_backward():
-                task = torch._C._current_graph_task_id()
-                if task not in self._callback_tasks:  # the outermost backward closes the pass when it ends
-                    self._callback_tasks.add(task)
-                    torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_callback)
-            if isinstance(p.grad, MovedGrad):
-                p.grad = None  # the earlier micro-batches' gradient is on the host; autograd starts afresh
-            self._seen.add(p)
-
-        return hook
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if p.grad is None or not self._in_backward:
-            return
-        if p.grad.is_sparse:
-            raise RuntimeError("ZeroOffloadAdamW does not support sparse gradients")
-        self._got[self._index[p]] = True
-        bucket = self._bucket_of[p]
-        bucket.ready += 1
-        self._launch_ready()
-
-    def _begin_micro(self) -> None:
-        self._check_connected()
-        self._in_backward = True
-        self._seen = set()
-        if self._n_micro == 0:
-            return
-        left = sum(isinstance(q.grad, MovedGrad) for q in self._moved.values())
-        if self._moved and left == 0:  # model.zero_grad() since the last backward: discard, as torch would
-            self._reset_grad_state()
-            self._in_backward = True
-            return
-        if left != len(self._moved):
-            raise RuntimeError(f"p.grad of {len(self._moved) - left} of {len(self._moved)} parameters was cleared "
-                               "between two backward passes: ZeroOffloadAdamW can discard all gradients "
-                               "(opt.zero_grad() or model.zero_grad()), not some")  # fmt: skip
-        # accumulation: the previous micro-batches' reduced gradient sits in the landing buffer
-        s = self._slot
-        if self._accum[s] is None:  # a copy also when dtype is fp32 (.float() would alias the landing buffer)
-            self._accum[s] = self.landing[s].to(torch.float32, copy=True)
-        elif self._n_micro == 1:
-            self._accum[s].copy_(self.landing[s])
-        else:
-            self._accum[s].add_(self.landing[s])
-        for i, f in enumerate(self._factor):  # p.grad.mul_(f) so far applies to the sum so far, not to what follows
-            if f != 1.0:
-                a, b = self.layout.part_range(self._params[i])
-                self._accum[s][a:b] *= f
-                self._factor[i] = 1.0
-        for b in self._buckets:
-            b.ready = 0
-        self._next_bucket = 0
-
-    def _launch_ready(self, flush: bool = False) -> None:
-        """Pack, reduce and send down the buckets in bucket order (the same order on every rank)."""
-        while self._next_bucket < len(self._buckets):
-            b = self._buckets[self._next_bucket]
-            if b.ready < len(b.params) and not flush:
-                return
-            self._launch(b)
-            self._next_bucket += 1
-
-    def _launch(self, b: Bucket) -> None:
-        t0 = time.perf_counter()
-        k = b.index % 2
-        self._wait_buffer(k, host=False)  # inside a gradient hook: order the device, never block the host
-        if self._direct_landing:  # one rank, host memory is the device: pack straight into the landing buffer
-            buf = self.landing[self._slot][b.lo - self.part_lo : b.hi - self.part_lo]
-        else:
-            buf = self._bucket_bufs[k][: b.hi - b.lo]
-        has = [p.grad is not None and not isinstance(p.grad, MovedGrad) for p, _, _ in b.params]
-        grads = [p.grad if h else torch.zeros_like(p) for (p, _, _), h in zip(b.params, has)]
-        packed = pack(grads, dtype=self.dtype, out=buf, align=self.align)
-        self._found_inf |= packed.found_inf
-        self._sum_sq += packed.sum_sq
-        for (p, _, _), h in zip(b.params, has):
-            if h:  # the device gradient is freed as soon as its bucket has left
-                self._place_moved_grad(p)
-        busy = self._buf_busy[k]
-        t1 = time.perf_counter()
-        if self.world > 1:
-            for r in range(self.world):
-                a, c = max(b.lo, r * self.part), min(b.hi, (r + 1) * self.part)
-                if a < c:
-                    work = dist.reduce(buf[a - b.lo : c - b.lo], dst=self.comm.global_rank(r), op=dist.ReduceOp.SUM,
-                                       group=self.comm.group, async_op=True)  # fmt: skip
-                    if r == self.rank:
-                        self.comm.wait(work, f"the reduce of bucket {b.index}")  # NCCL: orders the stream only
-                    else:
-                        busy.append((work, f"the reduce of bucket {b.index} to rank {r}"))
-        t2 = time.perf_counter()
-        lo, hi = max(b.lo, self.part_lo), min(b.hi, self.part_hi)
-        if lo < hi and not self._direct_landing:
-            dst = self.landing[self._slot][lo - self.part_lo : hi - self.part_lo]
-            busy.append(self.transport.d2h(dst, buf[lo - b.lo : hi - b.lo]))
-        self._times.add("reduce", t2 - t1)
-        self._times.add("offload", (t1 - t0) + (time.perf_counter() - t2))
-
-    def _place_moved_grad(self, p: torch.Tensor) -> None:
-        i = self._index[p]
-        p.grad = MovedGrad(p, self, i)
-        self._moved[i] = p
-
-    def _wait_buffer(self, k: int, host: bool = True) -> None:
-        """Wait for the reduces and copies still reading bucket buffer k: the host waits for them, or (host=False)
-        only the compute stream does (NCCL's work.wait() and transport.device_wait() do not block the host)."""
-        for item in self._buf_busy[k]:
-            if isinstance(item, tuple):
-                self.comm.wait(*item)
-            elif host:
-                self.transport.wait(item)
-            else:
-                self.transport.device_wait(item)
-        self._buf_busy[k] = []
-
-    def _end_micro_callback(self) -> None:
-        if self._in_backward:
-            self._end_micro()
-
-    def _end_micro(self, same_backward: bool = False) -> None:
-        """End of a backward pass (or of a part of one): flush buckets with missing gradients (as zeros) and
-        wait for the copies."""
-        t0 = time.perf_counter()
-        self._launch_ready(flush=True)
-        for k in range(2):
-            self._wait_buffer(k)
-        self.transport.synchronize()
-        if self.world > 1:  # a param with a gradient on some rank has one on every rank (DDP averages them)
-            got = torch.tensor(self._got, dtype=torch.uint8).to(self.comm.device_of_collectives)
-            self.comm.collective("the all-reduce of which params got a gradient", dist.all_reduce, got,
-                             op=dist.ReduceOp.MAX)  # fmt: skip
-            for i, g in enumerate(got.cpu().tolist()):
-                if g and not self._got[i]:
-                    self._got[i] = True
-                    self._place_moved_grad(self._params[i])
-        self._in_backward = False
-        if not same_backward:
-            self._callback_tasks = set()
-            self._n_backward += 1
-        self._norm_cache = {}
-        self._n_micro += 1
-        self._times.add("backward_offload_wait", time.perf_counter() - t0)
-
     # ------------------------------------------------------------------ the user's calls
 
     _params = _from("layout", "params", "The trainable parameters in flat order.")
     _index = _from("layout", "index", "{param: its position in the flat order}.")
     _offset = _from("layout", "offset", "{param: its flat offset}.")
-    _span_end = _from("layout", "span_end", "{param: the end of its span (padding included)}.")
     _pgroup = _from("layout", "pgroup", "Each parameter's group index.")
-    _group_ranges = _from("layout", "group_ranges", "Each group's range of the partition (None: none of it).")
     _buckets = _from("layout", "buckets", "The gradient buckets, in backward order.")
-    _bucket_of = _from("layout", "bucket_of", "{param: its bucket}.")
     align = _from("layout", "align", "Elements per PARAM_ALIGN_BYTES.")
     numel = _from("layout", "numel", "Trainable elements (Φ).")
     flat_numel = _from("layout", "flat_numel", "Elements of the flat buffer (padding included).")
@@ -466,6 +246,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     exp_avg = _from("update", "exp_avg", "Adam's first moment of this rank's partition.")
     exp_avg_sq = _from("update", "exp_avg_sq", "Adam's second moment of this rank's partition.")
     staging_buf = _from("update", "staging_buf", "The new 16-bit parameters of this rank's partition, on the host.")
+
+    landing = _from("grads", "landing", "The host buffers of this rank's reduced gradients (two under DPU).")
 
     group = _from("comm", "group", "The process group (None: a single rank).")
     world = _from("comm", "world", "Ranks in the process group (N).")
@@ -493,11 +275,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             raise ValueError(f"loss must be a scalar tensor (one element), got shape {tuple(loss.shape)}")
         if not loss.requires_grad:
             raise ValueError("loss does not require grad: nothing to backpropagate")
-        self._check_open()
-        self._check_usable()
+        self._check_alive()
         (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
-        if self._in_backward and torch._C._current_graph_task_id() == -1:
-            self._end_micro()  # a backward whose gradients all arrived in nested (reentrant) backwards
+        self.grads.close_pass()  # a backward whose gradients all arrived in nested (reentrant) backwards
 
     @torch.compiler.disable  # a compiled train step calls it eagerly: it runs hooks, copies, threads
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -507,23 +287,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._check_open()
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError("zero_grad() was called during backward")
-        if self._in_backward:
-            self._end_micro()
-        for k in range(2):
-            self._wait_buffer(k)
-        kept = {} if set_to_none else dict(self._moved)
-        if not set_to_none and not self._n_micro:  # after step(): torch still held the step's gradients
-            kept = {i: p for i, (p, g) in enumerate(zip(self._params, self._last_got)) if g}
-        if set_to_none:
-            for p in self._moved.values():
-                p.grad = None
-        self._reset_grad_state()
-        if kept:  # zero gradients: the landing buffer holds zeros until the next backward overwrites it
-            self.landing[self._slot].zero_()
-            for i, p in kept.items():
-                self._place_moved_grad(p)
-                self._got[i] = True
-            self._n_micro = self._n_backward = 1
+        self.grads.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused after construction: the flat buffer and the partitions are laid out once."""
@@ -538,66 +302,59 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """Consume the accumulated gradients: overflow check, clip, CPU update, parameters back to the device."""
         if closure is not None:
             raise ValueError("ZeroOffloadAdamW.step() takes no closure: call opt.backward(loss) first")
-        self._check_open()
-        self._check_usable()
+        self._check_alive()
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError("step() was called during backward")
-        self._check_grads_untouched()
-        self._check_connected()
+        self.grads.check_untouched()
+        self.grads.check_connected()
         for group in self.param_groups:
             check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        if self._in_backward:  # the last backward ran entirely inside nested (reentrant) backwards
-            self._end_micro()
-        self._drop_cleared_grads()
-        if self.max_grad_norm is not None and any(f != 1.0 for f in self._factor):
+        self.grads.close_pass()  # the last backward ran entirely inside nested (reentrant) backwards
+        self.grads.drop_cleared()
+        if self.max_grad_norm is not None and any(f != 1.0 for f in self.grads.factor):
             raise RuntimeError("the gradients were clipped twice: by p.grad.mul_ (e.g. Trainer's or accelerate's "
                                "clip_grad_norm_) and by max_grad_norm; use one (Trainer: max_grad_norm=0)")  # fmt: skip
         t_step = time.perf_counter()
-        if self._n_micro == 0:
+        if self.grads.n_micro == 0:
             self.stats = {"skipped": True, "skip_reason": "no gradients", "loss_scale": self.scaler.scale,
                           "grad_norm": None}
             return None
-        self._iteration += 1
-        delayed = self.delay_update_after is not None and self._iteration > self.delay_update_after
+        # this step is iteration grads.iteration + 1: delayed once it is past delay_update_after
+        delayed = self.delay_update_after is not None and self.grads.iteration >= self.delay_update_after
         if delayed:
             self.update.finish_pending(write=True)
-        s = (self._iteration - 1) % len(self.landing)  # the landing slot of this iteration's gradients
-        grad = self.landing[s]
-        if self._n_micro > 1:
-            grad = self._accum[s].add_(self.landing[s])
-        found_inf, sum_sq, got = self._global_checks(grad)
-        self._last_got = got
+        c = self.grads.consume()
         scale = self.scaler.scale
-        norm = math.sqrt(sum_sq) / (self.world * scale) if math.isfinite(sum_sq) else float("inf")
-        n_micro, factor = self._n_backward, self._factor
-        for p in self._moved.values():
-            p.grad = None
-        self._reset_grad_state()
-        if found_inf:
+        norm = math.sqrt(c.sum_sq) / (self.world * scale) if math.isfinite(c.sum_sq) else float("inf")
+        n_micro, got = c.n_backward, c.got
+        if c.found_inf:
             self.scaler.update(found_inf=True)
-            self._iteration -= 1
             self._record_stats(t_step, skip_reason="overflow", grad_norm=norm, micro_batches=n_micro)
             return None
         clip = 1.0
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
         grad_scale = clip / (self.world * scale)
-        runs = self.layout.runs(got, self.update.steps, factor)
+        runs = self.layout.runs(got, self.update.steps, c.factor)
         for i, g in enumerate(got):
             self.update.steps[i] += g
-        for gi, group in enumerate(self.param_groups):
-            group["step"] = max(self.update.steps[i] for i, pg in enumerate(self._pgroup) if pg == gi)
+        self._set_group_steps()
         # the hyper-parameters as they are now: a scheduler may change them before a background update runs
         hparams = [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
                    for g in self.param_groups]  # fmt: skip
         if delayed:
-            self.update.start(grad, grad_scale, runs, hparams)
+            self.update.start(c.grad, grad_scale, runs, hparams)
         else:
-            self.update.run(grad, grad_scale, runs, hparams)
+            self.update.run(c.grad, grad_scale, runs, hparams)
         self.scaler.update(found_inf=False)
         self._record_stats(t_step, skip_reason=None, grad_norm=norm, clip=clip, micro_batches=n_micro,
                            delayed=delayed, skipped_params=len(got) - sum(got))  # fmt: skip
         return None
+
+    def _set_group_steps(self) -> None:
+        """Each group's "step" is the count of its most-stepped parameter (each parameter counts its own)."""
+        for gi, group in enumerate(self.param_groups):
+            group["step"] = max(self.update.steps[i] for i, pg in enumerate(self._pgroup) if pg == gi)
 
     def _record_stats(self, t_step: float, skip_reason: str | None, **kw: Any) -> None:
         self._times.add("step", time.perf_counter() - t_step)
@@ -605,112 +362,14 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                       **kw, **{f"time_{k}": v for k, v in self._times.items()}}  # fmt: skip
         self._times.clear()
 
+    def _check_alive(self) -> None:
+        """Raises when this optimizer was closed or failed earlier (the gradient path's guard)."""
+        self._check_open()
+        self._check_usable()
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this ZeroOffloadAdamW was closed: build a new one to go on training")
-
-    def _drop_cleared_grads(self) -> None:
-        """p.grad = None (model.zero_grad(), or by hand) since the last backward discards those gradients."""
-        cleared = [i for i, p in self._moved.items() if not isinstance(p.grad, MovedGrad)]
-        if cleared and len(cleared) == len(self._moved):
-            self.zero_grad()
-            return
-        s = self._slot
-        for i in cleared:
-            self._got[i] = False
-            del self._moved[i]
-            a, b = self.layout.part_range(self._params[i])
-            for buf in (self.landing[s], self._accum[s] if self._n_micro > 1 else None):
-                if buf is not None and a < b:
-                    buf[a:b].zero_()  # out of the norm too
-            self._sum_sq_stale = True
-
-    def _check_grads_untouched(self) -> None:
-        """p.grad is None or our placeholder: a gradient set by hand would otherwise be silently ignored."""
-        for i, p in enumerate(self._params):
-            if p.grad is not None and not isinstance(p.grad, MovedGrad):
-                raise RuntimeError(f"param {i} has a p.grad that did not come from backward (set by hand?): "
-                                   "ZeroOffloadAdamW takes gradients only from backward passes")  # fmt: skip
-
-    def _check_connected(self) -> None:
-        """The model's params must still be the optimizer's (e.g. not replaced by model.float() or model.to())."""
-        for i, p in enumerate(self._params):
-            if not is_alias_of(p, self.flat, self._offset[p]):
-                raise RuntimeError(f"param {i} (shape {tuple(p.shape)}, {p.dtype} on {p.device}) is no longer the "
-                                   f"optimizer's {self.dtype} parameter on {self.device}: the model was cast or moved "
-                                   "after ZeroOffloadAdamW was built (model.float()/.to()/.half()?). Build the "
-                                   "optimizer after the last cast or move")  # fmt: skip
-
-    # ------------------------------------------------------------------ p.grad placeholders (MovedGrad)
-
-    def _host_gradient(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(last micro-batch's reduced gradient, sum of the earlier ones or None) of this rank's partition."""
-        self._check_open()
-        self._check_usable()
-        if self._in_backward and torch._C._current_graph_task_id() == -1:
-            self._end_micro()
-        if self._in_backward or self._n_micro == 0:
-            raise RuntimeError("p.grad is read during backward: its gradient is complete only after backward")
-        s = self._slot
-        return self.landing[s], (self._accum[s] if self._n_micro > 1 else None)
-
-    @torch.no_grad()
-    def _host_grad_norms(self, indices: list[int], ord: float) -> list[float]:
-        """Norms of the params' gradients as torch would hold them in p.grad (summed over micro-batches,
-        averaged over ranks, unscaled, times any factor applied since), of order p >= 1 or inf. A collective
-        when N > 1 (every rank must ask, as every rank does in clip_grad_norm_); once per gradient and order."""
-        if not (ord >= 1.0):
-            raise RuntimeError(f"a norm of order {ord} of p.grad: orders p >= 1 and inf are supported")
-        if ord not in self._norm_cache:
-            last, earlier = self._host_gradient()
-            part = torch.zeros(len(self._params), dtype=torch.float64)
-            for i, p in enumerate(self._params):
-                a, b = self.layout.part_range(p)
-                if a < b:
-                    g = (last[a:b].double() + (earlier[a:b].double() if earlier is not None else 0.0)).abs()
-                    part[i] = g.max() if ord == math.inf else g.pow(ord).sum()
-            if self.world > 1:
-                op = dist.ReduceOp.MAX if ord == math.inf else dist.ReduceOp.SUM
-                part = part.to(self.comm.device_of_collectives)
-                self.comm.collective("the all-reduce of per-parameter gradient norms", dist.all_reduce, part, op=op)
-                part = part.cpu()
-            norms = part if ord == math.inf else part.pow(1.0 / ord)
-            self._norm_cache[ord] = norms / (self.world * self.scaler.scale)
-        factor = torch.tensor(self._factor, dtype=torch.float64).abs()
-        return (self._norm_cache[ord] * factor)[indices].tolist()
-
-    def _scale_host_grads(self, indices: list[int], factor: float) -> None:
-        """p.grad.mul_(factor) on placeholders: the host gradients of those params are scaled at step()
-        (or when the next micro-batch starts accumulating). A non-finite factor (the clip coefficient of an
-        overflowed gradient) makes the step an overflow, skipped as torch's GradScaler would."""
-        self._host_gradient()
-        if not math.isfinite(factor):
-            self._found_inf.fill_(True)
-        for i in indices:
-            self._factor[i] *= factor if math.isfinite(factor) else 1.0
-
-    # ------------------------------------------------------------------ the step's pieces
-
-    def _global_checks(self, grad: torch.Tensor) -> tuple[bool, float, list[bool]]:
-        """found_inf, the sum of squares of the reduced (summed over ranks) gradient, and which params got a
-        gradient on some rank: all-reduced."""
-        t0 = time.perf_counter()
-        if self.world == 1 and self._n_micro == 1 and not self._sum_sq_stale:
-            sum_sq, nonfinite = float(self._sum_sq.item()), False  # pack's in-pass sum: no extra pass
-        else:
-            sum_sq, nonfinite = sum_squares(grad, threads=self.threads)
-        found = bool(self._found_inf.item()) or nonfinite or not math.isfinite(sum_sq)
-        got = list(self._got)
-        if self.world > 1:
-            t = torch.tensor([0.0 if math.isnan(sum_sq) else sum_sq, float(found), *map(float, got)],
-                             dtype=torch.float64)  # fmt: skip
-            t = t.to(self.comm.device_of_collectives)
-            self.comm.collective("the all-reduce of the gradient norm and overflow flag", dist.all_reduce, t,
-                             op=dist.ReduceOp.SUM)  # fmt: skip
-            t = t.cpu()
-            sum_sq, found, got = float(t[0]), bool(t[1] > 0), (t[2:] > 0).tolist()
-        self._times.add("reduce", time.perf_counter() - t0)
-        return found, sum_sq, got
 
     def synchronize(self) -> None:
         """Finish a pending delayed update and send its parameters to the device (e.g. before evaluation)."""
@@ -752,27 +411,14 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     def memory_report(self) -> MemoryReport:
         """Bytes on the device and the host for this model and world size, measured, next to DESIGN.md's formulas."""
-        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
-        phi, n = self.numel, self.world
-        buckets = nbytes(self._bucket_bufs)
-        return MemoryReport(
-            params=phi, world_size=n, device_params=nbytes([self.flat]), device_buckets=buckets,
-            host_state=self.update.host_state_bytes, host_landing=nbytes(self.landing),
-            host_staging=0 if self.update.staging_in_place else nbytes([self.update.staging_buf]),
-            host_accumulator=nbytes(self._accum),
-            formula_device=2 * phi + buckets, formula_host=(2 + K_ADAM) * phi // n + 2 * phi // n,
-        )  # fmt: skip
+        return report.measure(self)
 
     def close(self) -> None:
         """Finish a pending update, remove the hooks, stop the background worker; using it afterwards raises."""
         if self._closed:
             return
         self.update.finish_pending(write=True)
-        for h in self._hooks:
-            h.remove()
-        for p in self._params:
-            if isinstance(p.grad, MovedGrad):
-                p.grad = None
+        self.grads.detach()
         self.update.close()
         if self._own_transport and hasattr(self.transport, "close"):
             self.transport.synchronize()

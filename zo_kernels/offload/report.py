@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .optimizer import ZeroOffloadAdamW
 
 K_ADAM = 12  # bytes of fp32 optimizer state per parameter: master, exp_avg, exp_avg_sq
 
@@ -45,6 +49,20 @@ class MemoryReport:
                 f"formula 2Φ + buckets = {self.formula_device:,} B\n"
                 f"  host:   {self.host_bytes:,} B ({self.host_bytes / p:.2f} B/param); "
                 f"formula (2+K)Φ/N + 2Φ/N = {self.formula_host:,} B")  # fmt: skip
+
+
+def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
+    """The optimizer's MemoryReport on this rank, measured from its buffers."""
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
+    phi, n = opt.layout.numel, opt.comm.world
+    buckets = nbytes(opt.grads.bucket_bufs)
+    return MemoryReport(
+        params=phi, world_size=n, device_params=nbytes([opt.flat]), device_buckets=buckets,
+        host_state=opt.update.host_state_bytes, host_landing=nbytes(opt.grads.landing),
+        host_staging=0 if opt.update.staging_in_place else nbytes([opt.update.staging_buf]),
+        host_accumulator=nbytes(opt.grads.accum),
+        formula_device=2 * phi + buckets, formula_host=(2 + K_ADAM) * phi // n + 2 * phi // n,
+    )  # fmt: skip
 
 
 class PhaseTimes(dict):

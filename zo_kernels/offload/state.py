@@ -16,8 +16,7 @@ if TYPE_CHECKING:
 
 def state_dict(opt: ZeroOffloadAdamW) -> dict[str, Any]:
     """torch.optim layout, world-size independent: per param step/exp_avg/exp_avg_sq/master (fp32, CPU)."""
-    opt._check_open()
-    opt._check_usable()
+    opt._check_alive()
     opt.update.finish_pending(write=False)
     keys = ("master", "exp_avg", "exp_avg_sq")
     full = {k: opt.comm.gather(t, opt.layout.flat_numel) for k, t in zip(keys, opt.update.state())}
@@ -33,7 +32,7 @@ def state_dict(opt: ZeroOffloadAdamW) -> dict[str, Any]:
             idx += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
     extra = {"loss_scale": opt.scaler.scale, "dynamic": opt.scaler.dynamic, "good_steps": opt.scaler.good_steps,
-             "iteration": opt._iteration, "world_size": opt.world, "staged": opt.update.staged}  # fmt: skip
+             "iteration": opt.grads.iteration, "world_size": opt.world, "staged": opt.update.staged}  # fmt: skip
     return {"state": state, "param_groups": groups, "zero_offload": extra}
 
 
@@ -95,9 +94,8 @@ def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[
 
 def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
     """Load a state dict of ZeroOffloadAdamW (any world size) or of torch.optim.AdamW (see its docstring)."""
-    opt._check_open()
-    opt._check_usable()
-    if opt._n_micro or opt._in_backward:
+    opt._check_alive()
+    if opt.grads.n_micro or opt.grads.in_backward:
         raise RuntimeError("load_state_dict() between backward and step(): call step() or zero_grad() first")
     plan = check_state_dict(opt, state_dict)
     opt.update.finish_pending(write=False)
@@ -123,14 +121,13 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
         if st.get("master") is not None:
             master[dst] = st["master"].reshape(-1)[src].float()
     opt.update.save_state(master, exp_avg, exp_avg_sq)
-    for gi, group in enumerate(opt.param_groups):
-        group["step"] = max(opt.update.steps[i] for i, pg in enumerate(opt.layout.pgroup) if pg == gi)
+    opt._set_group_steps()
     if not plan or any(st.get("master") is None for _, _, st, _ in plan):
         opt.update.refresh_stale_masters()
     extra = state_dict.get("zero_offload", {})
     if "loss_scale" in extra and extra.get("dynamic") == opt.scaler.dynamic:
         opt.scaler.scale, opt.scaler.good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
-    opt._iteration = int(extra.get("iteration", max(opt.update.steps, default=0)))
+    opt.grads.iteration = int(extra.get("iteration", max(opt.update.steps, default=0)))
     opt.update.resume(staged=bool(extra.get("staged")))
 
 

@@ -1,0 +1,428 @@
+"""The gradient path: hooks -> pack -> reduce -> copy -> landing, accumulation over micro-batches, p.grad placeholders.
+
+Gradients leave the device during backward, bucket by bucket, in bucket order (the same on every rank): each
+bucket is packed into a device buffer (or, with one rank on the CPU, straight into the landing buffer), reduced
+to the rank that owns each part of it and copied to that rank's host landing buffer. `p.grad` is then a
+`MovedGrad` placeholder owned by the GradPath. Several backward passes before a step sum in an fp32 accumulator.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..buckets import pack
+from ..cpu_adam import sum_squares
+from ..param_views import MovedGrad, in_nested_backward, is_alias_of
+from ..transport import Transport
+from .comm import Comm
+from .layout import Bucket, FlatLayout
+from .report import PhaseTimes
+from .scaler import LossScaler
+
+
+class Gradients(NamedTuple):
+    """What step() consumes: the reduced (summed over ranks, still loss-scaled) gradient of this rank's partition,
+    checked over all ranks."""
+
+    grad: torch.Tensor
+    found_inf: bool
+    sum_sq: float  # of the reduced gradient
+    got: list[bool]  # which params got a gradient on some rank
+    n_backward: int  # completed backward passes (stats["micro_batches"])
+    factor: list[float]  # per param: p.grad.mul_(f) not yet applied to grad (the update applies it)
+
+
+class GradPath:
+    """The gradient path of one optimizer: its buffers, its autograd hooks and the gradients of the open step.
+
+    Args:
+        layout: the flat layout (params, buckets, this rank's partition).
+        flat: the device buffer of the parameters.
+        transport, comm: the copies to the host and the process group.
+        scaler: the loss scaler (p.grad norms are reported unscaled).
+        times: the phase times ("reduce", "offload", "backward_offload_wait" are added here).
+        slots: landing buffers (2 under the delayed update: gradient i+1 never overwrites gradient i).
+        threads: CPU threads for the sums of squares.
+        guard: raises when the optimizer can no longer be used (closed, or failed earlier).
+    """
+
+    def __init__(self, layout: FlatLayout, flat: torch.Tensor, transport: Transport, comm: Comm, scaler: LossScaler,
+                 times: PhaseTimes, *, slots: int, threads: int, guard: Callable[[], None]) -> None:  # fmt: skip
+        self.layout, self.flat, self.transport, self.comm = layout, flat, transport, comm
+        self.scaler, self.times, self.threads, self.guard = scaler, times, threads, guard
+        self.landing = [transport.pool.take(layout.part, flat.dtype) for _ in range(slots)]
+        for buf in self.landing:
+            buf.zero_()
+        self.accum: list[torch.Tensor | None] = [None] * slots
+        # One rank whose device memory is host memory needs no bucket: gradients pack into the landing buffer.
+        self.direct_landing = comm.world == 1 and not transport.needs_staging
+        buf_numel = 0 if self.direct_landing else max(b.hi - b.lo for b in layout.buckets)
+        self.bucket_bufs = [torch.empty(buf_numel, dtype=flat.dtype, device=flat.device) for _ in range(2)]
+        self.buf_busy: list[list[Any]] = [[], []]  # per buffer: reduce works and copy events still using it
+        self.iteration = 0  # step() calls that consumed gradients
+        self.last_got: list[bool] = []  # which params had a gradient at the last step (zero_grad(set_to_none=False))
+        self.hooks: list[Any] = []
+        self.reset()
+
+    def attach(self) -> None:
+        """Register the hooks on the parameters: from now on their gradients leave during backward."""
+        params = self.layout.params
+        # each param's AccumulateGrad node: a hook fired by torch.autograd.grad (which accumulates nothing) is ignored
+        self.accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
+        self.hooks = [p.register_hook(self._before_accumulate(p)) for p in params]
+        self.hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def detach(self) -> None:
+        """Remove the hooks and the placeholders."""
+        for h in self.hooks:
+            h.remove()
+        for p in self.layout.params:
+            if isinstance(p.grad, MovedGrad):
+                p.grad = None
+
+    def reset(self) -> None:
+        """Forget the gradients since the last step."""
+        n = len(self.layout.params)
+        self.n_micro = 0  # gradient sets in the landing buffer since the last step (a backward, or a part of one)
+        self.n_backward = 0  # completed backward passes since the last step/zero_grad (stats["micro_batches"])
+        self.in_backward = False  # a backward pass is open: gradients arriving belong to it
+        self._seen: set[torch.Tensor] = set()  # params whose gradient arrived in the open backward pass
+        self._callback_tasks: set[int] = set()  # autograd graph tasks that will close the open pass
+        self._moved: dict[int, torch.Tensor] = {}  # params whose p.grad is a MovedGrad placeholder, by index
+        self._got = [False] * n  # which params received a gradient since the last step
+        self.factor = [1.0] * n  # p.grad.mul_(f) since the last step (framework clipping)
+        self._norm_cache: dict[float, torch.Tensor] = {}  # per-param gradient norms, by order, until it changes
+        self._sum_sq_stale = False  # pack's in-pass sum of squares no longer describes the landing buffer
+        self._next_bucket = 0
+        self._found_inf = torch.zeros((), dtype=torch.bool, device=self.flat.device)
+        self._sum_sq = torch.zeros((), dtype=torch.float32, device=self.flat.device)
+        for b in self.layout.buckets:
+            b.ready = 0
+
+    @property
+    def slot(self) -> int:
+        """Which landing buffer the current iteration's gradients use (alternates under DPU)."""
+        return self.iteration % len(self.landing)
+
+    # ------------------------------------------------------------------ checks
+
+    def check_connected(self) -> None:
+        """The model's params must still be the optimizer's (e.g. not replaced by model.float() or model.to())."""
+        for i, p in enumerate(self.layout.params):
+            if not is_alias_of(p, self.flat, self.layout.offset[p]):
+                raise RuntimeError(f"param {i} (shape {tuple(p.shape)}, {p.dtype} on {p.device}) is no longer the "
+                                   f"optimizer's {self.flat.dtype} parameter on {self.flat.device}: the model was "
+                                   "cast or moved after ZeroOffloadAdamW was built (model.float()/.to()/.half()?). "
+                                   "Build the optimizer after the last cast or move")  # fmt: skip
+
+    def check_untouched(self) -> None:
+        """p.grad is None or our placeholder: a gradient set by hand would otherwise be silently ignored."""
+        for i, p in enumerate(self.layout.params):
+            if p.grad is not None and not isinstance(p.grad, MovedGrad):
+                raise RuntimeError(f"param {i} has a p.grad that did not come from backward (set by hand?): "
+                                   "ZeroOffloadAdamW takes gradients only from backward passes")  # fmt: skip
+
+    def drop_cleared(self) -> None:
+        """p.grad = None (model.zero_grad(), or by hand) since the last backward discards those gradients."""
+        cleared = [i for i, p in self._moved.items() if not isinstance(p.grad, MovedGrad)]
+        if cleared and len(cleared) == len(self._moved):
+            self.zero_grad()
+            return
+        s = self.slot
+        for i in cleared:
+            self._got[i] = False
+            del self._moved[i]
+            a, b = self.layout.part_range(self.layout.params[i])
+            for buf in (self.landing[s], self.accum[s] if self.n_micro > 1 else None):
+                if buf is not None and a < b:
+                    buf[a:b].zero_()  # out of the norm too
+            self._sum_sq_stale = True
+
+    # ------------------------------------------------------------------ gradients leave during backward
+
+    def _before_accumulate(self, p: torch.Tensor) -> Any:
+        """Tensor hook of p, run by autograd before p's gradient is accumulated into p.grad."""
+
+        i = self.layout.index[p]
+
+        def hook(grad: torch.Tensor) -> None:
+            if not is_alias_of(p, self.flat, self.layout.offset[p]):
+                self.check_connected()  # raises, naming the first param that was cast or moved
+            try:
+                accumulates = torch._C._will_engine_execute_node(self.accumulators[i])
+            except RuntimeError:  # torch refuses the question inside torch.autograd.grad: nothing accumulates there
+                accumulates = False
+            if not accumulates:
+                return  # torch.autograd.grad(..., inputs=...) or a graph that does not reach p: nothing to send
+            self.guard()
+            if self.in_backward and p in self._seen:
+                # p got a second gradient: a param shared by two reentrant-checkpoint segments of one backward
+                # (an outer backward that will close the pass is still running), or a new backward pass (the
+                # last one ran entirely inside nested backwards, which cannot close it). Either way the pass is
+                # cut here, which is exact: the parts are summed like micro-batches.
+                self._end_micro(same_backward=bool(self._callback_tasks))
+            if not self.in_backward:
+                self._begin_micro()
+            if not in_nested_backward():
+                task = torch._C._current_graph_task_id()
+                if task not in self._callback_tasks:  # the outermost backward closes the pass when it ends
+                    self._callback_tasks.add(task)
+                    torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_callback)
+            if isinstance(p.grad, MovedGrad):
+                p.grad = None  # the earlier micro-batches' gradient is on the host; autograd starts afresh
+            self._seen.add(p)
+
+        return hook
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p.grad is None or not self.in_backward:
+            return
+        if p.grad.is_sparse:
+            raise RuntimeError("ZeroOffloadAdamW does not support sparse gradients")
+        self._got[self.layout.index[p]] = True
+        bucket = self.layout.bucket_of[p]
+        bucket.ready += 1
+        self._launch_ready()
+
+    def _begin_micro(self) -> None:
+        self.check_connected()
+        self.in_backward = True
+        self._seen = set()
+        if self.n_micro == 0:
+            return
+        left = sum(isinstance(q.grad, MovedGrad) for q in self._moved.values())
+        if self._moved and left == 0:  # model.zero_grad() since the last backward: discard, as torch would
+            self.reset()
+            self.in_backward = True
+            return
+        if left != len(self._moved):
+            raise RuntimeError(f"p.grad of {len(self._moved) - left} of {len(self._moved)} parameters was cleared "
+                               "between two backward passes: ZeroOffloadAdamW can discard all gradients "
+                               "(opt.zero_grad() or model.zero_grad()), not some")  # fmt: skip
+        # accumulation: the previous micro-batches' reduced gradient sits in the landing buffer
+        s = self.slot
+        if self.accum[s] is None:  # a copy also when dtype is fp32 (.float() would alias the landing buffer)
+            self.accum[s] = self.landing[s].to(torch.float32, copy=True)
+        elif self.n_micro == 1:
+            self.accum[s].copy_(self.landing[s])
+        else:
+            self.accum[s].add_(self.landing[s])
+        for i, f in enumerate(self.factor):  # p.grad.mul_(f) so far applies to the sum so far, not to what follows
+            if f != 1.0:
+                a, b = self.layout.part_range(self.layout.params[i])
+                self.accum[s][a:b] *= f
+                self.factor[i] = 1.0
+        for b in self.layout.buckets:
+            b.ready = 0
+        self._next_bucket = 0
+
+    def _launch_ready(self, flush: bool = False) -> None:
+        """Pack, reduce and send down the buckets in bucket order (the same order on every rank)."""
+        buckets = self.layout.buckets
+        while self._next_bucket < len(buckets):
+            b = buckets[self._next_bucket]
+            if b.ready < len(b.params) and not flush:
+                return
+            self._launch(b)
+            self._next_bucket += 1
+
+    def _launch(self, b: Bucket) -> None:
+        t0 = time.perf_counter()
+        k = b.index % 2
+        lay, comm = self.layout, self.comm
+        self._wait_buffer(k, host=False)  # inside a gradient hook: order the device, never block the host
+        if self.direct_landing:  # one rank, host memory is the device: pack straight into the landing buffer
+            buf = self.landing[self.slot][b.lo - lay.part_lo : b.hi - lay.part_lo]
+        else:
+            buf = self.bucket_bufs[k][: b.hi - b.lo]
+        has = [p.grad is not None and not isinstance(p.grad, MovedGrad) for p, _, _ in b.params]
+        grads = [p.grad if h else torch.zeros_like(p) for (p, _, _), h in zip(b.params, has)]
+        packed = pack(grads, dtype=self.flat.dtype, out=buf, align=lay.align)
+        self._found_inf |= packed.found_inf
+        self._sum_sq += packed.sum_sq
+        for (p, _, _), h in zip(b.params, has):
+            if h:  # the device gradient is freed as soon as its bucket has left
+                self._place_moved_grad(p)
+        busy = self.buf_busy[k]
+        t1 = time.perf_counter()
+        if comm.world > 1:
+            for r in range(comm.world):
+                a, c = max(b.lo, r * lay.part), min(b.hi, (r + 1) * lay.part)
+                if a < c:
+                    work = dist.reduce(buf[a - b.lo : c - b.lo], dst=comm.global_rank(r), op=dist.ReduceOp.SUM,
+                                       group=comm.group, async_op=True)  # fmt: skip
+                    if r == comm.rank:
+                        comm.wait(work, f"the reduce of bucket {b.index}")  # NCCL: orders the stream only
+                    else:
+                        busy.append((work, f"the reduce of bucket {b.index} to rank {r}"))
+        t2 = time.perf_counter()
+        lo, hi = max(b.lo, lay.part_lo), min(b.hi, lay.part_hi)
+        if lo < hi and not self.direct_landing:
+            dst = self.landing[self.slot][lo - lay.part_lo : hi - lay.part_lo]
+            busy.append(self.transport.d2h(dst, buf[lo - b.lo : hi - b.lo]))
+        self.times.add("reduce", t2 - t1)
+        self.times.add("offload", (t1 - t0) + (time.perf_counter() - t2))
+
+    def _place_moved_grad(self, p: torch.Tensor) -> None:
+        i = self.layout.index[p]
+        p.grad = MovedGrad(p, self, i)
+        self._moved[i] = p
+
+    def _wait_buffer(self, k: int, host: bool = True) -> None:
+        """Wait for the reduces and copies still reading bucket buffer k: the host waits for them, or (host=False)
+        only the compute stream does (NCCL's work.wait() and transport.device_wait() do not block the host)."""
+        for item in self.buf_busy[k]:
+            if isinstance(item, tuple):
+                self.comm.wait(*item)
+            elif host:
+                self.transport.wait(item)
+            else:
+                self.transport.device_wait(item)
+        self.buf_busy[k] = []
+
+    def _end_micro_callback(self) -> None:
+        if self.in_backward:
+            self._end_micro()
+
+    def _end_micro(self, same_backward: bool = False) -> None:
+        """End of a backward pass (or of a part of one): flush buckets with missing gradients (as zeros) and
+        wait for the copies."""
+        t0 = time.perf_counter()
+        self._launch_ready(flush=True)
+        for k in range(2):
+            self._wait_buffer(k)
+        self.transport.synchronize()
+        if self.comm.world > 1:  # a param with a gradient on some rank has one on every rank (DDP averages them)
+            got = torch.tensor(self._got, dtype=torch.uint8).to(self.comm.device_of_collectives)
+            self.comm.collective("the all-reduce of which params got a gradient", dist.all_reduce, got,
+                                 op=dist.ReduceOp.MAX)  # fmt: skip
+            for i, g in enumerate(got.cpu().tolist()):
+                if g and not self._got[i]:
+                    self._got[i] = True
+                    self._place_moved_grad(self.layout.params[i])
+        self.in_backward = False
+        if not same_backward:
+            self._callback_tasks = set()
+            self.n_backward += 1
+        self._norm_cache = {}
+        self.n_micro += 1
+        self.times.add("backward_offload_wait", time.perf_counter() - t0)
+
+    def close_pass(self) -> None:
+        """End the open pass if no backward is running: its gradients all arrived in nested (reentrant) backwards,
+        which cannot close it."""
+        if self.in_backward and torch._C._current_graph_task_id() == -1:
+            self._end_micro()
+
+    # ------------------------------------------------------------------ the step's and the user's calls
+
+    def consume(self) -> Gradients:
+        """The gradients since the last step, checked over all ranks (a collective when N > 1); the next backward
+        starts afresh. A step whose gradients overflowed does not count as an iteration."""
+        s = self.slot
+        self.iteration += 1
+        grad = self.landing[s]
+        if self.n_micro > 1:
+            grad = self.accum[s].add_(self.landing[s])
+        found_inf, sum_sq, got = self._global_checks(grad)
+        self.last_got = got
+        out = Gradients(grad, found_inf, sum_sq, got, self.n_backward, self.factor)
+        for p in self._moved.values():
+            p.grad = None
+        self.reset()
+        if found_inf:
+            self.iteration -= 1
+        return out
+
+    def _global_checks(self, grad: torch.Tensor) -> tuple[bool, float, list[bool]]:
+        """found_inf, the sum of squares of the reduced (summed over ranks) gradient, and which params got a
+        gradient on some rank: all-reduced."""
+        t0 = time.perf_counter()
+        if self.comm.world == 1 and self.n_micro == 1 and not self._sum_sq_stale:
+            sum_sq, nonfinite = float(self._sum_sq.item()), False  # pack's in-pass sum: no extra pass
+        else:
+            sum_sq, nonfinite = sum_squares(grad, threads=self.threads)
+        found = bool(self._found_inf.item()) or nonfinite or not math.isfinite(sum_sq)
+        got = list(self._got)
+        if self.comm.world > 1:
+            t = torch.tensor([0.0 if math.isnan(sum_sq) else sum_sq, float(found), *map(float, got)],
+                             dtype=torch.float64)  # fmt: skip
+            t = t.to(self.comm.device_of_collectives)
+            self.comm.collective("the all-reduce of the gradient norm and overflow flag", dist.all_reduce, t,
+                                 op=dist.ReduceOp.SUM)  # fmt: skip
+            t = t.cpu()
+            sum_sq, found, got = float(t[0]), bool(t[1] > 0), (t[2:] > 0).tolist()
+        self.times.add("reduce", time.perf_counter() - t0)
+        return found, sum_sq, got
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the gradients since the last step; set_to_none=False keeps a zero one where there was one."""
+        self.close_pass()
+        for k in range(2):
+            self._wait_buffer(k)
+        kept = {} if set_to_none else dict(self._moved)
+        if not set_to_none and not self.n_micro:  # after step(): torch still held the step's gradients
+            kept = {i: p for i, (p, g) in enumerate(zip(self.layout.params, self.last_got)) if g}
+        if set_to_none:
+            for p in self._moved.values():
+                p.grad = None
+        self.reset()
+        if kept:  # zero gradients: the landing buffer holds zeros until the next backward overwrites it
+            self.landing[self.slot].zero_()
+            for i, p in kept.items():
+                self._place_moved_grad(p)
+                self._got[i] = True
+            self.n_micro = self.n_backward = 1
+
+    # ------------------------------------------------------------------ p.grad placeholders (MovedGrad)
+
+    def _host_gradient(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(last micro-batch's reduced gradient, sum of the earlier ones or None) of this rank's partition."""
+        self.guard()
+        self.close_pass()
+        if self.in_backward or self.n_micro == 0:
+            raise RuntimeError("p.grad is read during backward: its gradient is complete only after backward")
+        s = self.slot
+        return self.landing[s], (self.accum[s] if self.n_micro > 1 else None)
+
+    @torch.no_grad()
+    def _host_grad_norms(self, indices: list[int], ord: float) -> list[float]:
+        """Norms of the params' gradients as torch would hold them in p.grad (summed over micro-batches,
+        averaged over ranks, unscaled, times any factor applied since), of order p >= 1 or inf. A collective
+        when N > 1 (every rank must ask, as every rank does in clip_grad_norm_); once per gradient and order."""
+        if not (ord >= 1.0):
+            raise RuntimeError(f"a norm of order {ord} of p.grad: orders p >= 1 and inf are supported")
+        world = self.comm.world
+        if ord not in self._norm_cache:
+            last, earlier = self._host_gradient()
+            part = torch.zeros(len(self.layout.params), dtype=torch.float64)
+            for i, p in enumerate(self.layout.params):
+                a, b = self.layout.part_range(p)
+                if a < b:
+                    g = (last[a:b].double() + (earlier[a:b].double() if earlier is not None else 0.0)).abs()
+                    part[i] = g.max() if ord == math.inf else g.pow(ord).sum()
+            if world > 1:
+                op = dist.ReduceOp.MAX if ord == math.inf else dist.ReduceOp.SUM
+                part = part.to(self.comm.device_of_collectives)
+                self.comm.collective("the all-reduce of per-parameter gradient norms", dist.all_reduce, part, op=op)
+                part = part.cpu()
+            norms = part if ord == math.inf else part.pow(1.0 / ord)
+            self._norm_cache[ord] = norms / (world * self.scaler.scale)
+        factor = torch.tensor(self.factor, dtype=torch.float64).abs()
+        return (self._norm_cache[ord] * factor)[indices].tolist()
+
+    def _scale_host_grads(self, indices: list[int], factor: float) -> None:
+        """p.grad.mul_(factor) on placeholders: the host gradients of those params are scaled at step()
+        (or when the next micro-batch starts accumulating). A non-finite factor (the clip coefficient of an
+        overflowed gradient) makes the step an overflow, skipped as torch's GradScaler would."""
+        self._host_gradient()
+        if not math.isfinite(factor):
+            self._found_inf.fill_(True)
+        for i in indices:
+            self.factor[i] *= factor if math.isfinite(factor) else 1.0
