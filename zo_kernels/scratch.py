@@ -13,6 +13,7 @@ import fcntl
 import os
 import shutil
 import tempfile
+from typing import Any
 
 PREFIX = "zo-nvme-"
 _NEW = ".zo-nvme-new-"
@@ -66,6 +67,18 @@ def reclaim(root: str) -> list[str]:
     return removed
 
 
+def check_dir(root: Any, name: str = "nvme_dir") -> str:
+    """`root` as a str: an existing, writable directory (the error names `name`)."""
+    if not isinstance(root, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path, got {type(root).__name__}")
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        raise ValueError(f"{name} {root!r} is not an existing directory")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ValueError(f"{name} {root!r} is not writable")
+    return root
+
+
 class ScratchDir:
     """A directory of this process's scratch files under `root`, leftovers of dead processes removed first.
 
@@ -74,13 +87,7 @@ class ScratchDir:
     """
 
     def __init__(self, root: str) -> None:
-        if not isinstance(root, (str, os.PathLike)):
-            raise TypeError(f"nvme_dir must be a path, got {type(root).__name__}")
-        root = os.fspath(root)
-        if not os.path.isdir(root):
-            raise ValueError(f"nvme_dir {root!r} is not an existing directory")
-        if not os.access(root, os.W_OK | os.X_OK):
-            raise ValueError(f"nvme_dir {root!r} is not writable")
+        root = check_dir(root)
         self.reclaimed = reclaim(root)
         tmp = tempfile.mkdtemp(prefix=f"{_NEW}{os.getpid()}-", dir=root)
         self._lock = os.open(os.path.join(tmp, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

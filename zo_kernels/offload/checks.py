@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
+
+from ..scratch import check_dir
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_THREADS = 4096
@@ -86,11 +87,4 @@ def check_offload(offload_optimizer: Any, nvme_dir: Any) -> str | None:
         return None
     if nvme_dir is None:
         raise ValueError("offload_optimizer='nvme' needs nvme_dir=, a directory for the optimizer state's files")
-    if not isinstance(nvme_dir, (str, os.PathLike)):
-        raise TypeError(f"nvme_dir must be a path, got {type(nvme_dir).__name__}")
-    path = os.fspath(nvme_dir)
-    if not os.path.isdir(path):
-        raise ValueError(f"nvme_dir {path!r} is not an existing directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"nvme_dir {path!r} is not writable")
-    return path
+    return check_dir(nvme_dir, "nvme_dir")
