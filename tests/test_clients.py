@@ -171,20 +171,27 @@ def record_losses(model: torch.nn.Module) -> tuple[list[float], object]:
     return losses, handle
 
 
-def test_trainer_own_clipping_matches_torch(tmp_path):
-    """Trainer's default max_grad_norm=1.0 clips p.grad with torch.nn.utils.clip_grad_norm_: on our MovedGrad
-    placeholders the norm is the host gradient's and the multiplication is applied at step(), so Trainer's own
-    clipping takes effect and its logged grad_norm is the true one (it used to clip nothing and log 0.0)."""
+@pytest.fixture(scope="module")
+def trainer_reference(tmp_path_factory):
+    """torch AdamW in Trainer with its default max_grad_norm=1.0: (initial model, trained model, losses, logged
+    gradient norms), shared by the clipping tests."""
     need("transformers", "accelerate")
     m0 = tiny_gpt2(0)
     ref = copy.deepcopy(m0)
     ref_losses, handle = record_losses(ref)
-    ref_trainer = make_trainer(ref, torch_adamw(ref), tmp_path / "torch")  # Trainer's default max_grad_norm=1.0
+    ref_trainer = make_trainer(ref, torch_adamw(ref), tmp_path_factory.mktemp("torch"))
     ref_trainer.train()
     handle.remove()
     ref_norms = [h["grad_norm"] for h in ref_trainer.state.log_history if "grad_norm" in h]
     assert len(ref_norms) == STEPS and min(ref_norms) > 1.0, f"premise: clipping must act at every step: {ref_norms}"
+    return m0, ref, ref_losses, ref_norms
 
+
+def test_trainer_own_clipping_matches_torch(tmp_path, trainer_reference):
+    """Trainer's default max_grad_norm=1.0 clips p.grad with torch.nn.utils.clip_grad_norm_: on our MovedGrad
+    placeholders the norm is the host gradient's and the multiplication is applied at step(), so Trainer's own
+    clipping takes effect and its logged grad_norm is the true one (it used to clip nothing and log 0.0)."""
+    m0, ref, ref_losses, ref_norms = trainer_reference
     model = copy.deepcopy(m0)
     losses, handle = record_losses(model)
     trainer = make_trainer(model, zo_adamw(model), tmp_path / "zo")
@@ -195,23 +202,14 @@ def test_trainer_own_clipping_matches_torch(tmp_path):
     assert_series_close(norms, ref_norms, LOSS_RTOL, "Trainer: logged gradient norm, zo vs torch")
 
 
-def test_trainer_clipping_matches_torch(tmp_path):
+def test_trainer_clipping_matches_torch(tmp_path, trainer_reference):
     """ZeroOffloadAdamW(max_grad_norm=1) + Trainer(max_grad_norm=0) == torch AdamW + Trainer(max_grad_norm=1).
 
     Note: transformers 5.x computes the gradient norm for its logs even with max_grad_norm=0
     (Trainer._get_grad_norm -> accelerator.clip_grad_norm_(params, inf) -> torch.nn.utils.clip_grad_norm_),
     so reading p.grad's norm after backward must work (and multiplying by 1.0).
     """
-    need("transformers", "accelerate")
-    m0 = tiny_gpt2(0)
-    ref = copy.deepcopy(m0)
-    ref_losses, handle = record_losses(ref)
-    ref_trainer = make_trainer(ref, torch_adamw(ref), tmp_path / "torch", max_grad_norm=1.0)
-    ref_trainer.train()
-    handle.remove()
-    ref_norms = [h["grad_norm"] for h in ref_trainer.state.log_history if "grad_norm" in h]
-    assert len(ref_norms) == STEPS and min(ref_norms) > 1.0, f"premise: clipping must act at every step: {ref_norms}"
-
+    m0, ref, ref_losses, ref_norms = trainer_reference
     model = copy.deepcopy(m0)
     losses, handle = record_losses(model)
     stats: list[dict] = []

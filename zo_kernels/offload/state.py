@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -133,12 +132,7 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
 
 def _check_step(x: Any, name: str) -> int:
     """A saved step count: an int, or a float / one-element tensor holding an integer, in [0, 2**53]."""
-    if isinstance(x, torch.Tensor):
-        if x.numel() != 1:
-            raise ValueError(f"{name} must hold one number, got shape {tuple(x.shape)}")
-        x = x.item()
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(x).__name__}")
-    if not (math.isfinite(x) and x == int(x) and 0 <= x <= 2**53):
+    x = _real(x, name)
+    if not (x == int(x) and 0 <= x <= 2**53):
         raise ValueError(f"{name} must be a whole number in [0, 2**53], got {x!r}")
     return int(x)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..cpu_adam import cpu_adam_step
+from ..cpu_adam import bump_version, cpu_adam_step
 from ..nvme import TILE_MULTIPLE, NvmeSwapper
 from ..transport import Staging, Transport, tiled_writeback
 from .comm import Comm
@@ -219,7 +219,7 @@ class HostUpdate:
     def publish(self) -> None:
         """Every rank's partition to every rank; autograd must refuse graphs that saved the old values."""
         self.comm.all_gather_flat(self.flat, self.layout.part_lo, self.layout.part_hi)
-        torch.autograd.graph.increment_version(self.layout.params)
+        bump_version(*self.layout.params)
 
     @torch.no_grad()
     def resume(self, staged: bool) -> None:
