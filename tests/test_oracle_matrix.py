@@ -77,6 +77,9 @@ FACTORS = {
     # "copy_engine": the GPU's data flow on the CPU (CopyEngineTransport: separate device buffers, staging,
     # asynchronous delayed copies): buckets, D2H, landing, tiled writeback, staging and their events all run.
     "transport": ("host", "copy_engine"),
+    # ZeRO stage: 1 (gradients all-reduced), 2, 3 (parameters partitioned, gathered per module), 3 with the
+    # parameter shards in host memory
+    "stage": ("2", "1", "3", "3+cpu"),
 }
 # Stronger than pairs where the bugs were: accumulation by dtype, ranks and DPU; the overflow path by dtype and
 # loss scale; a skipped step under DPU on 1 and 2 ranks; params without a gradient on some micro-batches/ranks.
@@ -136,12 +139,13 @@ class Case:
     buffers: bool
     inf: bool
     transport: str
+    stage: str
 
     @property
     def id(self) -> str:
         on = [k for k in ("clip", "groups", "frozen", "tied", "unused", "buffers", "inf") if getattr(self, k)]
-        return "-".join([f"c{self.index:02d}", self.dtype, f"m{self.micro}", f"w{self.world}",
-                         f"scale={self.scale}", f"dpu={self.dpu}", self.transport, *on])  # fmt: skip
+        return "-".join([f"c{self.index:02d}", self.dtype, f"m{self.micro}", f"w{self.world}", f"scale={self.scale}",
+                         f"dpu={self.dpu}", self.transport, f"zero{self.stage}", *on])  # fmt: skip
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
@@ -154,11 +158,13 @@ class Case:
 
     def batches(self) -> list[list[list[tuple]]]:
         """[step][rank][micro] -> (x, y, branch, inject): the `sometimes` branch runs on rank 0's first
-        micro-batch every third step (so it has no gradient on the other steps, and on one rank only)."""
+        micro-batch every third step (so it has no gradient on the other steps, and on one rank only); at stage 3,
+        where every rank must run the same modules, on every rank's first micro-batch."""
+        every_rank = self.stage.startswith("3")
         g = torch.Generator().manual_seed(1000 + self.index)
         shape = (STEPS, self.world, self.micro, BATCH, SEQ)
         x, y = torch.randint(0, VOCAB, shape, generator=g), torch.randint(0, VOCAB, shape, generator=g)
-        return [[[(x[s, r, i], y[s, r, i], s % 3 == 0 and r == 0 and i == 0,
+        return [[[(x[s, r, i], y[s, r, i], s % 3 == 0 and (r == 0 or every_rank) and i == 0,
                    self.inf and s == INF_STEP and r == self.world - 1 and i == self.micro - 1)
                   for i in range(self.micro)] for r in range(self.world)] for s in range(STEPS)]  # fmt: skip
 
@@ -174,10 +180,17 @@ def forward(model, batch) -> torch.Tensor:
 # ---------------------------------------------------------------------- the code under test
 
 
-def run_zo(case: Case, rank: int, group) -> dict:
-    """Train the case with ZeroOffloadAdamW on this rank; everything the comparison needs, on the CPU."""
+def stage_args(stage: str) -> dict:
+    """ZeroOffloadAdamW's arguments for a level of the "stage" factor."""
+    return {"stage": int(stage[0]), **({"offload_param": "cpu"} if stage.endswith("+cpu") else {})}
+
+
+def run_zo(case: Case, rank: int, group, stage: str | None = None) -> dict:
+    """Train the case with ZeroOffloadAdamW on this rank; everything the comparison needs, on the CPU.
+    `stage` overrides the case's."""
     model = case.model()
     params, extra = (param_groups(model), {"module": model}) if case.groups else (model, {})
+    extra.update(stage_args(stage or case.stage))
     transport = CopyEngineTransport(delay_s=COPY_DELAY_S) if case.transport == "copy_engine" else None
     opt = zk.ZeroOffloadAdamW(params, **ADAMW, dtype=DTYPES[case.dtype], loss_scale=case.loss_scale(),
                               max_grad_norm=MAX_GRAD_NORM if case.clip else None, delay_update_after=case.dpu,
@@ -202,9 +215,11 @@ def run_zo(case: Case, rank: int, group) -> dict:
         order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
         state = {order[i]: {k: (float(v) if k == "step" else v.clone()) for k, v in st.items()}
                  for i, st in sd["state"].items()}  # fmt: skip
-        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with opt.gathered():  # ZeRO-3: the parameters are whole only inside
+            before = {k: v.detach().clone() for k, v in model.state_dict().items()}
         opt.synchronize()
-        after = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with opt.gathered():
+            after = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return dict(losses=losses, skipped=skipped, scales=scales, state=state, before=before, after=after,
                     threads=torch.get_num_threads())  # fmt: skip
     finally:

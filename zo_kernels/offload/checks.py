@@ -88,3 +88,16 @@ def check_offload(offload_optimizer: Any, nvme_dir: Any) -> str | None:
     if nvme_dir is None:
         raise ValueError("offload_optimizer='nvme' needs nvme_dir=, a directory for the optimizer state's files")
     return check_dir(nvme_dir, "nvme_dir")
+
+
+def check_stage(stage: Any, offload_param: Any, module: Any) -> None:
+    """ZeRO stage 1, 2 or 3; offload_param (None, "cpu") only at stage 3, which needs the module."""
+    if isinstance(stage, bool) or stage not in (1, 2, 3):
+        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    if offload_param not in (None, "cpu"):
+        raise ValueError(f"offload_param must be None or 'cpu', got {offload_param!r}")
+    if offload_param is not None and stage != 3:
+        raise ValueError(f"offload_param={offload_param!r} needs stage=3 (the parameters are partitioned only there)")
+    if stage == 3 and module is None:
+        raise ValueError("stage=3 gathers each module's parameters around its forward and backward: pass the model "
+                         "(ZeroOffloadAdamW(model, stage=3, ...) or module=model)")

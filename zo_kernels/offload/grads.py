@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..buckets import pack
 from ..cpu_adam import sum_squares
-from ..param_views import MovedGrad, in_nested_backward, is_alias_of
+from ..param_views import MovedGrad, in_nested_backward
 from ..transport import Transport
 from .comm import Comm
 from .layout import Bucket, FlatLayout
@@ -27,7 +27,7 @@ from .scaler import LossScaler
 
 
 class Gradients(NamedTuple):
-    """What step() consumes: the reduced (summed over ranks, still loss-scaled) gradient of this rank's partition,
+    """What step() consumes: the reduced (averaged over ranks, still loss-scaled) gradient of this rank's partition,
     checked over all ranks."""
 
     grad: torch.Tensor
@@ -43,27 +43,37 @@ class GradPath:
 
     Args:
         layout: the flat layout (params, buckets, this rank's partition).
-        flat: the device buffer of the parameters.
+        dtype, device: the parameters' (and the buckets') dtype and device.
         transport, comm: the copies to the host and the process group.
         scaler: the loss scaler (p.grad norms are reported unscaled).
         times: the phase times ("reduce", "offload", "backward_offload_wait" are added here).
         slots: landing buffers (2 under the delayed update: gradient i+1 never overwrites gradient i).
         threads: CPU threads for the sums of squares.
         guard: raises when the optimizer can no longer be used (closed, or failed earlier).
+        connected: whether a param is still the optimizer's (not cast or moved since).
+        all_reduce: every rank gets every reduced bucket (ZeRO-1), not only its own part (ZeRO-2/3).
+        on_grad, on_pass_end: told when a param's gradient arrives and when a backward pass (final=True) or a
+            part of one ends (ZeRO-3 frees the gathered parameters).
     """
 
-    def __init__(self, layout: FlatLayout, flat: torch.Tensor, transport: Transport, comm: Comm, scaler: LossScaler,
-                 times: PhaseTimes, *, slots: int, threads: int, guard: Callable[[], None]) -> None:  # fmt: skip
-        self.layout, self.flat, self.transport, self.comm = layout, flat, transport, comm
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, transport: Transport, comm: Comm,
+                 scaler: LossScaler, times: PhaseTimes, *, slots: int, threads: int, guard: Callable[[], None],
+                 connected: Callable[[torch.Tensor], bool], all_reduce: bool = False,
+                 on_grad: Callable[[torch.Tensor], None] | None = None,
+                 on_pass_end: Callable[[bool], None] | None = None) -> None:  # fmt: skip
+        self.layout, self.dtype, self.device, self.transport, self.comm = layout, dtype, device, transport, comm
         self.scaler, self.times, self.threads, self.guard = scaler, times, threads, guard
-        self.landing = [transport.pool.take(layout.part, flat.dtype) for _ in range(slots)]
+        self.connected, self.all_reduce = connected, all_reduce
+        self.predivide = 1.0 / comm.world  # the reduction sums averages (as DDP does): no overflow the mean has not
+        self.on_grad, self.on_pass_end = on_grad, on_pass_end
+        self.landing = [transport.pool.take(layout.part, dtype) for _ in range(slots)]
         for buf in self.landing:
             buf.zero_()
         self.accum: list[torch.Tensor | None] = [None] * slots
         # One rank whose device memory is host memory needs no bucket: gradients pack into the landing buffer.
         self.direct_landing = comm.world == 1 and not transport.needs_staging
         buf_numel = 0 if self.direct_landing else max(b.hi - b.lo for b in layout.buckets)
-        self.bucket_bufs = [torch.empty(buf_numel, dtype=flat.dtype, device=flat.device) for _ in range(2)]
+        self.bucket_bufs = [torch.empty(buf_numel, dtype=dtype, device=device) for _ in range(2)]
         self.buf_busy: list[list[Any]] = [[], []]  # per buffer: reduce works and copy events still using it
         self.iteration = 0  # step() calls that consumed gradients
         self.last_got: list[bool] = []  # which params had a gradient at the last step (zero_grad(set_to_none=False))
@@ -100,8 +110,8 @@ class GradPath:
         self._norm_cache: dict[float, torch.Tensor] = {}  # per-param gradient norms, by order, until it changes
         self._sum_sq_stale = False  # pack's in-pass sum of squares no longer describes the landing buffer
         self._next_bucket = 0
-        self._found_inf = torch.zeros((), dtype=torch.bool, device=self.flat.device)
-        self._sum_sq = torch.zeros((), dtype=torch.float32, device=self.flat.device)
+        self._found_inf = torch.zeros((), dtype=torch.bool, device=self.device)
+        self._sum_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for b in self.layout.buckets:
             b.ready = 0
 
@@ -115,9 +125,9 @@ class GradPath:
     def check_connected(self) -> None:
         """The model's params must still be the optimizer's (e.g. not replaced by model.float() or model.to())."""
         for i, p in enumerate(self.layout.params):
-            if not is_alias_of(p, self.flat, self.layout.offset[p]):
+            if not self.connected(p):
                 raise RuntimeError(f"param {i} (shape {tuple(p.shape)}, {p.dtype} on {p.device}) is no longer the "
-                                   f"optimizer's {self.flat.dtype} parameter on {self.flat.device}: the model was "
+                                   f"optimizer's {self.dtype} parameter on {self.device}: the model was "
                                    "cast or moved after ZeroOffloadAdamW was built (model.float()/.to()/.half()?). "
                                    "Build the optimizer after the last cast or move")  # fmt: skip
 
@@ -152,7 +162,7 @@ class GradPath:
         i = self.layout.index[p]
 
         def hook(grad: torch.Tensor) -> None:
-            if not is_alias_of(p, self.flat, self.layout.offset[p]):
+            if not self.connected(p):
                 self.check_connected()  # raises, naming the first param that was cast or moved
             try:
                 accumulates = torch._C._will_engine_execute_node(self.accumulators[i])
@@ -186,6 +196,8 @@ class GradPath:
         if p.grad.is_sparse:
             raise RuntimeError("ZeroOffloadAdamW does not support sparse gradients")
         self._got[self.layout.index[p]] = True
+        if self.on_grad is not None:
+            self.on_grad(p)
         bucket = self.layout.bucket_of[p]
         bucket.ready += 1
         self._launch_ready()
@@ -238,23 +250,31 @@ class GradPath:
         lay, comm = self.layout, self.comm
         self._wait_buffer(k, host=False)  # inside a gradient hook: order the device, never block the host
         if self.direct_landing:  # one rank, host memory is the device: pack straight into the landing buffer
-            buf = self.landing[self.slot][b.lo - lay.part_lo : b.hi - lay.part_lo]
+            buf = self.landing[self.slot][b.lo : b.hi]  # one rank: partition coordinates are flat ones
         else:
             buf = self.bucket_bufs[k][: b.hi - b.lo]
         has = [p.grad is not None and not isinstance(p.grad, MovedGrad) for p, _, _ in b.params]
-        grads = [p.grad if h else torch.zeros_like(p) for (p, _, _), h in zip(b.params, has)]
-        packed = pack(grads, dtype=self.flat.dtype, out=buf, align=lay.align)
-        self._found_inf |= packed.found_inf
-        self._sum_sq += packed.sum_sq
+        grads = [p.grad if h else torch.zeros(n, dtype=self.dtype, device=self.device)
+                 for (p, _, n), h in zip(b.params, has)]  # fmt: skip
+        end = 0
+        for i, j in zip(b.packs, b.packs[1:] + [len(b.params)]):  # ZeRO-3: one pack per unit in the bucket
+            lo = b.params[i][1] - b.lo
+            buf[end:lo].zero_()  # a unit's padding
+            packed = pack(grads[i:j], dtype=self.dtype, scale=self.predivide, out=buf[lo:], align=lay.align)
+            self._found_inf |= packed.found_inf
+            self._sum_sq += packed.sum_sq
+            end = lo + packed.flat.numel()
+        buf[end:].zero_()
         for (p, _, _), h in zip(b.params, has):
             if h:  # the device gradient is freed as soon as its bucket has left
                 self._place_moved_grad(p)
         busy = self.buf_busy[k]
         t1 = time.perf_counter()
-        if comm.world > 1:
+        if comm.world > 1 and self.all_reduce:  # ZeRO-1: every rank gets the whole reduced bucket
+            comm.collective(f"the all-reduce of bucket {b.index}", dist.all_reduce, buf, op=dist.ReduceOp.SUM)
+        elif comm.world > 1:  # each part of the bucket is reduced to the rank that owns it
             for r in range(comm.world):
-                a, c = max(b.lo, r * lay.part), min(b.hi, (r + 1) * lay.part)
-                if a < c:
+                for a, c, _ in lay.owned(b.lo, b.hi, r):
                     work = dist.reduce(buf[a - b.lo : c - b.lo], dst=comm.global_rank(r), op=dist.ReduceOp.SUM,
                                        group=comm.group, async_op=True)  # fmt: skip
                     if r == comm.rank:
@@ -262,10 +282,10 @@ class GradPath:
                     else:
                         busy.append((work, f"the reduce of bucket {b.index} to rank {r}"))
         t2 = time.perf_counter()
-        lo, hi = max(b.lo, lay.part_lo), min(b.hi, lay.part_hi)
-        if lo < hi and not self.direct_landing:
-            dst = self.landing[self.slot][lo - lay.part_lo : hi - lay.part_lo]
-            busy.append(self.transport.d2h(dst, buf[lo - b.lo : hi - b.lo]))
+        if not self.direct_landing:
+            for a, c, pa in lay.owned(b.lo, b.hi, comm.rank):
+                dst = self.landing[self.slot][pa : pa + c - a]
+                busy.append(self.transport.d2h(dst, buf[a - b.lo : c - b.lo]))
         self.times.add("reduce", t2 - t1)
         self.times.add("offload", (t1 - t0) + (time.perf_counter() - t2))
 
@@ -312,6 +332,8 @@ class GradPath:
             self.n_backward += 1
         self._norm_cache = {}
         self.n_micro += 1
+        if self.on_pass_end is not None:
+            self.on_pass_end(not same_backward)
         self.times.add("backward_offload_wait", time.perf_counter() - t0)
 
     def close_pass(self) -> None:
@@ -413,7 +435,7 @@ class GradPath:
                 self.comm.collective("the all-reduce of per-parameter gradient norms", dist.all_reduce, part, op=op)
                 part = part.cpu()
             norms = part if ord == math.inf else part.pow(1.0 / ord)
-            self._norm_cache[ord] = norms / (world * self.scaler.scale)
+            self._norm_cache[ord] = norms / self.scaler.scale
         factor = torch.tensor(self.factor, dtype=torch.float64).abs()
         return (self._norm_cache[ord] * factor)[indices].tolist()
 

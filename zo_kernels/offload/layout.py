@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 PARAM_ALIGN_BYTES = 16  # every param starts on a 16-byte boundary of the flat buffer: vector loads in pack
@@ -12,75 +14,127 @@ Run = tuple[int, int, int, int, float]  # (group, start, end, step, gradient fac
 class Bucket:
     """A contiguous range [lo, hi) of the flat space and the parameters in it (flat order)."""
 
-    def __init__(self, index: int, params: list[tuple[torch.Tensor, int, int]], hi: int) -> None:
+    def __init__(self, index: int, params: list[tuple[torch.Tensor, int, int]], hi: int, align: int) -> None:
         self.index = index
         self.params = params  # (param, flat offset, numel)
         self.lo = params[0][1]
         self.hi = hi  # the end of the last param's span (its padding included)
         self.ready = 0  # parameters whose gradient has arrived in this backward pass
+        # runs of params that one `pack` lays out (each at the previous end rounded up to `align`), by start index;
+        # ZeRO-3 pads each unit to N shards: a bucket across units has one run per unit
+        self.packs: list[int] = [0]
+        for i in range(1, len(params)):
+            _, off, n = params[i - 1]
+            if params[i][1] != -(-(off + n) // align) * align:
+                self.packs.append(i)
 
 
 class FlatLayout:
-    """Flat offsets in parameter order, each param starting on a PARAM_ALIGN_BYTES boundary (the pack kernels then
-    move 16-byte vectors), padding to a multiple of N aligned partitions, this rank's part, the gradient buckets.
+    """Flat offsets, each param starting on a PARAM_ALIGN_BYTES boundary (the pack kernels then move 16-byte vectors),
+    the flat space cut into segments that the ranks share evenly, this rank's partition, the gradient buckets.
+
+    Without `units` (ZeRO-1/2) the flat order is group by group and the whole flat space is one segment: rank r owns
+    [r * part, (r + 1) * part). With `units` (ZeRO-3: the parameters each module gathers) the flat order is unit by
+    unit and each unit is a segment padded to N aligned shards: rank r owns the r-th shard of every unit, and its
+    partition is those shards one after the other. Partition coordinates index the host state, the landing buffer
+    and (ZeRO-3) the persistent parameter shard.
 
     Args:
-        groups: each param group's trainable parameters; the flat order is group by group.
+        groups: each param group's trainable parameters (their indices: group by group).
         dtype: the flat buffer's dtype (the alignment is counted in its elements).
         world, rank: the ranks sharing the flat space (N) and this one.
         bucket_numel: the most elements of a gradient bucket (a larger parameter gets a bucket of its own).
+        units: lists of parameters covering `groups` exactly once, in gather order; None: one segment.
     """
 
     def __init__(self, groups: list[list[torch.Tensor]], dtype: torch.dtype, world: int, rank: int,
-                 bucket_numel: int) -> None:  # fmt: skip
-        self.params = [p for ps in groups for p in ps]  # flat order, group by group
+                 bucket_numel: int, units: list[list[torch.Tensor]] | None = None) -> None:  # fmt: skip
+        self.params = [p for ps in groups for p in ps]  # the optimizer's order (param indices), group by group
         self.index = {p: i for i, p in enumerate(self.params)}
         self.pgroup = [gi for gi, ps in enumerate(groups) for _ in ps]
+        self.world, self.rank = world, rank
+        self.shape = {p: p.shape for p in self.params}  # (ZeRO-3 empties the params between uses)
         self.align = PARAM_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
         up = lambda n, k: -(-n // k) * k  # noqa: E731
         self.offset: dict[torch.Tensor, int] = {}
+        self.segments: list[tuple[int, int]] = []  # flat ranges shared evenly by the ranks
         pos = 0
-        for p in self.params:
-            pos = up(pos, self.align)
-            self.offset[p] = pos
-            pos += p.numel()
+        for unit in units if units is not None else [self.params]:
+            lo = pos
+            for p in unit:
+                pos = up(pos, self.align)
+                self.offset[p] = pos
+                pos += p.numel()
+            self.segments.append((lo, up(pos, world * self.align)))
+            pos = self.segments[-1][1] if units is not None else pos
+        self.flat_order = sorted(self.params, key=self.offset.__getitem__)
         self.numel = sum(p.numel() for p in self.params)
         # param i's span: [offset, next offset); the zeros of its padding are updated with it (they stay 0)
-        ends = [self.offset[p] for p in self.params[1:]] + [up(pos, self.align)]
-        self.span_end = {p: e for p, e in zip(self.params, ends)}
-        self.flat_numel = up(pos, world * self.align)
-        self.part = self.flat_numel // world
-        self.part_lo = rank * self.part
-        self.part_hi = self.part_lo + self.part
-        # each group's flat range, intersected with the partition, in partition coordinates
+        ends = [self.offset[p] for p in self.flat_order[1:]] + [up(pos, self.align)]
+        self.span_end = {p: e for p, e in zip(self.flat_order, ends)}
+        self.flat_numel = self.segments[-1][1]
+        # rank r's pieces: (flat lo, flat hi, partition offset), one per segment
+        self.pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+        for r in range(world):
+            off = 0
+            for lo, hi in self.segments:
+                shard = (hi - lo) // world
+                self.pieces[r].append((lo + r * shard, lo + (r + 1) * shard, off))
+                off += shard
+        self.part = sum((hi - lo) // world for lo, hi in self.segments)
+        # ZeRO-1/2: this rank's partition is one flat range
+        self.part_lo = rank * self.part if units is None else None
+        self.part_hi = self.part_lo + self.part if units is None else None
+        self._seg_starts = [lo for lo, _ in self.segments]
+        # each group's range of the partition if it is one range, else None
         self.group_ranges: list[tuple[int, int] | None] = []
         for ps in groups:
-            a, b = self._in_part(self.offset[ps[0]], self.span_end[ps[-1]])
-            self.group_ranges.append((a, b) if a < b else None)
+            spans = sorted(self._in_part(self.offset[p], self.span_end[p]) for p in ps)
+            spans = [(a, b) for a, b in spans if a < b]
+            joined = all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
+            self.group_ranges.append((spans[0][0], spans[-1][1]) if spans and joined else None)
         self.buckets = self._buckets(bucket_numel)
         self.bucket_of = {p: b for b in self.buckets for p, _, _ in b.params}
 
+    def owned(self, lo: int, hi: int, r: int) -> list[tuple[int, int, int]]:
+        """The parts of the flat range [lo, hi) that rank r owns: (flat a, flat b, partition offset of a)."""
+        out = []
+        k = 0 if len(self._seg_starts) == 1 else max(0, bisect.bisect_right(self._seg_starts, lo) - 1)
+        for a, b, off in self.pieces[r][k:]:
+            if a >= hi:
+                break
+            x, y = max(a, lo), min(b, hi)
+            if x < y:
+                out.append((x, y, off + x - a))
+        return out
+
     def _in_part(self, lo: int, hi: int) -> tuple[int, int]:
-        """The flat range [lo, hi) intersected with this rank's partition, in partition coordinates."""
-        return max(lo, self.part_lo) - self.part_lo, min(hi, self.part_hi) - self.part_lo
+        """The flat range [lo, hi) (within one segment) intersected with this rank's partition, in partition
+        coordinates (empty: a >= b)."""
+        got = self.owned(lo, hi, self.rank)
+        if not got:
+            return 0, 0
+        assert len(got) == 1, "a range across segments"
+        a, b, off = got[0]
+        return off, off + b - a
 
     def part_range(self, p: torch.Tensor) -> tuple[int, int]:
         """p's elements [offset, offset + numel) in this rank's partition coordinates (empty: a >= b)."""
-        return self._in_part(self.offset[p], self.offset[p] + p.numel())
+        return self._in_part(self.offset[p], self.offset[p] + self.shape[p].numel())
 
     def _buckets(self, bucket_numel: int) -> list[Bucket]:
         """Contiguous flat ranges taken from the end (backward order)."""
         buckets: list[Bucket] = []
         cur: list[tuple[torch.Tensor, int, int]] = []
         size = 0
-        for p in reversed(self.params):
+        for p in reversed(self.flat_order):
             span = self.span_end[p] - self.offset[p]
             if cur and size + span > bucket_numel:
-                buckets.append(Bucket(len(buckets), list(reversed(cur)), self.span_end[cur[0][0]]))
+                buckets.append(Bucket(len(buckets), list(reversed(cur)), self.span_end[cur[0][0]], self.align))
                 cur, size = [], 0
             cur.append((p, self.offset[p], p.numel()))
             size += span
-        buckets.append(Bucket(len(buckets), list(reversed(cur)), self.span_end[cur[0][0]]))
+        buckets.append(Bucket(len(buckets), list(reversed(cur)), self.span_end[cur[0][0]], self.align))
         return buckets
 
     def runs(self, got: list[bool], steps: list[int], factor: list[float]) -> list[Run]:
@@ -88,7 +142,8 @@ class FlatLayout:
         gradient, cut where the group, the step count or the factor changes (one range per group when nothing
         is skipped or scaled apart)."""
         runs: list[Run] = []
-        for i, p in enumerate(self.params):
+        for p in self.flat_order:
+            i = self.index[p]
             a, b = self._in_part(self.offset[p], self.span_end[p])
             if a >= b or not got[i]:
                 continue

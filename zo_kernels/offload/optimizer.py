@@ -9,24 +9,26 @@ path of `pack`): that is how it is tested without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..cpu_adam import _check_threads, _real, check_hparams
-from ..param_views import alias
-from ..transport import Transport, default_transport
+from ..cpu_adam import _check_threads, _real, bump_version, check_hparams
+from ..param_views import alias, is_alias_of
+from ..transport import HostTransport, Transport, default_transport
 from . import report, state
-from .checks import DTYPES, MAX_THREADS, check_int, check_offload, check_params, check_trainable
+from .checks import DTYPES, MAX_THREADS, check_int, check_offload, check_params, check_stage, check_trainable
 from .comm import COLLECTIVE_TIMEOUT_S, Comm, pin_rank_threads
 from .grads import GradPath
 from .layout import FlatLayout
+from .params import DeviceBytes, ParamShards, units_of
 from .report import MemoryReport, PhaseTimes
 from .scaler import LossScaler
 from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S, HostUpdate
@@ -61,8 +63,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
       (`stats["skip_reason"] == "no gradients"`).
     - A parameter that received no gradient in a step (on any rank) is skipped as torch.optim.AdamW skips a
       parameter whose grad is None: no decay, no moment update; each parameter counts its own steps.
-    - Gradients are averaged over the ranks (as DDP); `max_grad_norm` clips by the global norm of that
-      average; the 1/N, the loss-scale inverse and the clip coefficient are one `grad_scale` of the kernel.
+    - Gradients are averaged over the ranks as DDP averages them: each rank's are divided by N before the
+      16-bit reduction (so that the sum cannot overflow where the average does not); `max_grad_norm` clips by the
+      global norm of the average; the loss-scale inverse and the clip coefficient are one `grad_scale` of the
+      kernel.
     - A step whose gradients hold inf/NaN (or overflow `dtype`) is skipped: nothing but the loss scale
       changes. `loss_scale="dynamic"` follows torch.amp.GradScaler (2**16, x2 after 2000 good steps, /2 on
       overflow); a number is a static scale.
@@ -120,6 +124,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         module: torch.nn.Module | None = None,
         offload_optimizer: str = "cpu",
         nvme_dir: str | os.PathLike | None = None,
+        stage: int = 2,
+        offload_param: str | None = None,
+        prefetch: int = 1,
     ) -> None:
         # Every argument is checked before anything (the model included) is modified.
         if isinstance(params, torch.nn.Module):
@@ -144,6 +151,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if transport is not None and not isinstance(transport, Transport):
             raise TypeError(f"transport must be a zo_kernels Transport or None, got {type(transport).__name__}")
         nvme_dir = check_offload(offload_optimizer, nvme_dir)
+        check_stage(stage, offload_param, module)
+        prefetch = check_int(prefetch, "prefetch", 0, required=True)
         for name, value in (("update_timeout_s", update_timeout_s), ("collective_timeout_s", collective_timeout_s)):
             if _real(value, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -176,15 +185,24 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 old.close()
         self._built = False  # add_param_group is refused once the flat layout exists
         self._closed = False
+        self.stage, self.offload_param, self.prefetch = stage, offload_param, prefetch
+        units = uses = None
+        if stage == 3:
+            units, uses = units_of(module, trainable)
         self.layout = FlatLayout([g["params"] for g in self.param_groups], dtype, self.world, self.rank,
-                                 bucket_numel or DEFAULT_BUCKET_NUMEL)  # fmt: skip
+                                 bucket_numel or DEFAULT_BUCKET_NUMEL, units=units)  # fmt: skip
         self.transport = transport if transport is not None else default_transport(device)
         self._own_transport = transport is None  # close() closes (returns the pinned memory of) what it made
         self._cast_followers(followers)
-        self._allocate(trainable, nvme_dir)
+        self._allocate(trainable, nvme_dir, uses)
         self._built = True
         self.stats: dict[str, Any] = {}
-        self.grads.attach()
+        if self.shards is None:
+            self.grads.attach()
+        else:  # autograd's accumulators record their param's shape when made: make them while gathered
+            with self.shards.gathered():
+                self.grads.attach()
+            self.shards.attach()
         for p in trainable:
             p._zo_owner = weakref.ref(self)
 
@@ -198,29 +216,67 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 t.data = t.data.to(self.dtype)
 
     @torch.no_grad()
-    def _allocate(self, trainable: list[torch.Tensor], nvme_dir: str | None) -> None:
+    def _allocate(self, trainable: list[torch.Tensor], nvme_dir: str | None, uses: Any) -> None:
         pool_bytes = 8 * self.part * torch.empty((), dtype=self.dtype).element_size() + (1 << 20)
         self.transport.pool.max_bytes = max(self.transport.pool.max_bytes, pool_bytes)
+        self.device_bytes = DeviceBytes()
         master = torch.zeros(self.part, dtype=torch.float32)
-        self.flat = torch.zeros(self.flat_numel, dtype=self.dtype, device=self.device)
+        self.flat, self.shards = None, None
+        if self.stage == 3:
+            self.shards = ParamShards(self.layout, uses, self.dtype, self.device, self.comm, self.transport,
+                                      offload=self.offload_param, prefetch=self.prefetch, counter=self.device_bytes,
+                                      times=self._times)  # fmt: skip
+        else:
+            self.flat = torch.zeros(self.flat_numel, dtype=self.dtype, device=self.device)
+            self.device_bytes.add(self.flat.numel() * self.flat.element_size())
         src = self.comm.global_rank(0)
         for p in trainable:
             if self.world > 1:
                 self.comm.collective("the initial broadcast of the parameters", dist.broadcast, p.data, src=src)
             off, n = self._offset[p], p.numel()
-            a, b = max(off, self.part_lo), min(off + n, self.part_hi)
-            if a < b:
-                values = p.detach().reshape(-1)[a - off : b - off]
-                master[a - self.part_lo : b - self.part_lo] = values.float().cpu()
-            self.flat[off : off + n].copy_(p.detach().reshape(-1))
-            p.data = alias(self.flat, off, n, p.shape)
+            values = p.detach().reshape(-1)
+            for a, b, pa in self.layout.owned(off, off + n, self.rank):
+                master[pa : pa + b - a] = values[a - off : b - off].float().cpu()
+            if self.shards is not None:
+                self.shards.take(p, values)
+            else:
+                self.flat[off : off + n].copy_(values)
+                p.data = alias(self.flat, off, n, p.shape)
             p.grad = None
-        self.grads = GradPath(self.layout, self.flat, self.transport, self.comm, self.scaler, self._times,
-                              slots=2 if self.delay_update_after is not None else 1, threads=self.threads,
-                              guard=self._check_alive)  # fmt: skip
-        self.update = HostUpdate(self.layout, self.flat, master, self.transport, self.comm, threads=self.threads,
+        shards = self.shards
+        if shards is None:
+            connected = lambda p: is_alias_of(p, self.flat, self._offset[p])  # noqa: E731
+            own, publish, update_transport = self.flat[self.part_lo : self.part_hi], self._publish_flat, self.transport
+        else:
+            connected, own, publish = shards.connected, shards.shard, shards.on_update
+            # a shard in host memory is written there by host copies; on the device, through the transport
+            update_transport = self.transport if self.offload_param is None else HostTransport()
+        self.grads = GradPath(self.layout, self.dtype, self.device, self.transport, self.comm, self.scaler,
+                              self._times, slots=2 if self.delay_update_after is not None else 1,
+                              threads=self.threads, guard=self._check_alive, connected=connected,
+                              all_reduce=self.stage == 1, on_grad=shards and shards.on_grad,
+                              on_pass_end=shards and shards.on_pass_end)  # fmt: skip
+        self.device_bytes.add(sum(b.numel() * b.element_size() for b in self.grads.bucket_bufs))
+        self.update = HostUpdate(self.layout, own, master, update_transport, publish, threads=self.threads,
                                  tile_numel=self.tile_numel, delayed=self.delay_update_after is not None,
                                  timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir)  # fmt: skip
+        self._own_update_transport = update_transport is not self.transport
+
+    def _publish_flat(self) -> None:
+        """ZeRO-1/2: every rank's partition to every rank; autograd must refuse graphs that saved the old values."""
+        self.comm.all_gather_flat(self.flat, self.part_lo, self.part_hi)
+        bump_version(*self.layout.params)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """ZeRO-3: every parameter gathered (full, on the device) inside the block, e.g. to save or evaluate the
+        model outside forward; freed after. A no-op at stages 1 and 2 (the parameters are always whole)."""
+        self._check_alive()
+        if self.shards is None:
+            yield
+            return
+        with self.shards.gathered():
+            yield
 
     def _check_usable(self) -> None:
         failed = self.comm.failed or self.update.failed
@@ -325,7 +381,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.update.finish_pending(write=True)
         c = self.grads.consume()
         scale = self.scaler.scale
-        norm = math.sqrt(c.sum_sq) / (self.world * scale) if math.isfinite(c.sum_sq) else float("inf")
+        norm = math.sqrt(c.sum_sq) / scale if math.isfinite(c.sum_sq) else float("inf")
         n_micro, got = c.n_backward, c.got
         if c.found_inf:
             self.scaler.update(found_inf=True)
@@ -334,7 +390,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         clip = 1.0
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
-        grad_scale = clip / (self.world * scale)
+        grad_scale = clip / scale
         runs = self.layout.runs(got, self.update.steps, c.factor)
         for i, g in enumerate(got):
             self.update.steps[i] += g
@@ -419,7 +475,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             return
         self.update.finish_pending(write=True)
         self.grads.detach()
+        if self.shards is not None:
+            self.shards.detach()
         self.update.close()
+        if self._own_update_transport:
+            self.update.transport.close()
         if self._own_transport and hasattr(self.transport, "close"):
             self.transport.synchronize()
             self.transport.close()

@@ -18,15 +18,22 @@ def state_dict(opt: ZeroOffloadAdamW) -> dict[str, Any]:
     opt._check_alive()
     opt.update.finish_pending(write=False)
     keys = ("master", "exp_avg", "exp_avg_sq")
-    full = {k: opt.comm.gather(t, opt.layout.flat_numel) for k, t in zip(keys, opt.update.state())}
+    lay = opt.layout
+    # every rank's partition, one after the other (a collective when N > 1)
+    full = {k: opt.comm.gather(t, lay.part * opt.world) for k, t in zip(keys, opt.update.state())}
     state, groups, idx = {}, [], 0
     for group in opt.param_groups:
         ids = []
         for p in group["params"]:
-            off, n = opt.layout.offset[p], p.numel()
+            off, shape = lay.offset[p], lay.shape[p]
             # always present, also before the first step: the masters must travel with the checkpoint
             state[idx] = {"step": torch.tensor(float(opt.update.steps[idx]))}
-            state[idx].update({k: v[off : off + n].clone().view(p.shape) for k, v in full.items()})
+            for k, v in full.items():
+                t = torch.empty(shape.numel(), dtype=torch.float32)
+                for r in range(opt.world):
+                    for a, b, pa in lay.owned(off, off + shape.numel(), r):
+                        t[a - off : b - off] = v[r * lay.part + pa : r * lay.part + pa + b - a]
+                state[idx][k] = t.view(shape)
             ids.append(idx)
             idx += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
@@ -72,9 +79,9 @@ def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[
                     continue
                 if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                     raise TypeError(f"param {i}: state {key!r} must be a floating-point tensor")
-                if tuple(t.shape) != tuple(p.shape):
+                if tuple(t.shape) != tuple(opt.layout.shape[p]):
                     raise ValueError(f"param {i}: saved {key} has shape {tuple(t.shape)}, "
-                                     f"the model's param has {tuple(p.shape)}")  # fmt: skip
+                                     f"the model's param has {tuple(opt.layout.shape[p])}")  # fmt: skip
                 if not bool(torch.isfinite(t).all()):
                     raise ValueError(f"param {i}: state {key!r} holds inf or NaN")
                 if key == "exp_avg_sq" and bool((t < 0).any()):
@@ -109,16 +116,13 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
     for _, p, st, step in plan:
         i = opt.layout.index[p]
         opt.update.steps[i] = step
-        off, n = opt.layout.offset[p], p.numel()
-        a, b = max(off, opt.layout.part_lo), min(off + n, opt.layout.part_hi)
-        if a >= b:
-            continue
-        src = slice(a - off, b - off)
-        dst = slice(a - opt.layout.part_lo, b - opt.layout.part_lo)
-        exp_avg[dst] = st["exp_avg"].reshape(-1)[src].float()
-        exp_avg_sq[dst] = st["exp_avg_sq"].reshape(-1)[src].float()
-        if st.get("master") is not None:
-            master[dst] = st["master"].reshape(-1)[src].float()
+        off, n = opt.layout.offset[p], opt.layout.shape[p].numel()
+        for a, b, pa in opt.layout.owned(off, off + n, opt.rank):
+            src, dst = slice(a - off, b - off), slice(pa, pa + b - a)
+            exp_avg[dst] = st["exp_avg"].reshape(-1)[src].float()
+            exp_avg_sq[dst] = st["exp_avg_sq"].reshape(-1)[src].float()
+            if st.get("master") is not None:
+                master[dst] = st["master"].reshape(-1)[src].float()
     opt.update.save_state(master, exp_avg, exp_avg_sq)
     opt._set_group_steps()
     if not plan or any(st.get("master") is None for _, _, st, _ in plan):

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 
-from ..cpu_adam import bump_version, cpu_adam_step
+from ..cpu_adam import cpu_adam_step
 from ..nvme import TILE_MULTIPLE, NvmeSwapper
 from ..transport import Staging, Transport, tiled_writeback
-from .comm import Comm
 from .layout import FlatLayout, Run
 from .report import PhaseTimes
 
@@ -27,9 +27,12 @@ class HostUpdate:
     """fp32 master, exp_avg, exp_avg_sq of this rank's partition and the update that applies a gradient to them.
 
     Args:
-        layout, flat: the flat layout and the device's flat 16-bit buffer (this rank writes its partition of it).
+        layout: the flat layout.
+        own: where this rank's 16-bit parameters live, in partition coordinates: its range of the device's flat
+            buffer (ZeRO-1/2), or its persistent shard (ZeRO-3: on the device, or in host memory).
         master: the partition's fp32 masters (taken from the parameters).
-        transport, comm: the copies to the device; the all-gather of the partitions.
+        transport: the copies to `own`.
+        publish: called once `own` holds new parameters (ZeRO-1/2: the all-gather of the partitions).
         threads, tile_numel: CPU threads of the update; elements per tile of the update/writeback pipeline.
         delayed: the delayed parameter update is on (staging is then a buffer of its own).
         timeout_s: the longest finish_pending() waits for the background update.
@@ -38,10 +41,10 @@ class HostUpdate:
             its buffer pool; the update streams them tile by tile); None: in host memory.
     """
 
-    def __init__(self, layout: FlatLayout, flat: torch.Tensor, master: torch.Tensor, transport: Transport,
-                 comm: Comm, *, threads: int, tile_numel: int, delayed: bool, timeout_s: float,
+    def __init__(self, layout: FlatLayout, own: torch.Tensor, master: torch.Tensor, transport: Transport,
+                 publish: Callable[[], None], *, threads: int, tile_numel: int, delayed: bool, timeout_s: float,
                  times: PhaseTimes, nvme_dir: str | None = None) -> None:  # fmt: skip
-        self.layout, self.flat, self.transport, self.comm, self.times = layout, flat, transport, comm, times
+        self.layout, self.own, self.transport, self.publish, self.times = layout, own, transport, publish, times
         self.threads, self.tile_numel, self.timeout_s = threads, tile_numel, timeout_s
         self.swapper: NvmeSwapper | None = None
         if nvme_dir is not None:
@@ -58,10 +61,9 @@ class HostUpdate:
         self._staging_read: Any = None  # event of the last copy out of staging (the DPU writes after it)
         self._pending: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
-        own = flat[layout.part_lo : layout.part_hi]
         self.staging_in_place = not (transport.needs_staging or delayed)
         if not self.staging_in_place:
-            self.staging_buf = transport.pool.take(layout.part, flat.dtype)
+            self.staging_buf = transport.pool.take(layout.part, own.dtype)
             # staging always holds the current params: a step that skips a param (no gradient) leaves its range
             # as is, and the padding past the last parameter is sent to the device as zeros
             self.staging_buf.copy_(master)
@@ -131,17 +133,17 @@ class HostUpdate:
             self._stream_update(grad, grad_scale, runs, hparams, writeback)
             return time.perf_counter() - t0
         events = []
-        lo = self.layout.part_lo
         master, exp_avg, exp_avg_sq = self._state
         for gi, a, b, step, factor in runs:
             staging = self._staging[gi]
             adam = dict(step=step, grad_scale=grad_scale * factor, threads=self.threads, **hparams[gi])
-            if (a, b) != self.layout.group_ranges[gi]:  # part of a group (a param was skipped): a staging of its
-                for ev in staging.events.values():  # own, once the group's earlier copies are done
+            if (a, b) != self.layout.group_ranges[gi]:  # part of a group (a param was skipped; ZeRO-3: a group in
+                # several units): a staging of its own, once the group's earlier copies are done
+                for ev in staging.events.values() if staging is not None else ():
                     self.transport.wait(ev)
                 staging = Staging(self.staging_buf[a:b], self.tile_numel)
             if writeback:
-                dst = self.flat[lo + a : lo + b]
+                dst = self.own[a:b]
                 events += tiled_writeback(self.transport, master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b],
                                           dst=dst, staging=staging, timings=self.times, **adam)  # fmt: skip
             else:
@@ -172,8 +174,7 @@ class HostUpdate:
 
         self.swapper.stream(update)
         if writeback and not self.staging_in_place:
-            own = self.flat[self.layout.part_lo : self.layout.part_hi]
-            self._staging_read = self.transport.h2d(own, self.staging_buf)
+            self._staging_read = self.transport.h2d(self.own, self.staging_buf)
             self.transport.device_wait(self._staging_read)
 
     def finish_pending(self, write: bool) -> None:
@@ -208,18 +209,13 @@ class HostUpdate:
     def write_staging(self) -> None:
         """Staging (the 16-bit params of the last update) -> this rank's slice of the device buffer."""
         t0 = time.perf_counter()
-        own = self.flat[self.layout.part_lo : self.layout.part_hi]
+        own = self.own
         if not self.staging_in_place:
             # the compute stream waits for the copy; the next update waits for it before writing staging
             self._staging_read = self.transport.h2d(own, self.staging_buf)
             self.transport.device_wait(self._staging_read)
         self.times.add("writeback", time.perf_counter() - t0)
         self.publish()
-
-    def publish(self) -> None:
-        """Every rank's partition to every rank; autograd must refuse graphs that saved the old values."""
-        self.comm.all_gather_flat(self.flat, self.layout.part_lo, self.layout.part_hi)
-        bump_version(*self.layout.params)
 
     @torch.no_grad()
     def resume(self, staged: bool) -> None:
@@ -235,9 +231,9 @@ class HostUpdate:
     @torch.no_grad()
     def refresh_stale_masters(self) -> None:
         """Keep the fp32 masters if the device params are still their cast; else take them from the model."""
-        device_part = self.flat[self.layout.part_lo : self.layout.part_hi].cpu()
+        device_part = self.own.cpu()
         master, exp_avg, exp_avg_sq = self.state()
-        if not torch.equal(master.to(self.flat.dtype), device_part):
+        if not torch.equal(master.to(self.own.dtype), device_part):
             warnings.warn("the model's parameters changed since the optimizer took its fp32 masters (e.g. "
                           "model.load_state_dict after construction): masters refreshed from the model, losing "
                           "the bits below its dtype", stacklevel=5)  # fmt: skip
@@ -248,7 +244,7 @@ class HostUpdate:
     def refresh_from_model(self) -> None:
         """Take the fp32 masters from the model's current (device) parameters, e.g. after model.load_state_dict."""
         self.finish_pending(write=False)
-        own = self.flat[self.layout.part_lo : self.layout.part_hi]
+        own = self.own
         master, exp_avg, exp_avg_sq = self.state()
         master.copy_(own.float().cpu())
         self.save_state(master, exp_avg, exp_avg_sq)

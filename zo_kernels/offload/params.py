@@ -1,0 +1,315 @@
+"""ZeRO-3: the 16-bit parameters partitioned. Each rank keeps its shard of every unit (a module's own parameters);
+a unit is gathered just before its module's forward and again before its backward, and freed after; the next
+units are prefetched in the order recorded on the first iteration (forward, then backward).
+
+Between uses a parameter is an empty tensor of the model's dtype (p.shape == (0,), as in DeepSpeed's ZeRO-3):
+`opt.gathered()` gathers every unit for code that reads the weights outside forward (saving, evaluation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
+
+from ..cpu_adam import bump_version
+from ..param_views import alias, is_alias_of
+from ..transport import Event, Transport
+from .comm import Comm, _all_gather_single
+from .layout import FlatLayout
+from .report import PhaseTimes
+
+Uses = list[tuple[torch.nn.Module, list[int]]]  # (module, the units it uses)
+
+
+class DeviceBytes:
+    """Bytes of the optimizer's own device buffers (shards, gathered units, gradient buckets): now and at peak.
+    Autograd's own tensors (activations, p.grad before it leaves) are not counted."""
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+
+    def add(self, n: int) -> None:
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+    def sub(self, n: int) -> None:
+        self.now -= n
+
+    def reset_peak(self) -> None:
+        self.peak = self.now
+
+
+class Unit:
+    """One module's own trainable parameters: flat range [lo, hi), this rank's piece of it, its gathered buffer."""
+
+    def __init__(self, index: int, params: list[torch.Tensor], lo: int, hi: int, piece: tuple[int, int, int]) -> None:
+        self.index, self.params, self.lo, self.hi, self.piece = index, params, lo, hi, piece
+        self.buf: torch.Tensor | None = None  # the gathered parameters, while gathered (or being gathered)
+        self.pending: tuple[Event | None, Any] | None = None  # (shard copy, all-gather) still running
+        self.users = 0  # forward calls of its modules now running
+        self.held = False  # gathered for backward: kept until its parameters' gradients have arrived
+        self.arrived: set[torch.Tensor] = set()  # params whose gradient arrived in this backward pass
+
+
+class ParamShards:
+    """The persistent shard of the 16-bit parameters and the gathers of ZeRO-3.
+
+    Args:
+        layout: the flat layout with one segment per unit (FlatLayout(units=...)).
+        modules: (module, the units it uses) for every module with trainable parameters of its own.
+        dtype, device: the parameters' dtype and device.
+        comm: the process group.
+        transport: the copies of the shard to the device when it lives in host memory.
+        offload: None (the shard stays on the device) or "cpu" (in pinned host memory).
+        prefetch: how many units ahead to gather, once the order is known (0: none).
+        counter: the device bytes counter.
+        times: the step's phase timings ("gather", "gather_wait").
+    """
+
+    def __init__(self, layout: FlatLayout, modules: Uses, dtype: torch.dtype,
+                 device: torch.device, comm: Comm, transport: Transport, *, offload: str | None, prefetch: int,
+                 counter: DeviceBytes, times: PhaseTimes) -> None:  # fmt: skip
+        self.layout, self.dtype, self.device, self.comm, self.transport = layout, dtype, device, comm, transport
+        self.offload, self.prefetch, self.counter, self.times = offload, prefetch, counter, times
+        self.units: list[Unit] = []
+        for i, (lo, hi) in enumerate(layout.segments):
+            ps = [p for p in layout.flat_order if lo <= layout.offset[p] < hi]
+            self.units.append(Unit(i, ps, lo, hi, layout.pieces[comm.rank][i]))
+        self.unit_of = {p: u for u in self.units for p in u.params}
+        self._shape = {p: p.shape for p in layout.params}  # between uses a param is empty: its true shape
+        self._numel = {p: p.numel() for p in layout.params}
+        self.elem = torch.empty((), dtype=dtype).element_size()
+        if offload is None:
+            self.shard = torch.zeros(layout.part, dtype=dtype, device=device)
+            counter.add(layout.part * self.elem)
+        else:  # the shard's host side of every copy: a block of the transport's (pinned) pool
+            self.shard = transport.pool.take(layout.part, dtype)
+            self.shard.zero_()
+        self._empty = torch.empty(0, dtype=dtype, device=device)
+        self.modules = modules
+        self.order: list[int] = []  # units in the order of their uses in one iteration (forward, then backward)
+        self.recording = True  # until the first step
+        self.pos = 0  # uses since the last backward pass ended
+        self.hooks: list[Any] = []
+
+    # ------------------------------------------------------------------ construction
+
+    @torch.no_grad()
+    def take(self, p: torch.Tensor, values: torch.Tensor) -> None:
+        """Store this rank's part of p's values (all of p, on this device) in the shard; p becomes empty."""
+        off, n = self.layout.offset[p], p.numel()
+        for a, b, pa in self.layout.owned(off, off + n, self.comm.rank):
+            self.shard[pa : pa + b - a].copy_(values.reshape(-1)[a - off : b - off])
+        p.data = self._empty
+
+    def attach(self) -> None:
+        """Register the module hooks: from now on units are gathered around their modules' forward and backward."""
+        for module, idx in self.modules:
+            units = [self.units[i] for i in idx]
+            self.hooks.append(module.register_forward_pre_hook(lambda m, a, units=units: self._pre_forward(units)))
+            self.hooks.append(module.register_forward_hook(lambda m, a, out, units=units: self._post_forward(units,
+                                                                                                             out)))
+
+    def detach(self) -> None:
+        """Remove the hooks; every parameter gathered again, on the device, for good (close())."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        for u in self.units:
+            self.gather(u)
+
+    # ------------------------------------------------------------------ gathers
+
+    def connected(self, p: torch.Tensor) -> bool:
+        """p is still the optimizer's: empty between uses, or its range of the unit's gathered buffer."""
+        if p.dtype != self.dtype or p.device != self.device:
+            return False
+        u = self.unit_of[p]
+        if p.numel() == 0:
+            return True
+        return u.buf is not None and u.pending is None and is_alias_of(p, u.buf, self.layout.offset[p] - u.lo)
+
+    def _start(self, u: Unit) -> None:
+        """Begin gathering u: its buffer, this rank's shard copied into its slice, the all-gather started."""
+        if u.buf is not None:
+            return
+        t0 = time.perf_counter()
+        n = u.hi - u.lo
+        u.buf = torch.empty(n, dtype=self.dtype, device=self.device)
+        self.counter.add(n * self.elem)
+        a, b, pa = u.piece
+        mine = u.buf[a - u.lo : b - u.lo]
+        src = self.shard[pa : pa + b - a]
+        event = None
+        if self.offload is not None:
+            event = self.transport.h2d(mine, src)
+        else:
+            mine.copy_(src)
+        work = None
+        if self.comm.world > 1:
+            self._check_same_unit(u)
+            if self.comm.device_of_collectives.type != self.device.type:  # e.g. gloo beside a device: via the host
+                self.transport.wait(event)
+                host = u.buf.cpu()
+                self.comm.collective(f"the all-gather of unit {u.index}", _all_gather_single, host,
+                                     host[a - u.lo : b - u.lo])  # fmt: skip
+                u.buf.copy_(host)
+                event = None
+            else:
+                if self.device.type == "cuda":
+                    self.transport.device_wait(event)  # the collective's stream waits, the host does not
+                else:
+                    self.transport.wait(event)
+                event = None
+                work = _all_gather_single(u.buf, mine, group=self.comm.group, async_op=True)
+        u.pending = (event, work)
+        self.times.add("gather", time.perf_counter() - t0)
+
+    def _check_same_unit(self, u: Unit) -> None:
+        """Every rank must gather the same unit now (they run the same modules in the same order): one small
+        all-reduce, so that a rank whose forward took another branch fails clearly instead of mismatching the
+        all-gathers (a hang or an abort)."""
+        t = torch.tensor([u.index, -u.index], dtype=torch.int64, device=self.comm.device_of_collectives)
+        self.comm.collective("the check of the unit to gather", dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        hi, lo = int(t[0]), -int(t[1])
+        if hi != lo:
+            self.comm.failed = RuntimeError(
+                f"rank {self.comm.rank}: ZeRO-3 ranks gather different modules' parameters (this rank unit "
+                f"{u.index}, others units {lo}..{hi}): at stage 3 every rank must run the same modules in the same "
+                "order (a branch taken on some ranks only needs stage 1 or 2)")
+            raise self.comm.failed
+
+    def _finish(self, u: Unit) -> None:
+        """Wait for u's gather; its parameters become views of the gathered buffer."""
+        if u.pending is not None:
+            t0 = time.perf_counter()
+            event, work = u.pending
+            if work is not None:
+                self.comm.wait(work, f"the all-gather of unit {u.index}")
+            self.transport.device_wait(event)
+            u.pending = None
+            self.times.add("gather_wait", time.perf_counter() - t0)
+        for p in u.params:
+            if p.numel() == 0:
+                off = self.layout.offset[p]
+                p.data = alias(u.buf, off - u.lo, self._numel[p], self._shape[p])
+
+    def gather(self, u: Unit) -> None:
+        """u gathered now (waiting for a prefetch in flight)."""
+        self._start(u)
+        self._finish(u)
+
+    def free(self, u: Unit) -> None:
+        """Drop u's gathered buffer: its parameters become empty (a graph that saved them re-gathers first)."""
+        if u.buf is None:
+            return
+        if u.pending is not None:
+            self._finish(u)  # its copy and collective must not write freed memory
+        for p in u.params:
+            p.data = self._empty
+        self.counter.sub(u.buf.numel() * self.elem)
+        u.buf, u.held, u.users = None, False, 0
+
+    def _use(self, u: Unit) -> None:
+        """u is about to be used: gather it, record the order (first iteration) and prefetch what follows."""
+        if self.recording:
+            self.order.append(u.index)
+        elif self.prefetch and self.pos < len(self.order) and self.order[self.pos] == u.index:
+            for i in self.order[self.pos + 1 : self.pos + 1 + self.prefetch]:
+                self._start(self.units[i])
+        self.pos += 1
+        self.gather(u)
+
+    # ------------------------------------------------------------------ hooks
+
+    def _pre_forward(self, units: list[Unit]) -> None:
+        for u in units:
+            self._use(u)
+            u.users += 1
+
+    def _post_forward(self, units: list[Unit], out: Any) -> None:
+        for u in units:
+            u.users -= 1
+        if torch.is_grad_enabled():
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda g, units=units: self._pre_backward(units))
+        if torch._C._current_graph_task_id() == -1:  # (a forward recomputed inside backward keeps its units)
+            for u in units:
+                if u.users == 0 and not u.held:
+                    self.free(u)
+
+    def _pre_backward(self, units: list[Unit]) -> None:
+        for u in units:
+            if not u.held or u.buf is None:
+                self._use(u)
+            u.held = True
+
+    def on_grad(self, p: torch.Tensor) -> None:
+        """p's gradient arrived: a unit held for backward is freed once all its parameters' have."""
+        u = self.unit_of[p]
+        u.arrived.add(p)
+        if u.held and u.users == 0 and len(u.arrived) == len(u.params):
+            self.free(u)
+
+    def on_pass_end(self, final: bool) -> None:
+        """A backward pass ended: free every unit still gathered (no forward is running)."""
+        if not final:
+            return
+        for u in self.units:
+            u.arrived = set()
+            if u.users == 0:
+                self.free(u)
+        self.pos = 0
+
+    def on_update(self) -> None:
+        """The shard holds new parameters: gathered copies are stale; graphs that saved the old ones must fail."""
+        for u in self.units:
+            self.free(u)
+            u.arrived = set()
+        self.recording, self.pos = False, 0
+        bump_version(*self.layout.params)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every unit gathered inside the block (e.g. to save or evaluate the model), freed after."""
+        for u in self.units:
+            self.gather(u)
+            u.users += 1
+        try:
+            yield
+        finally:
+            for u in self.units:
+                u.users -= 1
+                if u.users == 0 and not u.held:
+                    self.free(u)
+
+
+def units_of(module: torch.nn.Module, trainable: list[torch.Tensor]) -> tuple[list[list[torch.Tensor]], Uses]:
+    """ZeRO-3's units: each module's own trainable parameters (a tied parameter belongs to its first module), in
+    module order; and for every module, the units of its own parameters (a tied one's unit included)."""
+    mine = {id(p) for p in trainable}
+    unit_index: dict[int, int] = {}
+    units: list[list[torch.Tensor]] = []
+    uses: Uses = []
+    for m in module.modules():
+        own = [p for p in m.parameters(recurse=False) if id(p) in mine]
+        new = [p for p in own if id(p) not in unit_index]
+        if new:
+            for p in new:
+                unit_index[id(p)] = len(units)
+            units.append(new)
+        if own:
+            uses.append((m, sorted({unit_index[id(p)] for p in own})))
+    missing = [i for i, p in enumerate(trainable) if id(p) not in unit_index]
+    if missing:
+        raise ValueError(f"stage=3: {len(missing)} trainable parameter(s) (the first: number {missing[0]}) are not "
+                         "parameters of the module: pass the model (ZeroOffloadAdamW(model, stage=3) or module=)")
+    return units, uses
+
