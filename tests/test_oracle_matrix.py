@@ -140,6 +140,7 @@ class Case:
     inf: bool
     transport: str
     stage: str
+    seed: int | None = None  # of the data (None: the index); variants of a case keep the case's data
 
     @property
     def id(self) -> str:
@@ -161,7 +162,7 @@ class Case:
         micro-batch every third step (so it has no gradient on the other steps, and on one rank only); at stage 3,
         where every rank must run the same modules, on every rank's first micro-batch."""
         every_rank = self.stage.startswith("3")
-        g = torch.Generator().manual_seed(1000 + self.index)
+        g = torch.Generator().manual_seed(1000 + (self.index if self.seed is None else self.seed))
         shape = (STEPS, self.world, self.micro, BATCH, SEQ)
         x, y = torch.randint(0, VOCAB, shape, generator=g), torch.randint(0, VOCAB, shape, generator=g)
         return [[[(x[s, r, i], y[s, r, i], s % 3 == 0 and (r == 0 or every_rank) and i == 0,
