@@ -930,6 +930,12 @@ for _name, _kw, _exc, _arg, _owner in [
     ("threads-str", dict(threads="4"), TypeError, "threads", None),
     ("transport-str", dict(transport="abc"), TypeError, "transport", None),
     ("process-group-str", dict(process_group="x"), TypeError, "process_group", None),
+    ("stage-0", dict(stage=0), ValueError, "stage", None), ("stage-str", dict(stage="3"), ValueError, "stage", None),
+    ("stage-3-no-module", dict(stage=3), ValueError, "stage=3", None),
+    ("offload-param-gpu", dict(offload_param="gpu"), ValueError, "offload_param", None),
+    ("offload-param-stage-2", dict(offload_param="cpu"), ValueError, "offload_param", None),
+    ("prefetch-neg", dict(prefetch=-1), ValueError, "prefetch", None),
+    ("prefetch-float", dict(prefetch=1.0), TypeError, "prefetch", None),
 ]:
 
     @case(f"zo-{_name}", _exc, _arg, _owner)

@@ -1,7 +1,8 @@
-"""ZeroOffloadAdamW: ZeRO-2 with the optimizer state and the update offloaded to the CPU (ZeRO-Offload).
+"""ZeroOffloadAdamW: ZeRO-1/2/3 with the optimizer state and the update offloaded to the CPU (ZeRO-Offload).
 
 One concept per module; the data of one step walks through them in order:
-- layout.py: the flat layout (params in flat order, 16-byte aligned offsets, partitions, buckets, runs).
+- layout.py: the flat layout (params in flat order, 16-byte aligned offsets, segments and partitions, buckets, runs).
+- params.py: ZeRO-3's parameter shards (gather around each module's forward and backward, prefetch, free).
 - grads.py: the gradient path (hooks -> pack -> reduce -> copy -> landing, accumulation, p.grad placeholders).
 - scaler.py: the loss scaler.
 - update.py: the host update (masters and moments, CPU Adam, tiled writeback, staging, the DPU worker).

@@ -1,7 +1,9 @@
-"""ZeroOffloadAdamW: ZeRO-2 with the optimizer state and the update offloaded to the CPU (ZeRO-Offload).
+"""ZeroOffloadAdamW: ZeRO-1/2/3 with the optimizer state and the update offloaded to the CPU (ZeRO-Offload), the
+state optionally on NVMe and (stage 3) the parameter shards optionally in host memory.
 
-The device keeps one flat buffer of 16-bit parameters (the model's parameters become views of it) and two
-gradient buckets; the host keeps, for this rank's 1/N slice of the flat space, the fp32 masters, Adam's
+At stages 1 and 2 the device keeps one flat buffer of 16-bit parameters (the model's parameters become views of
+it) and two gradient buckets; at stage 3 only this rank's shard (or none) and the modules being gathered. The host
+keeps, for this rank's 1/N slice of the flat space, the fp32 masters, Adam's
 moments, the landing buffer of the reduced gradients and the staging buffer of the new 16-bit parameters.
 See DESIGN.md, "One step, as data flows". The same code runs with device = CPU (plain copies, the torch
 path of `pack`): that is how it is tested without a GPU.
@@ -100,6 +102,16 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             (scratch files in `nvme_dir`, streamed tile by tile through a bounded pool of aligned host buffers;
             removed by close(), a killed run's reclaimed by the next start).
         nvme_dir: an existing, writable directory (on an NVMe drive) for offload_optimizer="nvme".
+        stage: the ZeRO stage. 1: every rank gets the whole reduced gradient (all-reduce), the optimizer state is
+            partitioned. 2 (default): each rank receives only its partition's gradient (reduce). 3: the 16-bit
+            parameters are partitioned too (needs the module): each module's own parameters are gathered just
+            before its forward and again before its backward, and freed after; between uses a parameter is an
+            empty tensor (use `with opt.gathered():` to read the weights outside forward). At stage 3 every rank
+            must run the same modules in the same order (a rank that does not raises).
+        offload_param: stage 3: where this rank's 16-bit shard lives between uses: None (the device) or "cpu"
+            (pinned host memory; copied to the device for each gather).
+        prefetch: stage 3: how many units (modules' parameters) to gather ahead of use, in the order recorded on
+            the first iteration (0: none).
     """
 
     def __init__(
