@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import warnings
@@ -112,6 +113,19 @@ def _check_optimizer_state(state: dict[str, Any], optimizer: torch.optim.Optimiz
                                  f"{tuple(params[pid].shape)}")  # fmt: skip
 
 
+def _whole(model: torch.nn.Module, optimizer: Any, write: bool = False) -> Any:
+    """The model's parameters whole inside the block: the ZeroOffloadAdamW that owns them (passed or not) gathers
+    them at stage 3."""
+    owners = {id(o): o for o in (getattr(p, "_zo_owner", lambda: None)() for p in model.parameters()) if o}
+    if isinstance(optimizer, ZeroOffloadAdamW):
+        owners[id(optimizer)] = optimizer
+    stack = contextlib.ExitStack()
+    for o in owners.values():
+        if not o._closed and o.shards is not None:
+            stack.enter_context(o.gathered(write))
+    return stack
+
+
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     **extra: Any) -> None:  # fmt: skip
     """Write model, optimizer state and `extra` (plain values) to `path`, atomically.
@@ -126,7 +140,9 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     path = _check_objects(path, model, optimizer)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"path: directory {path.parent} does not exist")
-    payload = {"format": FORMAT, "model": model.state_dict(),
+    with _whole(model, optimizer):
+        weights = model.state_dict()
+    payload = {"format": FORMAT, "model": weights,
                "optimizer": optimizer.state_dict() if optimizer is not None else None, "extra": extra}  # fmt: skip
     for key, value in extra.items():
         _check_loadable(value, key)
@@ -168,8 +184,9 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ValueError(f"path: {path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
-    state, extra = _check_payload(ckpt, path, model, optimizer)
-    model.load_state_dict(ckpt["model"])
+    with _whole(model, optimizer, write=True):
+        state, extra = _check_payload(ckpt, path, model, optimizer)
+        model.load_state_dict(ckpt["model"])
     if optimizer is not None:
         if state is not None:
             optimizer.load_state_dict(state)

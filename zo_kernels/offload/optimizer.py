@@ -280,14 +280,18 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         bump_version(*self.layout.params)
 
     @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
-        """ZeRO-3: every parameter gathered (full, on the device) inside the block, e.g. to save or evaluate the
-        model outside forward; freed after. A no-op at stages 1 and 2 (the parameters are always whole)."""
+    def gathered(self, write: bool = False) -> Iterator[None]:
+        """ZeRO-3: every parameter gathered (whole, on the device) inside the block, e.g. to save or evaluate the
+        model outside forward; freed after. With write=True what the block writes into the parameters (e.g.
+        model.load_state_dict; every rank the same values) is kept; call refresh_masters_from_model() after
+        to make it the fp32 masters too. A no-op at stages 1 and 2 (the parameters are always whole)."""
         self._check_alive()
         if self.shards is None:
             yield
             return
-        with self.shards.gathered():
+        if write:  # a pending (delayed) update must not overwrite what the block writes
+            self.update.finish_pending(write=True)
+        with self.shards.gathered(write):
             yield
 
     def _check_usable(self) -> None:

@@ -277,13 +277,23 @@ class ParamShards:
         bump_version(*self.layout.params)
 
     @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Every unit gathered inside the block (e.g. to save or evaluate the model), freed after."""
+    def gathered(self, write: bool = False) -> Iterator[None]:
+        """Every unit gathered inside the block (e.g. to save or evaluate the model), freed after. With write=True
+        what the block wrote into the parameters is kept: each rank stores its shard of them (every rank must
+        have written the same values)."""
         for u in self.units:
             self.gather(u)
             u.users += 1
         try:
             yield
+            if write:
+                for u in self.units:
+                    a, b, pa = u.piece
+                    dst, src = self.shard[pa : pa + b - a], u.buf[a - u.lo : b - u.lo]
+                    if self.offload is not None:
+                        self.transport.wait(self.transport.d2h(dst, src))
+                    else:
+                        dst.copy_(src)
         finally:
             for u in self.units:
                 u.users -= 1
