@@ -201,7 +201,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     def _allocate(self, trainable: list[torch.Tensor], nvme_dir: str | None) -> None:
         pool_bytes = 8 * self.part * torch.empty((), dtype=self.dtype).element_size() + (1 << 20)
         self.transport.pool.max_bytes = max(self.transport.pool.max_bytes, pool_bytes)
-        master = torch.zeros(self.part, dtype=torch.float32)
+        # NVMe: no full-size fp32 masters here; HostUpdate fills the files tile by tile from the params' values
+        master = torch.zeros(self.part, dtype=torch.float32) if nvme_dir is None else None
+        values_at = []  # NVMe: (start, end, the param's original values) in partition coordinates
         self.flat = torch.zeros(self.flat_numel, dtype=self.dtype, device=self.device)
         src = self.comm.global_rank(0)
         for p in trainable:
@@ -211,13 +213,24 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             a, b = max(off, self.part_lo), min(off + n, self.part_hi)
             if a < b:
                 values = p.detach().reshape(-1)[a - off : b - off]
-                master[a - self.part_lo : b - self.part_lo] = values.float().cpu()
+                if master is None:
+                    values_at.append((a - self.part_lo, b - self.part_lo, values))
+                else:
+                    master[a - self.part_lo : b - self.part_lo] = values.float().cpu()
             self.flat[off : off + n].copy_(p.detach().reshape(-1))
             p.data = alias(self.flat, off, n, p.shape)
             p.grad = None
         self.grads = GradPath(self.layout, self.flat, self.transport, self.comm, self.scaler, self._times,
                               slots=2 if self.delay_update_after is not None else 1, threads=self.threads,
                               guard=self._check_alive)  # fmt: skip
+
+        def fill_master(lo: int, hi: int, out: torch.Tensor) -> None:  # out: [lo, hi) of the partition, zeroed
+            for x, y, values in values_at:
+                s, e = max(x, lo), min(y, hi)
+                if s < e:
+                    out[s - lo : e - lo] = values[s - x : e - x].float().cpu()
+
+        master = fill_master if master is None else master
         self.update = HostUpdate(self.layout, self.flat, master, self.transport, self.comm, threads=self.threads,
                                  tile_numel=self.tile_numel, delayed=self.delay_update_after is not None,
                                  timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir)  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 
 from ..cpu_adam import bump_version, cpu_adam_step
-from ..nvme import TILE_MULTIPLE, NvmeSwapper
+from ..nvme import TILE_MULTIPLE, NvmeSwapper, UpdateFn
 from ..transport import Staging, Transport, tiled_writeback
 from .comm import Comm
 from .layout import FlatLayout, Run
@@ -22,13 +23,17 @@ from .report import PhaseTimes
 DEFAULT_TILE_NUMEL = 1 << 21  # see bench/test_bench_transport.py: 1.03x the bare kernel at 100M params
 UPDATE_TIMEOUT_S = 600.0  # default bound on waiting for the background (DPU) update
 
+MasterFill = Callable[[int, int, torch.Tensor], Any]  # (a, b, out): the fp32 masters of partition range [a, b)
+
 
 class HostUpdate:
     """fp32 master, exp_avg, exp_avg_sq of this rank's partition and the update that applies a gradient to them.
 
     Args:
         layout, flat: the flat layout and the device's flat 16-bit buffer (this rank writes its partition of it).
-        master: the partition's fp32 masters (taken from the parameters).
+        master: the partition's fp32 masters (taken from the parameters), or a callable fill_master(a, b, out)
+            writing the masters of partition range [a, b) into `out` (fp32, b - a elements, zeros where it writes
+            nothing): with NVMe the files are then filled tile by tile, never holding a full-size fp32 tensor.
         transport, comm: the copies to the device; the all-gather of the partitions.
         threads, tile_numel: CPU threads of the update; elements per tile of the update/writeback pipeline.
         delayed: the delayed parameter update is on (staging is then a buffer of its own).
@@ -38,37 +43,66 @@ class HostUpdate:
             its buffer pool; the update streams them tile by tile); None: in host memory.
     """
 
-    def __init__(self, layout: FlatLayout, flat: torch.Tensor, master: torch.Tensor, transport: Transport,
-                 comm: Comm, *, threads: int, tile_numel: int, delayed: bool, timeout_s: float,
+    def __init__(self, layout: FlatLayout, flat: torch.Tensor, master: torch.Tensor | MasterFill,
+                 transport: Transport, comm: Comm, *, threads: int, tile_numel: int, delayed: bool, timeout_s: float,
                  times: PhaseTimes, nvme_dir: str | None = None) -> None:  # fmt: skip
         self.layout, self.flat, self.transport, self.comm, self.times = layout, flat, transport, comm, times
         self.threads, self.tile_numel, self.timeout_s = threads, tile_numel, timeout_s
-        self.swapper: NvmeSwapper | None = None
-        if nvme_dir is not None:
-            tile = -(-tile_numel // TILE_MULTIPLE) * TILE_MULTIPLE  # the pool: 9 tiles of fp32, bounded by tile_numel
-            self.swapper = NvmeSwapper(layout.part, nvme_dir, tile_numel=tile)
-            self.swapper.write_all(master)  # zero moments
-            self._state = None
+        if isinstance(master, torch.Tensor):
+            fill_master: MasterFill = lambda a, b, out: out.copy_(master[a:b])  # noqa: E731
+        elif callable(master):
+            fill_master = master
         else:
-            self._state = (master, torch.zeros(layout.part, dtype=torch.float32),
-                           torch.zeros(layout.part, dtype=torch.float32))  # fmt: skip
+            raise TypeError(f"master must be a tensor or callable(a, b, out), got {type(master).__name__}")
         self.steps = [0] * len(layout.params)  # each parameter's own Adam step count (torch keeps one per param)
         self.failed: BaseException | None = None
         self.staged = False  # DPU: staging holds the last update's params, not yet on the device
-        self._staging_read: Any = None  # event of the last copy out of staging (the DPU writes after it)
+        self._staging_read: Any = None  # event of the last copy out of staging (the next update writes after it)
         self._pending: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
-        own = flat[layout.part_lo : layout.part_hi]
         self.staging_in_place = not (transport.needs_staging or delayed)
         if not self.staging_in_place:
             self.staging_buf = transport.pool.take(layout.part, flat.dtype)
-            # staging always holds the current params: a step that skips a param (no gradient) leaves its range
-            # as is, and the padding past the last parameter is sent to the device as zeros
-            self.staging_buf.copy_(master)
         else:  # host memory is the device: the update writes the parameters in place (no forward runs meanwhile)
-            self.staging_buf = own
+            self.staging_buf = flat[layout.part_lo : layout.part_hi]
+        self.swapper: NvmeSwapper | None = None
+        self._state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if nvme_dir is not None:
+            tile = -(-tile_numel // TILE_MULTIPLE) * TILE_MULTIPLE  # the pool: 9 tiles of fp32, bounded by tile_numel
+            try:
+                self.swapper = NvmeSwapper(layout.part, nvme_dir, tile_numel=tile)
+                self.swapper.fill(self._fill_tile(fill_master))  # no full-size fp32 tensor: the pool's tiles only
+            except BaseException:
+                if self.swapper is not None:
+                    self.swapper.close()
+                if not self.staging_in_place:
+                    transport.pool.give(self.staging_buf)
+                raise
+        else:
+            if not isinstance(master, torch.Tensor):
+                master = torch.zeros(layout.part, dtype=torch.float32)
+                fill_master(0, layout.part, master)
+            self._state = (master, torch.zeros(layout.part, dtype=torch.float32),
+                           torch.zeros(layout.part, dtype=torch.float32))  # fmt: skip
+            if not self.staging_in_place:
+                # staging always holds the current params: a step that skips a param (no gradient) leaves its
+                # range as is, and the padding past the last parameter is sent to the device as zeros
+                self.staging_buf.copy_(master)
         self._staging = [Staging(self.staging_buf[r[0] : r[1]], tile_numel) if r else None
                          for r in layout.group_ranges]  # fmt: skip
+
+    def _fill_tile(self, fill_master: MasterFill) -> UpdateFn:
+        """The swapper's fill of tile [lo, hi): the masters (zeros where no parameter lies), zero moments, and
+        the masters' cast into staging (which always holds the current params, as in memory)."""
+
+        def fill(lo: int, hi: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+            for t in (master, exp_avg, exp_avg_sq):
+                t.zero_()
+            fill_master(lo, hi, master)
+            if not self.staging_in_place:
+                self.staging_buf[lo:hi].copy_(master)
+
+        return fill
 
     def state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(master, exp_avg, exp_avg_sq) of the partition: the tensors themselves in memory; with NVMe, copies read
