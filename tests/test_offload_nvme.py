@@ -19,14 +19,23 @@ SCENARIOS = {
     "accumulation": dict(micro=2),
     "clip+dynamic+fp16": dict(max_grad_norm=0.05, loss_scale="dynamic", dtype=torch.float16),
     "groups+unused": dict(groups=True),
-    "gpu-shaped": dict(transport=True, delay_update_after=2, micro=2),
+    "gpu-shaped": dict(transport=0.0005, delay_update_after=2, micro=2),
+    "gpu-shaped+late-last-copy": dict(transport="late_end"),
 }
+
+
+def late_end(dst, src):
+    """A copy that ends its destination buffer lands 50 ms late (others 0.5 ms): the writeback of the last tile,
+    the last bucket's gradients. A forward that runs before waiting for it sees the old parameters."""
+    storage = dst.untyped_storage()
+    return 0.05 if dst.data_ptr() + dst.nbytes == storage.data_ptr() + storage.nbytes() else 0.0005
 
 
 def train(scenario, steps=4, **where):
     kw = dict(SCENARIOS[scenario])
     micro = kw.pop("micro", 1)
-    transport = CopyEngineTransport(delay_s=0.0005) if kw.pop("transport", False) else None
+    delay = kw.pop("transport", None)
+    transport = None if delay is None else CopyEngineTransport(delay_s=late_end if delay == "late_end" else delay)
     model = make_model(seed=0)
     params = model.parameters()
     if kw.pop("groups", False):
@@ -216,3 +225,38 @@ def test_nvme_host_memory_does_not_grow_with_the_model(tmp_path):
         assert m["construct"] - m["buffers"] <= m["pool"] + slack, (n, m)
         assert m["after"] - (m["buffers"] - 2 * n) <= m["pool"] + slack, (n, m)  # the bf16 originals freed
     assert os.listdir(tmp_path) == []
+
+
+def test_nvme_writeback_sends_each_tile_as_soon_as_it_is_updated(tmp_path, monkeypatch):
+    """The tile's 16-bit params are queued to the device right after its update, before the next tile's update
+    (the copies overlap the rest of the stream), one copy per tile; not one copy of all of staging at the end."""
+    import zo_kernels.offload.update as upd
+
+    log = []
+    real_adam = upd.cpu_adam_step
+
+    def adam(*args, **kw):
+        log.append("update")
+        return real_adam(*args, **kw)
+
+    monkeypatch.setattr(upd, "cpu_adam_step", adam)
+    transport = CopyEngineTransport(delay_s=0.0005)
+    real_h2d = transport.h2d
+
+    def h2d(dst, src):
+        log.append("copy")
+        return real_h2d(dst, src)
+
+    transport.h2d = h2d
+    model = make_model(seed=0)
+    opt = zk.ZeroOffloadAdamW(model.parameters(), tile_numel=4096, transport=transport, offload_optimizer="nvme",
+                              nvme_dir=str(tmp_path))  # fmt: skip
+    x = make_data(1, batch=4, seed=3)[0][0]
+    opt.backward(model(x[:, :-1], x[:, 1:]))
+    log.clear()
+    opt.step()
+    tiles = len(opt.update.swapper.tiles)
+    opt.close()
+    transport.close()
+    assert tiles > 100 and log.count("copy") == tiles, (tiles, log.count("copy"))
+    assert log[: log.index("copy") + 2] == ["update", "copy", "update"], log[:10]

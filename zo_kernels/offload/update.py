@@ -189,12 +189,18 @@ class HostUpdate:
     def _stream_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
                        writeback: bool) -> None:  # fmt: skip
         """The update with the state in NVMe files: the swapper reads tile t+1 and writes tile t-1 while CPU Adam
-        updates tile t (each run's part of it) into staging; with writeback, staging then goes to the device in
-        one copy (no tile-level overlap of the writeback yet). Elementwise, so equal bit for bit to the in-memory
-        update."""
-        self.transport.wait(self._staging_read)  # the copy of the last update may still read staging
+        updates tile t (each run's part of it) into staging; with writeback, the tile's new params are then queued
+        to the device at once (their copy overlaps the next tiles' update) and the compute stream waits for all of
+        them at the end. Elementwise, so equal bit for bit to the in-memory update."""
+        # staging is full size: within this update each tile writes its own region, which no copy of this update
+        # reads yet; only the last update's copies (or write_staging's) may still read it
+        self.transport.wait(self._staging_read)
+        send = writeback and not self.staging_in_place
+        own = self.flat[self.layout.part_lo : self.layout.part_hi]
+        events: list = []
 
         def update(lo: int, hi: int, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+            first = last = None
             for gi, a, b, step, factor in runs:
                 x, y = max(a, lo), min(b, hi)
                 if x < y:
@@ -203,12 +209,17 @@ class HostUpdate:
                                   grad_scale=grad_scale * factor, threads=self.threads,
                                   param_out=self.staging_buf[x:y], **hparams[gi])  # fmt: skip
                     self.times.add("kernel", time.perf_counter() - t0)
+                    first, last = x if first is None else first, y
+            if send and first is not None:  # one copy per tile: a skipped param between runs holds its current value
+                events.append(self.transport.h2d(own[first:last], self.staging_buf[first:last]))
 
-        self.swapper.stream(update)
-        if writeback and not self.staging_in_place:
-            own = self.flat[self.layout.part_lo : self.layout.part_hi]
-            self._staging_read = self.transport.h2d(own, self.staging_buf)
-            self.transport.device_wait(self._staging_read)
+        try:
+            self.swapper.stream(update)
+        finally:
+            if events:  # copies run in order on one stream: the last one's event covers them all
+                self._staging_read = events[-1]
+        for ev in events:
+            self.transport.device_wait(ev)
 
     def finish_pending(self, write: bool) -> None:
         """Wait for the background update (re-raising its exception) and, if asked, send its params down."""
