@@ -18,15 +18,23 @@ def state_dict(opt: ZeroOffloadAdamW) -> dict[str, Any]:
     opt._check_alive()
     opt.update.finish_pending(write=False)
     keys = ("master", "exp_avg", "exp_avg_sq")
-    full = {k: opt.comm.gather(t, opt.layout.flat_numel) for k, t in zip(keys, opt.update.state())}
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if opt.world == 1:  # one rank holds every element: straight into the outputs (with NVMe tile by tile)
+        per_param = {p: tuple(torch.empty(p.numel(), dtype=torch.float32) for _ in keys) for p in params}
+        opt.update.copy_state([(*opt.layout.part_range(p), outs) for p, outs in per_param.items()])
+    else:  # N > 1: each rank's partition gathered into full flat tensors (a collective; up to 3 full copies)
+        full = [opt.comm.gather(t, opt.layout.flat_numel) for t in opt.update.state()]
+        per_param = {}
+        for p in params:
+            off, n = opt.layout.offset[p], p.numel()
+            per_param[p] = tuple(v[off : off + n].clone() for v in full)
     state, groups, idx = {}, [], 0
     for group in opt.param_groups:
         ids = []
         for p in group["params"]:
-            off, n = opt.layout.offset[p], p.numel()
             # always present, also before the first step: the masters must travel with the checkpoint
             state[idx] = {"step": torch.tensor(float(opt.update.steps[idx]))}
-            state[idx].update({k: v[off : off + n].clone().view(p.shape) for k, v in full.items()})
+            state[idx].update({k: v.view(p.shape) for k, v in zip(keys, per_param[p])})
             ids.append(idx)
             idx += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})

@@ -113,6 +113,36 @@ class HostUpdate:
         self.swapper.read_all(*out)
         return out
 
+    def copy_state(self, ranges: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]) -> None:
+        """Copy partition range [a, b) of master, exp_avg, exp_avg_sq into the three 1-D fp32 tensors (b - a
+        elements each) given with it, for each (a, b, outs) of `ranges` (disjoint). With NVMe, tile by tile from the
+        files: host memory beyond the outputs is the swapper's pool."""
+        for a, b, outs in ranges:
+            for out in outs:
+                if out.dtype != torch.float32 or out.dim() != 1 or out.numel() != max(0, b - a):
+                    raise ValueError(f"copy_state: the outputs of range [{a}, {b}) must be 1-D fp32 tensors of "
+                                     f"{max(0, b - a)} elements, got {out.dtype} {tuple(out.shape)}")  # fmt: skip
+        if self._state is not None:
+            for a, b, outs in ranges:
+                for out, src in zip(outs, self._state):
+                    out.copy_(src[a:b])
+            return
+        ranges = sorted((r for r in ranges if r[0] < r[1]), key=lambda r: r[0])
+        first = 0  # the ranges before it end before the current tile (tiles come in order)
+
+        def copy_out(lo: int, hi: int, *tile: torch.Tensor) -> None:
+            nonlocal first
+            while first < len(ranges) and ranges[first][1] <= lo:
+                first += 1
+            for a, b, outs in ranges[first:]:
+                if a >= hi:
+                    break
+                x, y = max(a, lo), min(b, hi)
+                for out, src in zip(outs, tile):
+                    out[x - a : y - a].copy_(src[x - lo : y - lo])
+
+        self.swapper.read(copy_out)
+
     def save_state(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Make these the state (a no-op for the in-memory tensors that state() returned)."""
         if self.swapper is not None:
