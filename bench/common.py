@@ -35,6 +35,33 @@ def machine() -> dict:
     }
 
 
+def filesystem(path: str) -> str:
+    """The block device, filesystem type and mount point holding `path` (Linux /proc/mounts), e.g.
+    '/dev/vda ext4 on / (rotational 0)'; the kernel's rotational flag where /sys has it."""
+    real, best = os.path.realpath(path), None
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                mnt = mnt.replace("\\040", " ")
+                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if inside and (best is None or len(mnt) >= len(best[1])):
+                    best = (dev, mnt, fstype)
+    except OSError:
+        return "unknown filesystem"
+    if best is None:
+        return "unknown filesystem"
+    dev, mnt, fstype = best
+    text = f"{dev} {fstype} on {mnt}"
+    name = os.path.basename(dev)
+    for flag in (f"/sys/class/block/{name}/queue/rotational", f"/sys/class/block/{name}/../queue/rotational"):
+        if os.path.exists(flag):
+            with open(flag) as f:
+                text += f" (rotational {f.read().strip()})"
+            break
+    return text
+
+
 def sizes(default: list[int], var: str = "ZO_BENCH_SIZES") -> list[int]:
     """$ZO_BENCH_SIZES (or $var; comma-separated, e.g. '1e6,1e7') overrides a suite's default sizes."""
     env = os.environ.get(var)

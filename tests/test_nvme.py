@@ -370,6 +370,50 @@ def test_failed_update_marks_the_state_torn(tmp_path):
         assert torch.equal(out[0], torch.full((n,), 5.0))
 
 
+def test_fill_and_read_tile_by_tile(tmp_path):
+    """fill: the state from a callback per tile (no full-size tensor); read: a pass that writes nothing back."""
+    n = 5 * 1024 + 7
+    p, m, v = (random_bits(n, seed) for seed in range(3))
+    with NvmeSwapper(n, str(tmp_path), tile_numel=1024) as s:
+        seen = []
+
+        def fill(lo, hi, P, M, V):
+            seen.append((lo, hi))
+            for dst, src in zip((P, M, V), (p, m, v)):
+                dst.copy_(src[lo:hi])
+
+        s.fill(fill)
+        assert seen == s.tiles
+        for path, want in zip(state_files(s), (p, m, v)):
+            assert same_bits(file_floats(path, n), want)
+        got = []
+
+        def read(lo, hi, P, M, V):
+            got.append((lo, hi, P.clone()))
+            P.fill_(0.0)  # a read pass writes nothing back, whatever it does to the pool
+
+        s.read(read)
+        assert [(lo, hi) for lo, hi, _ in got] == s.tiles
+        assert same_bits(torch.cat([t for _, _, t in got]), p)
+        assert same_bits(file_floats(state_files(s)[0], n), p)
+
+        def fail_at_tile_2(lo, hi, P, M, V):
+            if lo == 2 * 1024:
+                raise KeyError("boom")
+            fill(lo, hi, P, M, V)
+
+        with pytest.raises(KeyError, match="boom"):
+            s.fill(fail_at_tile_2)
+        assert "tile 2 of 6" in s.torn
+        with pytest.raises(RuntimeError, match="torn"):
+            s.read(read)
+        s.fill(fill)
+        assert s.torn is None
+        for bad, name in ((s.fill, "fill_fn"), (s.read, "read_fn")):
+            with pytest.raises(TypeError, match=name):
+                bad(None)
+
+
 def _no_direct_file(path, nbytes, direct):
     """A filesystem that refuses O_DIRECT the way tmpfs did before Linux 6.6: open fails with EINVAL."""
     if direct:

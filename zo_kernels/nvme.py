@@ -115,19 +115,41 @@ class NvmeSwapper:
         self._check_usable()
         self._run(update_fn, read=True, write=True)
 
+    def read(self, read_fn: UpdateFn) -> None:
+        """Call read_fn(lo, hi, master, exp_avg, exp_avg_sq) on each tile [lo, hi), in order; nothing is written.
+
+        The tensors are fp32 views of the pool (valid during the call only): copy out what is needed, e.g. the
+        ranges of a few parameters; host memory stays the pool's whatever `numel`.
+        """
+        if not callable(read_fn):
+            raise TypeError(f"read_fn must be callable(lo, hi, master, exp_avg, exp_avg_sq), got "
+                            f"{type(read_fn).__name__}")  # fmt: skip
+        self._check_usable()
+        self._run(read_fn, read=True, write=False)
+
+    def fill(self, fill_fn: UpdateFn) -> None:
+        """Replace the whole state tile by tile: fill_fn(lo, hi, master, exp_avg, exp_avg_sq) writes every element
+        of the three fp32 views (their contents before the call are undefined); no full-size tensor is needed."""
+        if not callable(fill_fn):
+            raise TypeError(f"fill_fn must be callable(lo, hi, master, exp_avg, exp_avg_sq), got "
+                            f"{type(fill_fn).__name__}")  # fmt: skip
+        if self.closed:
+            raise RuntimeError("the NvmeSwapper is closed")
+        self._run(fill_fn, read=False, write=True)
+        self.torn = None
+
     def read_all(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Copy the state into the three given fp32 CPU tensors of `numel` elements (for state_dict)."""
         outs = (master, exp_avg, exp_avg_sq)
         for name, t in zip(STATE, outs):
             _check_tensor(t, name, (torch.float32,), self.numel, like="the swapper's numel")
         check_no_overlap(dict(zip(STATE, outs)))
-        self._check_usable()
 
         def copy_out(lo: int, hi: int, *tile: torch.Tensor) -> None:
             for out, src in zip(outs, tile):
                 out.view(-1)[lo:hi].copy_(src)
 
-        self._run(copy_out, read=True, write=False)
+        self.read(copy_out)
 
     def write_all(self, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
                   exp_avg_sq: torch.Tensor | None = None) -> None:  # fmt: skip
@@ -136,8 +158,6 @@ class NvmeSwapper:
         for name, t in zip(STATE, ins):
             if t is not None or name == "master":
                 _check_tensor(t, name, (torch.float32,), self.numel, like="the swapper's numel")
-        if self.closed:
-            raise RuntimeError("the NvmeSwapper is closed")
 
         def copy_in(lo: int, hi: int, *tile: torch.Tensor) -> None:
             for src, dst in zip(ins, tile):
@@ -146,8 +166,7 @@ class NvmeSwapper:
                 else:
                     dst.copy_(src.view(-1)[lo:hi])
 
-        self._run(copy_in, read=False, write=True)
-        self.torn = None
+        self.fill(copy_in)
 
     def close(self) -> None:
         """Wait for the I/O in flight, close and remove the files and their directory (idempotent)."""

@@ -232,7 +232,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         pool_bytes = 8 * self.part * torch.empty((), dtype=self.dtype).element_size() + (1 << 20)
         self.transport.pool.max_bytes = max(self.transport.pool.max_bytes, pool_bytes)
         self.device_bytes = DeviceBytes()
-        master = torch.zeros(self.part, dtype=torch.float32)
+        # NVMe: no full-size fp32 masters here; HostUpdate fills the files tile by tile from the params' values
+        master = torch.zeros(self.part, dtype=torch.float32) if nvme_dir is None else None
+        values_at = []  # NVMe: (start, end, the param's original values) in partition coordinates
         self.flat, self.shards = None, None
         if self.stage == 3:
             self.shards = ParamShards(self.layout, uses, self.dtype, self.device, self.comm, self.transport,
@@ -248,7 +250,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             off, n = self._offset[p], p.numel()
             values = p.detach().reshape(-1)
             for a, b, pa in self.layout.owned(off, off + n, self.rank):
-                master[pa : pa + b - a] = values[a - off : b - off].float().cpu()
+                if master is None:
+                    values_at.append((pa, pa + b - a, values[a - off : b - off]))
+                else:
+                    master[pa : pa + b - a] = values[a - off : b - off].float().cpu()
             if self.shards is not None:
                 self.shards.take(p, values)
             else:
@@ -269,6 +274,14 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                               all_reduce=self.stage == 1, on_grad=shards and shards.on_grad,
                               on_pass_end=shards and shards.on_pass_end)  # fmt: skip
         self.device_bytes.add(sum(b.numel() * b.element_size() for b in self.grads.bucket_bufs))
+
+        def fill_master(lo: int, hi: int, out: torch.Tensor) -> None:  # out: [lo, hi) of the partition, zeroed
+            for x, y, values in values_at:
+                s, e = max(x, lo), min(y, hi)
+                if s < e:
+                    out[s - lo : e - lo] = values[s - x : e - x].float().cpu()
+
+        master = fill_master if master is None else master
         self.update = HostUpdate(self.layout, own, master, update_transport, publish, threads=self.threads,
                                  tile_numel=self.tile_numel, delayed=self.delay_update_after is not None,
                                  timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir)  # fmt: skip

@@ -19,21 +19,29 @@ def state_dict(opt: ZeroOffloadAdamW) -> dict[str, Any]:
     opt.update.finish_pending(write=False)
     keys = ("master", "exp_avg", "exp_avg_sq")
     lay = opt.layout
-    # every rank's partition, one after the other (a collective when N > 1)
-    full = {k: opt.comm.gather(t, lay.part * opt.world) for k, t in zip(keys, opt.update.state())}
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if opt.world == 1:  # one rank holds every element: straight into the outputs (with NVMe tile by tile)
+        per_param = {p: tuple(torch.empty(lay.shape[p].numel(), dtype=torch.float32) for _ in keys) for p in params}
+        opt.update.copy_state([(*lay.part_range(p), outs) for p, outs in per_param.items()])
+    else:  # N > 1: every rank's partition, one after the other (a collective; up to 3 full copies), then each
+        # param's pieces from the ranks that own them
+        full = [opt.comm.gather(t, lay.part * opt.world) for t in opt.update.state()]
+        per_param = {}
+        for p in params:
+            off, n = lay.offset[p], lay.shape[p].numel()
+            outs = tuple(torch.empty(n, dtype=torch.float32) for _ in keys)
+            for r in range(opt.world):
+                for a, b, pa in lay.owned(off, off + n, r):
+                    for out, v in zip(outs, full):
+                        out[a - off : b - off] = v[r * lay.part + pa : r * lay.part + pa + b - a]
+            per_param[p] = outs
     state, groups, idx = {}, [], 0
     for group in opt.param_groups:
         ids = []
         for p in group["params"]:
-            off, shape = lay.offset[p], lay.shape[p]
             # always present, also before the first step: the masters must travel with the checkpoint
             state[idx] = {"step": torch.tensor(float(opt.update.steps[idx]))}
-            for k, v in full.items():
-                t = torch.empty(shape.numel(), dtype=torch.float32)
-                for r in range(opt.world):
-                    for a, b, pa in lay.owned(off, off + shape.numel(), r):
-                        t[a - off : b - off] = v[r * lay.part + pa : r * lay.part + pa + b - a]
-                state[idx][k] = t.view(shape)
+            state[idx].update({k: v.view(lay.shape[p]) for k, v in zip(keys, per_param[p])})
             ids.append(idx)
             idx += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})

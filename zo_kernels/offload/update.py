@@ -14,13 +14,15 @@ from typing import Any
 import torch
 
 from ..cpu_adam import cpu_adam_step
-from ..nvme import TILE_MULTIPLE, NvmeSwapper
+from ..nvme import TILE_MULTIPLE, NvmeSwapper, UpdateFn
 from ..transport import Staging, Transport, tiled_writeback
 from .layout import FlatLayout, Run
 from .report import PhaseTimes
 
 DEFAULT_TILE_NUMEL = 1 << 21  # see bench/test_bench_transport.py: 1.03x the bare kernel at 100M params
 UPDATE_TIMEOUT_S = 600.0  # default bound on waiting for the background (DPU) update
+
+MasterFill = Callable[[int, int, torch.Tensor], Any]  # (a, b, out): the fp32 masters of partition range [a, b)
 
 
 class HostUpdate:
@@ -30,7 +32,9 @@ class HostUpdate:
         layout: the flat layout.
         own: where this rank's 16-bit parameters live, in partition coordinates: its range of the device's flat
             buffer (ZeRO-1/2), or its persistent shard (ZeRO-3: on the device, or in host memory).
-        master: the partition's fp32 masters (taken from the parameters).
+        master: the partition's fp32 masters (taken from the parameters), or a callable fill_master(a, b, out)
+            writing the masters of partition range [a, b) into `out` (fp32, b - a elements, zeros where it writes
+            nothing): with NVMe the files are then filled tile by tile, never holding a full-size fp32 tensor.
         transport: the copies to `own`.
         publish: called once `own` holds new parameters (ZeRO-1/2: the all-gather of the partitions).
         threads, tile_numel: CPU threads of the update; elements per tile of the update/writeback pipeline.
@@ -41,36 +45,67 @@ class HostUpdate:
             its buffer pool; the update streams them tile by tile); None: in host memory.
     """
 
-    def __init__(self, layout: FlatLayout, own: torch.Tensor, master: torch.Tensor, transport: Transport,
-                 publish: Callable[[], None], *, threads: int, tile_numel: int, delayed: bool, timeout_s: float,
+    def __init__(self, layout: FlatLayout, own: torch.Tensor, master: torch.Tensor | MasterFill,
+                 transport: Transport, publish: Callable[[], None], *, threads: int, tile_numel: int, delayed: bool,
+                 timeout_s: float,
                  times: PhaseTimes, nvme_dir: str | None = None) -> None:  # fmt: skip
         self.layout, self.own, self.transport, self.publish, self.times = layout, own, transport, publish, times
         self.threads, self.tile_numel, self.timeout_s = threads, tile_numel, timeout_s
-        self.swapper: NvmeSwapper | None = None
-        if nvme_dir is not None:
-            tile = -(-tile_numel // TILE_MULTIPLE) * TILE_MULTIPLE  # the pool: 9 tiles of fp32, bounded by tile_numel
-            self.swapper = NvmeSwapper(layout.part, nvme_dir, tile_numel=tile)
-            self.swapper.write_all(master)  # zero moments
-            self._state = None
+        if isinstance(master, torch.Tensor):
+            fill_master: MasterFill = lambda a, b, out: out.copy_(master[a:b])  # noqa: E731
+        elif callable(master):
+            fill_master = master
         else:
-            self._state = (master, torch.zeros(layout.part, dtype=torch.float32),
-                           torch.zeros(layout.part, dtype=torch.float32))  # fmt: skip
+            raise TypeError(f"master must be a tensor or callable(a, b, out), got {type(master).__name__}")
         self.steps = [0] * len(layout.params)  # each parameter's own Adam step count (torch keeps one per param)
         self.failed: BaseException | None = None
         self.staged = False  # DPU: staging holds the last update's params, not yet on the device
-        self._staging_read: Any = None  # event of the last copy out of staging (the DPU writes after it)
+        self._staging_read: Any = None  # event of the last copy out of staging (the next update writes after it)
         self._pending: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
         self.staging_in_place = not (transport.needs_staging or delayed)
         if not self.staging_in_place:
             self.staging_buf = transport.pool.take(layout.part, own.dtype)
-            # staging always holds the current params: a step that skips a param (no gradient) leaves its range
-            # as is, and the padding past the last parameter is sent to the device as zeros
-            self.staging_buf.copy_(master)
         else:  # host memory is the device: the update writes the parameters in place (no forward runs meanwhile)
             self.staging_buf = own
+        self.swapper: NvmeSwapper | None = None
+        self._state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if nvme_dir is not None:
+            tile = -(-tile_numel // TILE_MULTIPLE) * TILE_MULTIPLE  # the pool: 9 tiles of fp32, bounded by tile_numel
+            try:
+                self.swapper = NvmeSwapper(layout.part, nvme_dir, tile_numel=tile)
+                self.swapper.fill(self._fill_tile(fill_master))  # no full-size fp32 tensor: the pool's tiles only
+            except BaseException:
+                if self.swapper is not None:
+                    self.swapper.close()
+                if not self.staging_in_place:
+                    transport.pool.give(self.staging_buf)
+                raise
+        else:
+            if not isinstance(master, torch.Tensor):
+                master = torch.zeros(layout.part, dtype=torch.float32)
+                fill_master(0, layout.part, master)
+            self._state = (master, torch.zeros(layout.part, dtype=torch.float32),
+                           torch.zeros(layout.part, dtype=torch.float32))  # fmt: skip
+            if not self.staging_in_place:
+                # staging always holds the current params: a step that skips a param (no gradient) leaves its
+                # range as is, and the padding past the last parameter is sent to the device as zeros
+                self.staging_buf.copy_(master)
         self._staging = [Staging(self.staging_buf[r[0] : r[1]], tile_numel) if r else None
                          for r in layout.group_ranges]  # fmt: skip
+
+    def _fill_tile(self, fill_master: MasterFill) -> UpdateFn:
+        """The swapper's fill of tile [lo, hi): the masters (zeros where no parameter lies), zero moments, and
+        the masters' cast into staging (which always holds the current params, as in memory)."""
+
+        def fill(lo: int, hi: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+            for t in (master, exp_avg, exp_avg_sq):
+                t.zero_()
+            fill_master(lo, hi, master)
+            if not self.staging_in_place:
+                self.staging_buf[lo:hi].copy_(master)
+
+        return fill
 
     def state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(master, exp_avg, exp_avg_sq) of the partition: the tensors themselves in memory; with NVMe, copies read
@@ -80,6 +115,36 @@ class HostUpdate:
         out = tuple(torch.empty(self.layout.part, dtype=torch.float32) for _ in range(3))
         self.swapper.read_all(*out)
         return out
+
+    def copy_state(self, ranges: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]) -> None:
+        """Copy partition range [a, b) of master, exp_avg, exp_avg_sq into the three 1-D fp32 tensors (b - a
+        elements each) given with it, for each (a, b, outs) of `ranges` (disjoint). With NVMe, tile by tile from the
+        files: host memory beyond the outputs is the swapper's pool."""
+        for a, b, outs in ranges:
+            for out in outs:
+                if out.dtype != torch.float32 or out.dim() != 1 or out.numel() != max(0, b - a):
+                    raise ValueError(f"copy_state: the outputs of range [{a}, {b}) must be 1-D fp32 tensors of "
+                                     f"{max(0, b - a)} elements, got {out.dtype} {tuple(out.shape)}")  # fmt: skip
+        if self._state is not None:
+            for a, b, outs in ranges:
+                for out, src in zip(outs, self._state):
+                    out.copy_(src[a:b])
+            return
+        ranges = sorted((r for r in ranges if r[0] < r[1]), key=lambda r: r[0])
+        first = 0  # the ranges before it end before the current tile (tiles come in order)
+
+        def copy_out(lo: int, hi: int, *tile: torch.Tensor) -> None:
+            nonlocal first
+            while first < len(ranges) and ranges[first][1] <= lo:
+                first += 1
+            for a, b, outs in ranges[first:]:
+                if a >= hi:
+                    break
+                x, y = max(a, lo), min(b, hi)
+                for out, src in zip(outs, tile):
+                    out[x - a : y - a].copy_(src[x - lo : y - lo])
+
+        self.swapper.read(copy_out)
 
     def save_state(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Make these the state (a no-op for the in-memory tensors that state() returned)."""
@@ -157,12 +222,18 @@ class HostUpdate:
     def _stream_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
                        writeback: bool) -> None:  # fmt: skip
         """The update with the state in NVMe files: the swapper reads tile t+1 and writes tile t-1 while CPU Adam
-        updates tile t (each run's part of it) into staging; with writeback, staging then goes to the device in
-        one copy (no tile-level overlap of the writeback yet). Elementwise, so equal bit for bit to the in-memory
-        update."""
-        self.transport.wait(self._staging_read)  # the copy of the last update may still read staging
+        updates tile t (each run's part of it) into staging; with writeback, the tile's new params are then queued
+        to the device at once (their copy overlaps the next tiles' update) and the compute stream waits for all of
+        them at the end. Elementwise, so equal bit for bit to the in-memory update."""
+        # staging is full size: within this update each tile writes its own region, which no copy of this update
+        # reads yet; only the last update's copies (or write_staging's) may still read it
+        self.transport.wait(self._staging_read)
+        send = writeback and not self.staging_in_place
+        own = self.own
+        events: list = []
 
         def update(lo: int, hi: int, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+            first = last = None
             for gi, a, b, step, factor in runs:
                 x, y = max(a, lo), min(b, hi)
                 if x < y:
@@ -171,11 +242,17 @@ class HostUpdate:
                                   grad_scale=grad_scale * factor, threads=self.threads,
                                   param_out=self.staging_buf[x:y], **hparams[gi])  # fmt: skip
                     self.times.add("kernel", time.perf_counter() - t0)
+                    first, last = x if first is None else first, y
+            if send and first is not None:  # one copy per tile: a skipped param between runs holds its current value
+                events.append(self.transport.h2d(own[first:last], self.staging_buf[first:last]))
 
-        self.swapper.stream(update)
-        if writeback and not self.staging_in_place:
-            self._staging_read = self.transport.h2d(self.own, self.staging_buf)
-            self.transport.device_wait(self._staging_read)
+        try:
+            self.swapper.stream(update)
+        finally:
+            if events:  # copies run in order on one stream: the last one's event covers them all
+                self._staging_read = events[-1]
+        for ev in events:
+            self.transport.device_wait(ev)
 
     def finish_pending(self, write: bool) -> None:
         """Wait for the background update (re-raising its exception) and, if asked, send its params down."""
