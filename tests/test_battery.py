@@ -935,6 +935,9 @@ for _name, _kw, _exc, _arg, _owner in [
     ("offload-param-gpu", dict(offload_param="gpu"), ValueError, "offload_param", None),
     ("offload-param-stage-2", dict(offload_param="cpu"), ValueError, "offload_param", None),
     ("prefetch-neg", dict(prefetch=-1), ValueError, "prefetch", None),
+    ("offload-param-nvme-no-dir", dict(offload_param="nvme"), ValueError, "offload_param", None),
+    ("offload-param-nvme-dpu", dict(offload_param="nvme", offload_optimizer="nvme", nvme_dir=".",
+                                    delay_update_after=1), ValueError, "offload_param", None),
     ("prefetch-float", dict(prefetch=1.0), TypeError, "prefetch", None),
 ]:
 

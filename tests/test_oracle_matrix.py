@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import tempfile
 import traceback
 from itertools import combinations, product
 
@@ -182,7 +183,10 @@ def forward(model, batch) -> torch.Tensor:
 
 
 def stage_args(stage: str) -> dict:
-    """ZeroOffloadAdamW's arguments for a level of the "stage" factor."""
+    """ZeroOffloadAdamW's arguments for a stage: "1", "2", "3", "3+cpu" (the shards in host memory), "3+nvme"
+    (ZeRO-Infinity: the shards and the optimizer state in scratch files under the temporary directory)."""
+    if stage.endswith("+nvme"):
+        return dict(stage=3, offload_param="nvme", offload_optimizer="nvme", nvme_dir=tempfile.gettempdir())
     return {"stage": int(stage[0]), **({"offload_param": "cpu"} if stage.endswith("+cpu") else {})}
 
 

@@ -26,7 +26,12 @@ from test_oracle_matrix import CASES, Case, run_two_ranks, run_zo
 import zo_kernels as zk
 from zo_kernels.transport import CopyEngineTransport
 
-STAGES = ("1", "3", "3+cpu")
+STAGES = ("1", "3", "3+cpu", "3+nvme")
+
+
+def allowed(case: Case, stage: str) -> bool:
+    """ZeRO-Infinity ("3+nvme": the shards on NVMe) keeps 16-bit parameters and refuses DPU."""
+    return not stage.endswith("+nvme") or (case.dpu is None and case.dtype != "fp32")
 
 
 def assert_same_run(got: dict, want: dict, what: str, exact: bool = True) -> None:
@@ -59,9 +64,10 @@ ONE_RANK = [c for c in CASES if c.world == 1]
 
 @pytest.mark.parametrize("case", ONE_RANK, ids=[c.id for c in ONE_RANK])
 def test_one_rank_stages_are_bitwise_equal(case: Case) -> None:
-    """Stage 1, 3 and 3 + CPU param offload on one rank == stage 2, bit for bit (losses, state, model)."""
+    """Stage 1, 3, 3 with the shards in host memory and 3 with shards and state on NVMe (ZeRO-Infinity; 16-bit
+    cases without DPU) on one rank == stage 2, bit for bit (losses, state, model)."""
     want = run_zo(case, 0, None, stage="2")
-    for stage in STAGES:
+    for stage in (s for s in STAGES if allowed(case, s)):
         got = run_zo(case, 0, None, stage=stage)
         exact = not (stage.startswith("3") and case.groups and case.clip)
         assert_same_run(got, want, f"stage {stage} vs 2", exact=exact)
@@ -76,7 +82,7 @@ def test_two_ranks_stages_agree(tmp_path) -> None:
     with clipping, stage 3's norm sums in another order (its flat layout), within 1e-5."""
     variants = []
     for c in TWO_RANK:
-        for s in ("2", *STAGES):
+        for s in ("2", *(s for s in STAGES if allowed(c, s))):
             variants.append(dataclasses.replace(c, index=1000 + len(variants), stage=s, seed=c.index))
     results = run_two_ranks(variants, str(tmp_path))
     by_case: dict[int, dict[str, list[dict]]] = {}
@@ -87,7 +93,7 @@ def test_two_ranks_stages_agree(tmp_path) -> None:
         by_case.setdefault(v.seed, {})[v.stage] = res
     for seed, runs in by_case.items():
         case = next(c for c in CASES if c.index == seed)
-        for stage in STAGES:
+        for stage in (s for s in STAGES if allowed(case, s)):
             for r in range(2):
                 exact = not (stage.startswith("3") and case.clip)
                 assert_same_run(runs[stage][r], runs["2"][r], f"{case.id} rank {r}: stage {stage} vs 2", exact)
@@ -116,6 +122,7 @@ CONFIGS = {
     "stage3": dict(stage=3),
     "stage3+cpu": dict(stage=3, offload_param="cpu"),
     "stage3+nvme-state": dict(stage=3, offload_optimizer="nvme"),
+    "stage3+nvme": dict(stage=3, offload_optimizer="nvme", offload_param="nvme"),
 }
 
 
@@ -133,7 +140,8 @@ def _snapshot(model: nn.Module, opt: zk.ZeroOffloadAdamW) -> dict[str, torch.Ten
 
 
 @pytest.mark.parametrize(("src", "dst"), [("stage2", "stage3"), ("stage3", "stage1"), ("stage3+cpu", "stage2"),
-                                          ("stage1", "stage3+cpu"), ("stage3+nvme-state", "stage3")])  # fmt: skip
+                                          ("stage1", "stage3+cpu"), ("stage3+nvme-state", "stage3"),
+                                          ("stage2", "stage3+nvme"), ("stage3+nvme", "stage1")])  # fmt: skip
 def test_checkpoint_moves_between_stages(src: str, dst: str, tmp_path) -> None:
     """Save at one stage/offload setting, load into another: the state is the same bit for bit, and training goes
     on exactly as it would have at the source."""
@@ -215,16 +223,17 @@ class Stack(nn.Module):
         return F.cross_entropy(h.float().flatten(0, 1), y.flatten())
 
 
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_device_working_set_is_bounded(prefetch: int) -> None:
-    """GPU-shaped mode, stage 3, parameter shards in host memory: the peak of the optimizer's device bytes stays
-    within the largest unit's parameters x (1 + prefetch) + the two gradient buckets, while holding all the
-    parameters would take more (and stage 2 does)."""
+@pytest.mark.parametrize(("offload", "prefetch"), [("cpu", 0), ("cpu", 1), ("cpu", 2), ("nvme", 1)])
+def test_device_working_set_is_bounded(offload: str, prefetch: int, tmp_path) -> None:
+    """GPU-shaped mode, stage 3, parameter shards in host memory (or on NVMe): the peak of the optimizer's device
+    bytes stays within the largest unit's parameters x (1 + prefetch) + the two gradient buckets, while holding
+    all the parameters would take more (and stage 2 does)."""
     torch.manual_seed(0)
     model = Stack()
     transport = CopyEngineTransport(delay_s=0.0005)
+    nvme = dict(offload_optimizer="nvme", nvme_dir=str(tmp_path)) if offload == "nvme" else {}
     opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.bfloat16, bucket_numel=2000, stage=3,
-                              offload_param="cpu", prefetch=prefetch, transport=transport)  # fmt: skip
+                              offload_param=offload, prefetch=prefetch, transport=transport, **nvme)  # fmt: skip
     units = [u.hi - u.lo for u in opt.shards.units]
     buckets = sum(b.numel() for b in opt.grads.bucket_bufs) * 2
     bound = max(units) * 2 * (1 + prefetch) + buckets

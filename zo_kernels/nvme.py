@@ -47,11 +47,15 @@ class NvmeSwapper:
         backend, depth, chunk_bytes: the I/O engine (zo_kernels.aio.make_engine).
         direct: O_DIRECT (True), buffered (False), or O_DIRECT where the filesystem takes it, else buffered
             with a warning (None).
+        params_dtype: also keep the partition's 16-bit parameters (torch.bfloat16 or torch.float16) in a fourth
+            file (ZeRO-Infinity: the parameter shards on NVMe): passes then give fns a fourth view, of that dtype,
+            and `read_params` reads ranges of it. tile_numel must then be a multiple of 2048. None: three files.
     """
 
     def __init__(self, numel: int, nvme_dir: str, *, tile_numel: int = DEFAULT_TILE_NUMEL,
                  backend: str | None = None, depth: int | None = None,
-                 chunk_bytes: int = aio.DEFAULT_CHUNK_BYTES, direct: bool | None = None) -> None:  # fmt: skip
+                 chunk_bytes: int = aio.DEFAULT_CHUNK_BYTES, direct: bool | None = None,
+                 params_dtype: torch.dtype | None = None) -> None:  # fmt: skip
         for name, v in (("numel", numel), ("tile_numel", tile_numel)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
@@ -61,24 +65,33 @@ class NvmeSwapper:
             raise ValueError(f"tile_numel must be a positive multiple of {TILE_MULTIPLE}, got {tile_numel}")
         if direct is not None and not isinstance(direct, bool):
             raise TypeError(f"direct must be True, False or None, got {type(direct).__name__}")
+        if params_dtype not in (None, torch.bfloat16, torch.float16):
+            raise TypeError(f"params_dtype must be torch.bfloat16, torch.float16 or None, got {params_dtype!r}")
+        if params_dtype is not None and tile_numel % (2 * TILE_MULTIPLE):
+            raise ValueError(f"tile_numel must be a multiple of {2 * TILE_MULTIPLE} with params_dtype, "
+                             f"got {tile_numel}")  # fmt: skip
+        self.params_dtype = params_dtype
+        names = STATE + (("params",) if params_dtype is not None else ())
+        self._elem = [4, 4, 4, 2][: len(names)]  # bytes per element of each file
         self.numel = numel
-        self.tile_numel = min(tile_numel, -(-numel // TILE_MULTIPLE) * TILE_MULTIPLE)
+        multiple = TILE_MULTIPLE * (2 if params_dtype is not None else 1)
+        self.tile_numel = min(tile_numel, -(-numel // multiple) * multiple)
         self.tiles = [(lo, min(numel, lo + self.tile_numel)) for lo in range(0, numel, self.tile_numel)]
         engine = aio.make_engine(backend, depth, chunk_bytes)  # checks its arguments before any file exists
         scratch = ScratchDir(nvme_dir)
         files: list = []
         try:
-            nbytes = aio.round_up(4 * numel)
-            for name in STATE:
+            for name, elem in zip(names, self._elem):
                 path = os.path.join(scratch.path, f"{name}.bin")
-                files.append(aio.open_file(path, nbytes, direct))
-                direct = files[0].direct  # one warning for the three, and one mode
-            self._pool = [[aio.AlignedBuffer(4 * self.tile_numel) for _ in STATE] for _ in range(SLOTS)]
+                files.append(aio.open_file(path, aio.round_up(elem * numel), direct))
+                direct = files[0].direct  # one warning for all, and one mode
+            self._pool = [[aio.AlignedBuffer(e * self.tile_numel) for e in self._elem] for _ in range(SLOTS)]
         except BaseException:
             _release(engine, files, scratch)
             raise
         self._engine, self._files, self._scratch = engine, files, scratch
-        self._views = [[aio.view(b) for b in slot] for slot in self._pool]
+        dtypes = [torch.float32] * 3 + [params_dtype] * (params_dtype is not None)
+        self._views = [[aio.view(b, d) for b, d in zip(slot, dtypes)] for slot in self._pool]
         self._finalizer = weakref.finalize(self, _release, engine, files, scratch)
         self.torn: str | None = None  # why the files no longer hold one consistent state, if they don't
 
@@ -102,7 +115,8 @@ class NvmeSwapper:
         return not self._finalizer.alive
 
     def stream(self, update_fn: UpdateFn) -> None:
-        """Call update_fn(lo, hi, master, exp_avg, exp_avg_sq) on each tile [lo, hi), in order, then save it.
+        """Call update_fn(lo, hi, master, exp_avg, exp_avg_sq[, params]) on each tile [lo, hi), in order, then save
+        it (`params`, the 16-bit parameters, only with params_dtype).
 
         The three tensors are fp32 views of the tile's pool buffers (hi - lo elements, valid during the call
         only), updated in place: e.g. `cpu_adam_step(master, grad[lo:hi], exp_avg, exp_avg_sq, ...)`. Tile
@@ -153,7 +167,8 @@ class NvmeSwapper:
 
     def write_all(self, master: torch.Tensor, exp_avg: torch.Tensor | None = None,
                   exp_avg_sq: torch.Tensor | None = None) -> None:  # fmt: skip
-        """Replace the whole state by the given fp32 CPU tensors of `numel` elements (None: zeros)."""
+        """Replace the whole state by the given fp32 CPU tensors of `numel` elements (None: zeros); the 16-bit
+        parameters (params_dtype) by the masters' cast."""
         ins = (master, exp_avg, exp_avg_sq)
         for name, t in zip(STATE, ins):
             if t is not None or name == "master":
@@ -165,6 +180,8 @@ class NvmeSwapper:
                     dst.zero_()
                 else:
                     dst.copy_(src.view(-1)[lo:hi])
+            if len(tile) > 3:  # the 16-bit parameters: the masters' cast
+                tile[3].copy_(tile[0])
 
         self.fill(copy_in)
 
@@ -185,8 +202,27 @@ class NvmeSwapper:
             raise RuntimeError(f"the state files are torn ({self.torn}); restore a state with write_all")
 
     def _io(self, op: Callable, slot: int, lo: int, hi: int) -> list[int]:
-        nbytes = aio.round_up(4 * (hi - lo))
-        return [op(f, buf, 0, nbytes, 4 * lo) for f, buf in zip(self._files, self._pool[slot])]
+        return [op(f, buf, 0, aio.round_up(e * (hi - lo)), e * lo)
+                for f, buf, e in zip(self._files, self._pool[slot], self._elem)]  # fmt: skip
+
+    def read_params(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Copy the 16-bit parameters [lo, hi) of the partition into `out` (a CPU tensor of params_dtype and hi - lo
+        elements), through the pool's buffers (aligned reads); not during a pass."""
+        if self.params_dtype is None:
+            raise RuntimeError("this NvmeSwapper keeps no parameters (params_dtype=None)")
+        self._check_usable()
+        if not (0 <= lo <= hi <= self.numel):
+            raise ValueError(f"[lo, hi) = [{lo}, {hi}) is not within the partition's {self.numel} elements")
+        _check_tensor(out, "out", (self.params_dtype,), hi - lo, like="hi - lo")
+        block = aio.ALIGN // 2  # 16-bit elements per aligned block
+        buf, view, f = self._pool[0][3], self._views[0][3], self._files[3]
+        pos = lo
+        while pos < hi:
+            start = pos // block * block  # aligned, and at most one tile long
+            end = min(hi, start + self.tile_numel)
+            self._engine.wait(self._engine.read(f, buf, 0, aio.round_up(2 * (end - start)), 2 * start))
+            out[pos - lo : end - lo].copy_(view[pos - start : end - start])
+            pos = end
 
     def _wait(self, handles: list[int] | None) -> None:
         for h in handles or ():

@@ -90,12 +90,23 @@ def check_offload(offload_optimizer: Any, nvme_dir: Any) -> str | None:
     return check_dir(nvme_dir, "nvme_dir")
 
 
-def check_stage(stage: Any, offload_param: Any, module: Any) -> None:
-    """ZeRO stage 1, 2 or 3; offload_param (None, "cpu") only at stage 3, which needs the module."""
+def check_stage(stage: Any, offload_param: Any, module: Any, nvme_dir: Any, delayed: bool, dtype: Any) -> None:
+    """ZeRO stage 1, 2 or 3; offload_param (None, "cpu", "nvme") only at stage 3, which needs the module; "nvme"
+    keeps the shard beside the optimizer state on NVMe (ZeRO-Infinity), in 16 bits, without DPU."""
     if isinstance(stage, bool) or stage not in (1, 2, 3):
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
-    if offload_param not in (None, "cpu"):
-        raise ValueError(f"offload_param must be None or 'cpu', got {offload_param!r}")
+    if offload_param not in (None, "cpu", "nvme"):
+        raise ValueError(f"offload_param must be None, 'cpu' or 'nvme', got {offload_param!r}")
+    if offload_param == "nvme":
+        if nvme_dir is None:
+            raise ValueError("offload_param='nvme' keeps the parameter shard beside the optimizer state: it needs "
+                             "offload_optimizer='nvme' and nvme_dir")
+        if delayed:
+            raise ValueError("offload_param='nvme' does not work with delay_update_after (the background update "
+                             "would rewrite the parameters' file while forward reads it): use offload_param='cpu'")
+        if dtype == torch.float32:
+            raise ValueError("offload_param='nvme' keeps 16-bit parameters: dtype must be torch.bfloat16 or "
+                             "torch.float16")
     if offload_param is not None and stage != 3:
         raise ValueError(f"offload_param={offload_param!r} needs stage=3 (the parameters are partitioned only there)")
     if stage == 3 and module is None:

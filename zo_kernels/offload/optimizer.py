@@ -108,8 +108,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             before its forward and again before its backward, and freed after; between uses a parameter is an
             empty tensor (use `with opt.gathered():` to read the weights outside forward). At stage 3 every rank
             must run the same modules in the same order (a rank that does not raises).
-        offload_param: stage 3: where this rank's 16-bit shard lives between uses: None (the device) or "cpu"
-            (pinned host memory; copied to the device for each gather).
+        offload_param: stage 3: where this rank's 16-bit shard lives between uses: None (the device), "cpu"
+            (pinned host memory; copied to the device for each gather) or "nvme" (ZeRO-Infinity: a file beside the
+            optimizer state, which must be on NVMe too; written by the streamed update, read for each gather
+            through a pinned block; 16-bit dtype, no DPU).
         prefetch: stage 3: how many units (modules' parameters) to gather ahead of use, in the order recorded on
             the first iteration (0: none).
     """
@@ -163,7 +165,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if transport is not None and not isinstance(transport, Transport):
             raise TypeError(f"transport must be a zo_kernels Transport or None, got {type(transport).__name__}")
         nvme_dir = check_offload(offload_optimizer, nvme_dir)
-        check_stage(stage, offload_param, module)
+        check_stage(stage, offload_param, module, nvme_dir, delay_update_after is not None, dtype)
         prefetch = check_int(prefetch, "prefetch", 0, required=True)
         for name, value in (("update_timeout_s", update_timeout_s), ("collective_timeout_s", collective_timeout_s)):
             if _real(value, name) <= 0:
@@ -264,7 +266,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if shards is None:
             connected = lambda p: is_alias_of(p, self.flat, self._offset[p])  # noqa: E731
             own, publish, update_transport = self.flat[self.part_lo : self.part_hi], self._publish_flat, self.transport
-        else:
+        else:  # (offload_param="nvme": no `own`; the update writes the parameters' file of the swapper)
             connected, own, publish = shards.connected, shards.shard, shards.on_update
             # a shard in host memory is written there by host copies; on the device, through the transport
             update_transport = self.transport if self.offload_param is None else HostTransport()
@@ -284,7 +286,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         master = fill_master if master is None else master
         self.update = HostUpdate(self.layout, own, master, update_transport, publish, threads=self.threads,
                                  tile_numel=self.tile_numel, delayed=self.delay_update_after is not None,
-                                 timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir)  # fmt: skip
+                                 timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir,
+                                 params_dtype=self.dtype)  # fmt: skip
+        if shards is not None:
+            shards.swapper = self.update.swapper
         self._own_update_transport = update_transport is not self.transport
 
     def _publish_flat(self) -> None:

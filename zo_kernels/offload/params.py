@@ -54,6 +54,7 @@ class Unit:
         self.pending: tuple[Event | None, Any] | None = None  # (shard copy, all-gather) still running
         self.users = 0  # forward calls of its modules now running
         self.held = False  # gathered for backward: kept until its parameters' gradients have arrived
+        self.bounce: torch.Tensor | None = None  # offload="nvme": the pinned block its shard was read into
         self.arrived: set[torch.Tensor] = set()  # params whose gradient arrived in this backward pass
 
 
@@ -66,7 +67,8 @@ class ParamShards:
         dtype, device: the parameters' dtype and device.
         comm: the process group.
         transport: the copies of the shard to the device when it lives in host memory.
-        offload: None (the shard stays on the device) or "cpu" (in pinned host memory).
+        offload: None (the shard stays on the device), "cpu" (in pinned host memory) or "nvme" (in the optimizer's
+            NvmeSwapper, a fourth file beside the state: set `swapper` before the first gather).
         prefetch: how many units ahead to gather, once the order is known (0: none).
         counter: the device bytes counter.
         times: the step's phase timings ("gather", "gather_wait").
@@ -85,10 +87,12 @@ class ParamShards:
         self._shape = {p: p.shape for p in layout.params}  # between uses a param is empty: its true shape
         self._numel = {p: p.numel() for p in layout.params}
         self.elem = torch.empty((), dtype=dtype).element_size()
+        self.shard: torch.Tensor | None = None
+        self.swapper: Any = None  # offload="nvme": the NvmeSwapper whose parameters' file holds the shard
         if offload is None:
             self.shard = torch.zeros(layout.part, dtype=dtype, device=device)
             counter.add(layout.part * self.elem)
-        else:  # the shard's host side of every copy: a block of the transport's (pinned) pool
+        elif offload == "cpu":  # the shard's host side of every copy: a block of the transport's (pinned) pool
             self.shard = transport.pool.take(layout.part, dtype)
             self.shard.zero_()
         self._empty = torch.empty(0, dtype=dtype, device=device)
@@ -105,7 +109,8 @@ class ParamShards:
         """Store this rank's part of p's values (all of p, on this device) in the shard; p becomes empty."""
         off, n = self.layout.offset[p], p.numel()
         for a, b, pa in self.layout.owned(off, off + n, self.comm.rank):
-            self.shard[pa : pa + b - a].copy_(values.reshape(-1)[a - off : b - off])
+            if self.shard is not None:  # (NVMe: the swapper's fill writes the masters' cast)
+                self.shard[pa : pa + b - a].copy_(values.reshape(-1)[a - off : b - off])
         p.data = self._empty
 
     def attach(self) -> None:
@@ -145,12 +150,15 @@ class ParamShards:
         self.counter.add(n * self.elem)
         a, b, pa = u.piece
         mine = u.buf[a - u.lo : b - u.lo]
-        src = self.shard[pa : pa + b - a]
         event = None
-        if self.offload is not None:
-            event = self.transport.h2d(mine, src)
+        if self.offload == "nvme":  # read into a pinned block, then copy it up
+            u.bounce = self.transport.pool.take(b - a, self.dtype)
+            self.swapper.read_params(pa, pa + b - a, u.bounce)
+            event = self.transport.h2d(mine, u.bounce)
+        elif self.offload == "cpu":
+            event = self.transport.h2d(mine, self.shard[pa : pa + b - a])
         else:
-            mine.copy_(src)
+            mine.copy_(self.shard[pa : pa + b - a])
         work = None
         if self.comm.world > 1:
             self._check_same_unit(u)
@@ -193,6 +201,10 @@ class ParamShards:
             if work is not None:
                 self.comm.wait(work, f"the all-gather of unit {u.index}")
             self.transport.device_wait(event)
+            if u.bounce is not None:  # the pinned block goes back once its copy is done
+                self.transport.wait(event)
+                self.transport.pool.give(u.bounce)
+                u.bounce = None
             u.pending = None
             self.times.add("gather_wait", time.perf_counter() - t0)
         for p in u.params:
@@ -276,6 +288,15 @@ class ParamShards:
         self.recording, self.pos = False, 0
         bump_version(*self.layout.params)
 
+    def _put_params(self, lo: int, hi: int, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                    params: torch.Tensor) -> None:  # fmt: skip
+        """A swapper pass over tile [lo, hi): this rank's pieces of the gathered units into the parameters' file."""
+        for u in self.units:
+            a, b, pa = u.piece
+            x, y = max(pa, lo), min(pa + b - a, hi)
+            if x < y:
+                params[x - lo : y - lo].copy_(u.buf[a - u.lo + x - pa : a - u.lo + y - pa])
+
     @contextlib.contextmanager
     def gathered(self, write: bool = False) -> Iterator[None]:
         """Every unit gathered inside the block (e.g. to save or evaluate the model), freed after. With write=True
@@ -286,7 +307,9 @@ class ParamShards:
             u.users += 1
         try:
             yield
-            if write:
+            if write and self.offload == "nvme":
+                self.swapper.stream(self._put_params)
+            elif write:
                 for u in self.units:
                     a, b, pa = u.piece
                     dst, src = self.shard[pa : pa + b - a], u.buf[a - u.lo : b - u.lo]

@@ -43,12 +43,14 @@ class HostUpdate:
         times: the step's phase timings.
         nvme_dir: keep master, exp_avg, exp_avg_sq in scratch files there (NvmeSwapper: host memory bounded by
             its buffer pool; the update streams them tile by tile); None: in host memory.
+        params_dtype: with `own` None (ZeRO-Infinity: the stage-3 shard on NVMe), the 16-bit parameters are a
+            fourth file of the swapper, of this dtype, written by the same streamed update.
     """
 
-    def __init__(self, layout: FlatLayout, own: torch.Tensor, master: torch.Tensor | MasterFill,
+    def __init__(self, layout: FlatLayout, own: torch.Tensor | None, master: torch.Tensor | MasterFill,
                  transport: Transport, publish: Callable[[], None], *, threads: int, tile_numel: int, delayed: bool,
-                 timeout_s: float,
-                 times: PhaseTimes, nvme_dir: str | None = None) -> None:  # fmt: skip
+                 timeout_s: float, times: PhaseTimes, nvme_dir: str | None = None,
+                 params_dtype: torch.dtype | None = None) -> None:  # fmt: skip
         self.layout, self.own, self.transport, self.publish, self.times = layout, own, transport, publish, times
         self.threads, self.tile_numel, self.timeout_s = threads, tile_numel, timeout_s
         if isinstance(master, torch.Tensor):
@@ -63,7 +65,8 @@ class HostUpdate:
         self._staging_read: Any = None  # event of the last copy out of staging (the next update writes after it)
         self._pending: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self.staging_in_place = not (transport.needs_staging or delayed)
+        self.params_in_swapper = own is None  # (then nvme_dir and params_dtype are given, and no DPU)
+        self.staging_in_place = self.params_in_swapper or not (transport.needs_staging or delayed)
         if not self.staging_in_place:
             self.staging_buf = transport.pool.take(layout.part, own.dtype)
         else:  # host memory is the device: the update writes the parameters in place (no forward runs meanwhile)
@@ -71,9 +74,11 @@ class HostUpdate:
         self.swapper: NvmeSwapper | None = None
         self._state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if nvme_dir is not None:
-            tile = -(-tile_numel // TILE_MULTIPLE) * TILE_MULTIPLE  # the pool: 9 tiles of fp32, bounded by tile_numel
+            multiple = TILE_MULTIPLE * (2 if self.params_in_swapper else 1)
+            tile = -(-tile_numel // multiple) * multiple  # the pool: 9 tiles of fp32 (+3 of 16 bits), by tile_numel
             try:
-                self.swapper = NvmeSwapper(layout.part, nvme_dir, tile_numel=tile)
+                self.swapper = NvmeSwapper(layout.part, nvme_dir, tile_numel=tile,
+                                           params_dtype=params_dtype if self.params_in_swapper else None)
                 self.swapper.fill(self._fill_tile(fill_master))  # no full-size fp32 tensor: the pool's tiles only
             except BaseException:
                 if self.swapper is not None:
@@ -91,18 +96,21 @@ class HostUpdate:
                 # staging always holds the current params: a step that skips a param (no gradient) leaves its
                 # range as is, and the padding past the last parameter is sent to the device as zeros
                 self.staging_buf.copy_(master)
-        self._staging = [Staging(self.staging_buf[r[0] : r[1]], tile_numel) if r else None
+        self._staging = [Staging(self.staging_buf[r[0] : r[1]], tile_numel) if r and own is not None else None
                          for r in layout.group_ranges]  # fmt: skip
 
     def _fill_tile(self, fill_master: MasterFill) -> UpdateFn:
         """The swapper's fill of tile [lo, hi): the masters (zeros where no parameter lies), zero moments, and
         the masters' cast into staging (which always holds the current params, as in memory)."""
 
-        def fill(lo: int, hi: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        def fill(lo: int, hi: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 params: torch.Tensor | None = None) -> None:  # fmt: skip
             for t in (master, exp_avg, exp_avg_sq):
                 t.zero_()
             fill_master(lo, hi, master)
-            if not self.staging_in_place:
+            if params is not None:  # the 16-bit shard on NVMe
+                params.copy_(master)
+            elif not self.staging_in_place:
                 self.staging_buf[lo:hi].copy_(master)
 
         return fill
@@ -232,15 +240,17 @@ class HostUpdate:
         own = self.own
         events: list = []
 
-        def update(lo: int, hi: int, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        def update(lo: int, hi: int, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                   params: torch.Tensor | None = None) -> None:  # fmt: skip
             first = last = None
             for gi, a, b, step, factor in runs:
                 x, y = max(a, lo), min(b, hi)
                 if x < y:
                     t0 = time.perf_counter()
+                    out = params[x - lo : y - lo] if params is not None else self.staging_buf[x:y]
                     cpu_adam_step(p[x - lo : y - lo], grad[x:y], m[x - lo : y - lo], v[x - lo : y - lo], step=step,
-                                  grad_scale=grad_scale * factor, threads=self.threads,
-                                  param_out=self.staging_buf[x:y], **hparams[gi])  # fmt: skip
+                                  grad_scale=grad_scale * factor, threads=self.threads, param_out=out,
+                                  **hparams[gi])  # fmt: skip
                     self.times.add("kernel", time.perf_counter() - t0)
                     first, last = x if first is None else first, y
             if send and first is not None:  # one copy per tile: a skipped param between runs holds its current value
@@ -298,7 +308,8 @@ class HostUpdate:
     def resume(self, staged: bool) -> None:
         """After a state was loaded: the device params from the masters now, or (a state saved between a delayed
         update and its writeback) by the next step(), as if never stopped."""
-        self.staging_buf.copy_(self.state()[0])
+        if not self.params_in_swapper:  # (else save_state wrote the masters' cast into the parameters' file)
+            self.staging_buf.copy_(self.state()[0])
         if staged and not self.staging_in_place:
             self.staged = True
         else:
@@ -308,6 +319,8 @@ class HostUpdate:
     @torch.no_grad()
     def refresh_stale_masters(self) -> None:
         """Keep the fp32 masters if the device params are still their cast; else take them from the model."""
+        if self.params_in_swapper:  # the parameters' file is always the masters' cast, unless gathered(write=True)
+            return  # wrote it, which calls refresh_from_model
         device_part = self.own.cpu()
         master, exp_avg, exp_avg_sq = self.state()
         if not torch.equal(master.to(self.own.dtype), device_part):
@@ -321,6 +334,14 @@ class HostUpdate:
     def refresh_from_model(self) -> None:
         """Take the fp32 masters from the model's current (device) parameters, e.g. after model.load_state_dict."""
         self.finish_pending(write=False)
+        if self.params_in_swapper:  # one pass: the masters from the parameters' file
+
+            def take(lo: int, hi: int, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                     params: torch.Tensor) -> None:  # fmt: skip
+                master.copy_(params)
+
+            self.swapper.stream(take)
+            return
         own = self.own
         master, exp_avg, exp_avg_sq = self.state()
         master.copy_(own.float().cpu())
