@@ -80,11 +80,13 @@ class GradPath:
         self.hooks: list[Any] = []
         self.reset()
 
-    def attach(self) -> None:
-        """Register the hooks on the parameters: from now on their gradients leave during backward."""
+    def attach(self, accumulators: dict[torch.Tensor, Any] | None = None) -> None:
+        """Register the hooks on the parameters: from now on their gradients leave during backward.
+        `accumulators`: each param's AccumulateGrad node, made while the param had its shape (ZeRO-3)."""
         params = self.layout.params
         # each param's AccumulateGrad node: a hook fired by torch.autograd.grad (which accumulates nothing) is ignored
-        self.accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
+        accumulators = accumulators or {p: p.view_as(p).grad_fn.next_functions[0][0] for p in params}
+        self.accumulators = [accumulators[p] for p in params]
         self.hooks = [p.register_hook(self._before_accumulate(p)) for p in params]
         self.hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 

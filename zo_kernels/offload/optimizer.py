@@ -214,8 +214,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self.shards is None:
             self.grads.attach()
         else:  # autograd's accumulators record their param's shape when made: make them while gathered
-            with self.shards.gathered():
-                self.grads.attach()
+            self.grads.attach(self.shards.accumulators())
             self.shards.attach()
         for p in trainable:
             p._zo_owner = weakref.ref(self)

@@ -113,6 +113,16 @@ class ParamShards:
                 self.shard[pa : pa + b - a].copy_(values.reshape(-1)[a - off : b - off])
         p.data = self._empty
 
+    def accumulators(self) -> dict[torch.Tensor, Any]:
+        """Each param's AccumulateGrad node, made while its unit is gathered (autograd records the param's shape
+        in it), one unit at a time."""
+        out = {}
+        for u in self.units:
+            self.gather(u)
+            out.update({p: p.view_as(p).grad_fn.next_functions[0][0] for p in u.params})
+            self.free(u)
+        return out
+
     def attach(self) -> None:
         """Register the module hooks: from now on units are gathered around their modules' forward and backward."""
         for module, idx in self.modules:
