@@ -41,7 +41,7 @@ def test_plan_reproduces_the_zero_table(capsys):
     p = plan(7.5e9, 64, "32GB")
     exact = {"DDP": 16 * 7.5e9, "ZeRO-1": (4 + 12 / 64) * 7.5e9, "ZeRO-2": (2 + 14 / 64) * 7.5e9,
              "ZeRO-3": 16 / 64 * 7.5e9, "ZeRO-2 + offload": 2 * 7.5e9, "ZeRO-3 + offload": 0.0,
-             "ZeRO-Inf (opt)": 0.0, "ZeRO-Infinity": 0.0}  # fmt: skip
+             "ZeRO-Inf (opt)": 0.0, "ZeRO-Infinity": 0.0, "zo Infinity": 0.0}  # fmt: skip
     for s in p.strategies:
         assert s.gpu_states == pytest.approx(exact[s.strategy], rel=1e-12)
     assert p.row("ZeRO-2 + offload").host == pytest.approx(16 / 64 * 7.5e9)

@@ -19,6 +19,10 @@ def test_headline_70b_fits_one_80gb_gpu_only_with_zero_infinity(capsys):
     assert main([*argv, "--max"]) == 0
     rows = rows_of(capsys.readouterr().out)
     assert "  yes " in rows["ZeRO-Infinity"] and "  yes " in rows["ZeRO-Inf (opt)"]
+    # and so does this library's own mode (gradients in host memory: 140 GB of g16 in 512 GiB)
+    assert "  yes " in rows["zo Infinity"]
+    zo = plan(70e9, 1, "80GiB", "512GiB", nvme="4TB").row("zo Infinity")
+    assert zo.host == pytest.approx(2 * 70e9 + 2**30) and zo.nvme == pytest.approx(14 * 70e9)
     assert "no (GPU)" in rows["ZeRO-2 + offload"] and "no (host)" in rows["ZeRO-3 + offload"]
     for name in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"):
         assert "no (GPU)" in rows[name], rows[name]

@@ -20,9 +20,9 @@ import re
 from dataclasses import dataclass, field
 
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + offload", "ZeRO-3 + offload", "ZeRO-Inf (opt)",
-              "ZeRO-Infinity")  # fmt: skip
-STAGE3 = frozenset({"ZeRO-3", "ZeRO-3 + offload", "ZeRO-Inf (opt)", "ZeRO-Infinity"})
-NVME_ROWS = frozenset({"ZeRO-Inf (opt)", "ZeRO-Infinity"})
+              "ZeRO-Infinity", "zo Infinity")  # fmt: skip
+STAGE3 = frozenset({"ZeRO-3", "ZeRO-3 + offload", "ZeRO-Inf (opt)", "ZeRO-Infinity", "zo Infinity"})
+NVME_ROWS = frozenset({"ZeRO-Inf (opt)", "ZeRO-Infinity", "zo Infinity"})
 LAYERS_GUESS = 32  # without layer_params the largest gathered layer is params / 32: one block of a 32-block model
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9, "T": 1e12, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
@@ -143,6 +143,9 @@ def _per_param(strategy: str, k: float, n: int) -> tuple[float, float, float]:
       offloads every model state; DESIGN.md gives the host only an I/O pool (+ the p16 shard). So the NVMe
       holds the partition's g16 and p32, m, v ((2+K)/N), and with offload_param=nvme the p16 shard too.
       The paper counts 20 bytes per parameter: 2 + 2 + K with K = 16 (an fp32 gradient copy as well).
+    - zo Infinity: what ZeroOffloadAdamW(stage=3, offload_param="nvme", offload_optimizer="nvme") holds (read
+      from its buffers, zo_kernels/offload/): the g16 landing buffer stays in host memory (2/N); the p16 shard
+      and p32, m, v are files on NVMe ((2+K)/N).
     """
     return {
         "DDP": (2 + 2 + k, 0.0, 0.0),
@@ -153,6 +156,7 @@ def _per_param(strategy: str, k: float, n: int) -> tuple[float, float, float]:
         "ZeRO-3 + offload": (0.0, (2 + 2 + k) / n, 0.0),
         "ZeRO-Inf (opt)": (0.0, 2 / n, (2 + k) / n),
         "ZeRO-Infinity": (0.0, 0.0, (2 + 2 + k) / n),
+        "zo Infinity": (0.0, 2 / n, (2 + k) / n),
     }[strategy]
 
 
@@ -280,5 +284,7 @@ def format_plan(p: Plan, show_max: bool = False) -> str:
         "",
         "ZeRO-3 + offload: params and optimizer on the host; ZeRO-Inf (opt): params on the host, gradients",
         "and optimizer on NVMe; ZeRO-Infinity: all on NVMe. Stage 3's GPU total holds the gathered layers.",
+        "zo Infinity: this library's ZeroOffloadAdamW(stage=3, offload_param='nvme', offload_optimizer='nvme'):",
+        "gradients in host memory, params and optimizer on NVMe.",
     ]
     return "\n".join(lines)
