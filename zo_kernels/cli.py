@@ -16,7 +16,8 @@ from .planner import MAX_GPUS, format_plan, parse_count, plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SUITES = {"cpu_adam": "test_bench_cpu_adam.py", "buckets": "test_bench_buckets.py",
-          "transport": "test_bench_transport.py", "step": "test_bench_step.py"}  # fmt: skip
+          "transport": "test_bench_transport.py", "step": "test_bench_step.py", "stages": "test_bench_stages.py",
+          "nvme": "test_bench_nvme.py"}  # fmt: skip
 
 
 # Bounds of the demo: beyond them it would not fit in a machine's memory (the batches are made up front).
@@ -87,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "CPU, fp16 on a GPU)")  # fmt: skip
     d.add_argument("--delay-update-after", type=_int_in("--delay-update-after", 0, 2**31 - 1), default=None,
                    help="enable the delayed parameter update")  # fmt: skip
+    d.add_argument("--stage", type=int, choices=(1, 2, 3), default=2, help="ZeRO stage of ZeroOffloadAdamW")
+    d.add_argument("--offload-param", choices=("none", "cpu"), default="none",
+                   help="stage 3: keep the parameter shards in host memory")  # fmt: skip
     d.add_argument("--seed", type=_int_in("--seed", 0, 2**63 - 1), default=0)
     d.add_argument("--batch", type=_positive_int("--batch", MAX_BATCH), default=16)
     d.add_argument("--context", type=_positive_int("--context", MAX_CONTEXT), default=64)
@@ -200,6 +204,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
     if a.delay_update_after is not None and a.delay_update_after < 0:
         raise UsageError(f"--delay-update-after must be >= 0, got {a.delay_update_after}")
+    if a.offload_param != "none" and a.stage != 3:
+        raise UsageError(f"--offload-param {a.offload_param} needs --stage 3 (parameters are partitioned only there)")
     if not (a.lr > 0 and a.lr < 1):
         raise UsageError(f"--lr must be in (0, 1), got {a.lr}")
     if a.plot:

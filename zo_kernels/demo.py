@@ -123,9 +123,12 @@ def evaluate(model: GPT, data: torch.Tensor, context: int, device: torch.device,
 
 def train_zo(model: GPT, data: list[torch.Tensor], device: torch.device, args: Any, progress: bool) -> Run:
     run = Run("zo")
-    opt = ZeroOffloadAdamW(model.parameters(), lr=args.lr, weight_decay=0.01, dtype=args.dtype,
+    stage = getattr(args, "stage", 2)
+    offload = getattr(args, "offload_param", "none")
+    opt = ZeroOffloadAdamW(model, lr=args.lr, weight_decay=0.01, dtype=args.dtype,
                            loss_scale="dynamic" if args.dtype == torch.float16 else None,
-                           delay_update_after=args.delay_update_after, max_grad_norm=1.0)  # fmt: skip
+                           delay_update_after=args.delay_update_after, max_grad_norm=1.0, stage=stage,
+                           offload_param=None if offload == "none" else offload)  # fmt: skip
     bar = Progress("zo", len(data)) if progress else None
     t0 = time.perf_counter()
     for i, xb in enumerate(data, 1):
@@ -202,7 +205,9 @@ def main(args: Any) -> int:
               f"character level on the Jargon File ({len(text) / 1e3:.0f} KB, {len(chars)} symbols)\n"
               f"device {device}{' (no GPU: the offload step runs with device = CPU)' if device.type == 'cpu' else ''}, "
               f"{args.steps} steps of {args.batch} x {args.context} tokens, "
-              f"delayed update after {args.delay_update_after}, seed {args.seed}\n\n")  # fmt: skip
+              f"delayed update after {args.delay_update_after}, ZeRO stage {getattr(args, 'stage', 2)}"
+              f"{' (parameter shards in host memory)' if getattr(args, 'offload_param', 'none') == 'cpu' else ''}, "
+              f"seed {args.seed}\n\n")  # fmt: skip
     progress = not args.quiet
     zo = train_zo(model.to(device), steps, device, args, progress)
     zo.val_loss = evaluate(model, val, args.context, device)
@@ -232,11 +237,15 @@ def report(out: TextIO, zo: Run, ref: Run, phi: int, args: Any) -> None:
     for k, ms in phase_ms(zo).items():
         out.write(f"  {k:<26}{ms:8.2f} ms  {ms / step_ms:6.1%}\n")
     p = plan(phi, 1, "80GiB", "768GiB", bucket_bytes=0)
-    off, ddp = p.row("ZeRO-2 + offload"), p.row("DDP")
+    stage, offload = getattr(args, "stage", 2), getattr(args, "offload_param", "none")
+    row = "ZeRO-3 + offload" if stage == 3 else "ZeRO-2 + offload"
+    off, ddp = p.row(row), p.row("DDP")
+    # the planner's ZeRO-3 + offload keeps the p16 shard on the host; without --offload-param it is on the device
+    shard = "; the 2 B shard is here, not on the host" if (stage, offload) == (3, "none") else ""
     fp32 = args.dtype == torch.float32  # the planner counts 16-bit device params and landing buffers
     out.write("\nmemory per parameter (measured from the buffers; planner = DESIGN.md's formulas):\n"
-              f"  zo     device {zo.device_bytes / phi:6.2f} B (planner {off.gpu_states / phi:.0f} + buckets"
-              f"{' for 16-bit params; fp32 doubles it' if fp32 else ''})   "
+              f"  zo     device {zo.device_bytes / phi:6.2f} B (planner {row} {off.gpu_states / phi:.0f} + buckets"
+              f"{' for 16-bit params; fp32 doubles it' if fp32 else ''}{shard})   "
               f"host {zo.host_bytes / phi:6.2f} B (planner {off.host / phi:.0f}; on one CPU rank the update writes in "
               f"place: no 2 B staging{'; the fp32 landing buffer takes 4 B' if fp32 else ''})\n"
               f"  torch  device {ref.device_bytes / phi:6.2f} B (planner DDP {ddp.gpu_states / phi:.0f}: "
