@@ -88,7 +88,8 @@ def test_plan_bad_numbers_one_line_exit_2(capsys, argv, message):
 
 def test_bad_subcommand_arguments_exit_2(capsys):
     for argv in (["demo", "--steps", "0"], ["demo", "--model-size", "huge"], ["nosuch"], ["plan"],
-                 ["demo", "--delay-update-after", "-1"], ["demo", "--lr", "5"]):  # fmt: skip
+                 ["demo", "--delay-update-after", "-1"], ["demo", "--lr", "5"], ["demo", "--offload-param", "cpu"],
+                 ["demo", "--stage", "4"]):  # fmt: skip
         assert main(argv) == 2, argv
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
@@ -104,6 +105,13 @@ def test_demo_small_run(capsys, tmp_path):
         assert text in out, text
     assert "host  14.00 B" in out and "device   2.00 B" in out
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_at_stage_3_with_the_shards_in_host_memory(capsys):
+    code, out, _ = run_cli(capsys, "demo", "--steps", "8", "--model-size", "1e5", "--batch", "2", "--context", "16",
+                           "--dtype", "bf16", "--quiet", "--stage", "3", "--offload-param", "cpu")  # fmt: skip
+    assert code == 0 and "ZeRO stage 3 (parameter shards in host memory)" in out and "the curves agree" in out
+    assert "device   0.00 B" in out and "host  16.00 B" in out  # the 2 B shard moved from the device to the host
 
 
 def test_demo_dtype_follows_native_bf16():
