@@ -138,8 +138,7 @@ import zo_kernels as zk
 import zo_kernels.offload.update as upd
 
 model = make_model(seed=0)
-opt = zk.ZeroOffloadAdamW(model.parameters(), lr=2e-3, tile_numel=4096, offload_optimizer="nvme",
-                          nvme_dir={nvme!r})
+opt = zk.ZeroOffloadAdamW(model, lr=2e-3, tile_numel=4096, offload_optimizer="nvme", nvme_dir={nvme!r}, **{kw})
 data = make_data(3, batch=4, seed=3)
 for step in data[:2]:
     opt.backward(model(step[0][:, :-1], step[0][:, 1:]))
@@ -158,28 +157,32 @@ opt.step()
 """
 
 
-def test_sigkill_during_an_nvme_update_leaves_the_checkpoint_loadable_and_the_scratch_reclaimed(tmp_path):
+@pytest.mark.parametrize("kw", [{}, {"stage": 3, "offload_param": "nvme"}], ids=["state", "state+params"])
+def test_sigkill_during_an_nvme_update_leaves_the_checkpoint_loadable_and_the_scratch_reclaimed(tmp_path, kw):
+    """Also ZeRO-Infinity (stage 3, the parameter shards in the same scratch): the resumed run equals a resume
+    of the same checkpoint with everything in memory at stage 2."""
     import signal
     import subprocess
     import sys
 
     nvme, ckpt = tmp_path / "nvme", tmp_path / "c.pt"
     nvme.mkdir()
-    script = CHILD.format(tests=os.path.dirname(__file__), nvme=str(nvme), ckpt=str(ckpt))
+    script = CHILD.format(tests=os.path.dirname(__file__), nvme=str(nvme), ckpt=str(ckpt), kw=kw)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert len(os.listdir(nvme)) == 1, "the killed run left its scratch directory"
     data = make_data(3, batch=4, seed=3)
     ends = []
-    for where in (dict(offload_optimizer="nvme", nvme_dir=str(nvme)), dict()):
+    for where in (dict(offload_optimizer="nvme", nvme_dir=str(nvme), **kw), dict()):
         model = make_model(seed=9)
-        opt = zk.ZeroOffloadAdamW(model.parameters(), lr=2e-3, tile_numel=4096, **where)
+        opt = zk.ZeroOffloadAdamW(model, lr=2e-3, tile_numel=4096, **where)
         if where:
             assert len(os.listdir(nvme)) == 1, "the dead run's scratch was reclaimed (only ours is left)"
         zk.load_checkpoint(ckpt, model, opt)
         opt.backward(model(data[2][0][:, :-1], data[2][0][:, 1:]))
         opt.step()
-        ends.append(digest(*model.parameters(), *(s["exp_avg"] for s in opt.state_dict()["state"].values())))
+        with opt.gathered():
+            ends.append(digest(*model.parameters(), *(s["exp_avg"] for s in opt.state_dict()["state"].values())))
         opt.close()
     assert ends[0] == ends[1], "resumed from the last checkpoint as if the killed step never happened"
     assert os.listdir(nvme) == []
