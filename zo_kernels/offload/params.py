@@ -240,11 +240,13 @@ class ParamShards:
 
     # ------------------------------------------------------------------ hooks
 
+    @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _pre_forward(self, units: list[Unit]) -> None:
         for u in units:
             self._use(u)
             u.users += 1
 
+    @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _post_forward(self, units: list[Unit], out: Any) -> None:
         for u in units:
             u.users -= 1
@@ -257,6 +259,7 @@ class ParamShards:
                 if u.users == 0 and not u.held:
                     self.free(u)
 
+    @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _pre_backward(self, units: list[Unit]) -> None:
         for u in units:
             if not u.held or u.buf is None:
