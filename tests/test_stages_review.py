@@ -44,3 +44,16 @@ def test_compiled_model_at_stage3_trains_as_at_stage2() -> None:
     got = _train(3, "aot_eager")
     assert got[0] == want[0]
     assert all(torch.equal(got[1][k], v) for k, v in want[1].items())
+
+
+def test_close_inside_gathered_leaves_the_parameters_whole() -> None:
+    """close() hands the model back with whole parameters (as stage 2 does), also when called inside
+    `with opt.gathered():` (the block's end freed them again: every parameter was left empty)."""
+    torch.manual_seed(0)
+    model = Net()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3)
+    with opt.gathered():
+        opt.close()
+    got = model.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items()), {k: tuple(v.shape) for k, v in got.items()}

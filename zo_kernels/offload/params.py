@@ -101,6 +101,7 @@ class ParamShards:
         self.recording = True  # until the first step
         self.pos = 0  # uses since the last backward pass ended
         self.hooks: list[Any] = []
+        self.detached = False  # close(): every unit stays gathered for good
 
     # ------------------------------------------------------------------ construction
 
@@ -128,6 +129,7 @@ class ParamShards:
         self.hooks = []
         for u in self.units:
             self.gather(u)
+        self.detached = True
 
     # ------------------------------------------------------------------ gathers
 
@@ -219,7 +221,7 @@ class ParamShards:
 
     def free(self, u: Unit) -> None:
         """Drop u's gathered buffer: its parameters become empty (a graph that saved them re-gathers first)."""
-        if u.buf is None:
+        if u.buf is None or self.detached:  # (a gathered() block around close() ends after it)
             return
         if u.pending is not None:
             self._finish(u)  # its copy and collective must not write freed memory
