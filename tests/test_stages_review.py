@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
+import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import zo_kernels as zk
 
@@ -57,3 +62,48 @@ def test_close_inside_gathered_leaves_the_parameters_whole() -> None:
         opt.close()
     got = model.state_dict()
     assert all(torch.equal(got[k], v) for k, v in want.items()), {k: tuple(v.shape) for k, v in got.items()}
+
+
+@pytest.mark.xfail(strict=True, reason="autograd saves weight.t() (a view of the gathered buffer) for nn.Linear's "
+                   "backward: the buffer stays alive until backward although the unit counts as freed; needs a "
+                   "linear that saves no view (as DeepSpeed's) or storage-level freeing")
+def test_linear_units_are_released_after_their_forward() -> None:
+    """After forward, no unit's gathered buffer is still alive (stage 3's device working set), with nn.Linear."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3, prefetch=0)
+    bufs: list[weakref.ref] = []
+    start = opt.shards._start
+    opt.shards._start = lambda u: (start(u), bufs.append(weakref.ref(u.buf)))
+    loss = model(torch.randn(4, 8)).sum()
+    gc.collect()
+    alive = sum(r() is not None for r in bufs)
+    loss.backward()
+    opt.step()
+    opt.close()
+    assert alive == 0, f"{alive} of {len(bufs)} gathered buffers outlived their module's forward"
+
+
+class UsesChildWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.emb(x)), self.emb.weight)  # the parent reads a child's parameter
+
+
+@pytest.mark.xfail(strict=True, reason="a parameter read outside its own module's forward (here by the parent) is "
+                   "empty at stage 3: no external-parameter registration yet")
+def test_parent_reading_a_child_parameter_trains_as_at_stage2() -> None:
+    losses = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = UsesChildWeight()
+        opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=stage)
+        loss = model(torch.ones(2, 8)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses[stage] = loss.item()
+        opt.close()
+    assert losses[3] == losses[2]
