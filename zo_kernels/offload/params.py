@@ -101,6 +101,7 @@ class ParamShards:
         self.recording = True  # until the first step
         self.pos = 0  # uses since the last backward pass ended
         self.hooks: list[Any] = []
+        self.detached = False  # close(): every unit stays gathered for good
 
     # ------------------------------------------------------------------ construction
 
@@ -138,6 +139,7 @@ class ParamShards:
         self.hooks = []
         for u in self.units:
             self.gather(u)
+        self.detached = True
 
     # ------------------------------------------------------------------ gathers
 
@@ -229,7 +231,7 @@ class ParamShards:
 
     def free(self, u: Unit) -> None:
         """Drop u's gathered buffer: its parameters become empty (a graph that saved them re-gathers first)."""
-        if u.buf is None:
+        if u.buf is None or self.detached:  # (a gathered() block around close() ends after it)
             return
         if u.pending is not None:
             self._finish(u)  # its copy and collective must not write freed memory
@@ -250,11 +252,13 @@ class ParamShards:
 
     # ------------------------------------------------------------------ hooks
 
+    @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _pre_forward(self, units: list[Unit]) -> None:
         for u in units:
             self._use(u)
             u.users += 1
 
+    @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _post_forward(self, units: list[Unit], out: Any) -> None:
         for u in units:
             u.users -= 1
@@ -267,6 +271,7 @@ class ParamShards:
                 if u.users == 0 and not u.held:
                     self.free(u)
 
+    @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _pre_backward(self, units: list[Unit]) -> None:
         for u in units:
             if not u.held or u.buf is None:
