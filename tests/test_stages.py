@@ -258,7 +258,7 @@ def test_prefetch_gathers_ahead_in_the_recorded_order(monkeypatch) -> None:
     opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3, prefetch=1)
     log: list[tuple[int, bool]] = []  # (unit, already being gathered when its module asked for it)
     use = opt.shards._use
-    monkeypatch.setattr(opt.shards, "_use", lambda u: (log.append((u.index, u.buf is not None)), use(u)))
+    monkeypatch.setattr(opt.shards, "_use", lambda u: (log.append((u.index, u.live)), use(u)))
     g = torch.Generator().manual_seed(1)
     n = len(opt.shards.units)
     for it in range(3):

@@ -50,7 +50,11 @@ class Unit:
 
     def __init__(self, index: int, params: list[torch.Tensor], lo: int, hi: int, piece: tuple[int, int, int]) -> None:
         self.index, self.params, self.lo, self.hi, self.piece = index, params, lo, hi, piece
-        self.buf: torch.Tensor | None = None  # the gathered parameters, while gathered (or being gathered)
+        # the parameters gathered for forward/backward: the params are views of it; between uses its storage is
+        # resized to 0, so views autograd saved (e.g. nn.Linear's weight.t()) hold no memory until it is refilled
+        self.buf: torch.Tensor | None = None
+        self.live = False  # buf's storage holds (or is being filled with) the parameters
+        self.kept: torch.Tensor | None = None  # gathered() and close(): a buffer of its own, params alias it
         self.pending: tuple[Event | None, Any] | None = None  # (shard copy, all-gather) still running
         self.users = 0  # forward calls of its modules now running
         self.held = False  # gathered for backward: kept until its parameters' gradients have arrived
@@ -138,7 +142,8 @@ class ParamShards:
             h.remove()
         self.hooks = []
         for u in self.units:
-            self.gather(u)
+            self.free(u)
+            self._keep(u)
         self.detached = True
 
     # ------------------------------------------------------------------ gathers
@@ -150,18 +155,29 @@ class ParamShards:
         u = self.unit_of[p]
         if p.numel() == 0:
             return True
-        return u.buf is not None and u.pending is None and is_alias_of(p, u.buf, self.layout.offset[p] - u.lo)
+        off = self.layout.offset[p] - u.lo
+        return (u.live and u.pending is None and is_alias_of(p, u.buf, off)) or (
+            u.kept is not None and is_alias_of(p, u.kept, off))
 
     def _start(self, u: Unit) -> None:
         """Begin gathering u: its buffer, this rank's shard copied into its slice, the all-gather started."""
-        if u.buf is not None:
+        if u.live:
             return
         t0 = time.perf_counter()
         n = u.hi - u.lo
-        u.buf = torch.empty(n, dtype=self.dtype, device=self.device)
+        if u.buf is None:
+            u.buf = torch.empty(n, dtype=self.dtype, device=self.device)
+        else:
+            u.buf.untyped_storage().resize_(n * self.elem)
+        u.live = True
         self.counter.add(n * self.elem)
+        u.pending = self._fill(u, u.buf)
+        self.times.add("gather", time.perf_counter() - t0)
+
+    def _fill(self, u: Unit, buf: torch.Tensor) -> tuple[Event | None, Any]:
+        """This rank's shard of u copied into its slice of buf, the all-gather into buf started; what to wait for."""
         a, b, pa = u.piece
-        mine = u.buf[a - u.lo : b - u.lo]
+        mine = buf[a - u.lo : b - u.lo]
         event = None
         if self.offload == "nvme":  # read into a pinned block, then copy it up
             u.bounce = self.transport.pool.take(b - a, self.dtype)
@@ -176,10 +192,10 @@ class ParamShards:
             self._check_same_unit(u)
             if self.comm.device_of_collectives.type != self.device.type:  # e.g. gloo beside a device: via the host
                 self.transport.wait(event)
-                host = u.buf.cpu()
+                host = buf.cpu()
                 self.comm.collective(f"the all-gather of unit {u.index}", _all_gather_single, host,
                                      host[a - u.lo : b - u.lo])  # fmt: skip
-                u.buf.copy_(host)
+                buf.copy_(host)
                 event = None
             else:
                 if self.device.type == "cuda":
@@ -187,9 +203,8 @@ class ParamShards:
                 else:
                     self.transport.wait(event)
                 event = None
-                work = _all_gather_single(u.buf, mine, group=self.comm.group, async_op=True)
-        u.pending = (event, work)
-        self.times.add("gather", time.perf_counter() - t0)
+                work = _all_gather_single(buf, mine, group=self.comm.group, async_op=True)
+        return event, work
 
     def _check_same_unit(self, u: Unit) -> None:
         """Every rank must gather the same unit now (they run the same modules in the same order): one small
@@ -205,24 +220,47 @@ class ParamShards:
                 "order (a branch taken on some ranks only needs stage 1 or 2)")
             raise self.comm.failed
 
+    def _wait(self, u: Unit, pending: tuple[Event | None, Any]) -> None:
+        event, work = pending
+        if work is not None:
+            self.comm.wait(work, f"the all-gather of unit {u.index}")
+        self.transport.device_wait(event)
+        if u.bounce is not None:  # the pinned block goes back once its copy is done
+            self.transport.wait(event)
+            self.transport.pool.give(u.bounce)
+            u.bounce = None
+
     def _finish(self, u: Unit) -> None:
-        """Wait for u's gather; its parameters become views of the gathered buffer."""
+        """Wait for u's gather; its (empty) parameters become views of the gathered buffer."""
         if u.pending is not None:
             t0 = time.perf_counter()
-            event, work = u.pending
-            if work is not None:
-                self.comm.wait(work, f"the all-gather of unit {u.index}")
-            self.transport.device_wait(event)
-            if u.bounce is not None:  # the pinned block goes back once its copy is done
-                self.transport.wait(event)
-                self.transport.pool.give(u.bounce)
-                u.bounce = None
+            self._wait(u, u.pending)
             u.pending = None
             self.times.add("gather_wait", time.perf_counter() - t0)
         for p in u.params:
             if p.numel() == 0:
-                off = self.layout.offset[p]
-                p.data = alias(u.buf, off - u.lo, self._numel[p], self._shape[p])
+                off = self.layout.offset[p] - u.lo
+                p.data = u.buf[off : off + self._numel[p]].view(self._shape[p])
+
+    def _keep(self, u: Unit) -> None:
+        """u gathered into a buffer of its own that its parameters alias (each its own storage, as at stage 2):
+        what gathered() hands out stays valid after the block; close() leaves the model whole."""
+        if u.kept is not None or any(p.numel() for p in u.params):
+            return  # kept already, or in use by forward/backward (views of buf)
+        u.kept = torch.empty(u.hi - u.lo, dtype=self.dtype, device=self.device)
+        self.counter.add(u.kept.numel() * self.elem)
+        self._wait(u, self._fill(u, u.kept))
+        for p in u.params:
+            p.data = alias(u.kept, self.layout.offset[p] - u.lo, self._numel[p], self._shape[p])
+
+    def _unkeep(self, u: Unit) -> None:
+        if u.kept is None or self.detached:  # (close() inside a gathered() block: the model stays whole)
+            return
+        for p in u.params:
+            if is_alias_of(p, u.kept, self.layout.offset[p] - u.lo):
+                p.data = self._empty
+        self.counter.sub(u.kept.numel() * self.elem)
+        u.kept = None
 
     def gather(self, u: Unit) -> None:
         """u gathered now (waiting for a prefetch in flight)."""
@@ -230,15 +268,18 @@ class ParamShards:
         self._finish(u)
 
     def free(self, u: Unit) -> None:
-        """Drop u's gathered buffer: its parameters become empty (a graph that saved them re-gathers first)."""
-        if u.buf is None or self.detached:  # (a gathered() block around close() ends after it)
+        """Release u's gathered storage: its parameters become empty (a graph that saved them, or views of them,
+        re-gathers into the same storage first, in the pre-backward hook)."""
+        if not u.live or self.detached:  # (a gathered() block around close() ends after it)
             return
         if u.pending is not None:
             self._finish(u)  # its copy and collective must not write freed memory
         for p in u.params:
-            p.data = self._empty
-        self.counter.sub(u.buf.numel() * self.elem)
-        u.buf, u.held, u.users = None, False, 0
+            if p.numel() == 0 or is_alias_of(p, u.buf, self.layout.offset[p] - u.lo):  # (not gathered()'s)
+                p.data = self._empty
+        u.buf.untyped_storage().resize_(0)
+        self.counter.sub((u.hi - u.lo) * self.elem)
+        u.live, u.held, u.users = False, False, 0
 
     def _use(self, u: Unit) -> None:
         """u is about to be used: gather it, record the order (first iteration) and prefetch what follows."""
@@ -274,7 +315,7 @@ class ParamShards:
     @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _pre_backward(self, units: list[Unit]) -> None:
         for u in units:
-            if not u.held or u.buf is None:
+            if not u.held or not u.live:
                 self._use(u)
             u.held = True
 
@@ -310,16 +351,18 @@ class ParamShards:
             a, b, pa = u.piece
             x, y = max(pa, lo), min(pa + b - a, hi)
             if x < y:
-                params[x - lo : y - lo].copy_(u.buf[a - u.lo + x - pa : a - u.lo + y - pa])
+                src = u.kept if u.kept is not None else u.buf
+                params[x - lo : y - lo].copy_(src[a - u.lo + x - pa : a - u.lo + y - pa])
 
     @contextlib.contextmanager
     def gathered(self, write: bool = False) -> Iterator[None]:
         """Every unit gathered inside the block (e.g. to save or evaluate the model), freed after. With write=True
         what the block wrote into the parameters is kept: each rank stores its shard of them (every rank must
-        have written the same values)."""
-        for u in self.units:
-            self.gather(u)
-            u.users += 1
+        have written the same values). The parameters alias buffers of their own (each its own storage), so what the
+        block takes from them (a state_dict) stays valid after it; a unit in use by forward/backward stays as is."""
+        kept = [u for u in self.units if u.kept is None]
+        for u in kept:
+            self._keep(u)
         try:
             yield
             if write and self.offload == "nvme":
@@ -327,16 +370,15 @@ class ParamShards:
             elif write:
                 for u in self.units:
                     a, b, pa = u.piece
-                    dst, src = self.shard[pa : pa + b - a], u.buf[a - u.lo : b - u.lo]
+                    full = u.kept if u.kept is not None else u.buf
+                    dst, src = self.shard[pa : pa + b - a], full[a - u.lo : b - u.lo]
                     if self.offload is not None:
                         self.transport.wait(self.transport.d2h(dst, src))
                     else:
                         dst.copy_(src)
         finally:
-            for u in self.units:
-                u.users -= 1
-                if u.users == 0 and not u.held:
-                    self.free(u)
+            for u in kept:
+                self._unkeep(u)
 
 
 def units_of(module: torch.nn.Module, trainable: list[torch.Tensor]) -> tuple[list[list[torch.Tensor]], Uses]:
