@@ -291,6 +291,18 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             shards.swapper = self.update.swapper
         self._own_update_transport = update_transport is not self.transport
 
+    def register_external_parameter(self, module: torch.nn.Module, param: torch.Tensor) -> None:
+        """Stage 3: `module`'s forward reads `param`, a parameter of another module (e.g. a parent reading a child's
+        weight, `F.linear(h, self.emb.weight)`): gather it around `module` too. Without this such a read finds an
+        empty tensor. A no-op at stages 1 and 2."""
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if not isinstance(param, torch.Tensor) or param not in self._index:
+            raise ValueError("param must be one of this optimizer's trainable parameters")
+        self._check_alive()
+        if self.shards is not None:
+            self.shards.use(module, [self.shards.unit_of[param]])
+
     def _publish_flat(self) -> None:
         """ZeRO-1/2: every rank's partition to every rank; autograd must refuse graphs that saved the old values."""
         self.comm.all_gather_flat(self.flat, self.part_lo, self.part_hi)

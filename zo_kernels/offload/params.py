@@ -130,11 +130,18 @@ class ParamShards:
 
     def attach(self) -> None:
         """Register the module hooks: from now on units are gathered around their modules' forward and backward."""
+        self.uses: dict[torch.nn.Module, list[Unit]] = {}
         for module, idx in self.modules:
-            units = [self.units[i] for i in idx]
-            self.hooks.append(module.register_forward_pre_hook(lambda m, a, units=units: self._pre_forward(units)))
-            self.hooks.append(module.register_forward_hook(lambda m, a, out, units=units: self._post_forward(units,
-                                                                                                             out)))
+            self.use(module, [self.units[i] for i in idx])
+
+    def use(self, module: torch.nn.Module, units: list[Unit]) -> None:
+        """`module`'s forward (and backward) needs these units gathered (besides the ones it needed already)."""
+        if module in self.uses:
+            self.uses[module] += [u for u in units if u not in self.uses[module]]
+            return
+        self.uses[module] = units = list(units)
+        self.hooks.append(module.register_forward_pre_hook(lambda m, a, units=units: self._pre_forward(units)))
+        self.hooks.append(module.register_forward_hook(lambda m, a, out, units=units: self._post_forward(units, out)))
 
     def detach(self) -> None:
         """Remove the hooks; every parameter gathered again, on the device, for good (close())."""
