@@ -206,6 +206,33 @@ def test_peak_device_memory_of_a_step():
     opt.close()
 
 
+@pytest.mark.parametrize("stage", ["1", "3", "3+cpu"])
+def test_stages_on_cuda_bitwise_equal_stage_2(stage):
+    """One GPU: stage 1, 3 and 3 with the shards in pinned host memory give stage 2's masters and losses bit for bit
+    (the same values through other buffers); stage 3's device memory after a step holds no gathered unit."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    results = {}
+    for s in ("2", stage):
+        model = make_model(seed=0).to(DEV)
+        kw = {"stage": int(s[0]), **({"offload_param": "cpu"} if s.endswith("+cpu") else {})}
+        opt = zk.ZeroOffloadAdamW(model, lr=2e-3, weight_decay=0.01, bucket_numel=100_000, **kw)
+        losses = []
+        for step in make_data(4, batch=4, seed=2):
+            x = step[0].to(DEV)
+            loss = model(x[:, :-1], x[:, 1:])
+            losses.append(loss.item())
+            opt.backward(loss)
+            opt.step()
+        if s.startswith("3"):
+            torch.cuda.synchronize()
+            assert opt.device_bytes.now == opt.memory_report().device_bytes, "a gathered unit outlived the step"
+        sd = opt.state_dict()
+        results[s] = (losses, torch.cat([sd["state"][i]["master"].reshape(-1) for i in range(len(sd["state"]))]))
+        opt.close()
+    assert results[stage][0] == results["2"][0], "losses differ"
+    assert torch.equal(results[stage][1], results["2"][1]), "masters differ"
+
+
 def _rss() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
