@@ -385,3 +385,63 @@ def test_save_and_load_checkpoint_at_stage3(tmp_path) -> None:
         assert torch.equal(st["master"].to(torch.bfloat16), saved[names[i]]), f"{names[i]}: master not refreshed"
     assert all(torch.equal(v, saved[k]) for k, v in _snapshot(model3, opt3).items())
     opt3.close()
+
+
+def test_state_dict_and_savers_see_whole_parameters_at_stage3(tmp_path) -> None:
+    """model.state_dict(), safetensors' save_model and HF save_pretrained at stage 3 (one rank) save what stage 2
+    saves, bit for bit, and leave the parameters empty again; taken between forward and backward, the saved
+    tensors stay valid after backward releases the gathered storage."""
+    pytest.importorskip("transformers")
+    from clients_util import MODELS, lm_loss, token_batches
+    from safetensors.torch import load_file, save_model
+    from transformers import AutoModelForCausalLM
+
+    saved = {}
+    for stage in (2, 3):
+        model = MODELS["gpt2"](0)
+        opt = zk.ZeroOffloadAdamW(model, lr=3e-3, dtype=torch.bfloat16, stage=stage)
+        ids = token_batches(1)[0]
+        lm_loss(model, ids).backward()
+        opt.step()
+        loss = lm_loss(model, ids)
+        mid = {k: v for k, v in model.state_dict().items()}  # between forward and backward
+        loss.backward()
+        opt.zero_grad()
+        save_model(model, str(tmp_path / f"s{stage}.safetensors"))
+        model.save_pretrained(tmp_path / f"hf{stage}")
+        saved[stage] = ({k: v.clone() for k, v in mid.items()}, load_file(str(tmp_path / f"s{stage}.safetensors")),
+                        AutoModelForCausalLM.from_pretrained(tmp_path / f"hf{stage}").state_dict())  # fmt: skip
+        if stage == 3:
+            assert all(p.numel() == 0 for p in model.parameters()), "state_dict left parameters gathered"
+        opt.close()
+    for what, a, b in zip(("state_dict", "safetensors", "save_pretrained"), saved[3], saved[2]):
+        assert sorted(a) == sorted(b), what
+        assert all(torch.equal(a[k], b[k]) for k in b), f"{what} differs at stage 3"
+
+
+def _state_dict_rank(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = FeatureNet(37)
+        opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3, collective_timeout_s=30.0)
+        msg = "no error"
+        if rank == 0:  # e.g. a saver that runs on rank 0 only
+            try:
+                model.state_dict()
+            except RuntimeError as e:
+                msg = str(e)
+        with opt.gathered():  # every rank: whole
+            whole = all(p.numel() > 0 for p in model.parameters()) and len(model.state_dict()) == 6
+        with open(os.path.join(out, f"{rank}.txt"), "w") as f:
+            f.write(f"{msg}|{whole}")
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_state_dict_on_one_of_two_ranks_is_refused_clearly(tmp_path) -> None:
+    mp.spawn(_state_dict_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    msg, whole = (tmp_path / "0.txt").read_text().split("|")
+    assert "inside `with opt.gathered():` on every rank" in msg and whole == "True"
+    assert (tmp_path / "1.txt").read_text() == "no error|True"

@@ -215,7 +215,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.grads.attach()
         else:  # autograd's accumulators record their param's shape when made: make them while gathered
             self.grads.attach(self.shards.accumulators())
-            self.shards.attach()
+            self.shards.attach(module)
         for p in trainable:
             p._zo_owner = weakref.ref(self)
 

@@ -106,6 +106,8 @@ class ParamShards:
         self.pos = 0  # uses since the last backward pass ended
         self.hooks: list[Any] = []
         self.detached = False  # close(): every unit stays gathered for good
+        self._saving: list[Unit] = []  # units kept for a state_dict() in progress
+        self._in_root_save = False  # the model's own state_dict() is running
 
     # ------------------------------------------------------------------ construction
 
@@ -128,11 +130,15 @@ class ParamShards:
             self.free(u)
         return out
 
-    def attach(self) -> None:
-        """Register the module hooks: from now on units are gathered around their modules' forward and backward."""
+    def attach(self, root: torch.nn.Module) -> None:
+        """Register the module hooks: from now on units are gathered around their modules' forward and backward.
+        `root`: the model; a root.state_dict() keeps the units it gathers until it ends (tied parameters stay one
+        tensor)."""
         self.uses: dict[torch.nn.Module, list[Unit]] = {}
         for module, idx in self.modules:
             self.use(module, [self.units[i] for i in idx])
+        self.hooks.append(root.register_state_dict_pre_hook(lambda *a: setattr(self, "_in_root_save", True)))
+        self.hooks.append(root.register_state_dict_post_hook(lambda *a: self._release_saved(root_done=True)))
 
     def use(self, module: torch.nn.Module, units: list[Unit]) -> None:
         """`module`'s forward (and backward) needs these units gathered (besides the ones it needed already)."""
@@ -142,6 +148,10 @@ class ParamShards:
         self.uses[module] = units = list(units)
         self.hooks.append(module.register_forward_pre_hook(lambda m, a, units=units: self._pre_forward(units)))
         self.hooks.append(module.register_forward_hook(lambda m, a, out, units=units: self._post_forward(units, out)))
+        # module.state_dict() (save_pretrained, safetensors, Trainer) sees whole parameters
+        self.hooks.append(module.register_state_dict_pre_hook(lambda m, *a, units=units: self._keep_for_save(units)))
+        self.hooks.append(module.register_state_dict_post_hook(
+            lambda m, sd, prefix, *a, units=units: self._after_save(m, sd, prefix, units)))
 
     def detach(self) -> None:
         """Remove the hooks; every parameter gathered again, on the device, for good (close())."""
@@ -259,6 +269,41 @@ class ParamShards:
         self._wait(u, self._fill(u, u.kept))
         for p in u.params:
             p.data = alias(u.kept, self.layout.offset[p] - u.lo, self._numel[p], self._shape[p])
+
+    def _keep_for_save(self, units: list[Unit]) -> None:
+        """Before module.state_dict(): its units gathered into buffers of their own (one rank); with several ranks
+        that would be a collective inside a call often made on one rank only: refused unless already whole."""
+        missing = [u for u in units if u.kept is None and any(p.numel() == 0 for p in u.params)]
+        if not missing:
+            return
+        if self.comm.world > 1:
+            self._release_saved(root_done=True)  # (the root's post-hook will not run)
+            raise RuntimeError("ZeRO-3 with several ranks: the parameters are partitioned, so state_dict() would be a "
+                               "collective; call it inside `with opt.gathered():` on every rank (or use "
+                               "zo_kernels.save_checkpoint, which does)")  # fmt: skip
+        for u in missing:
+            if u.live:  # prefetched, not yet in use: wait, and read it as forward would
+                self._finish(u)
+            else:
+                self._keep(u)
+                self._saving.append(u)
+
+    def _after_save(self, module: torch.nn.Module, sd: dict, prefix: str, units: list[Unit]) -> None:
+        """After module.state_dict(): what it holds is copied out of storage that forward/backward will release,
+        and the buffers kept for it are let go (the tensors in `sd` keep theirs alive)."""
+        for name, p in module.named_parameters(recurse=False):
+            u, t = self.unit_of.get(p), sd.get(prefix + name)
+            if u is not None and u.live and isinstance(t, torch.Tensor) and t.numel():
+                sd[prefix + name] = t.clone()
+        if not self._in_root_save:  # a submodule's own state_dict() call
+            self._release_saved()
+
+    def _release_saved(self, root_done: bool = False) -> None:
+        if root_done:
+            self._in_root_save = False
+        for u in self._saving:
+            self._unkeep(u)
+        self._saving = []
 
     def _unkeep(self, u: Unit) -> None:
         if u.kept is None or self.detached:  # (close() inside a gathered() block: the model stays whole)
