@@ -108,6 +108,7 @@ class ParamShards:
         self.detached = False  # close(): every unit stays gathered for good
         self._saving: list[Unit] = []  # units kept for a state_dict() in progress
         self._in_root_save = False  # the model's own state_dict() is running
+        self._loading: list[Unit] = []  # units kept for a load_state_dict() in progress
 
     # ------------------------------------------------------------------ construction
 
@@ -139,6 +140,9 @@ class ParamShards:
             self.use(module, [self.units[i] for i in idx])
         self.hooks.append(root.register_state_dict_pre_hook(lambda *a: setattr(self, "_in_root_save", True)))
         self.hooks.append(root.register_state_dict_post_hook(lambda *a: self._release_saved(root_done=True)))
+        # root.load_state_dict(): the units whole while it copies, then each rank's shard of them kept
+        self.hooks.append(root.register_load_state_dict_pre_hook(lambda *a: self._keep_for_load()))
+        self.hooks.append(root.register_load_state_dict_post_hook(lambda *a: self._store_loaded()))
 
     def use(self, module: torch.nn.Module, units: list[Unit]) -> None:
         """`module`'s forward (and backward) needs these units gathered (besides the ones it needed already)."""
@@ -298,6 +302,34 @@ class ParamShards:
         if not self._in_root_save:  # a submodule's own state_dict() call
             self._release_saved()
 
+    def _keep_for_load(self) -> None:
+        """Before model.load_state_dict(): every unit whole (a collective with several ranks: all load)."""
+        self._loading = [u for u in self.units if u.kept is None and not any(p.numel() for p in u.params)]
+        for u in self._loading:
+            self._keep(u)
+
+    def _store_loaded(self) -> None:
+        """After model.load_state_dict(): what it wrote becomes the shards (the masters follow with the optimizer's
+        load_state_dict or refresh_masters_from_model, as at stage 2)."""
+        loading, self._loading = self._loading, []
+        self._write_back(loading)
+        for u in loading:
+            self._unkeep(u)
+
+    def _write_back(self, units: list[Unit]) -> None:
+        """Each rank's piece of these units' whole parameters into its shard (every rank holds the same values)."""
+        if self.offload == "nvme":
+            self.swapper.stream(self._put_params)
+            return
+        for u in units:
+            a, b, pa = u.piece
+            full = u.kept if u.kept is not None else u.buf
+            dst, src = self.shard[pa : pa + b - a], full[a - u.lo : b - u.lo]
+            if self.offload is not None:
+                self.transport.wait(self.transport.d2h(dst, src))
+            else:
+                dst.copy_(src)
+
     def _release_saved(self, root_done: bool = False) -> None:
         if root_done:
             self._in_root_save = False
@@ -402,8 +434,8 @@ class ParamShards:
         for u in self.units:
             a, b, pa = u.piece
             x, y = max(pa, lo), min(pa + b - a, hi)
-            if x < y:
-                src = u.kept if u.kept is not None else u.buf
+            src = u.kept if u.kept is not None else u.buf if u.live else None
+            if x < y and src is not None:  # (a unit not gathered keeps what the file holds)
                 params[x - lo : y - lo].copy_(src[a - u.lo + x - pa : a - u.lo + y - pa])
 
     @contextlib.contextmanager
@@ -417,17 +449,8 @@ class ParamShards:
             self._keep(u)
         try:
             yield
-            if write and self.offload == "nvme":
-                self.swapper.stream(self._put_params)
-            elif write:
-                for u in self.units:
-                    a, b, pa = u.piece
-                    full = u.kept if u.kept is not None else u.buf
-                    dst, src = self.shard[pa : pa + b - a], full[a - u.lo : b - u.lo]
-                    if self.offload is not None:
-                        self.transport.wait(self.transport.d2h(dst, src))
-                    else:
-                        dst.copy_(src)
+            if write:
+                self._write_back(self.units)
         finally:
             for u in kept:
                 self._unkeep(u)
