@@ -183,7 +183,8 @@ def _ckpt_rank(rank: int, port: int, stage: int, path: str, mode: str) -> None:
         sd = opt.state_dict()
         if rank == 0:
             torch.save(sd, path + f".{mode}.out")
-        opt.close()
+        opt.close()  # (a collective at stage 3: the model is gathered back whole)
+        dist.barrier()  # neither rank tears gloo down while the other still talks
     finally:
         dist.destroy_process_group()
 
@@ -294,6 +295,7 @@ def _diverge_rank(rank: int, port: int, out: str) -> None:
             msg = str(e)
         with open(os.path.join(out, f"{rank}.txt"), "w") as f:
             f.write(msg)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -436,6 +438,7 @@ def _state_dict_rank(rank: int, port: int, out: str) -> None:
         with open(os.path.join(out, f"{rank}.txt"), "w") as f:
             f.write(f"{msg}|{whole}")
         opt.close()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -515,7 +515,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         return report.measure(self)
 
     def close(self) -> None:
-        """Finish a pending update, remove the hooks, stop the background worker; using it afterwards raises."""
+        """Finish a pending update, remove the hooks, stop the background worker; using it afterwards raises.
+        At stage 3 the model gets its parameters back whole (with several ranks a collective: all ranks close)."""
         if self._closed:
             return
         self.update.finish_pending(write=True)
