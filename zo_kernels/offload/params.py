@@ -88,8 +88,6 @@ class ParamShards:
             ps = [p for p in layout.flat_order if lo <= layout.offset[p] < hi]
             self.units.append(Unit(i, ps, lo, hi, layout.pieces[comm.rank][i]))
         self.unit_of = {p: u for u in self.units for p in u.params}
-        self._shape = {p: p.shape for p in layout.params}  # between uses a param is empty: its true shape
-        self._numel = {p: p.numel() for p in layout.params}
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.shard: torch.Tensor | None = None
         self.swapper: Any = None  # offload="nvme": the NvmeSwapper whose parameters' file holds the shard
@@ -261,7 +259,8 @@ class ParamShards:
         for p in u.params:
             if p.numel() == 0:
                 off = self.layout.offset[p] - u.lo
-                p.data = u.buf[off : off + self._numel[p]].view(self._shape[p])
+                shape = self.layout.shape[p]  # (between uses a param is empty: the layout keeps its shape)
+                p.data = u.buf[off : off + shape.numel()].view(shape)
 
     def _keep(self, u: Unit) -> None:
         """u gathered into a buffer of its own that its parameters alias (each its own storage, as at stage 2):
@@ -272,7 +271,8 @@ class ParamShards:
         self.counter.add(u.kept.numel() * self.elem)
         self._wait(u, self._fill(u, u.kept))
         for p in u.params:
-            p.data = alias(u.kept, self.layout.offset[p] - u.lo, self._numel[p], self._shape[p])
+            shape = self.layout.shape[p]
+            p.data = alias(u.kept, self.layout.offset[p] - u.lo, shape.numel(), shape)
 
     def _keep_for_save(self, units: list[Unit]) -> None:
         """Before module.state_dict(): its units gathered into buffers of their own (one rank); with several ranks
