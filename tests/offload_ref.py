@@ -39,7 +39,7 @@ class Reference:
 
     def __init__(self, model, opt_cls, dtype=torch.bfloat16, groups=None, loss_scale=None, max_grad_norm=None,
                  delay_update_after=None, **opt_kw):  # fmt: skip
-        self.master = copy.deepcopy(model)
+        self.master = copy.deepcopy(model).cpu()  # fp32 masters on the host (CPUAdam takes host tensors only)
         self.work = copy.deepcopy(model).to(dtype)
         params = groups(self.master) if groups else self.master.parameters()
         self.opt = opt_cls(params, **opt_kw)
@@ -72,6 +72,7 @@ class Reference:
                 self.good = 0
             return total
         for pm, a in zip(self.master.parameters(), acc):
+            a = a.cpu()
             pm.grad = a / self.scale if self.scale != 1.0 else a
         if self.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(list(self.master.parameters()), float("inf")).item()
