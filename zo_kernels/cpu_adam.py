@@ -5,12 +5,14 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
 
 from . import _cpu
+from .optim_contract import TORCH_OPTIONS, check_torch_options, run_load_pre_hooks, split_names
 
 ISAS = ("scalar", "avx2", "avx512")
 ISA_ENV = "ZO_KERNELS_ISA"  # forces one variant ("scalar", "avx2", "avx512"), e.g. to test all three here
@@ -247,16 +249,18 @@ def plan_adam_step(
     out_dtype: torch.dtype | None = None,
     threads: int | None = None,
     isa: str | None = None,
+    maximize: bool = False,
 ) -> AdamPlan:
     """Check every argument of a cpu_adam_step call (raising before anything is touched) and return its plan."""
     return _plan(param, grad, exp_avg, exp_avg_sq, None, step=step, lr=lr, betas=betas, eps=eps,
                  weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction, grad_scale=grad_scale,
-                 out_dtype=out_dtype, threads=threads, isa=isa)  # fmt: skip
+                 out_dtype=out_dtype, threads=threads, isa=isa, maximize=maximize)  # fmt: skip
 
 
 def _plan(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_out: Any, *, step: Any, lr: Any, betas: Any,
           eps: Any, weight_decay: Any, adamw: bool, bias_correction: bool, grad_scale: Any,
-          out_dtype: torch.dtype | None, threads: int | None, isa: str | None) -> AdamPlan:  # fmt: skip
+          out_dtype: torch.dtype | None, threads: int | None, isa: str | None,
+          maximize: bool = False) -> AdamPlan:  # fmt: skip
     """plan_adam_step, also checking `param_out` (whose dtype then is the output dtype) with the other tensors."""
     n = _check_adam_tensors(param, grad, exp_avg, exp_avg_sq, param_out)
     if param_out is not None:
@@ -275,6 +279,10 @@ def _plan(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_out: Any, 
     grad_scale = _real(grad_scale, "grad_scale")
     if grad_scale < 0:
         raise ValueError(f"grad_scale must be >= 0, got {grad_scale}")
+    if not isinstance(maximize, bool):
+        raise TypeError(f"maximize must be a bool, got {type(maximize).__name__}")
+    if maximize:  # torch's maximize descends on -grad (before the L2 term): the kernel's first multiply negates it
+        grad_scale = -grad_scale
     threads = _check_threads(threads)
     isa = best_isa() if isa is None else _check_isa(isa)
     if out_dtype is not None and out_dtype not in _DTYPE_CODE:
@@ -303,14 +311,16 @@ def cpu_adam_step(
     isa: str | None = None,
     tile_numel: int | None = None,
     sink: Callable[[int, int], None] | None = None,
+    maximize: bool = False,
 ) -> None:
     """One Adam/AdamW step in a single pass over memory, in place; optionally emits the new param in 16 bits.
 
-    `grad` (fp32/fp16/bf16) is multiplied by `grad_scale` first. With `sink`, the tensor is processed in
-    tiles of `tile_numel` elements and `sink(start, end)` is called after each tile is final (its
-    `param_out` slice included), so the caller can copy tile t while tile t+1 is computed. `sink` may be a
-    Python callable or a TileSink (`copy_tile_sink`, `Transport.tile_sink`, checked against this step): then the
-    whole tile loop, sink calls included, runs in C++ without the GIL. Every argument is checked first.
+    `grad` (fp32/fp16/bf16) is multiplied by `grad_scale` first (by -grad_scale with `maximize`, as torch's).
+    With `sink`, the tensor is processed in tiles of `tile_numel` elements and `sink(start, end)` is called
+    after each tile is final (its `param_out` slice included), so the caller can copy tile t while tile t+1 is
+    computed. `sink` may be a Python callable or a TileSink (`copy_tile_sink`, `Transport.tile_sink`, checked
+    against this step): then the whole tile loop, sink calls included, runs in C++ without the GIL. Every
+    argument is checked first.
 
     Interruption: the update is not transactional. If it fails after it started writing (a sink raised, a C
     sink failed, Ctrl-C between tiles), the exception carries `updated = (0, k)` (and a note saying so):
@@ -320,7 +330,7 @@ def cpu_adam_step(
     plan = _plan(
         param, grad, exp_avg, exp_avg_sq, param_out, step=step, lr=lr, betas=betas, eps=eps,
         weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction, grad_scale=grad_scale,
-        out_dtype=None, threads=threads, isa=isa,
+        out_dtype=None, threads=threads, isa=isa, maximize=maximize,
     )  # fmt: skip
     c_sink = isinstance(sink, TileSink)
     if sink is not None and (not callable(sink) or type(sink).__name__ == "PyCapsule") and not c_sink:
@@ -462,16 +472,21 @@ class CPUAdam(torch.optim.Optimizer):
     """Adam/AdamW over fp32 CPU parameters, one fused pass per parameter, drop-in for torch.optim.AdamW.
 
     State keys match torch.optim.Adam/AdamW (`step`, `exp_avg`, `exp_avg_sq`), so state dicts move
-    between the two in both directions.
+    between the two in both directions. Each group also carries torch's `decoupled_weight_decay` (= `adamw`).
+    Loading a state dict keeps the algorithm, as torch's classes do: with adamw=True it stays AdamW (as
+    torch.optim.AdamW), with adamw=False it follows the saved `decoupled_weight_decay` (as torch.optim.Adam).
 
     Args:
-        params: iterable of fp32 CPU tensors or param-group dicts.
+        params: iterable of fp32 CPU tensors, (name, tensor) pairs (`model.named_parameters()`) or param-group dicts.
         lr: learning rate.
         betas: coefficients of the running averages of the gradient and its square.
         eps: added to the denominator.
         weight_decay: decoupled (AdamW) when `adamw`, else L2 added to the gradient (Adam).
         adamw: decoupled weight decay as torch.optim.AdamW; False gives torch.optim.Adam.
         bias_correction: divide by 1 - beta^step as torch does; False skips it.
+        maximize: ascend, as torch's maximize (the gradient is negated).
+        amsgrad, foreach, fused, capturable, differentiable: torch's options, accepted at their defaults (and
+            False); True is refused with the reason (see zo_kernels.optim_contract).
     """
 
     def __init__(
@@ -483,28 +498,111 @@ class CPUAdam(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         adamw: bool = True,
         bias_correction: bool = True,
+        *,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
         check_hparams(lr, betas, eps, weight_decay)
+        options = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused, capturable=capturable,
+                       differentiable=differentiable)  # fmt: skip
+        options = check_torch_options(options, "CPUAdam")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=bool(adamw),
-                        bias_correction=bool(bias_correction))  # fmt: skip
+                        bias_correction=bool(bias_correction), **options,
+                        decoupled_weight_decay=bool(adamw))  # fmt: skip
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group, checking its tensors (fp32, CPU, contiguous) and hyper-parameters first."""
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise TypeError("param_group must be a dict with a 'params' key")
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for i, p in enumerate(params):
+        tensors, _ = split_names(params, "param group")
+        for i, p in enumerate(tensors):
             _check_tensor(p, f"params[{i}]", (torch.float32,), None)
         merged = {**self.defaults, **param_group}
         check_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
-        super().add_param_group(param_group)
+        check_torch_options(merged, "param group")
+        group = {**param_group, "params": params}
+        if "adamw" in param_group or "decoupled_weight_decay" in param_group:  # one algorithm, two names
+            adamw = param_group.get("adamw", param_group.get("decoupled_weight_decay"))
+            if param_group.get("decoupled_weight_decay", adamw) != adamw:
+                raise ValueError("param group: adamw and decoupled_weight_decay differ (they name one choice)")
+            group["adamw"] = group["decoupled_weight_decay"] = bool(adamw)
+        super().add_param_group(group)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        for group in self.param_groups:  # a group loaded from torch.optim.Adam/AdamW lacks our keys
-            if "adamw" not in group:
-                group["adamw"] = bool(group.get("decoupled_weight_decay", self.defaults["adamw"]))
+        adamw = self.defaults["adamw"]
+        for group in self.param_groups:  # a loaded group (ours, or torch.optim.Adam/AdamW's): keep the algorithm
+            if adamw:  # AdamW, as torch.optim.AdamW: decoupled whatever the saved group said
+                decoupled = True
+            else:  # Adam, as torch.optim.Adam: the saved group's choice
+                decoupled = bool(group.get("decoupled_weight_decay", group.get("adamw", False)))
+            group["adamw"] = group["decoupled_weight_decay"] = decoupled
             group.setdefault("bias_correction", self.defaults["bias_correction"])
+            for key, default in TORCH_OPTIONS.items():
+                group.setdefault(key, default)
+            for p in group["params"]:  # an older torch's float step, as torch.optim.Adam converts it
+                st = self.state.get(p)
+                if st and "step" in st and not torch.is_tensor(st["step"]):
+                    st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load_state_dict, after checking that the (pre-hooked) dict is an Adam/AdamW state for these
+        params: a state dict of another optimizer (SGD...) is refused before anything changes."""
+        state_dict = run_load_pre_hooks(self, state_dict)
+        self._check_state_dict(state_dict)
+        hooks, self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_pre_hooks, OrderedDict()
+        try:  # the pre-hooks ran above, once
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = hooks
+
+    def _check_state_dict(self, state_dict: Any) -> None:
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        groups, state = state_dict.get("param_groups"), state_dict.get("state")
+        if not isinstance(groups, list) or not isinstance(state, dict):
+            raise ValueError("state_dict must have 'param_groups' (a list) and 'state' (a dict)")
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
+        for gi, (saved, group) in enumerate(zip(groups, self.param_groups)):
+            where = f"state_dict param group {gi}"
+            if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+                raise ValueError(f"{where} must be a dict with a 'params' list")
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"{where} has {len(saved['params'])} params, this optimizer's {len(group['params'])}")
+            missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in saved]
+            if missing:
+                raise ValueError(f"{where} has no {missing} (not an Adam/AdamW state dict?)")
+            check_hparams(saved["lr"], saved["betas"], saved["eps"], saved["weight_decay"])
+            check_torch_options(saved, where)
+            for i, p in zip(saved["params"], group["params"]):
+                st = state.get(i)
+                if st is None:
+                    continue
+                if not isinstance(st, dict):
+                    raise ValueError(f"state_dict state {i!r} must be a dict, got {type(st).__name__}")
+                for key in ("step", "exp_avg", "exp_avg_sq"):
+                    if key not in st:
+                        raise ValueError(f"state_dict state {i!r} has no {key!r} (keys {sorted(st)}): not an "
+                                         "Adam/AdamW state dict?")  # fmt: skip
+                for key in ("exp_avg", "exp_avg_sq"):
+                    t = st[key]
+                    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                        raise TypeError(f"state_dict state {i!r} {key!r} must be a floating-point tensor")
+                    if tuple(t.shape) != tuple(p.shape):
+                        raise ValueError(f"state_dict state {i!r} {key!r} has shape {tuple(t.shape)}, its param "
+                                         f"{tuple(p.shape)}")  # fmt: skip
+                step = st["step"]
+                step = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+                if isinstance(step, bool) or not isinstance(step, (int, float)) or step < 0 or step != int(step):
+                    raise ValueError(f"state_dict state {i!r} 'step' must be a whole number >= 0, got {step!r}")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -515,9 +613,7 @@ class CPUAdam(torch.optim.Optimizer):
                 loss = closure()
         work = []
         for gi, group in enumerate(self.param_groups):  # check everything first: a bad group changes nothing
-            for key in ("amsgrad", "maximize"):
-                if group.get(key):
-                    raise ValueError(f"CPUAdam does not implement {key}=True (found in param group {gi})")
+            check_torch_options(group, f"param group {gi}")
             check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
@@ -538,7 +634,7 @@ class CPUAdam(torch.optim.Optimizer):
             cpu_adam_step(
                 p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], step=int(state["step"].item()) + 1,
                 lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                adamw=group["adamw"], bias_correction=group["bias_correction"],
+                adamw=group["adamw"], bias_correction=group["bias_correction"], maximize=bool(group.get("maximize")),
             )  # fmt: skip
             state["step"] += 1
         return loss

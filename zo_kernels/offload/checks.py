@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ..optim_contract import check_torch_options, split_names
 from ..scratch import check_dir
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -26,7 +27,8 @@ def check_int(x: Any, name: str, minimum: int, required: bool = False) -> int | 
 
 
 def check_params(params: Any) -> list[dict[str, Any]]:
-    """`params` as param-group dicts, each parameter a distinct dense floating-point leaf tensor."""
+    """`params` as param-group dicts, each parameter a distinct dense floating-point leaf tensor; (name, tensor)
+    pairs (`model.named_parameters()`) give the group torch's `param_names`; torch's AdamW options checked."""
     if isinstance(params, torch.Tensor):
         raise TypeError("params must be an iterable of tensors or dicts, got a single tensor")
     groups = list(params)
@@ -41,6 +43,8 @@ def check_params(params: Any) -> list[dict[str, Any]]:
             raise TypeError(f"param group {gi} must be a dict with a 'params' key")
         ps = g["params"]
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        ps, names = split_names(ps, f"param group {gi}")
+        check_torch_options(g, f"param group {gi}")
         for pi, p in enumerate(ps):
             where = f"param group {gi} param {pi}"
             if not isinstance(p, torch.Tensor):
@@ -54,7 +58,9 @@ def check_params(params: Any) -> list[dict[str, Any]]:
             if id(p) in seen:
                 raise ValueError(f"{where} appears more than once in params")
             seen.add(id(p))
-        out.append({**g, "params": ps})
+        out.append({**g, "params": ps, **({"param_names": names} if names is not None else {})})
+    if len({"param_names" in g for g in out}) > 1:
+        raise ValueError("all optimizer param groups should be with/without names (param_names)")
     return out
 
 

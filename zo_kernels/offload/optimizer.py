@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..cpu_adam import _check_threads, _real, bump_version, check_hparams
+from ..optim_contract import check_torch_options, run_load_post_hooks, run_load_pre_hooks, state_dict_with_hooks
 from ..param_views import alias, is_alias_of
 from ..transport import HostTransport, Transport, default_transport
 from . import report, state
@@ -36,6 +37,15 @@ from .scaler import LossScaler
 from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S, HostUpdate
 
 DEFAULT_BUCKET_NUMEL = 1 << 24  # 32 MiB of bf16 gradients per bucket (two buckets live on the device)
+
+
+def _trainable_only(group: dict[str, Any]) -> dict[str, Any]:
+    """The group with its frozen params (and their names) left out: the optimizer keeps only what it trains."""
+    keep = [i for i, p in enumerate(group["params"]) if p.requires_grad]
+    out = {**group, "params": [group["params"][i] for i in keep]}
+    if "param_names" in group:
+        out["param_names"] = [group["param_names"][i] for i in keep]
+    return out
 
 
 def _from(part: str, name: str, doc: str) -> property:
@@ -114,6 +124,15 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             through a pinned block; 16-bit dtype, no DPU).
         prefetch: stage 3: how many units (modules' parameters) to gather ahead of use, in the order recorded on
             the first iteration (0: none).
+        maximize: ascend, as torch's maximize (the kernel negates the gradient).
+        amsgrad, foreach, fused, capturable, differentiable: torch.optim.AdamW's options, accepted at their defaults
+            (and False) so that code written for torch runs; True is refused with the reason.
+
+    The torch.optim contract: named parameters (`model.named_parameters()`) give the groups `param_names`;
+    state-dict hooks run as torch's; `opt.state[p]` is a snapshot (copies) of this rank's part of p's state
+    (`step`, `exp_avg`, `exp_avg_sq`, `master`; p's shape with one rank, this rank's elements of p flat with
+    several); the param groups are fixed at construction (add_param_group and an edited param_groups list are
+    refused); it cannot be deep-copied or pickled (it owns the model's storage): save and load its state dict.
     """
 
     def __init__(
@@ -141,6 +160,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         stage: int = 2,
         offload_param: str | None = None,
         prefetch: int = 1,
+        maximize: bool = False,
+        amsgrad: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
         # Every argument is checked before anything (the model included) is modified.
         if isinstance(params, torch.nn.Module):
@@ -150,6 +175,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module or None, got {type(module).__name__}")
         check_hparams(lr, betas, eps, weight_decay)
+        options = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused, capturable=capturable,
+                       differentiable=differentiable)  # fmt: skip
+        options = check_torch_options(options, "ZeroOffloadAdamW")
         if dtype not in DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
         self.scaler = LossScaler(loss_scale)
@@ -180,8 +208,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if module is not None:
             followers += [p for p in module.parameters() if id(p) not in is_trainable] + list(module.buffers())
 
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__([{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in groups], defaults)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **options,
+                        decoupled_weight_decay=True)  # fmt: skip
+        super().__init__([_trainable_only(g) for g in groups], defaults)
         for group in self.param_groups:
             check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
@@ -218,6 +247,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.shards.attach(module)
         for p in trainable:
             p._zo_owner = weakref.ref(self)
+        self._group_params = [list(g["params"]) for g in self.param_groups]  # what the layout was built from
 
     # ------------------------------------------------------------------ construction
 
@@ -408,8 +438,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             raise RuntimeError("step() was called during backward")
         self.grads.check_untouched()
         self.grads.check_connected()
-        for group in self.param_groups:
+        self._check_groups()
+        for gi, group in enumerate(self.param_groups):
             check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            check_torch_options(group, f"param group {gi}")
         self.grads.close_pass()  # the last backward ran entirely inside nested (reentrant) backwards
         self.grads.drop_cleared()
         if self.max_grad_norm is not None and any(f != 1.0 for f in self.grads.factor):
@@ -441,8 +473,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.update.steps[i] += g
         self._set_group_steps()
         # the hyper-parameters as they are now: a scheduler may change them before a background update runs
-        hparams = [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
-                   for g in self.param_groups]  # fmt: skip
+        hparams = [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"],
+                        maximize=bool(g.get("maximize"))) for g in self.param_groups]  # fmt: skip
         if delayed:
             self.update.start(c.grad, grad_scale, runs, hparams)
         else:
@@ -468,6 +500,35 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._check_open()
         self._check_usable()
 
+    def _check_groups(self) -> None:
+        """The param groups must be those the flat layout was built from (torch's code may edit the list)."""
+        groups = self.param_groups
+        if len(groups) != len(self._group_params) or any(
+                len(g["params"]) != len(ps) or any(a is not b for a, b in zip(g["params"], ps))
+                for g, ps in zip(groups, self._group_params)):  # fmt: skip
+            raise RuntimeError(f"param_groups was changed after construction ({len(groups)} groups of "
+                               f"{[len(g['params']) for g in groups]} params, built with "
+                               f"{[len(ps) for ps in self._group_params]}): ZeroOffloadAdamW lays its parameters out "
+                               "once; build a new optimizer over all of them")  # fmt: skip
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise TypeError("ZeroOffloadAdamW cannot be copied: it owns the model's parameter storage, threads and "
+                        "files; save opt.state_dict() and load it into a new ZeroOffloadAdamW")  # fmt: skip
+
+    def __getstate__(self) -> None:
+        raise TypeError("ZeroOffloadAdamW cannot be pickled or copied: it owns the model's parameter storage, "
+                        "threads and files; save opt.state_dict() (or zo_kernels.save_checkpoint) instead")  # fmt: skip
+
+    @property
+    def state(self) -> state.StateView:  # type: ignore[override]
+        """torch's per-parameter view, read-only: opt.state[p] is a snapshot of this rank's part of p's state."""
+        return state.StateView(self)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if value:  # torch's Optimizer.__init__ assigns an empty dict; the state lives in the host update
+            raise AttributeError("ZeroOffloadAdamW.state is read-only: use load_state_dict()")
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this ZeroOffloadAdamW was closed: build a new one to go on training")
@@ -481,7 +542,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     @torch.compiler.disable  # a compiled train step calls it eagerly: it runs hooks, copies, threads
     def state_dict(self) -> dict[str, Any]:
         """torch.optim layout, world-size independent: per param step/exp_avg/exp_avg_sq/master (fp32, CPU)."""
-        return state.state_dict(self)
+        return state_dict_with_hooks(self, lambda: state.state_dict(self))
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> list[tuple[int, torch.Tensor, dict, int]]:
         """Check a state dict against this optimizer (groups, counts, shapes, values); change nothing.
@@ -503,7 +564,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         A state saved between a delayed update and its writeback restores that writeback as pending (the
         device parameters are then the model's, as saved with it: use zo_kernels.load_checkpoint).
         """
-        state.load_state_dict(self, state_dict)
+        state.load_state_dict(self, run_load_pre_hooks(self, state_dict))
+        run_load_post_hooks(self)
 
     @torch.no_grad()
     def refresh_masters_from_model(self) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..cpu_adam import _real, check_hparams
+from ..optim_contract import TORCH_OPTIONS, check_torch_options
 from .checks import check_int
 
 if TYPE_CHECKING:
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
 def state_dict(opt: ZeroOffloadAdamW) -> dict[str, Any]:
     """torch.optim layout, world-size independent: per param step/exp_avg/exp_avg_sq/master (fp32, CPU)."""
     opt._check_alive()
+    opt._check_groups()
     opt.update.finish_pending(write=False)
     keys = ("master", "exp_avg", "exp_avg_sq")
     lay = opt.layout
@@ -71,6 +74,7 @@ def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[
                              f"this optimizer {len(group['params'])}")  # fmt: skip
         check_hparams(saved.get("lr", group["lr"]), saved.get("betas", group["betas"]),
                       saved.get("eps", group["eps"]), saved.get("weight_decay", group["weight_decay"]))  # fmt: skip
+        check_torch_options(saved, f"state_dict param group {gi}")
         if "step" in saved:
             _check_step(saved["step"], f"param group {gi}: 'step'")
         for i, p in zip(saved["params"], group["params"]):
@@ -109,6 +113,7 @@ def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[
 def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
     """Load a state dict of ZeroOffloadAdamW (any world size) or of torch.optim.AdamW (see its docstring)."""
     opt._check_alive()
+    opt._check_groups()
     if opt.grads.n_micro or opt.grads.in_backward:
         raise RuntimeError("load_state_dict() between backward and step(): call step() or zero_grad() first")
     plan = check_state_dict(opt, state_dict)
@@ -117,6 +122,9 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
         for key, value in saved.items():
             if key != "params":
                 group[key] = tuple(value) if key == "betas" else value
+        group["decoupled_weight_decay"] = True  # an AdamW whatever it loads, as torch.optim.AdamW (Adam's is False)
+        for key, default in TORCH_OPTIONS.items():
+            group.setdefault(key, default)
     opt.update.steps = [0] * len(opt.layout.params)
     master, exp_avg, exp_avg_sq = opt.update.state()
     exp_avg.zero_()
@@ -148,3 +156,32 @@ def _check_step(x: Any, name: str) -> int:
     if not (x == int(x) and 0 <= x <= 2**53):
         raise ValueError(f"{name} must be a whole number in [0, 2**53], got {x!r}")
     return int(x)
+
+
+class StateView(Mapping):
+    """torch's `opt.state`, read-only: state[p] is a snapshot (copies) of this rank's part of p's state: `step`,
+    `exp_avg`, `exp_avg_sq`, `master` (fp32, CPU); p's shape on one rank, this rank's elements of p (flat, maybe
+    none) on several. Each read copies (with NVMe, reads the files): tools read it between steps."""
+
+    def __init__(self, opt: ZeroOffloadAdamW) -> None:
+        self._opt = opt
+
+    def __getitem__(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        opt = self._opt
+        if not isinstance(p, torch.Tensor) or p not in opt.layout.index:
+            raise KeyError(p)
+        opt._check_alive()
+        opt.update.finish_pending(write=False)
+        a, b = opt.layout.part_range(p)
+        outs = tuple(torch.empty(max(0, b - a), dtype=torch.float32) for _ in range(3))
+        opt.update.copy_state([(a, b, outs)])
+        if opt.world == 1:
+            outs = tuple(t.view(opt.layout.shape[p]) for t in outs)
+        step = torch.tensor(float(opt.update.steps[opt.layout.index[p]]))
+        return {"step": step, "exp_avg": outs[1], "exp_avg_sq": outs[2], "master": outs[0]}
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._opt.layout.params)
+
+    def __len__(self) -> int:
+        return len(self._opt.layout.params)
