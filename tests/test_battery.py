@@ -650,6 +650,13 @@ _writeback("step-0", ValueError, "step", lambda kw, ts: kw.update(step=0))
 _writeback("lr-1e39", ValueError, "lr", lambda kw, ts: kw.update(lr=1e39))
 _writeback("threads-huge", ValueError, "threads", lambda kw, ts: kw.update(threads=2**40))
 
+
+@case("writeback-transport-none", TypeError, "transport")  # issue 19: it wrote, then raised AttributeError
+def _():
+    p, g, m, v = pgmv(20)
+    dst, st = torch.zeros(20, dtype=torch.bfloat16), Staging(torch.zeros(20, dtype=torch.bfloat16), 5)
+    return lambda: tiled_writeback(None, p, g, m, v, dst=dst, staging=st, step=1, lr=1e-3), [p, g, m, v, dst, st.buf]
+
 _PAIR = {}
 
 
@@ -881,6 +888,13 @@ _dashboard_case("nan-time", json.dumps(_nan_run), "min")
 _dashboard_case("neg-time", json.dumps({"benchmarks": [{"group": "g", "stats": {"min": -1.0}}]}), "min")
 _dashboard_case("datetime-int", json.dumps({"datetime": 5, "benchmarks": [{"group": "g", "stats": {"min": 1.0}}]}),
                 "datetime")
+# issue 19: these raised AttributeError
+_dashboard_case("machine-zo-int", json.dumps({"machine_info": {"zo": 3},
+                                              "benchmarks": [{"group": "g", "stats": {"min": 1.0}}]}), "zo")
+_dashboard_case("machine-cpu-int", json.dumps({"machine_info": {"cpu": 3},
+                                               "benchmarks": [{"group": "g", "stats": {"min": 1.0}}]}), "cpu")
+_dashboard_case("provider-int", json.dumps({"benchmarks": [{"group": "g", "stats": {"min": 1.0},
+                                                            "extra_info": {"provider": 3}}]}), "provider")
 
 
 @case("cli-dashboard-output-missing-dir", CliExit, "--output")
@@ -939,6 +953,10 @@ for _name, _kw, _exc, _arg, _owner in [
     ("offload-param-nvme-dpu", dict(offload_param="nvme", offload_optimizer="nvme", nvme_dir=".",
                                     delay_update_after=1), ValueError, "offload_param", None),
     ("prefetch-float", dict(prefetch=1.0), TypeError, "prefetch", None),
+    ("threads-0-dpu", dict(threads=0, delay_update_after=0), ValueError, "threads", None),
+    ("amsgrad", dict(amsgrad=True), ValueError, "amsgrad", None),
+    ("fused", dict(fused=True), ValueError, "fused", None),
+    ("maximize-str", dict(maximize="yes"), TypeError, "maximize", None),
 ]:
 
     @case(f"zo-{_name}", _exc, _arg, _owner)
@@ -1037,6 +1055,29 @@ _zo_load("step-str", (ValueError, TypeError), "step", lambda sd: sd["param_group
 _zo_load("no-good-steps", ValueError, "good_steps",
          lambda sd: sd["zero_offload"].pop("good_steps"))
 _zo_load("state-shape", ValueError, "exp_avg", lambda sd: sd["state"][0].update(exp_avg=torch.zeros(2, 2)), owner=None)
+_zo_load("amsgrad", ValueError, "amsgrad", lambda sd: sd["param_groups"][0].update(amsgrad=True))  # issue 19
+
+
+@case("cpuadam-load-sgd-state", ValueError, "state_dict")  # issue 19: it wrote, then raised KeyError
+def _():
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = zk.CPUAdam([p])
+    p.grad = torch.ones(3)
+    opt.step()
+    q = torch.nn.Parameter(torch.randn(3))
+    sgd = torch.optim.SGD([q], lr=0.1, momentum=0.9)
+    q.grad = torch.ones(3)
+    sgd.step()
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+    def call():
+        try:
+            opt.load_state_dict(sgd.state_dict())
+        finally:
+            if [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] != groups:
+                raise Wrong("load_state_dict changed the param groups before refusing")
+
+    return call, [p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]]
 
 
 @case("zo-nonscalar-loss", ValueError, "loss")

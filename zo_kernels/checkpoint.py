@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import os
+import socket
 import tempfile
 import warnings
 from collections import OrderedDict
@@ -126,6 +129,50 @@ def _whole(model: torch.nn.Module, optimizer: Any, write: bool = False) -> Any:
     return stack
 
 
+def _temp_prefix(path: Path) -> str:
+    """The name of save_checkpoint's temporary files for `path` start with this: the writer's host and pid."""
+    return f".{path.name}.{socket.gethostname()}.{os.getpid()}."
+
+
+def _writer_dead(name: str, path: Path) -> bool:
+    """Whether the temporary file `name` of `path` was left by a process of this host that no longer runs."""
+    head = f".{path.name}.{socket.gethostname()}."
+    if not (name.startswith(head) and name.endswith(".tmp")):
+        return False
+    pid = name[len(head) :].split(".", 1)[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
+def reclaim_temp_files(path: Path) -> list[Path]:
+    """Remove the temporary files of `path` that a killed save_checkpoint (SIGKILL, power loss of a process)
+    left beside it: those of this host whose writer is gone (a live writer's are kept). Returns what it removed."""
+    removed = []
+    for entry in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        if _writer_dead(entry.name, path):
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
+
+
+def _disk_full(e: BaseException) -> bool:
+    """An exception of a write that ran out of space (torch's writer reports it as a failed 'unexpected pos')."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(e, RuntimeError) and ("unexpected pos" in str(e) or "No space left" in str(e)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     **extra: Any) -> None:  # fmt: skip
     """Write model, optimizer state and `extra` (plain values) to `path`, atomically.
@@ -134,8 +181,10 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     with a TypeError naming it, before a file is written.
     The file is written to a temporary file in the same directory, flushed and fsync'ed, then renamed over
     `path` (and the directory fsync'ed): a crash at any moment leaves either the previous checkpoint or the
-    new one, never a torn file. The optimizer state is world-size independent; with a ZeroOffloadAdamW on
-    several ranks this is a collective (every rank calls it) and rank 0 writes.
+    new one, never a torn file; the temporary files of a killed save are removed by the next save or load of
+    `path`. A full disk raises OSError(ENOSPC) saying that the last checkpoint is intact. The optimizer state
+    is world-size independent; with a ZeroOffloadAdamW on several ranks this is a collective (every rank calls
+    it) and rank 0 writes.
     """
     path = _check_objects(path, model, optimizer)
     if not path.parent.is_dir():
@@ -149,15 +198,20 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     _check_loadable(payload["model"], "model state")
     _check_loadable(payload["optimizer"], "optimizer state")
     if _rank(optimizer) == 0:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        reclaim_temp_files(path)
+        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(payload, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as e:
             Path(tmp).unlink(missing_ok=True)
+            if _disk_full(e):
+                last = f"the last checkpoint {path} is intact" if path.exists() else f"{path} was not written"
+                raise OSError(errno.ENOSPC, f"no space left on the device of {path.parent} while writing a "
+                              f"checkpoint: {last} (the partial file was removed)") from e
             raise
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -178,6 +232,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     never stale) and a warning says so (the bits below the weights' dtype are lost; moments stay as they are).
     """
     path = _check_objects(path, model, optimizer)
+    if path.parent.is_dir():
+        reclaim_temp_files(path)
     if not path.is_file():
         raise FileNotFoundError(f"path: no checkpoint at {path}")
     try:

@@ -28,6 +28,10 @@ def load_run(path: Path) -> dict:
     for key, kind in (("datetime", str), ("machine_info", dict)):
         if key in data and not isinstance(data[key], kind):
             raise ValueError(f"{path}: {key} must be a {kind.__name__}, got {type(data[key]).__name__}")
+    for key, kind in (("zo", dict), ("cpu", dict)):
+        value = data.get("machine_info", {}).get(key)
+        if value is not None and not isinstance(value, kind):
+            raise ValueError(f"{path}: machine_info.{key} must be a {kind.__name__}, got {type(value).__name__}")
     for i, b in enumerate(data["benchmarks"]):
         where = f"{path}: benchmarks[{i}]"
         if not isinstance(b, dict):
@@ -35,6 +39,9 @@ def load_run(path: Path) -> dict:
         for key, kind in (("stats", dict), ("extra_info", dict), ("group", str), ("name", str)):
             if b.get(key) is not None and not isinstance(b[key], kind):
                 raise ValueError(f"{where}.{key} must be a {kind.__name__}, got {type(b[key]).__name__}")
+        provider = (b.get("extra_info") or {}).get("provider")
+        if provider is not None and not isinstance(provider, str):
+            raise ValueError(f"{where}.extra_info.provider must be a str, got {type(provider).__name__}")
         numbers = [("stats", k, (b.get("stats") or {}).get(k)) for k in ("min", "median")]
         numbers += [("extra_info", k, (b.get("extra_info") or {}).get(k)) for k in ("numel", "bytes")]
         for part, key, v in numbers:

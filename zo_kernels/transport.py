@@ -571,6 +571,8 @@ def tiled_writeback(
     of the copies (the caller makes the compute stream wait on them before the next forward). `adam` goes to
     `plan_adam_step` (step, lr, betas, eps, weight_decay, adamw, bias_correction, grad_scale, threads, isa).
     """
+    if not isinstance(transport, Transport):  # checked first: nothing is written before a bad argument is seen
+        raise TypeError(f"transport must be a zo_kernels Transport, got {type(transport).__name__}")
     if not isinstance(dst, torch.Tensor) or dst.dtype not in _FLOATS:
         raise TypeError("dst must be an fp32/fp16/bf16 tensor on the device")
     if not dst.is_contiguous():
