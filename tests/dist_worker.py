@@ -47,9 +47,10 @@ def train(rank: int, world: int, steps: range, dtype, resume: str | None, save: 
         opt.step()
         losses.append(loss.item())
     sd = opt.state_dict()  # a collective: every rank calls it
+    view = [opt.state[p] for p in model.parameters()]  # this rank's part of each parameter's state (no collective)
     if save:
         zk.save_checkpoint(save, model, opt, world=world)  # a collective too; rank 0 writes
-    torch.save({"state": sd, "part": opt.master.numel(), "losses": losses, "flat_numel": opt.flat_numel,
+    torch.save({"state": sd, "view": view, "part": opt.master.numel(), "losses": losses, "flat_numel": opt.flat_numel,
                 "model": {k: v.clone() for k, v in model.state_dict().items()}}, f"{out}.{rank}")  # fmt: skip
     opt.close()
 

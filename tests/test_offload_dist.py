@@ -45,6 +45,11 @@ def test_two_ranks_train_like_one(tmp_path):
     assert (m1 - m2).norm() <= 1e-3 * (m1 - init_flat()).norm()
     for a, b in zip(two[0]["model"].values(), two[1]["model"].values()):
         assert torch.equal(a, b), "device params identical on all ranks after the all-gather"
+    # opt.state[p] on each rank: its own elements of p (rank 0's first); together the gathered state (issue 19)
+    for i, (v0, v1) in enumerate(zip(two[0]["view"], two[1]["view"])):
+        for k in ("exp_avg", "exp_avg_sq", "master"):
+            assert torch.equal(torch.cat([v0[k], v1[k]]), two[0]["state"]["state"][i][k].reshape(-1))
+        assert v0["step"].item() == v1["step"].item() == two[0]["state"]["state"][i]["step"].item()
 
 
 @pytest.mark.parametrize("save_world, resume_world", [(2, 1), (1, 2)])

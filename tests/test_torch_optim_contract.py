@@ -507,3 +507,28 @@ def test_add_param_group(kind):
     assert len(opt.param_groups[1]["params"]) == 2  # a generator is read once, not consumed by the check
     with pytest.raises(ValueError, match="amsgrad"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "amsgrad": True})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tensor_lr(kind):
+    """torch's test_tensor_lr (CPU, foreach=False): a 0-dim tensor lr, changed in place by a scheduler."""
+    m, ref = model(), model()
+    opt = make(kind, m.parameters(), lr=torch.tensor(0.01))
+    topt = torch.optim.AdamW(ref.parameters(), lr=torch.tensor(0.01), foreach=False)
+    S = torch.optim.lr_scheduler
+    train(m, opt, 3, S.StepLR(opt, step_size=1, gamma=0.5))
+    train(ref, topt, 3, S.StepLR(topt, step_size=1, gamma=0.5))
+    close(m, ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_grad_set_to_none_false(kind):
+    """zero_grad(set_to_none=False): the next step still updates every param (decay, moments), as torch's."""
+    m, ref = model(), model()
+    opt, topt = make(kind, m.parameters(), weight_decay=0.1), torch.optim.AdamW(ref.parameters(), weight_decay=0.1)
+    for mm, o in ((m, opt), (ref, topt)):
+        train(mm, o, 1)
+        mm(torch.randn(2, 5)).sum().backward()
+        o.zero_grad(set_to_none=False)
+        o.step()
+    close(m, ref)
