@@ -532,3 +532,20 @@ def test_zero_grad_set_to_none_false(kind):
         o.zero_grad(set_to_none=False)
         o.step()
     close(m, ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("option", ["foreach", "fused"])
+def test_state_of_torchs_other_implementations_loads(kind, option):
+    """A torch AdamW state saved with foreach=True or fused=True is the same algorithm's: it loads, and the loading
+    optimizer keeps its own implementation options."""
+    m, ref = model(), model()
+    topt = torch.optim.AdamW(ref.parameters(), **{option: True})
+    train(ref, topt, 2)
+    m.load_state_dict(ref.state_dict())
+    opt = make(kind, m.parameters())  # after the weights: ZeroOffloadAdamW's masters are theirs
+    opt.load_state_dict(copy.deepcopy(topt.state_dict()))
+    assert opt.param_groups[0][option] is None
+    train(m, opt, 2, seed=3)
+    train(ref, topt, 2, seed=3)
+    close(m, ref)

@@ -12,7 +12,13 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _cpu
-from .optim_contract import TORCH_OPTIONS, check_torch_options, run_load_pre_hooks, split_names
+from .optim_contract import (
+    TORCH_OPTIONS,
+    check_torch_options,
+    keep_implementation,
+    run_load_pre_hooks,
+    split_names,
+)
 
 ISAS = ("scalar", "avx2", "avx512")
 ISA_ENV = "ZO_KERNELS_ISA"  # forces one variant ("scalar", "avx2", "avx512"), e.g. to test all three here
@@ -557,6 +563,8 @@ class CPUAdam(torch.optim.Optimizer):
         params: a state dict of another optimizer (SGD...) is refused before anything changes."""
         state_dict = run_load_pre_hooks(self, state_dict)
         self._check_state_dict(state_dict)
+        state_dict = {**state_dict, "param_groups": [keep_implementation(saved, group) for saved, group in
+                                                     zip(state_dict["param_groups"], self.param_groups)]}  # fmt: skip
         hooks, self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_pre_hooks, OrderedDict()
         try:  # the pre-hooks ran above, once
             super().load_state_dict(state_dict)
@@ -581,7 +589,7 @@ class CPUAdam(torch.optim.Optimizer):
             if missing:
                 raise ValueError(f"{where} has no {missing} (not an Adam/AdamW state dict?)")
             check_hparams(saved["lr"], saved["betas"], saved["eps"], saved["weight_decay"])
-            check_torch_options(saved, where)
+            check_torch_options(saved, where, loaded=True)
             for i, p in zip(saved["params"], group["params"]):
                 st = state.get(i)
                 if st is None:

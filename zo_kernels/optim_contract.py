@@ -14,6 +14,9 @@ import torch
 # an algorithm this kernel does not have: the default value (and False) is accepted, True refused by name.
 TORCH_OPTIONS = {"amsgrad": False, "maximize": False, "foreach": None, "fused": None, "capturable": False,
                  "differentiable": False}  # fmt: skip
+# Which implementation of the same algorithm torch ran: a state dict saved with any of them loads (the loading
+# optimizer keeps its own values).
+IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 _REFUSED_WHY = {
     "amsgrad": "the fused CPU kernel keeps no max_exp_avg_sq state; use torch.optim.AdamW(amsgrad=True)",
     "foreach": "the update is one fused C++ pass over each parameter, never torch's foreach kernels",
@@ -23,11 +26,12 @@ _REFUSED_WHY = {
 }
 
 
-def check_torch_options(options: dict[str, Any], where: str) -> dict[str, Any]:
-    """torch's AdamW options found in `options` (a group, a state dict's group, keyword arguments), checked."""
+def check_torch_options(options: dict[str, Any], where: str, loaded: bool = False) -> dict[str, Any]:
+    """torch's AdamW options found in `options` (a group, keyword arguments; with `loaded`, a saved group, whose
+    implementation options are not ours to check), checked."""
     out = {}
     for key, default in TORCH_OPTIONS.items():
-        if key not in options:
+        if key not in options or (loaded and key in IMPLEMENTATION):
             continue
         value = options[key]
         if value is not None and not isinstance(value, bool):
@@ -41,6 +45,11 @@ def check_torch_options(options: dict[str, Any], where: str) -> dict[str, Any]:
         raise TypeError(f"{where}: decoupled_weight_decay must be a bool, "
                         f"got {type(options['decoupled_weight_decay']).__name__}")  # fmt: skip
     return out
+
+
+def keep_implementation(saved: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:
+    """A saved group to load into `group`: the implementation options stay the loading optimizer's."""
+    return {**saved, **{k: group[k] for k in IMPLEMENTATION if k in group}}
 
 
 def split_names(params: list[Any], where: str) -> tuple[list[Any], list[str] | None]:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..cpu_adam import _real, check_hparams
-from ..optim_contract import TORCH_OPTIONS, check_torch_options
+from ..optim_contract import TORCH_OPTIONS, check_torch_options, keep_implementation
 from .checks import check_int
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[
                              f"this optimizer {len(group['params'])}")  # fmt: skip
         check_hparams(saved.get("lr", group["lr"]), saved.get("betas", group["betas"]),
                       saved.get("eps", group["eps"]), saved.get("weight_decay", group["weight_decay"]))  # fmt: skip
-        check_torch_options(saved, f"state_dict param group {gi}")
+        check_torch_options(saved, f"state_dict param group {gi}", loaded=True)
         if "step" in saved:
             _check_step(saved["step"], f"param group {gi}: 'step'")
         for i, p in zip(saved["params"], group["params"]):
@@ -119,7 +119,7 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
     plan = check_state_dict(opt, state_dict)
     opt.update.finish_pending(write=False)
     for saved, group in zip(state_dict["param_groups"], opt.param_groups):
-        for key, value in saved.items():
+        for key, value in keep_implementation(saved, group).items():
             if key != "params":
                 group[key] = tuple(value) if key == "betas" else value
         group["decoupled_weight_decay"] = True  # an AdamW whatever it loads, as torch.optim.AdamW (Adam's is False)
@@ -179,6 +179,9 @@ class StateView(Mapping):
             outs = tuple(t.view(opt.layout.shape[p]) for t in outs)
         step = torch.tensor(float(opt.update.steps[opt.layout.index[p]]))
         return {"step": step, "exp_avg": outs[1], "exp_avg_sq": outs[2], "master": outs[0]}
+
+    def __contains__(self, p: object) -> bool:
+        return isinstance(p, torch.Tensor) and p in self._opt.layout.index
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self._opt.layout.params)
