@@ -323,6 +323,7 @@ def test_sigkill_during_save_never_corrupts_the_checkpoint(tmp_path):
     rng = random.Random(1)
     model = make_model()
     opt = zk.ZeroOffloadAdamW(model.parameters(), lr=1e-3)
+    landed = 0
     for trial in range(20):
         r, w = os.pipe()
         pid = os.fork()
@@ -341,16 +342,16 @@ def test_sigkill_during_save_never_corrupts_the_checkpoint(tmp_path):
         os.waitpid(pid, 0)
         os.close(r)
         done = [int(x) for x in reports.split()]
-        extra = zk.load_checkpoint(path, model, opt)  # must load intact
+        # a kill during a save leaves its temporary file behind: proof that saves were really interrupted
+        landed += any(f.endswith(".tmp") for f in os.listdir(tmp_path))
+        extra = zk.load_checkpoint(path, model, opt)  # must load intact (and removes the killed save's temp file)
         assert extra["counter"] >= done[-1], f"trial {trial}: lost a completed save"
         for p in model.parameters():
             assert torch.all(p == float(extra["counter"] % 200)), f"trial {trial}: torn checkpoint"
         assert torch.all(opt.master[: opt.numel] == float(extra["counter"] % 200))
-    leftovers = [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
-    assert set(os.listdir(tmp_path)) - set(leftovers) == {"ckpt.pt"}
-    # a kill during a save leaves its temporary file behind: proof that saves were really interrupted
-    print(f"{len(leftovers)} of 20 kills landed mid-save")
-    assert len(leftovers) >= 5, f"only {len(leftovers)} of 20 kills landed mid-save"
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+    print(f"{landed} of 20 kills landed mid-save")
+    assert landed >= 5, f"only {landed} of 20 kills landed mid-save"
 
 
 @pytest.mark.parametrize("kw", [dict(dtype=torch.float16, loss_scale="dynamic"), dict(delay_update_after=3)],
