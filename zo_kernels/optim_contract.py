@@ -34,7 +34,7 @@ def check_torch_options(options: dict[str, Any], where: str, loaded: bool = Fals
         if key not in options or (loaded and key in IMPLEMENTATION):
             continue
         value = options[key]
-        if value is not None and not isinstance(value, bool):
+        if not (isinstance(value, bool) or (value is None and default is None)):
             raise TypeError(f"{where}: {key} must be a bool{' or None' if default is None else ''}, "
                             f"got {type(value).__name__}")  # fmt: skip
         if value and key in _REFUSED_WHY:
