@@ -25,7 +25,7 @@ def test_help_shows_defaults_and_units(capsys, command):
         "demo": ["--steps STEPS training steps (default: 400)", "--batch SEQUENCES", "--context TOKENS",
                  "(default: 0.003)", "--model-size PARAMS", "--stage {1,2,3}", "--offload-param {none,cpu}"],
         "plan": ["--gpu-mem SIZE", "(default: 32GiB)", "GB = 1e9 bytes, GiB = 2^30", "--units {GB,TB,GiB,TiB}",
-                 "--layer-params COUNT", "(default: 1GiB)"],
+                 "--layer-params COUNT", "(default: 1GiB)", "--accumulation", "--dpu"],
         "bench": ["--sizes COUNT[,COUNT...]", "(default: 1e7)", "-o FILE.json"],
         "dashboard": ["RUN.json", "(default: report.html)"],
     }[command]  # fmt: skip

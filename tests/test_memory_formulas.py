@@ -172,3 +172,24 @@ def test_device_bytes_prints_readably():
     text = repr(opt.device_bytes)
     assert text.startswith("DeviceBytes(now=") and "MiB" in text and "peak=" in text and " at 0x" not in text
     opt.close()
+
+
+@pytest.mark.parametrize("stage, row", [(2, "ZeRO-2 + offload"), (3, "ZeRO-3 + offload")])
+@pytest.mark.parametrize("accumulation", [False, True])
+@pytest.mark.parametrize("dpu", [False, True])
+def test_the_planner_counts_what_the_optimizer_holds_on_a_gpu(stage, row, accumulation, dpu):
+    """The planner's offload rows (one GPU) equal the host formula of the optimizer in the GPU-shaped mode, with
+    and without accumulation and DPU (before: the planner printed 16 B/param whatever the setting)."""
+    from zo_kernels.planner import plan
+
+    model = make_model()
+    transport = CopyEngineTransport()
+    kw = dict(stage=3, offload_param="cpu") if stage == 3 else {}
+    opt = zk.ZeroOffloadAdamW(model, transport=transport, delay_update_after=1 if dpu else None, **kw, **LR)
+    train(opt, model, 3 if dpu else 1, 2 if accumulation else 1)
+    p = opt.part
+    expected = plan(p, 1, "80GiB", "1TiB", accumulation=accumulation, dpu=dpu).row(row).host
+    assert opt.memory_report().formula_host == pytest.approx(expected, rel=1e-12), str(opt.memory_report())
+    assert held_bytes(opt) - opt.memory_report().device_bytes == pytest.approx(expected, rel=1e-12)
+    opt.close()
+    transport.close()

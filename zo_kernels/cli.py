@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--io-pool", default="1GiB", metavar="SIZE", help="host I/O buffers per GPU of the NVMe rows")
     pl.add_argument("--units", choices=UNITS, default="GB",
                     help="the table's unit (the working set is printed in GB or GiB alike)")  # fmt: skip
+    pl.add_argument("--accumulation", action="store_true",
+                    help="gradient accumulation: the offload rows' host holds an fp32 accumulator (4 B/param / N)")
+    pl.add_argument("--dpu", action="store_true",
+                    help="the delayed parameter update: a second gradient landing buffer on the host (2 B/param / N)")
     pl.add_argument("--max", action="store_true", help="also print the largest model each strategy can train")
 
     b = sub.add_parser("bench", help="run the pytest-benchmark suites and write their JSON", **fmt)
@@ -168,7 +172,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
     try:
         p = plan(a.params, gpus, a.gpu_mem, a.host_mem, k=k, activations=a.activations, workspace=a.workspace,
                  reserve=reserve, bucket_bytes=a.buckets, gpus_per_host=per_host, nvme=a.nvme,
-                 layer_params=a.layer_params, prefetch=prefetch, io_pool=a.io_pool)  # fmt: skip
+                 layer_params=a.layer_params, prefetch=prefetch, io_pool=a.io_pool, accumulation=a.accumulation,
+                 dpu=a.dpu)  # fmt: skip
     except ValueError as e:
         raise UsageError(re.sub(r"^\w+", lambda m: PLAN_OPTIONS.get(m[0], m[0]), str(e))) from None
     print(format_plan(p, show_max=a.max, unit=a.units))

@@ -237,7 +237,7 @@ def report(out: TextIO, zo: Run, ref: Run, phi: int, args: Any) -> None:
     out.write(f"\nzo step phases (mean per step, of {step_ms:.1f} ms):\n")
     for k, ms in phase_ms(zo).items():
         out.write(f"  {k:<26}{ms:8.2f} ms  {ms / step_ms:6.1%}\n")
-    p = plan(phi, 1, "80GiB", "768GiB", bucket_bytes=0)
+    p = plan(phi, 1, "80GiB", "768GiB", bucket_bytes=0, dpu=args.delay_update_after is not None)
     stage, offload = getattr(args, "stage", 2), getattr(args, "offload_param", "none")
     row = "ZeRO-3 + offload" if stage == 3 else "ZeRO-2 + offload"
     off, ddp = p.row(row), p.row("DDP")

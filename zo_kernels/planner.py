@@ -160,6 +160,20 @@ def _per_param(strategy: str, k: float, n: int) -> tuple[float, float, float]:
     }[strategy]
 
 
+def _host_extra(strategy: str, n: int, accumulation: bool, dpu: bool) -> float:
+    """Host bytes per parameter that ZeroOffloadAdamW adds to an offload row (docs/design.md, "Memory model"): with
+    gradient accumulation an fp32 accumulator per landing buffer (4/N, two under DPU); under DPU a second g16
+    landing buffer (2/N) and, where the writeback has no staging of its own (ZeRO-3 + offload), a p16 staging
+    buffer (2/N). zo Infinity refuses DPU; the paper's ZeRO-Inf rows keep gradients on NVMe."""
+    if strategy not in ("ZeRO-2 + offload", "ZeRO-3 + offload", "zo Infinity"):
+        return 0.0
+    dpu = dpu and strategy != "zo Infinity"
+    extra = (4 / n) * (2 if dpu else 1) if accumulation else 0.0
+    if dpu:
+        extra += 2 / n + (2 / n if strategy == "ZeRO-3 + offload" else 0.0)
+    return extra
+
+
 def working_set_per_layer_param(prefetch: int) -> float:
     """Stage-3 GPU bytes per parameter of the largest layer: 2 (1 + prefetch) gathered p16 + 2 of its g16.
 
@@ -198,13 +212,16 @@ def plan(
     layer_params: float | str | None = None,
     prefetch: int = 1,
     io_pool: float | str = "1GiB",
+    accumulation: bool = False,
+    dpu: bool = False,
 ) -> Plan:
     """Bytes per device for each strategy, whether it fits, and the largest trainable model per strategy.
 
     Defaults: activations 4 GiB and workspace 1 GiB per GPU, 5% of GPU memory lost to fragmentation, two
     32 MiB gradient buckets; all GPUs on one host unless `gpus_per_host` says otherwise; no NVMe; the largest
     gathered layer params / 32 unless `layer_params` gives it (then `max_params` keeps that layer); one layer
-    prefetched; a 1 GiB host I/O pool per GPU for the NVMe rows.
+    prefetched; a 1 GiB host I/O pool per GPU for the NVMe rows. `accumulation` (several backward passes per step)
+    and `dpu` (the delayed parameter update) add the host buffers ZeroOffloadAdamW then holds (`_host_extra`).
     """
     params = parse_count(params, "params")
     _int_at_least(gpus, "gpus", 1)
@@ -234,6 +251,7 @@ def plan(
     w = working_set_per_layer_param(prefetch)
     for s in STRATEGIES:
         g, h, v = _per_param(s, p.k, gpus)
+        h += _host_extra(s, gpus, accumulation, dpu)
         ws = w * p.layer if s in STAGE3 else 0.0
         fixed = p.bucket_bytes if s == "ZeRO-2 + offload" or s in STAGE3 else 0.0
         pool = p.io_pool if s in NVME_ROWS else 0.0
