@@ -82,3 +82,14 @@ def test_zero_infinity_table_1_from_the_command_line(capsys):
     assert re.search(r"working set 9\.77 GiB per GPU", out), out
     row = next(line for line in out.splitlines() if line.startswith("ZeRO-Infinity"))
     assert row.split()[-2:] == ["TiB", "yes"] and "18.31 TiB" in row, row
+
+
+def test_demo_memory_lines_under_dpu_follow_the_buffers(capsys):
+    """Before: the demo printed "no 2 B staging" beside 18 B/param under DPU."""
+    code, out, _ = run(capsys, "demo", "--steps", "4", "--model-size", "1e5", "--batch", "2", "--context", "16",
+                       "--dtype", "bf16", "--delay-update-after", "1", "--quiet")  # fmt: skip
+    assert code == 0
+    assert "no 2 B staging" not in out
+    host = next(line for line in out.splitlines() if line.strip().startswith("host"))
+    assert "host  18.00 B = 12.00 (p32, m, v) + 4.00 (gradient landing x2, DPU) + 2.00 (p16 staging)" in host, host
+    assert "planner, ZeRO-2 + offload on a GPU: device 2 + buckets, host 18" in out
