@@ -44,7 +44,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             tr.write_line(f"  {name:<16}{t * 1e3:>11.2f}{gbps:>9}{rel:>12}{of_ceil:>12}{extra:>15}")
             for key, v in b.extra_info.items():  # ratios a suite measured itself (e.g. stages: each vs stage 2)
                 if key.startswith("ratio "):
-                    tr.write_line(f"    {key[6:]:<30}{v:>8.2f}x")
+                    tr.write_line(f"    {key[6:]:<44}{v:>6.2f}x")
         for name, b in by_provider.items():
             bar = b.extra_info.get("bar")
             ref = by_provider.get(bar.get("vs"), base) if bar else None
