@@ -36,12 +36,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         tr.write_line(f"  {'provider':<16}{head}")
         for name, b in by_provider.items():
             t = b.stats.min
-            gbps = b.extra_info.get("bytes", 0) / t / 1e9
+            gbps = f"{b.extra_info['bytes'] / t / 1e9:.1f}" if b.extra_info.get("bytes") else "-"
             rel = f"{t / base.stats.min:.2f}x" if base is not None else "-"
             of_ceil = f"{ceil.stats.min / t:.0%}" if ceil is not None else "-"
             extra, n = b.extra_info.get("peak_extra_bytes"), b.extra_info.get("numel")
             extra = f"{extra / n:.2f}" if extra is not None and n else "-"
-            tr.write_line(f"  {name:<16}{t * 1e3:>11.2f}{gbps:>9.1f}{rel:>12}{of_ceil:>12}{extra:>15}")
+            tr.write_line(f"  {name:<16}{t * 1e3:>11.2f}{gbps:>9}{rel:>12}{of_ceil:>12}{extra:>15}")
+            for key, v in b.extra_info.items():  # ratios a suite measured itself (e.g. stages: each vs stage 2)
+                if key.startswith("ratio "):
+                    tr.write_line(f"    {key[6:]:<44}{v:>6.2f}x")
         for name, b in by_provider.items():
             bar = b.extra_info.get("bar")
             ref = by_provider.get(bar.get("vs"), base) if bar else None

@@ -82,6 +82,9 @@ limited 120 240 "triton kernels -> cubin sm_80/90" env -u TRITON_INTERPRET "$py"
 limited 240 150 "tests: GPU and CUDA" "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/tests.xml" \
   tests/test_gpu.py tests/test_transport.py tests/test_buckets.py tests/test_gpu_shaped.py || status=1
 grep -E "passed|failed|error" "$log" | grep -E "^[0-9=]" | tail -4 >>"$summary"
+# --- README examples marked "# needs a GPU" (tests/readme_blocks.py; the CPU ones run in the default pytest) ---
+limited 120 120 "README: the GPU examples" "$py" tests/readme_blocks.py --gpu || status=1
+# --- end of the README examples ---
 bench() { # bench CAP RESERVE NAME JSON FILE [pytest args]: one benchmark suite into OUTDIR/JSON
   local cap="$1" reserve="$2" name="$3" json="$out/$4"
   shift 4

@@ -92,8 +92,8 @@ def test_a_trillion_parameters_fit_one_dgx2_node_only_with_nvme():
         assert not p.row("ZeRO-2 + offload").fits_gpu
 
 
-def test_zero3_matches_the_seed_trillion_on_1024_gpus():
-    """Seed 003 (ZeRO paper notes): a 1T model on 1024 GPUs at stage 3 holds (2 + 2 + 12) x 1T / 1024 = 16 G each."""
+def test_zero3_matches_the_zero_paper_trillion_on_1024_gpus():
+    """ZeRO (Rajbhandari et al., 2020): a 1T model on 1024 GPUs at stage 3 holds (2 + 2 + 12) x 1T / 1024 = 16 G."""
     p = plan(1e12, 1024, "32GB")
     assert p.row("ZeRO-3").gpu_states == 16e12 / 1024
     assert round(p.row("ZeRO-3").gpu_states / 2**30) == 15 and round(p.row("ZeRO-3").gpu_states / 1e9) == 16

@@ -12,12 +12,16 @@ from pathlib import Path
 
 import torch
 
-from .planner import MAX_GPUS, format_plan, parse_count, plan
+from .planner import MAX_GPUS, UNITS, format_plan, parse_count, plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SUITES = {"cpu_adam": "test_bench_cpu_adam.py", "buckets": "test_bench_buckets.py",
           "transport": "test_bench_transport.py", "step": "test_bench_step.py", "stages": "test_bench_stages.py",
           "nvme": "test_bench_nvme.py"}  # fmt: skip
+# suites that cannot run on some machines: (what they need, whether this machine has it, why, in one line)
+NEEDS = {"buckets": ("a GPU", torch.cuda.is_available,
+                     "it times the Triton cast and pack against torch on CUDA; on a CPU both are torch's own ops")}
+PYTEST_NO_TESTS = 5  # pytest's exit status when every test was skipped or none was collected
 
 
 # Bounds of the demo: beyond them it would not fit in a machine's memory (the batches are made up front).
@@ -79,52 +83,74 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zo-kernels", description="ZeRO-Offload kernels: demo, memory planner, benchmarks, dashboard")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    fmt = dict(formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # every --help shows the defaults
 
-    d = sub.add_parser("demo", help="train a small GPT with ZeroOffloadAdamW and with torch AdamW, side by side")
-    d.add_argument("--steps", type=_positive_int("--steps", MAX_STEPS), default=400)
-    d.add_argument("--model-size", type=_count, default=1e6, help="approximate parameters (e.g. 1M, 5e6)")
+    d = sub.add_parser("demo", help="train a small GPT with ZeroOffloadAdamW and with torch AdamW, side by side", **fmt)
+    d.add_argument("--steps", type=_positive_int("--steps", MAX_STEPS), default=400, help="training steps")
+    d.add_argument("--model-size", type=_count, default=1e6, metavar="PARAMS",
+                   help="approximate parameters (e.g. 1M, 5e6)")  # fmt: skip
     d.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="device parameter dtype (auto: bf16 where the device computes it natively, else fp32 on a "
                         "CPU, fp16 on a GPU)")  # fmt: skip
     d.add_argument("--delay-update-after", type=_int_in("--delay-update-after", 0, 2**31 - 1), default=None,
-                   help="enable the delayed parameter update")  # fmt: skip
+                   metavar="STEPS", help="enable the delayed parameter update after this many synchronous steps "
+                                         "(default: never)")  # fmt: skip
     d.add_argument("--stage", type=int, choices=(1, 2, 3), default=2, help="ZeRO stage of ZeroOffloadAdamW")
     d.add_argument("--offload-param", choices=("none", "cpu"), default="none",
                    help="stage 3: keep the parameter shards in host memory")  # fmt: skip
-    d.add_argument("--seed", type=_int_in("--seed", 0, 2**63 - 1), default=0)
-    d.add_argument("--batch", type=_positive_int("--batch", MAX_BATCH), default=16)
-    d.add_argument("--context", type=_positive_int("--context", MAX_CONTEXT), default=64)
-    d.add_argument("--lr", type=_float("--lr"), default=3e-3)
-    d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    d.add_argument("--seed", type=_int_in("--seed", 0, 2**63 - 1), default=0, help="model and data seed")
+    d.add_argument("--batch", type=_positive_int("--batch", MAX_BATCH), default=16, metavar="SEQUENCES",
+                   help="sequences per step")  # fmt: skip
+    d.add_argument("--context", type=_positive_int("--context", MAX_CONTEXT), default=64, metavar="TOKENS",
+                   help="tokens per sequence")  # fmt: skip
+    d.add_argument("--lr", type=_float("--lr"), default=3e-3, help="learning rate of both optimizers")
+    d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: the GPU where there is one")  # fmt: skip
     d.add_argument("--plot", metavar="FILE.png", help="save the loss curves and the phase breakdown (matplotlib)")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    pl = sub.add_parser("plan", help="bytes per device for DDP, ZeRO-1/2/3, ZeRO-2/3 + offload and ZeRO-Infinity")
-    pl.add_argument("--params", required=True, help="model size, e.g. 13e9 or 13B")
-    pl.add_argument("--gpus", default="1", help="data-parallel GPUs")
-    pl.add_argument("--gpu-mem", default="32GiB", help="memory per GPU (GB = 1e9, GiB = 2^30)")
-    pl.add_argument("--host-mem", default="768GiB", help="host memory per host")
-    pl.add_argument("--gpus-per-host", default=None, help="GPUs sharing one host's memory (default: all)")
-    pl.add_argument("--k", default="12", help="optimizer bytes per parameter (12: Adam, fp32 master + 2 moments)")
-    pl.add_argument("--activations", default="4GiB", help="activation memory per GPU")
-    pl.add_argument("--workspace", default="1GiB", help="workspace memory per GPU")
-    pl.add_argument("--reserve", default="0.05", help="fraction of GPU memory lost to fragmentation")
-    pl.add_argument("--buckets", default="64MiB", help="GPU gradient buckets of the offload strategy")
-    pl.add_argument("--nvme", default="0", help="NVMe capacity per host for the ZeRO-Infinity rows (e.g. 4TB)")
-    pl.add_argument("--layer-params", default=None,
+    pl = sub.add_parser("plan", help="bytes per device for DDP, ZeRO-1/2/3, ZeRO-2/3 + offload and ZeRO-Infinity",
+                        description="Sizes take a unit: GB = 1e9 bytes, GiB = 2^30 (also KB/MB/TB, KiB/MiB/TiB; "
+                                    "no unit: bytes). Counts: 13e9, 13B, 350M.", **fmt)  # fmt: skip
+    pl.add_argument("--params", required=True, metavar="COUNT", help="model size, e.g. 13e9 or 13B")
+    pl.add_argument("--gpus", default="1", metavar="COUNT", help="data-parallel GPUs")
+    pl.add_argument("--gpu-mem", default="32GiB", metavar="SIZE", help="memory per GPU, e.g. 32GiB or 32GB")
+    pl.add_argument("--host-mem", default="768GiB", metavar="SIZE", help="host memory per host")
+    pl.add_argument("--gpus-per-host", default=None, metavar="COUNT",
+                    help="GPUs sharing one host's memory (default: all)")  # fmt: skip
+    pl.add_argument("--k", default="12", metavar="BYTES",
+                    help="optimizer bytes per parameter (12: Adam, fp32 master + 2 moments)")  # fmt: skip
+    pl.add_argument("--activations", default="4GiB", metavar="SIZE", help="activation memory per GPU")
+    pl.add_argument("--workspace", default="1GiB", metavar="SIZE", help="workspace memory per GPU")
+    pl.add_argument("--reserve", default="0.05", metavar="FRACTION",
+                    help="fraction of GPU memory lost to fragmentation")  # fmt: skip
+    pl.add_argument("--buckets", default="64MiB", metavar="SIZE", help="GPU gradient buckets of the offload strategy")
+    pl.add_argument("--nvme", default="0", metavar="SIZE",
+                    help="NVMe capacity per host for the ZeRO-Infinity rows (e.g. 4TB)")  # fmt: skip
+    pl.add_argument("--layer-params", default=None, metavar="COUNT",
                     help="largest layer gathered at once by stage 3 (default: params / 32)")  # fmt: skip
-    pl.add_argument("--prefetch", default="1", help="stage 3: layers gathered ahead of the one computing")
-    pl.add_argument("--io-pool", default="1GiB", help="host I/O buffers per GPU of the NVMe rows")
+    pl.add_argument("--prefetch", default="1", metavar="LAYERS",
+                    help="stage 3: layers gathered ahead of the one computing")  # fmt: skip
+    pl.add_argument("--io-pool", default="1GiB", metavar="SIZE", help="host I/O buffers per GPU of the NVMe rows")
+    pl.add_argument("--units", choices=UNITS, default="GB",
+                    help="the table's unit (the working set is printed in GB or GiB alike)")  # fmt: skip
+    pl.add_argument("--accumulation", action="store_true",
+                    help="gradient accumulation: the offload rows' host holds an fp32 accumulator (4 B/param / N)")
+    pl.add_argument("--dpu", action="store_true",
+                    help="the delayed parameter update: a second gradient landing buffer on the host (2 B/param / N)")
     pl.add_argument("--max", action="store_true", help="also print the largest model each strategy can train")
 
-    b = sub.add_parser("bench", help="run the pytest-benchmark suites and write their JSON")
-    b.add_argument("--suite", choices=sorted(SUITES), action="append", help="a suite (repeatable; default: all)")
-    b.add_argument("--sizes", default="1e7", help="comma-separated sizes for the suites (ZO_BENCH_SIZES)")
-    b.add_argument("-o", "--output", default=None, help="JSON path (default: bench-<timestamp>.json)")
+    b = sub.add_parser("bench", help="run the pytest-benchmark suites and write their JSON", **fmt)
+    b.add_argument("--suite", choices=sorted(SUITES), action="append",
+                   help="a suite (repeatable; default: all); one that cannot run here says why and is left out")
+    b.add_argument("--sizes", default="1e7", metavar="COUNT[,COUNT...]",
+                   help="comma-separated sizes in elements or parameters (ZO_BENCH_SIZES)")  # fmt: skip
+    b.add_argument("-o", "--output", default=None, metavar="FILE.json",
+                   help="JSON path (default: bench-<timestamp>.json)")  # fmt: skip
 
-    db = sub.add_parser("dashboard", help="render benchmark JSON runs into one self-contained HTML page")
-    db.add_argument("runs", nargs="+", help="pytest-benchmark JSON files, oldest first")
-    db.add_argument("-o", "--output", default="report.html")
+    db = sub.add_parser("dashboard", help="render benchmark JSON runs into one self-contained HTML page", **fmt)
+    db.add_argument("runs", nargs="+", metavar="RUN.json", help="pytest-benchmark JSON files, oldest first")
+    db.add_argument("-o", "--output", default="report.html", metavar="FILE.html", help="the page to write")
     return p
 
 
@@ -146,10 +172,11 @@ def cmd_plan(a: argparse.Namespace) -> int:
     try:
         p = plan(a.params, gpus, a.gpu_mem, a.host_mem, k=k, activations=a.activations, workspace=a.workspace,
                  reserve=reserve, bucket_bytes=a.buckets, gpus_per_host=per_host, nvme=a.nvme,
-                 layer_params=a.layer_params, prefetch=prefetch, io_pool=a.io_pool)  # fmt: skip
+                 layer_params=a.layer_params, prefetch=prefetch, io_pool=a.io_pool, accumulation=a.accumulation,
+                 dpu=a.dpu)  # fmt: skip
     except ValueError as e:
         raise UsageError(re.sub(r"^\w+", lambda m: PLAN_OPTIONS.get(m[0], m[0]), str(e))) from None
-    print(format_plan(p, show_max=a.max))
+    print(format_plan(p, show_max=a.max, unit=a.units))
     return 0
 
 
@@ -162,7 +189,7 @@ def bench_dir() -> Path:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     root = bench_dir()
-    suites = a.suite or sorted(SUITES)
+    suites = list(dict.fromkeys(a.suite or sorted(SUITES)))
     # pytest runs in the checkout: a relative path is made absolute here, relative to the caller's directory
     out = Path(a.output or f"bench-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json").absolute()
     _check_output_dir(out, "--output")
@@ -171,11 +198,20 @@ def cmd_bench(a: argparse.Namespace) -> int:
             parse_count(s, "--sizes")
         except ValueError as e:
             raise UsageError(str(e)) from None
+    for s in [s for s in suites if s in NEEDS and not NEEDS[s][1]()]:
+        print(f"bench {s}: not run, it needs {NEEDS[s][0]} and this machine has none ({NEEDS[s][2]})", flush=True)
+        suites.remove(s)
+    if not suites:
+        return 0
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--benchmark-json={out}",
            *[str(root / SUITES[s]) for s in suites]]  # fmt: skip
     env = {**os.environ, "ZO_BENCH_SIZES": ",".join(str(int(parse_count(s))) for s in a.sizes.split(","))}
     print(f"running {', '.join(suites)} at sizes {env['ZO_BENCH_SIZES']} -> {out}", flush=True)
-    return subprocess.call(cmd, cwd=root.parent, env=env)
+    code = subprocess.call(cmd, cwd=root.parent, env=env)
+    if code == PYTEST_NO_TESTS:
+        print(f"bench {', '.join(suites)}: every benchmark was skipped on this machine (the reasons are above)")
+        return 0
+    return code
 
 
 def _check_output_dir(path: Path, option: str) -> None:

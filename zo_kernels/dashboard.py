@@ -90,7 +90,7 @@ def _svg_chart(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel
     if not pts:
         return "<p>no data</p>"
     fx = (lambda v: math.log10(max(v, 1e-12))) if log_x else float
-    xs, ys = [fx(x) for x, _ in pts], [y for _, y in pts]
+    xs, ys = [fx(x) for x, _ in pts] + [fx(x) for x, _ in xticks or []], [y for _, y in pts]  # every tick inside
     x0, x1 = min(xs), max(xs)
     if x0 == x1:
         x0, x1 = x0 - 1, x1 + 1
@@ -179,16 +179,20 @@ def render(paths: list[Path]) -> str:
     for p, run in zip(paths, runs):
         label = f"{Path(p).name} ({run.get('datetime', '?')[:19]})"
         history.append((label, records(run)))
-    latest = history[-1][1]
-    if not latest:
+    if not any(recs for _, recs in history):
         raise ValueError(f"{paths[-1]}: no benchmark with a group and a median time")
-    ops: dict[str, list[dict]] = defaultdict(list)
-    for r in latest:
-        ops[r["op"]].append(r)
+    # every op of every run (several suites' files draw side by side), each from the latest run that has it
+    ops: dict[str, list[dict]] = {}
+    for _, recs in history:
+        by_op: dict[str, list[dict]] = defaultdict(list)
+        for r in recs:
+            by_op[r["op"]].append(r)
+        ops.update(by_op)
     machine = runs[-1].get("machine_info", {})
     zo = machine.get("zo", {})
     desc = ", ".join(f"{k} {v}" for k, v in zo.items() if v is not None) or machine.get("cpu", {}).get("brand_raw", "")
-    sections = "".join(_op_section(op, recs, history) for op, recs in ops.items())
+    sections = "".join(_op_section(op, recs, [(label, recs) for label, recs in history
+                                              if any(r["op"] == op for r in recs)]) for op, recs in ops.items())
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>zo_kernels benchmarks</title>
 <style>

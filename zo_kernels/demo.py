@@ -74,6 +74,7 @@ class Run:
     val_loss: float = float("nan")
     device_bytes: float = 0.0
     host_bytes: float = 0.0
+    memory: Any = None  # zo: the optimizer's MemoryReport
 
     @property
     def tokens_per_s(self) -> float:
@@ -147,7 +148,7 @@ def train_zo(model: GPT, data: list[torch.Tensor], device: torch.device, args: A
         torch.cuda.synchronize()
     run.seconds = time.perf_counter() - t0
     rep = opt.memory_report()
-    run.device_bytes, run.host_bytes = rep.device_bytes, rep.host_bytes
+    run.device_bytes, run.host_bytes, run.memory = rep.device_bytes, rep.host_bytes, rep
     opt.close()
     return run
 
@@ -236,18 +237,20 @@ def report(out: TextIO, zo: Run, ref: Run, phi: int, args: Any) -> None:
     out.write(f"\nzo step phases (mean per step, of {step_ms:.1f} ms):\n")
     for k, ms in phase_ms(zo).items():
         out.write(f"  {k:<26}{ms:8.2f} ms  {ms / step_ms:6.1%}\n")
-    p = plan(phi, 1, "80GiB", "768GiB", bucket_bytes=0)
+    p = plan(phi, 1, "80GiB", "768GiB", bucket_bytes=0, dpu=args.delay_update_after is not None)
     stage, offload = getattr(args, "stage", 2), getattr(args, "offload_param", "none")
     row = "ZeRO-3 + offload" if stage == 3 else "ZeRO-2 + offload"
     off, ddp = p.row(row), p.row("DDP")
     # the planner's ZeRO-3 + offload keeps the p16 shard on the host; without --offload-param it is on the device
-    shard = "; the 2 B shard is here, not on the host" if (stage, offload) == (3, "none") else ""
-    fp32 = args.dtype == torch.float32  # the planner counts 16-bit device params and landing buffers
-    out.write("\nmemory per parameter (measured from the buffers; planner = DESIGN.md's formulas):\n"
-              f"  zo     device {zo.device_bytes / phi:6.2f} B (planner {row} {off.gpu_states / phi:.0f} + buckets"
-              f"{' for 16-bit params; fp32 doubles it' if fp32 else ''}{shard})   "
-              f"host {zo.host_bytes / phi:6.2f} B (planner {off.host / phi:.0f}; on one CPU rank the update writes in "
-              f"place: no 2 B staging{'; the fp32 landing buffer takes 4 B' if fp32 else ''})\n"
+    shard = " (the shard: here, not on the host)" if (stage, offload) == (3, "none") else ""
+    per = lambda where: " + ".join(f"{t.formula_bytes / phi:.2f} ({t.what})" for t in zo.memory.terms  # noqa: E731
+                                   if t.where == where) or "0"  # fmt: skip
+    e = torch.empty((), dtype=args.dtype).element_size()
+    out.write("\nmemory per parameter (measured from the optimizer's buffers = the formula of each; docs/design.md):\n"
+              f"  zo     device {zo.device_bytes / phi:6.2f} B = {per('device')}\n"
+              f"           host {zo.host_bytes / phi:6.2f} B = {per('host')}\n"
+              f"         planner, {row} on a GPU: device {off.gpu_states / phi:.0f}{shard} + buckets, host "
+              f"{off.host / phi:.0f} (16-bit params, with p16 staging{'; this run: fp32, 4 B' if e == 4 else ''})\n"
               f"  torch  device {ref.device_bytes / phi:6.2f} B (planner DDP {ddp.gpu_states / phi:.0f}: "
               f"fp32 training here is 4+4+8 = 16 too)\n")  # fmt: skip
     gap = max(abs(a - b) for a, b in zip(zo.losses, ref.losses))
@@ -278,7 +281,15 @@ def save_plot(path: str, zo: Run, ref: Run) -> None:
     a.set(xlabel="step", ylabel="training loss", title="loss curves")
     a.legend()
     phases = phase_ms(zo)
-    b.barh(list(phases), list(phases.values()))
-    b.set(xlabel="ms per step", title="ZeroOffloadAdamW step phases")
+    total = sum(phases.values()) or 1.0
+    values = [max(v, 1e-3) for v in phases.values()]  # a log axis: one phase at 99% leaves the others visible
+    b.barh(list(phases), values)
+    b.set_xscale("log")
+    for y, v in enumerate(phases.values()):
+        b.annotate(f"{v:.2f} ms ({v / total:.1%})", (max(v, 1e-3), y), xytext=(3, 0), textcoords="offset points",
+                   va="center", fontsize=8)  # fmt: skip
+    b.set_xlim(min(values) / 2, max(values) * 20)
+    b.invert_yaxis()  # the phases top-down in the order of the text report
+    b.set(xlabel="ms per step (log scale)", title="ZeroOffloadAdamW step phases")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -28,6 +28,7 @@ _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 MAX_GPUS = 10**9  # beyond it the per-GPU shares underflow to 0 and big ints overflow float division
 _COUNTS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+UNITS = {"GB": 1e9, "TB": 1e12, "GiB": 2**30, "TiB": 2**40}  # the printed table's units
 
 
 def _parse(text: str | float, name: str, units: dict[str, float], example: str, kind: str) -> float:
@@ -129,20 +130,19 @@ class Plan:
 def _per_param(strategy: str, k: float, n: int) -> tuple[float, float, float]:
     """(GPU, host, NVMe) bytes of model states per parameter per device.
 
-    Sources (seeds in /work/shared/seeds, DESIGN.md):
-    - DDP (2+2+K), ZeRO-1 P_os (2+2+K/N), ZeRO-2 P_os+g (2+(2+K)/N), ZeRO-3 P_os+g+p (2+2+K)/N: the ZeRO
-      paper's Figure 1 as given in seed 001 §3 and §4.1-4.3 (7.5B, N = 64, K = 12: 120, 31.4, 16.6, 1.9 GB)
-      and seed 003 §5.1-5.3; DESIGN.md's first table.
-    - ZeRO-2 + offload: the ZeRO-Offload paper (seed 000 §4, seed 001 §6.1): p16 stays on the GPU (2), the
-      partition's g16, p32, m, v move to the host ((2+K)/N), plus the p16 staging of the writeback (2/N).
-    - ZeRO-3 + offload (offload_param=cpu, offload_optimizer=cpu): DESIGN.md "Stages and where the state
-      lives": no persistent state on the GPU; the host keeps the p16 shard, the g16 landing, p32, m, v:
-      (2+2+K)/N. The p16 shard is the writeback's destination, so no separate staging.
-    - ZeRO-Inf (opt) (offload_param=cpu, offload_optimizer=nvme) and ZeRO-Infinity (both on NVMe): seed 001
-      §6.2 (ZeRO-Infinity extends ZeRO-3 with NVMe) and the ZeRO-Infinity paper (arXiv 2104.07857) §3, which
-      offloads every model state; DESIGN.md gives the host only an I/O pool (+ the p16 shard). So the NVMe
-      holds the partition's g16 and p32, m, v ((2+K)/N), and with offload_param=nvme the p16 shard too.
-      The paper counts 20 bytes per parameter: 2 + 2 + K with K = 16 (an fp32 gradient copy as well).
+    Sources (docs/design.md, "The planner's formulas"; the papers by title):
+    - DDP (2+2+K), ZeRO-1 P_os (2+2+K/N), ZeRO-2 P_os+g (2+(2+K)/N), ZeRO-3 P_os+g+p (2+2+K)/N: ZeRO (Rajbhandari
+      et al., 2020), Figure 1 and §5 (7.5B, N = 64, K = 12: 120, 31.4, 16.6, 1.9 GB).
+    - ZeRO-2 + offload: ZeRO-Offload (Ren et al., 2021), §4: p16 stays on the GPU (2), the partition's g16, p32,
+      m, v move to the host ((2+K)/N), plus the p16 staging of the writeback (2/N).
+    - ZeRO-3 + offload (offload_param=cpu, offload_optimizer=cpu): no persistent state on the GPU; the host keeps
+      the p16 shard, the g16 landing, p32, m, v: (2+2+K)/N. The p16 shard is the writeback's destination, so no
+      separate staging.
+    - ZeRO-Inf (opt) (offload_param=cpu, offload_optimizer=nvme) and ZeRO-Infinity (both on NVMe): ZeRO-Infinity
+      (Rajbhandari et al., 2021), §3 and §5, which offloads every model state; the host keeps only an I/O pool
+      (+ the p16 shard). So the NVMe holds the partition's g16 and p32, m, v ((2+K)/N), and with
+      offload_param=nvme the p16 shard too. The paper counts 20 bytes per parameter: 2 + 2 + K with K = 16 (an
+      fp32 gradient copy as well).
     - zo Infinity: what ZeroOffloadAdamW(stage=3, offload_param="nvme", offload_optimizer="nvme") holds (read
       from its buffers, zo_kernels/offload/): the g16 landing buffer stays in host memory (2/N); the p16 shard
       and p32, m, v are files on NVMe ((2+K)/N).
@@ -158,6 +158,20 @@ def _per_param(strategy: str, k: float, n: int) -> tuple[float, float, float]:
         "ZeRO-Infinity": (0.0, 0.0, (2 + 2 + k) / n),
         "zo Infinity": (0.0, 2 / n, (2 + k) / n),
     }[strategy]
+
+
+def _host_extra(strategy: str, n: int, accumulation: bool, dpu: bool) -> float:
+    """Host bytes per parameter that ZeroOffloadAdamW adds to an offload row (docs/design.md, "Memory model"): with
+    gradient accumulation an fp32 accumulator per landing buffer (4/N, two under DPU); under DPU a second g16
+    landing buffer (2/N) and, where the writeback has no staging of its own (ZeRO-3 + offload), a p16 staging
+    buffer (2/N). zo Infinity refuses DPU; the paper's ZeRO-Inf rows keep gradients on NVMe."""
+    if strategy not in ("ZeRO-2 + offload", "ZeRO-3 + offload", "zo Infinity"):
+        return 0.0
+    dpu = dpu and strategy != "zo Infinity"
+    extra = (4 / n) * (2 if dpu else 1) if accumulation else 0.0
+    if dpu:
+        extra += 2 / n + (2 / n if strategy == "ZeRO-3 + offload" else 0.0)
+    return extra
 
 
 def working_set_per_layer_param(prefetch: int) -> float:
@@ -198,13 +212,16 @@ def plan(
     layer_params: float | str | None = None,
     prefetch: int = 1,
     io_pool: float | str = "1GiB",
+    accumulation: bool = False,
+    dpu: bool = False,
 ) -> Plan:
     """Bytes per device for each strategy, whether it fits, and the largest trainable model per strategy.
 
     Defaults: activations 4 GiB and workspace 1 GiB per GPU, 5% of GPU memory lost to fragmentation, two
     32 MiB gradient buckets; all GPUs on one host unless `gpus_per_host` says otherwise; no NVMe; the largest
     gathered layer params / 32 unless `layer_params` gives it (then `max_params` keeps that layer); one layer
-    prefetched; a 1 GiB host I/O pool per GPU for the NVMe rows.
+    prefetched; a 1 GiB host I/O pool per GPU for the NVMe rows. `accumulation` (several backward passes per step)
+    and `dpu` (the delayed parameter update) add the host buffers ZeroOffloadAdamW then holds (`_host_extra`).
     """
     params = parse_count(params, "params")
     _int_at_least(gpus, "gpus", 1)
@@ -234,6 +251,7 @@ def plan(
     w = working_set_per_layer_param(prefetch)
     for s in STRATEGIES:
         g, h, v = _per_param(s, p.k, gpus)
+        h += _host_extra(s, gpus, accumulation, dpu)
         ws = w * p.layer if s in STAGE3 else 0.0
         fixed = p.bucket_bytes if s == "ZeRO-2 + offload" or s in STAGE3 else 0.0
         pool = p.io_pool if s in NVME_ROWS else 0.0
@@ -249,8 +267,8 @@ def plan(
     return p
 
 
-def _fmt_bytes(b: float) -> str:
-    return f"{b / 1e9:,.1f} GB"
+def _fmt_bytes(b: float, unit: str = "GB") -> str:
+    return f"{b / UNITS[unit]:,.{1 if unit == 'GB' else 2}f} {unit}"
 
 
 def _fmt_count(n: float) -> str:
@@ -259,15 +277,20 @@ def _fmt_count(n: float) -> str:
     return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.0f}M"
 
 
-def format_plan(p: Plan, show_max: bool = False) -> str:
-    """The planner's table as text (GB = 1e9 bytes, as in the ZeRO paper)."""
+def format_plan(p: Plan, show_max: bool = False, unit: str = "GB") -> str:
+    """The planner's table as text, in `unit` (GB = 1e9 bytes, as in the ZeRO paper; GiB, TB, TiB)."""
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {', '.join(UNITS)}, got {unit!r}")
+    small = "GiB" if unit.endswith("iB") else "GB"
     layer = f"{_fmt_count(p.layer)} params" + ("" if p.layer_params else f" (params / {LAYERS_GUESS})")
+    ws = working_set_per_layer_param(p.prefetch) * p.layer
     lines = [f"model {_fmt_count(p.params)} params, {p.gpus} GPU(s) x {_fmt_bytes(p.gpu_mem)}, host "
              f"{_fmt_bytes(p.host_mem)}, NVMe {_fmt_bytes(p.nvme_mem)}, K = {p.k:g}",
              f"assumed per GPU: activations {_fmt_bytes(p.activations)}, workspace {_fmt_bytes(p.workspace)}, "
              f"{p.reserve:.0%} fragmentation reserve, buckets {_fmt_bytes(p.bucket_bytes)} "
              f"(usable for model states: {_fmt_bytes(max(0.0, p.usable_gpu))})",
-             f"stage 3: largest gathered layer {layer}, prefetch {p.prefetch}; NVMe rows: host I/O pool "
+             f"stage 3: largest gathered layer {layer}, prefetch {p.prefetch}: working set {_fmt_bytes(ws, small)} "
+             f"per GPU (2 (1 + prefetch) + 2 B per layer parameter); NVMe rows: host I/O pool "
              f"{_fmt_bytes(p.io_pool)} per GPU", ""]  # fmt: skip
     head = f"{'strategy':<18}{'GPU states':>12}{'GPU total':>12}{'host/GPU':>12}{'NVMe/GPU':>12}  fits"
     if show_max:
@@ -275,8 +298,8 @@ def format_plan(p: Plan, show_max: bool = False) -> str:
     lines.append(head)
     for s in p.strategies:
         fits = "yes" if s.fits else ("no (GPU)" if not s.fits_gpu else "no (host)" if not s.fits_host else "no (NVMe)")
-        row = f"{s.strategy:<18}{_fmt_bytes(s.gpu_states):>12}{_fmt_bytes(s.gpu_total):>12}"
-        row += f"{_fmt_bytes(s.host):>12}{_fmt_bytes(s.nvme):>12}  {fits:<9}"
+        row = f"{s.strategy:<18}{_fmt_bytes(s.gpu_states, unit):>12}{_fmt_bytes(s.gpu_total, unit):>12}"
+        row += f"{_fmt_bytes(s.host, unit):>12}{_fmt_bytes(s.nvme, unit):>12}  {fits:<9}"
         if show_max:
             row += f"{_fmt_count(s.max_params):>13}"
         lines.append(row.rstrip())

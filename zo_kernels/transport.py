@@ -106,6 +106,12 @@ class HostPool:
             self._free.setdefault(nbytes, []).append((addr, owner))
             self._freed[addr] = nbytes
 
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of blocks given back and kept for reuse (allocated from the system, not handed out)."""
+        with self._lock:
+            return self.reserved - sum(b for b, _ in self._live.values())
+
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` lies in a block handed out by this pool and not given back."""
         start = t.data_ptr()

@@ -5,7 +5,7 @@ At stages 1 and 2 the device keeps one flat buffer of 16-bit parameters (the mod
 it) and two gradient buckets; at stage 3 only this rank's shard (or none) and the modules being gathered. The host
 keeps, for this rank's 1/N slice of the flat space, the fp32 masters, Adam's
 moments, the landing buffer of the reduced gradients and the staging buffer of the new 16-bit parameters.
-See DESIGN.md, "One step, as data flows". The same code runs with device = CPU (plain copies, the torch
+See docs/design.md, "One step, as data flows". The same code runs with device = CPU (plain copies, the torch
 path of `pack`): that is how it is tested without a GPU.
 """
 
@@ -573,7 +573,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.update.refresh_from_model()
 
     def memory_report(self) -> MemoryReport:
-        """Bytes on the device and the host for this model and world size, measured, next to DESIGN.md's formulas."""
+        """Every buffer this rank holds (device, host, NVMe), measured, each next to its formula (docs/design.md)."""
         return report.measure(self)
 
     def close(self) -> None:

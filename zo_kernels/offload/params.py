@@ -44,6 +44,10 @@ class DeviceBytes:
     def reset_peak(self) -> None:
         self.peak = self.now
 
+    def __repr__(self) -> str:
+        mib = lambda n: f"{n:,} B ({n / 2**20:.2f} MiB)"  # noqa: E731
+        return f"DeviceBytes(now={mib(self.now)}, peak={mib(self.peak)})"
+
 
 class Unit:
     """One module's own trainable parameters: flat range [lo, hi), this rank's piece of it, its gathered buffer."""

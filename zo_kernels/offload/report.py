@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import torch
+
+from ..aio import round_up
 
 if TYPE_CHECKING:
     from .optimizer import ZeroOffloadAdamW
@@ -12,16 +17,35 @@ K_ADAM = 12  # bytes of fp32 optimizer state per parameter: master, exp_avg, exp
 
 
 @dataclass
+class Term:
+    """One buffer the optimizer holds: where, what, its formula (symbols of docs/design.md), bytes by the formula
+    and bytes measured from the buffer itself."""
+
+    where: str
+    what: str
+    formula: str
+    formula_bytes: int
+    measured: int
+
+
+@dataclass
 class MemoryReport:
-    """Bytes held by the optimizer on this rank, measured from its buffers, next to DESIGN.md's formulas.
+    """Bytes held by the optimizer on this rank, measured from its buffers, each next to its formula.
+
+    The formulas are those of docs/design.md, "Memory model", in its symbols: Φ trainable parameters, N ranks,
+    F the flat buffer's elements (Φ padded), P this rank's partition (F/N), e the bytes of `dtype`, B the largest
+    gradient bucket's elements, T the NVMe swapper's tile elements.
 
     Args:
         params: trainable parameters (Φ). world_size: data-parallel ranks (N).
-        device_params, device_buckets: the flat 16-bit parameter buffer and the gradient buckets.
-        host_state, host_landing, host_staging, host_accumulator: p32/m/v, gradient landing, p16 staging (and
-            the stage-3 parameter shard when it is offloaded), fp32 accumulation buffer (only while accumulating).
-        formula_device, formula_host: 2Φ + buckets and (2 + K)Φ/N + 2Φ/N (DESIGN.md, ZeRO-2 + offload); at stage
-            3 the device holds 2Φ/N (none with offload_param) + buckets, the host 2Φ/N more with offload_param.
+        device_params, device_buckets: the 16-bit parameters on the device (flat buffer, or the stage-3 shard) and
+            the gradient buckets.
+        host_state, host_landing, host_staging, host_accumulator, host_shard: p32/m/v in host memory (or the NVMe
+            swapper's pool), the gradient landing buffers, the p16 staging buffer, the fp32 accumulation buffers
+            (once gradients were accumulated), the stage-3 shard kept in host memory (offload_param="cpu").
+        nvme_bytes: the scratch files (offload_optimizer="nvme": p32, m, v, and the stage-3 shard with
+            offload_param="nvme").
+        formula_device, formula_host, formula_nvme: the same by the formulas. terms: every buffer, one Term each.
     """
 
     params: int
@@ -34,8 +58,10 @@ class MemoryReport:
     host_accumulator: int
     formula_device: int
     formula_host: int
-    device_formula: str = "2Φ + buckets"
-    host_formula: str = "(2+K)Φ/N + 2Φ/N"
+    host_shard: int = 0
+    nvme_bytes: int = 0
+    formula_nvme: int = 0
+    terms: list[Term] = field(default_factory=list)
 
     @property
     def device_bytes(self) -> int:
@@ -43,38 +69,81 @@ class MemoryReport:
 
     @property
     def host_bytes(self) -> int:
-        return self.host_state + self.host_landing + self.host_staging + self.host_accumulator
+        return self.host_state + self.host_landing + self.host_staging + self.host_accumulator + self.host_shard
+
+    def formula(self, where: str) -> str:
+        """The formula of one place ("device", "host" or "nvme") as text, e.g. "12P + 2P (landing)"."""
+        return " + ".join(f"{t.formula} ({t.what})" for t in self.terms if t.where == where) or "0"
 
     def __str__(self) -> str:
         p = max(1, self.params)
-        return (f"params {self.params:,} x {self.world_size} rank(s)\n"
-                f"  device: {self.device_bytes:,} B ({self.device_bytes / p:.2f} B/param); "
-                f"formula {self.device_formula} = {self.formula_device:,} B\n"
-                f"  host:   {self.host_bytes:,} B ({self.host_bytes / p:.2f} B/param); "
-                f"formula {self.host_formula} = {self.formula_host:,} B")  # fmt: skip
+        lines = [f"params {self.params:,} x {self.world_size} rank(s)"]
+        for where, measured, by_formula in (("device", self.device_bytes, self.formula_device),
+                                            ("host", self.host_bytes, self.formula_host),
+                                            ("nvme", self.nvme_bytes, self.formula_nvme)):  # fmt: skip
+            if where == "nvme" and not any(t.where == "nvme" for t in self.terms):
+                continue
+            lines.append(f"  {where + ':':<7} {measured:,} B ({measured / p:.2f} B/param); "
+                         f"formula {self.formula(where)} = {by_formula:,} B")  # fmt: skip
+        return "\n".join(lines)
 
 
 def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
-    """The optimizer's MemoryReport on this rank, measured from its buffers. At stage 3 the device parameters are
-    this rank's shard (none when offload_param is set) and the host holds the shard when it is offloaded; the
+    """The optimizer's MemoryReport on this rank: every buffer it holds, measured, next to its formula. The stage-3
     gathered units in flight are the working set, in opt.device_bytes (now and peak), not here."""
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
-    phi, n = opt.layout.numel, opt.comm.world
-    buckets = nbytes(opt.grads.bucket_bufs)
-    shards = opt.shards
-    device_params = nbytes([opt.flat]) if shards is None else (nbytes([shards.shard]) if not shards.offload else 0)
-    host_shard = nbytes([shards.shard]) if shards is not None and shards.offload else 0
-    staging = 0 if opt.update.staging_in_place else nbytes([opt.update.staging_buf])
-    p16 = 2 * phi if shards is None else (0 if shards.offload else 2 * phi // n)
+    layout, grads, update, shards = opt.layout, opt.grads, opt.update, opt.shards
+    e = torch.empty((), dtype=opt.dtype).element_size()
+    part, flat_numel = layout.part, layout.flat_numel
+    terms: list[Term] = []
+    add = lambda *a: terms.append(Term(*a))  # noqa: E731
+    if shards is None:
+        add("device", "parameters, flat", f"{e}F", e * flat_numel, nbytes([opt.flat]))
+    elif not shards.offload:
+        add("device", "parameter shard", f"{e}P", e * part, nbytes([shards.shard]))
+    if grads.direct_landing:  # one CPU rank: gradients pack into the landing buffer, no bucket is allocated
+        add("device", "buckets: none, one CPU rank", "0", 0, nbytes(grads.bucket_bufs))
+    else:
+        big = max(b.hi - b.lo for b in layout.buckets)
+        add("device", "two gradient buckets", f"2·{e}B", 2 * e * big, nbytes(grads.bucket_bufs))
+    swapper = update.swapper
+    if swapper is None:
+        add("host", "p32, m, v", f"{K_ADAM}P", K_ADAM * part, update.host_state_bytes)
+    else:
+        extra = 2 if swapper.params_dtype is not None else 0  # a fourth, 16-bit file's buffers
+        add("host", "NVMe pool", f"3·{K_ADAM + extra}T", 3 * (K_ADAM + extra) * swapper.tile_numel,
+            update.host_state_bytes)  # fmt: skip
+    slots = len(grads.landing)
+    add("host", "gradient landing" + (" x2, DPU" if slots > 1 else ""), f"{slots}·{e}P" if slots > 1 else f"{e}P",
+        slots * e * part, nbytes(grads.landing))  # fmt: skip
+    if not update.staging_in_place:
+        add("host", "p16 staging", f"{e}P", e * part, nbytes([update.staging_buf]))
+    if shards is not None and shards.offload == "cpu":
+        add("host", "parameter shard", f"{e}P", e * part, nbytes([shards.shard]))
+    if shards is not None and shards.offload == "nvme":  # blocks the gathers read shards into, kept for reuse
+        kept = opt.transport.pool.free_bytes  # one per distinct size of a unit's piece: run-time, at most 2P
+        add("host", "pinned blocks of the shards read, kept", "≤ 2P", kept, kept)
+    n_accum = sum(a is not None for a in grads.accum)
+    if n_accum:  # made by the first accumulation into a landing buffer, kept after
+        add("host", "fp32 accumulation" + (f" x{n_accum}" if n_accum > 1 else ""),
+            f"{n_accum}·4P" if n_accum > 1 else "4P", 4 * n_accum * part, nbytes(grads.accum))  # fmt: skip
+    if swapper is not None:
+        files = [f for f in os.scandir(swapper.path) if f.name.endswith(".bin")]
+        size = {f.name: f.stat().st_size for f in files}
+        add("nvme", "p32, m, v files", f"{K_ADAM}P", 3 * round_up(4 * part),
+            sum(v for k, v in size.items() if k != "params.bin"))  # fmt: skip
+        if swapper.params_dtype is not None:
+            add("nvme", "parameter shard file", "2P", round_up(2 * part), size.get("params.bin", 0))
+    total = lambda where, i: sum(t.formula_bytes if i else t.measured for t in terms if t.where == where)  # noqa: E731
+    of = lambda where, *whats: sum(t.measured for t in terms if t.where == where and t.what.startswith(whats))  # noqa: E731
     return MemoryReport(
-        params=phi, world_size=n, device_params=device_params, device_buckets=buckets,
-        host_state=opt.update.host_state_bytes, host_landing=nbytes(opt.grads.landing),
-        host_staging=staging + host_shard, host_accumulator=nbytes(opt.grads.accum),
-        formula_device=p16 + buckets,
-        formula_host=(2 + K_ADAM) * phi // n + 2 * phi // n + (2 * phi // n if host_shard else 0),
-        device_formula={None: "2Φ + buckets", False: "2Φ/N + buckets (+ gathered units)",
-                        True: "buckets (+ gathered units)"}[None if shards is None else bool(shards.offload)],
-        host_formula="(2+K)Φ/N + 2Φ/N" + (" + 2Φ/N (the shard)" if host_shard else ""),
+        params=layout.numel, world_size=opt.comm.world,
+        device_params=of("device", "parameter"), device_buckets=of("device", "two", "buckets"),
+        host_state=of("host", "p32", "NVMe"), host_landing=of("host", "gradient"), host_staging=of("host", "p16"),
+        host_accumulator=of("host", "fp32"), host_shard=of("host", "parameter", "pinned"),
+        nvme_bytes=total("nvme", False),
+        formula_device=total("device", True), formula_host=total("host", True), formula_nvme=total("nvme", True),
+        terms=terms,
     )  # fmt: skip
 
 
