@@ -18,12 +18,14 @@ that takes the last ticket sums the partials in index order and resets the count
 float atomics: the same bits on every run.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from .cast import KIND, as_kernel_arg, on_device
-from .utils import bf16_bits_to_f32, f32_to_bf16_bits, is_nonfinite
+from .cast import KIND, on_device
+from .utils import bf16_bits_to_f32, f32_to_bf16_bits
 
 # 16384 elements per program: 64 KB of fp32 read and 32 KB of bf16 written, ~6k programs at 100M elements
 # (the first GPU run moved 4 KB per program, 98k programs, at 27% of a copy; not yet measured: no GPU here).
@@ -33,6 +35,11 @@ CHUNK = 16384
 BLOCK = 2048
 NUM_WARPS = 8
 RBLOCK = 1024  # partials summed per step by the last program
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # The same code with small constants on the CPU interpreter (tests): its cost grows with the lanes of every
+    # operation, and more, smaller chunks cross more chunk and block boundaries. The GPU constants above are the
+    # ones tests/test_triton_compile.py compiles.
+    CHUNK, BLOCK, RBLOCK = 1024, 128, 64
 NCOL = 5  # columns of the tensor table: address, numel, offset, dtype code, segment length
 
 
@@ -100,48 +107,53 @@ def _pack_block(src, dst, offs, n_read, n_write, scale, acc, bad,
                 IN_KIND: tl.constexpr, OUT_KIND: tl.constexpr, FULL: tl.constexpr):  # fmt: skip
     x = _ld(src + offs, offs < n_read, IN_KIND, FULL) * scale
     y = _st(dst + offs, x, offs < n_write, OUT_KIND, FULL)
-    return acc + x * x, bad | is_nonfinite(y)
+    return acc + x * x, bad | (y != y) | (tl.abs(y) == float("inf"))  # inline: a call costs the interpreter ~1 ms
 
 
 @triton.jit
-def _pack_tensor(addr, flat_ptr, flat_mis, numel, offset, start, end, aligned, scale,
+def _pack_tensor(addr, flat_addr, numel, offset, start, end, aligned, scale,
                  IN_KIND: tl.constexpr, OUT_KIND: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Pack elements [start, end) of one tensor (those past numel are the segment's zero gap); (Σx², any bad)."""
+    IN_BYTES: tl.constexpr = 4 if IN_KIND == 0 else 2
+    OUT_BYTES: tl.constexpr = 4 if OUT_KIND == 0 else 2
     src = _typed(addr, IN_KIND)
-    dst = flat_ptr + offset
+    dst = _typed(flat_addr + offset * OUT_BYTES, OUT_KIND)
     lanes = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     bad = tl.zeros((BLOCK,), dtype=tl.int1)
     if aligned > start:  # chunk 0's head: the few elements before the first aligned one
         acc, bad = _pack_block(src, dst, start + lanes, tl.minimum(aligned, numel), aligned, scale, acc, bad, IN_KIND,
-                               OUT_KIND, False)
-    n_full = tl.maximum(tl.minimum(end, numel) - aligned, 0) // BLOCK * BLOCK
-    s = tl.multiple_of(src + aligned, 16)  # the head makes it so
-    d = dst + aligned
-    OUT_BYTES: tl.constexpr = 4 if OUT_KIND == 0 else 2
-    if (flat_mis + (offset + aligned) * OUT_BYTES) % 16 == 0:
-        d = tl.multiple_of(d, 16)
-        for i in range(0, n_full, BLOCK):
-            acc, bad = _pack_block(s + i, d + i, lanes, 0, 0, scale, acc, bad, IN_KIND, OUT_KIND, True)
-    else:
-        for i in range(0, n_full, BLOCK):
-            acc, bad = _pack_block(s + i, d + i, lanes, 0, 0, scale, acc, bad, IN_KIND, OUT_KIND, True)
-    for i in range(aligned + n_full, end, BLOCK):  # the last partial block and the gap (read as 0)
+                               OUT_KIND, False)  # fmt: skip
+    n_full = tl.maximum(tl.minimum(end, numel) - aligned, 0) // BLOCK
+    if n_full > 0:
+        s = tl.multiple_of(_typed(addr + aligned * IN_BYTES, IN_KIND), 16)  # the head makes it so
+        d_addr = flat_addr + (offset + aligned) * OUT_BYTES
+        if d_addr % 16 == 0:
+            d = tl.multiple_of(_typed(d_addr, OUT_KIND), 16)  # on the cast: a mark on a pointer sum is folded away
+            for j in range(0, n_full):  # i = j * BLOCK: visibly a multiple of BLOCK (a loop variable is not)
+                i = j * BLOCK
+                acc, bad = _pack_block(s + i, d + i, lanes, 0, 0, scale, acc, bad, IN_KIND, OUT_KIND, True)
+        else:
+            d = _typed(d_addr, OUT_KIND)
+            for j in range(0, n_full):
+                i = j * BLOCK
+                acc, bad = _pack_block(s + i, d + i, lanes, 0, 0, scale, acc, bad, IN_KIND, OUT_KIND, True)
+    for i in range(aligned + n_full * BLOCK, end, BLOCK):  # the last partial block and the gap (read as 0)
         acc, bad = _pack_block(src, dst, i + lanes, numel, end, scale, acc, bad, IN_KIND, OUT_KIND, False)
     return tl.sum(acc, axis=0), tl.max(bad.to(tl.int32), axis=0)
 
 
 @triton.jit
-def _pack_kernel(table_ptr, work_ptr, n_work, flat_ptr, flat_mis, part_ptr, count_ptr, sum_ptr, flag_ptr, scale,
+def _pack_kernel(table_ptr, work_ptr, n_work, flat_addr, part_ptr, count_ptr, sum_ptr, flag_ptr, scale,
                  OUT_KIND: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     addr, numel, offset, code, start, end, aligned = _row(table_ptr, work_ptr, pid, CHUNK)
     if code == 0:
-        sq, bad = _pack_tensor(addr, flat_ptr, flat_mis, numel, offset, start, end, aligned, scale, 0, OUT_KIND, BLOCK)
+        sq, bad = _pack_tensor(addr, flat_addr, numel, offset, start, end, aligned, scale, 0, OUT_KIND, BLOCK)
     elif code == 1:
-        sq, bad = _pack_tensor(addr, flat_ptr, flat_mis, numel, offset, start, end, aligned, scale, 1, OUT_KIND, BLOCK)
+        sq, bad = _pack_tensor(addr, flat_addr, numel, offset, start, end, aligned, scale, 1, OUT_KIND, BLOCK)
     else:
-        sq, bad = _pack_tensor(addr, flat_ptr, flat_mis, numel, offset, start, end, aligned, scale, 2, OUT_KIND, BLOCK)
+        sq, bad = _pack_tensor(addr, flat_addr, numel, offset, start, end, aligned, scale, 2, OUT_KIND, BLOCK)
     tl.store(part_ptr + pid, sq)
     tl.store(part_ptr + n_work + pid, bad.to(tl.float32))
     # acq_rel: this program's partials are visible before its ticket; the last ticket sees everyone's.
@@ -160,42 +172,50 @@ def _pack_kernel(table_ptr, work_ptr, n_work, flat_ptr, flat_mis, part_ptr, coun
 
 
 @triton.jit
-def _unpack_tensor(addr, flat_ptr, flat_mis, numel, offset, start, end, aligned,
+def _unpack_tensor(addr, flat_addr, offset, start, end, aligned,
                    OUT_CODE: tl.constexpr, IN_KIND: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Elements [start, end) of flat's segment into the tensor at addr, cast to its dtype."""
+    IN_BYTES: tl.constexpr = 4 if IN_KIND == 0 else 2
+    OUT_BYTES: tl.constexpr = 4 if OUT_CODE == 0 else 2
     dst = _typed(addr, OUT_CODE)
-    src = flat_ptr + offset
+    src = _typed(flat_addr + offset * IN_BYTES, IN_KIND)
     lanes = tl.arange(0, BLOCK)
     if aligned > start:
         offs = start + lanes
         _st(dst + offs, _ld(src + offs, offs < aligned, IN_KIND, False), offs < aligned, OUT_CODE, False)
-    n_full = tl.maximum(end - aligned, 0) // BLOCK * BLOCK
-    d = tl.multiple_of(dst + aligned, 16)
-    s = src + aligned
-    IN_BYTES: tl.constexpr = 4 if IN_KIND == 0 else 2
-    if (flat_mis + (offset + aligned) * IN_BYTES) % 16 == 0:
-        s = tl.multiple_of(s, 16)
-        for i in range(0, n_full, BLOCK):
-            _st(d + i + lanes, _ld(s + i + lanes, None, IN_KIND, True), None, OUT_CODE, True)
-    else:
-        for i in range(0, n_full, BLOCK):
-            _st(d + i + lanes, _ld(s + i + lanes, None, IN_KIND, True), None, OUT_CODE, True)
-    for i in range(aligned + n_full, end, BLOCK):
+    n_full = tl.maximum(end - aligned, 0) // BLOCK
+    if n_full > 0:
+        d = tl.multiple_of(_typed(addr + aligned * OUT_BYTES, OUT_CODE), 16)
+        s_addr = flat_addr + (offset + aligned) * IN_BYTES
+        if s_addr % 16 == 0:
+            s = tl.multiple_of(_typed(s_addr, IN_KIND), 16)
+            for j in range(0, n_full):  # see _pack_tensor
+                i = j * BLOCK
+                _st(d + i + lanes, _ld(s + i + lanes, None, IN_KIND, True), None, OUT_CODE, True)
+        else:
+            s = _typed(s_addr, IN_KIND)
+            for j in range(0, n_full):
+                i = j * BLOCK
+                _st(d + i + lanes, _ld(s + i + lanes, None, IN_KIND, True), None, OUT_CODE, True)
+    for i in range(aligned + n_full * BLOCK, end, BLOCK):
         offs = i + lanes
         _st(dst + offs, _ld(src + offs, offs < end, IN_KIND, False), offs < end, OUT_CODE, False)
 
 
 @triton.jit
-def _unpack_kernel(table_ptr, work_ptr, flat_ptr, flat_mis,
+def _unpack_kernel(table_ptr, work_ptr, flat_addr,
                    IN_KIND: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     addr, numel, offset, code, start, end, aligned = _row(table_ptr, work_ptr, pid, CHUNK)
+    end = tl.minimum(end, numel)  # a pack plan's segment runs on over the gap; the tensor ends at numel
+    aligned = tl.minimum(aligned, end)
+    start = tl.minimum(start, end)
     if code == 0:
-        _unpack_tensor(addr, flat_ptr, flat_mis, numel, offset, start, end, aligned, 0, IN_KIND, BLOCK)
+        _unpack_tensor(addr, flat_addr, offset, start, end, aligned, 0, IN_KIND, BLOCK)
     elif code == 1:
-        _unpack_tensor(addr, flat_ptr, flat_mis, numel, offset, start, end, aligned, 1, IN_KIND, BLOCK)
+        _unpack_tensor(addr, flat_addr, offset, start, end, aligned, 1, IN_KIND, BLOCK)
     else:
-        _unpack_tensor(addr, flat_ptr, flat_mis, numel, offset, start, end, aligned, 2, IN_KIND, BLOCK)
+        _unpack_tensor(addr, flat_addr, offset, start, end, aligned, 2, IN_KIND, BLOCK)
 
 
 def work_rows(segs, chunk: int = CHUNK) -> list[tuple[int, int]]:
@@ -210,7 +230,7 @@ def pack(table: torch.Tensor, work: torch.Tensor, n_work: int, flat: torch.Tenso
     part: 2 * n_work fp32 scratch; count: one int32, 0 before the launch and after it."""
     with on_device(flat):
         _pack_kernel[(n_work,)](
-            table, work, n_work, as_kernel_arg(flat), flat.data_ptr() % 16, part, count, sum_sq, found, scale,
+            table, work, n_work, flat.data_ptr(), part, count, sum_sq, found, scale,
             OUT_KIND=KIND[flat.dtype], CHUNK=CHUNK, BLOCK=BLOCK, RBLOCK=RBLOCK, num_warps=NUM_WARPS,
         )  # fmt: skip
 
@@ -219,6 +239,6 @@ def unpack(table: torch.Tensor, work: torch.Tensor, n_work: int, flat: torch.Ten
     """One launch on a validated plan: every tensor of the table <- its segment of flat (n_work >= 1)."""
     with on_device(flat):
         _unpack_kernel[(n_work,)](
-            table, work, as_kernel_arg(flat), flat.data_ptr() % 16,
+            table, work, flat.data_ptr(),
             IN_KIND=KIND[flat.dtype], CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )  # fmt: skip

@@ -12,6 +12,7 @@ This module does not import triton: the CPU path needs none.
 from __future__ import annotations
 
 import bisect
+import importlib.util
 from collections.abc import Sequence
 from itertools import repeat
 from operator import attrgetter
@@ -47,8 +48,9 @@ def check_writable(t: torch.Tensor, name: str) -> None:
     check_memory(t, name, written=t.device.type == "cpu")
 
 
-def check_out(out, dtype: torch.dtype, numel: int, device: torch.device, name: str = "out") -> None:
-    """out is a writable 1-D `dtype` tensor of at least `numel` elements on `device`."""
+def check_out(out, dtype: torch.dtype, numel: int, device: torch.device, name: str = "out",
+              memory: bool = True) -> None:  # fmt: skip
+    """out is a writable 1-D `dtype` tensor of at least `numel` elements on `device` (memory: check its storage)."""
     check_float(out, name)
     if out.dtype != dtype:
         raise TypeError(f"{name} has dtype {out.dtype}, expected {dtype}")
@@ -58,7 +60,10 @@ def check_out(out, dtype: torch.dtype, numel: int, device: torch.device, name: s
         raise ValueError(f"{name} has {out.numel()} elements, needs at least {numel}")
     if out.device != device:
         raise ValueError(f"{name} is on {out.device}, the tensors on {device}")
-    check_writable(out, name)
+    if out.requires_grad and torch.is_grad_enabled():
+        check_writable(out, name)
+    if memory:
+        check_memory(out, name, written=out.device.type == "cpu")
 
 
 def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -113,9 +118,11 @@ class PackPlan:
         self._ends: list[int] = []
         self._device_tables = None  # (work, n_work, part, count, pack work, unpack work) once on a GPU
         self._table: torch.Tensor | None = None
+        self._out_checked: tuple[int, int] | None = None  # (address, numel) of an `out` whose memory was checked
         self._writable = False  # the tensors at these addresses were checked writable (unpack on the CPU)
         self._gap_index: torch.Tensor | None = None
         self.uploads = 0  # tensor tables uploaded (a test counts them)
+        self.impl = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
 
     # ------------------------------------------------------------------ per-call checks
 
@@ -213,17 +220,20 @@ class PackPlan:
     # ------------------------------------------------------------------ the calls
 
     def pack(self, tensors: Sequence[torch.Tensor], *, scale: float = 1.0, out: torch.Tensor | None = None,
-             impl: str = "torch") -> Packed:  # fmt: skip
-        """Pack `tensors` (sizes and dtypes as planned) into `out[:total]` or a new bucket; see buckets.pack."""
+             impl: str | None = None) -> Packed:  # fmt: skip
+        """Pack `tensors` (sizes and dtypes as planned) into `out[:total]` or a new bucket; see buckets.pack.
+        impl: "triton" or "torch"; None: the kernels on a GPU with triton installed, else torch."""
         ptrs, tensors = self.check(tensors)
         scale = scale if type(scale) is float and -3.4e38 < scale < 3.4e38 else _real(scale, "scale")
         if out is None:
             flat = torch.empty(self.total, dtype=self.dtype, device=self.device)
         else:
-            check_out(out, self.dtype, self.total, self.device)
+            span = (out.data_ptr(), out.numel())
+            check_out(out, self.dtype, self.total, self.device, memory=span != self._out_checked)
+            self._out_checked = span  # its storage (bounds, writable) is checked once per address
             self.check_apart(out, "out")
             flat = out if out.numel() == self.total else out[: self.total]
-        if impl == "triton":
+        if (impl or self.impl) == "triton":
             table, work, n_work, part, count = self._tables(ptrs)
             if n_work:
                 from . import pack as kpack
@@ -270,7 +280,7 @@ class PackPlan:
             found = ~torch.isfinite(flat).all() if self.total else torch.zeros((), dtype=torch.bool, device=device)
         return Packed(flat, self.offsets, found, sum_sq)
 
-    def unpack(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], *, impl: str = "torch") -> None:
+    def unpack(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], *, impl: str | None = None) -> None:
         """tensors[i] <- flat[offsets[i]:][:numels[i]], cast to tensors[i].dtype."""
         ptrs, tensors = self.check(tensors, written=True)
         if torch.is_grad_enabled() and any(map(_NEEDS_GRAD, tensors)):
@@ -288,7 +298,7 @@ class PackPlan:
         if flat.numel() < self.total:
             raise ValueError(f"flat has {flat.numel()} elements, the plan's bucket {self.total}")
         self.check_apart(flat, "flat")
-        if impl == "triton":
+        if (impl or self.impl) == "triton":
             table, work, n_work, _, _ = self._tables(ptrs)
             if n_work:
                 from . import pack as kpack
