@@ -156,7 +156,9 @@ def _pack_kernel(table_ptr, work_ptr, n_work, flat_addr, part_ptr, count_ptr, su
         sq, bad = _pack_tensor(addr, flat_addr, numel, offset, start, end, aligned, scale, 2, OUT_KIND, BLOCK)
     tl.store(part_ptr + pid, sq)
     tl.store(part_ptr + n_work + pid, bad.to(tl.float32))
-    # acq_rel: this program's partials are visible before its ticket; the last ticket sees everyone's.
+    # The barrier orders the partials' stores (whichever thread makes them) before the ticket; the ticket's release
+    # (cumulative, gpu scope) publishes them, and the last ticket's acquire sees everyone's.
+    tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == n_work - 1:
         total = tl.zeros((RBLOCK,), dtype=tl.float32)

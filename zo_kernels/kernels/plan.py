@@ -213,8 +213,8 @@ class PackPlan:
 
     def _gaps(self) -> torch.Tensor:
         if self._gap_index is None:
-            idx = [i for a, b in self.gaps for i in range(a, b)]
-            self._gap_index = torch.tensor(idx, dtype=torch.int64, device=self.device)
+            idx = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in self.gaps])
+            self._gap_index = idx.to(self.device)
         return self._gap_index
 
     # ------------------------------------------------------------------ the calls
