@@ -14,7 +14,6 @@ from __future__ import annotations
 import bisect
 import importlib.util
 from collections.abc import Sequence
-from itertools import repeat
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -25,7 +24,6 @@ from ..cpu_adam import ISAS, _real, best_isa, bump_version, check_memory, sum_sq
 
 CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _DTYPE, _CPU, _NEEDS_GRAD = attrgetter("dtype"), attrgetter("is_cpu"), attrgetter("requires_grad")
-_TENSORS = repeat(torch.Tensor)  # isinstance's second argument, for map
 
 
 def check_float(t, name: str) -> None:
@@ -134,10 +132,12 @@ class PackPlan:
             raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
         if len(tensors) != self.n:
             raise ValueError(f"{name} has {len(tensors)} tensors, the plan {self.n}")
-        if not all(map(isinstance, tensors, _TENSORS)):
+        try:
+            numels = tuple(map(torch.Tensor.numel, tensors))  # the descriptor refuses anything but a tensor
+        except TypeError:
             i = next(i for i, t in enumerate(tensors) if not isinstance(t, torch.Tensor))
-            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(tensors[i]).__name__}")
-        if tuple(map(_DTYPE, tensors)) != self.dtypes or tuple(map(torch.Tensor.numel, tensors)) != self.numels:
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(tensors[i]).__name__}") from None
+        if numels != self.numels or tuple(map(_DTYPE, tensors)) != self.dtypes:
             i = next(i for i, t in enumerate(tensors) if (t.dtype, t.numel()) != (self.dtypes[i], self.numels[i]))
             raise ValueError(f"{name}[{i}] is {tensors[i].dtype} with {tensors[i].numel()} elements; the plan was "
                              f"built for {self.dtypes[i]} with {self.numels[i]} (build a new plan)")  # fmt: skip
