@@ -6,9 +6,10 @@ The launch plan (kernels/plan.py) holds two int64 tables on the device, built on
   - the work table, one row per program: (tensor, chunk), as apex's multi_tensor_apply and torch's _foreach
     kernels do, so a program reads its row and streams its chunk: no search.
 Program k of a tensor moves elements [k * CHUNK + h, (k + 1) * CHUNK + h) of it (program 0 starts at 0, the
-last one ends at the segment's end), where h < 16 bytes is the tensor's head: the first element whose address
-is 16-byte aligned. So every chunk but the last is whole aligned BLOCKs, read without masks through a pointer
-marked 16-byte aligned: 16-byte loads of the tensor whatever its offset in flat (align=1 included). The flat
+last one ends at the segment's end), where the head h (under 16 bytes of elements) is the index of the tensor's
+first 16-byte aligned element. So every chunk but the last is whole aligned BLOCKs, accessed without masks
+through a pointer marked 16-byte aligned: 16-byte loads (pack) or stores (unpack) of the tensor whatever its
+offset in flat (align=1 included). The flat
 side gets 16-byte accesses too when its address at that point is aligned as well (the kernel checks, per
 program); otherwise it is accessed element by element, still coalesced. tests/test_triton_compile.py checks
 the PTX of both paths.

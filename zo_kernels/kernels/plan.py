@@ -204,8 +204,10 @@ class PackPlan:
                 torch.zeros(1, dtype=torch.int32, device=self.device),
             )  # fmt: skip
         if self._table is None:
+            from . import pack as kpack
+
             rows = [(p, n, o, c, s) for p, n, o, c, s in zip(ptrs, self.numels, self.offsets, self.codes, self.segs)]
-            host = _pinned(torch.tensor(rows, dtype=torch.int64).reshape(-1, 5), self.device)
+            host = _pinned(torch.tensor(rows, dtype=torch.int64).reshape(-1, kpack.NCOL), self.device)
             # pinned + non_blocking: the caching host allocator keeps `host` until the copy has read it
             self._table = host.to(self.device, non_blocking=True)
             self.uploads += 1
