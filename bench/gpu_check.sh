@@ -95,6 +95,15 @@ bench 90 60 "bench: H2D/D2H, writeback hidden" bench-transport.json bench/test_b
 bench 120 0 "bench: train step vs AdamW" bench-step.json bench/test_bench_step.py -k cuda || status=1
 say "--- benchmark ratios (bench/summary.py; best of N rounds)"
 "$py" bench/summary.py "$out"/bench-*.json 2>>"$log" | tee -a "$summary" || status=1
+# --- pack rows (issue 17, deliverable 1): bench/test_bench_buckets.py's cases (64 tensors at align 1 and 8, 1 tensor;
+# ZO_BENCH_SIZES elements) as summary rows {numel, tensors, align, zo_ms, copy_ms, torch_ref_ms, ...} -> OUTDIR/pack.json
+# (bench/summary_pack.py's pack_rows(); the table and MET/MISSED per target go to summary.txt)
+if [ -s "$out/bench-pack.json" ]; then
+  "$py" bench/summary_pack.py "$out/bench-pack.json" >"$out/pack.json" 2>>"$summary" || status=1
+else
+  say "pack rows: no bench-pack.json (the pack benchmark did not finish)"
+  status=1
+fi
 say "result: $([ $status = 0 ] && echo 'GPU checks passed' || echo 'GPU checks FAILED') on $gpu" \
   "in $(($(date +%s) - start))s"
 exit $status

@@ -14,6 +14,8 @@ from helpers import FP32_EPS, assert_bits_equal, digest
 import zo_kernels as zk
 
 triton = pytest.importorskip("triton")
+from zo_kernels.kernels.pack import BLOCK, CHUNK  # noqa: E402  (the interpreter's smaller constants, with it)
+
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 # On CPU tensors the kernels run in Triton's interpreter (tests/conftest.py sets it without a GPU); with a GPU
 # the interpreter is off, and tests/test_gpu.py checks the compiled kernels on CUDA tensors instead.
@@ -138,11 +140,13 @@ def test_empty_list_and_zero_size(impl):
     zk.unpack(p.flat, z, offsets=p.offsets, impl=impl)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_thousand_small_tensors_one_call(impl):
+# The interpreter runs a program in ~20-40 ms on a loaded 2-core machine: 120 tensors through it (300 in
+# test_pack_many_mixed_tensors_equals_cat), 1000 through the torch path (or the compiled kernels, on a GPU).
+@pytest.mark.parametrize("impl, n", [(i, 1000 if i == "torch" or not INTERPRETED else 120) for i in IMPLS])
+def test_thousand_small_tensors_one_call(impl, n):
     g = torch.Generator().manual_seed(4)
     dtypes = FLOATS
-    tensors = [torch.randn(i % 13 + (i % 3 == 0), generator=g).to(dtypes[i % 3]) for i in range(1000)]
+    tensors = [torch.randn(i % 13 + (i % 3 == 0), generator=g).to(dtypes[i % 3]) for i in range(n)]
     out = poisoned(sum(t.numel() for t in tensors), torch.bfloat16)
     p = zk.pack(tensors, dtype=torch.bfloat16, out=out, impl=impl)
     assert_bits_equal(p.flat, torch.cat([t.flatten().to(torch.bfloat16) for t in tensors]), "1000 tensors")
@@ -252,3 +256,168 @@ def test_forcing_triton_on_cpu_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         zk.cast(torch.randn(3), torch.float16, impl="triton")
+
+
+# ---------------------------------------------------------------- launch plans: many tensors, chunks, reuse
+
+
+def _mixed(n_tensors, seed, big=False, plain=False):
+    """Odd sizes (some over several of a program's CHUNK elements when big), mixed dtypes, some tensors 4 or 2 bytes off
+    a 16-byte boundary (a head before the aligned interior); awkward values, or plain randn ones (finite squares)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n_tensors):
+        n = int(torch.randint(1, 5 * CHUNK if big else 300, (1,), generator=g))
+        skew = i % 3  # elements of the buffer skipped: the tensor's address is skew elements past an aligned one
+        if plain:
+            buf = torch.randn(n + skew, generator=g).to(FLOATS[i % 3])
+        else:
+            buf = awkward(n + skew, FLOATS[i % 3], seed=seed + i)
+        out.append(buf[skew:])
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("n, align, flat_skew", [(300, 1, 1), (60, 8, 0), (60, 64, 0)])
+def test_pack_many_mixed_tensors_equals_cat(impl, n, align, flat_skew):
+    tensors = _mixed(n, seed=align)
+    ref, offsets = expected_pack(tensors, torch.bfloat16, 1.0, align)
+    buf = poisoned(ref.numel() + flat_skew + 3, torch.bfloat16)
+    out = buf[flat_skew:]  # flat_skew = 1: no segment's flat side is 16-byte aligned where its tensor's is
+    p = zk.pack(tensors, dtype=torch.bfloat16, out=out, align=align, impl=impl)
+    assert p.offsets == offsets
+    assert torch.equal(p.flat, ref), "pack != torch.cat of the casts (gaps zero)"
+    assert buf[flat_skew + ref.numel() :].isnan().all() and (flat_skew == 0 or buf[0].isnan())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("out_dtype, align", [(torch.bfloat16, 1), (torch.float32, 8), (torch.float16, 1)], ids=str)
+def test_pack_and_unpack_across_programs(impl, out_dtype, align):
+    """Tensors of several chunks, unaligned addresses: head, whole blocks, last block, gap."""
+    tensors = _mixed(3, seed=7, big=True) + [awkward(2 * CHUNK + 5, torch.float32, seed=9)[1:]]
+    ref, _ = expected_pack(tensors, out_dtype, 0.75, align)
+    p = zk.pack(tensors, dtype=out_dtype, scale=0.75, align=align, impl=impl)
+    assert torch.equal(p.flat, ref)
+    back = [torch.full_like(t, float("nan")) for t in tensors]
+    zk.unpack(p.flat, back, offsets=p.offsets, impl=impl)
+    for i, (b, t) in enumerate(zip(back, tensors)):
+        assert torch.equal(b, (t.float() * 0.75).to(out_dtype).to(t.dtype)), f"tensor {i}"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("where", ["head", "head+1", "block", "chunk", "tail"])
+@pytest.mark.parametrize("value", [float("inf"), -float("inf"), float("nan"), 1e5])
+def test_flag_anywhere_in_a_long_tensor(impl, where, value):
+    n = 2 * CHUNK + 77
+    where = {"head": 0, "head+1": 1, "block": BLOCK + 5, "chunk": CHUNK + 3, "tail": n - 1}[where]
+    t = (torch.randn(n + 1) * 0.01)[1:]  # 4 bytes off: a 3-element head in chunk 0
+    t[where] = value
+    p = zk.pack([torch.randn(7), t], dtype=torch.float16, impl=impl)  # 1e5 overflows fp16
+    assert p.found_inf.item() is True
+    t[where] = 0.5
+    assert zk.pack([torch.randn(7), t], dtype=torch.float16, impl=impl).found_inf.item() is False
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_sum_sq_is_deterministic_and_fp32_accurate(impl):
+    tensors = _mixed(6, seed=11, big=True, plain=True)
+    a = zk.pack(tensors, dtype=torch.float32, impl=impl).sum_sq
+    b = zk.pack(tensors, dtype=torch.float32, impl=impl).sum_sq
+    assert a.view(torch.int32).item() == b.view(torch.int32).item(), "two calls, two different sums"
+    ref = sum((t.double() ** 2).sum() for t in tensors).item()
+    n = sum(t.numel() for t in tensors)
+    assert abs(a.item() - ref) <= n * FP32_EPS * ref
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_plan_reused_then_invalidated_by_new_tensors(impl):
+    """The plan keeps its table while the addresses repeat and rebuilds it when they change: a stale table would
+    read the first tensors (still alive, other values) and this would fail."""
+    first = _mixed(20, seed=1)
+    plan = zk.buckets.plan(first, dtype=torch.float32, align=8)
+    for _ in range(3):
+        p = plan.pack(first, impl=impl)
+        assert torch.equal(p.flat, expected_pack(first, torch.float32, 1.0, 8)[0])
+    if impl == "triton":
+        assert plan.uploads == 1, "the table was uploaded again for the same tensors"
+    first[4].mul_(2.0)  # in place: same address, new values; nothing is cached but the addresses
+    assert torch.equal(plan.pack(first, impl=impl).flat, expected_pack(first, torch.float32, 1.0, 8)[0])
+    second = [awkward(t.numel(), t.dtype, seed=100 + i) for i, t in enumerate(first)]
+    p = plan.pack(second, impl=impl)
+    assert torch.equal(p.flat, expected_pack(second, torch.float32, 1.0, 8)[0]), "a stale plan was used"
+    if impl == "triton":
+        assert plan.uploads == 2
+    back = [torch.full_like(t, float("nan")) for t in second]
+    plan.unpack(p.flat, back, impl=impl)
+    assert all(torch.equal(b, t.float().to(t.dtype)) for b, t in zip(back, second))
+
+
+def test_plan_refuses_other_tensors_before_writing():
+    ts = [torch.randn(5), torch.randn(7, dtype=torch.float16)]
+    plan = zk.buckets.plan(ts, dtype=torch.float32)
+    out = torch.zeros(12)
+    bad = [
+        ([torch.randn(6), ts[1]], ValueError, r"tensors\[0\] is torch.float32 with 6 elements; the plan was built"),
+        ([ts[0], ts[1].float()], ValueError, r"tensors\[1\] is torch.float32 with 7"),
+        ([ts[0]], ValueError, "has 1 tensors, the plan 2"),
+        ([ts[0], torch.randn(7, 2, dtype=torch.float16)[:, 0]], ValueError, r"tensors\[1\] must be contiguous"),
+        ([ts[0], "x"], TypeError, r"tensors\[1\] must be a torch.Tensor"),
+        ([ts[0], torch.empty(7, dtype=torch.float16, device="meta")], ValueError, r"tensors\[1\] is on meta"),
+        ([ts[0], ts[1]], ValueError, "out and a tensor of tensors overlap"),
+    ]
+    for tensors, exc, match in bad:
+        o = torch.cat([ts[0], torch.zeros(7)]) if "overlap" in match else out
+        if "overlap" in match:
+            tensors = [o[:5], ts[1]]
+        before = digest(o)
+        with pytest.raises(exc, match=match):
+            plan.pack(tensors, out=o)
+        assert digest(o) == before
+    with pytest.raises(ValueError, match=r"tensors\[0\] and tensors\[1\] overlap"):
+        buf = torch.zeros(12)
+        zk.buckets.plan([buf[:5], buf[3:10]]).unpack(torch.zeros(12), [buf[:5], buf[3:10]])
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="Triton on CPU tensors needs the interpreter (off with a GPU)")
+def test_host_work_per_call_is_independent_of_the_tensor_count(monkeypatch):
+    """The host side of a GPU-style pack call (the plan reused, the launch stubbed): the same Python lines run for
+    64 tensors as for 640, one launch, no table rebuilt or uploaded, so the per-call cost is a constant plus a few
+    C-level passes over the list. Deterministic (lines counted, not time); the time is printed (run with -s;
+    bench/test_bench_buckets.py::test_host_time_per_call prints it too)."""
+    import sys
+    import time
+
+    from zo_kernels.kernels import pack as kpack
+
+    launches = []
+    monkeypatch.setattr(kpack, "pack", lambda *a: launches.append(a))
+    lines = {}
+    for n in (64, 640):
+        ts = [torch.randn(100 + i) for i in range(n)]
+        plan = zk.buckets.plan(ts, dtype=torch.bfloat16, align=8)
+        out = torch.empty(plan.total, dtype=torch.bfloat16)
+        plan.pack(ts, out=out, impl="triton")  # first call: tables built and uploaded
+        count = [0]
+
+        def tracer(frame, event, arg, count=count):
+            if event == "line":
+                count[0] += 1
+            return tracer
+
+        launches.clear()
+        sys.settrace(tracer)
+        try:
+            plan.pack(ts, out=out, impl="triton")
+        finally:
+            sys.settrace(None)
+        assert len(launches) == 1 and plan.uploads == 1
+        lines[n] = count[0]
+        best = min(_timed(plan, ts, out, time) for _ in range(200))
+        print(f"\nhost time per pack call, {n} tensors, launch stubbed: {best * 1e6:.1f} us (best of 200)")
+    assert lines[64] == lines[640], f"Python lines per call grow with the tensor count: {lines}"
+
+
+def _timed(plan, ts, out, time):
+    t0 = time.perf_counter()
+    plan.pack(ts, out=out, impl="triton")
+    return time.perf_counter() - t0

@@ -24,6 +24,7 @@ import traceback
 TARGETS = (80, 90)  # compute capabilities compiled for: A100 and H100 class
 VECTOR = re.compile(r"\b(ld|st)\.global(?:\.[a-z0-9]+)*\.v([248])\.")
 FLOAT_ATOMIC = re.compile(r"\b(?:atom|red)(?:\.[a-z0-9:_]+)*\.f(?:16|32|64)\b")  # order-dependent float sums
+INT_ATOMIC = re.compile(r"\batom(?:\.[a-z0-9:_]+)*\.(?:add\.)?[us]32\b")
 
 
 class StandInDriver:
@@ -66,9 +67,8 @@ def cases():
     """(label, thunk) pairs: each thunk calls a launcher of zo_kernels.kernels with CPU tensors."""
     import torch
 
-    from zo_kernels.buckets import layout
+    from zo_kernels.buckets import plan
     from zo_kernels.kernels import cast as kcast
-    from zo_kernels.kernels import pack as kpack
 
     floats = (torch.float32, torch.float16, torch.bfloat16)
     name = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -78,11 +78,10 @@ def cases():
         return [torch.zeros(n + misalign, dtype=d)[misalign:] for d, n in zip(dtypes, sizes)]
 
     def run_pack(ts, out_dtype, align, flat_misalign):
-        offsets, total = layout(ts, align)
-        segs = [b - a for a, b in zip(offsets, offsets[1:] + (total,))]
-        flat = torch.zeros(total + flat_misalign, dtype=out_dtype)[flat_misalign:]
-        kpack.pack(ts, list(offsets), segs, flat, 0.5)
-        kpack.unpack(flat, ts, list(offsets))
+        p = plan(ts, dtype=out_dtype, align=align)
+        flat = torch.zeros(p.total + flat_misalign, dtype=out_dtype)[flat_misalign:]
+        p.pack(ts, scale=0.5, out=flat, impl="triton")
+        p.unpack(flat, ts, impl="triton")
 
     out = []
     for a in floats:
@@ -106,6 +105,15 @@ def cases():
         odd = tensors([out_dtype], (4097,), 1)
         out.append((f"pack/unpack 1 unaligned tensor ->{name[out_dtype]} unaligned flat, align 1",
                     lambda t=odd, o=out_dtype: run_pack(t, o, 1, 1)))
+        # the benchmark's shapes, small: 64 fp32 tensors of odd sizes at align 1 and 8; one tensor of 3 programs
+        sizes = [(i * 7919) % 5000 + 1 for i in range(64)]
+        bucket = tensors([torch.float32] * 64, sizes, 0)
+        for align in (1, 8):
+            out.append((f"pack/unpack 64 tensors f32->{name[out_dtype]} align {align}",
+                        lambda t=bucket, o=out_dtype, a=align: run_pack(t, o, a, 0)))
+        big = tensors([torch.float32], (40000,), 0)
+        out.append((f"pack/unpack 1 tensor of 3 programs f32->{name[out_dtype]} align 1",
+                    lambda t=big, o=out_dtype: run_pack(t, o, 1, 0)))
         sixteen = tensors([out_dtype] * 16, [100] * 16, 0)
         out.append((f"pack/unpack 16 tensors ->{name[out_dtype]} align 8",
                     lambda t=sixteen, o=out_dtype: run_pack(t, o, 8, 0)))
@@ -149,7 +157,8 @@ def compile_all() -> dict:
                             vec[f"{op}.v{width}"] = vec.get(f"{op}.v{width}", 0) + 1
                         info = {"kernel": k, "target": f"sm_{cc}", "signature": str(key).split("{")[0],
                                 "cubin_bytes": len(ck.asm["cubin"]), "vector_ops": vec,
-                                "float_atomics": len(FLOAT_ATOMIC.findall(ptx)), "case": label}
+                                "float_atomics": len(FLOAT_ATOMIC.findall(ptx)),
+                                "int_atomics": len(INT_ATOMIC.findall(ptx)), "case": label}
                         entry["kernels"].append(info)
                         report["compiled"].append(info)
                 report["cases"].append(entry)

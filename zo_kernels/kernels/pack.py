@@ -1,209 +1,247 @@
-"""Multi-tensor pack/unpack in one launch: many tensors <-> one flat buffer, with cast, scale, the
-inf/nan flag and the fp32 sum of squares computed in the same pass.
+"""Multi-tensor pack/unpack in one launch: many tensors <-> one flat buffer, with cast, scale, the inf/NaN flag
+and the fp32 sum of squares computed in the same pass and reduced in the same launch.
 
-Each program copies BLOCK elements of one segment. The segment of program `pid` is found by a binary
-search over the cumulative block counts (an (n + 1)-entry int64 table), so the grid has exactly as many
-programs as there are blocks, whatever the mix of tensor sizes. Tensors of any dtype mix are read
-through their raw addresses (an int64 table, one row per tensor), with a uniform branch on the dtype
-code. All offsets are int64.
+The launch plan (kernels/plan.py) holds two int64 tables on the device, built once per bucket:
+  - the tensor table, one row per tensor: (address, numel, offset in flat, dtype code, segment length);
+  - the work table, one row per program: (tensor, chunk), as apex's multi_tensor_apply and torch's _foreach
+    kernels do, so a program reads its row and streams its chunk: no search.
+Program k of a tensor moves elements [k * CHUNK + h, (k + 1) * CHUNK + h) of it (program 0 starts at 0, the
+last one ends at the segment's end), where the head h (under 16 bytes of elements) is the index of the tensor's
+first 16-byte aligned element. So every chunk but the last is whole aligned BLOCKs, accessed without masks
+through a pointer marked 16-byte aligned: 16-byte loads (pack) or stores (unpack) of the tensor whatever its
+offset in flat (align=1 included). The flat
+side gets 16-byte accesses too when its address at that point is aligned as well (the kernel checks, per
+program); otherwise it is accessed element by element, still coalesced. tests/test_triton_compile.py checks
+the PTX of both paths.
 
-Alignment: when every address is 16-byte aligned and every segment offset and length a multiple of 16
-bytes of flat, the launcher says so (VEC > 1) and the kernels carry the hints; whole blocks are then read
-and written without masks, so the compiled code moves 16 bytes per access (tests/test_triton_compile.py
-checks the PTX). The sum of squares is per-block partials reduced by one program in a fixed order: no float
-atomics, the same bits on every run.
+Σx² and the flag: each program writes its partials, then takes a ticket from an integer counter; the program
+that takes the last ticket sums the partials in index order and resets the counter for the next launch. No
+float atomics: the same bits on every run.
 """
 
-import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .cast import BLOCK, KIND, NUM_WARPS, as_kernel_arg, on_device
-from .utils import bf16_bits_to_f32, f32_to_bf16_bits, is_nonfinite, store_f32
+from .cast import KIND, on_device
+from .utils import bf16_bits_to_f32, f32_to_bf16_bits
 
-# Columns of the per-tensor table.
-ADDR, NUMEL, OFFSET, CODE, SEG = range(5)
-NCOL = 5
-
-
-@triton.jit
-def _find_segment(cum_ptr, n_seg, pid, LOG2_N: tl.constexpr):
-    """The segment t with cum[t] <= pid < cum[t + 1] (binary search, LOG2_N + 1 steps)."""
-    lo = tl.zeros((), dtype=tl.int64)
-    hi = lo + n_seg  # not n_seg.to(): compiled Triton passes n_seg == 1 as a compile-time int, which has no .to
-    for _ in range(LOG2_N + 1):
-        mid = (lo + hi) // 2
-        right = tl.load(cum_ptr + mid + 1) <= pid
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(right, hi, mid)
-    return lo
+# 16384 elements per program: 64 KB of fp32 read and 32 KB of bf16 written, ~6k programs at 100M elements
+# (the first GPU run moved 4 KB per program, 98k programs, at 27% of a copy; not yet measured: no GPU here).
+CHUNK = 16384
+# One loop iteration: 2048 elements = 8 per thread at 8 warps, one 16-byte access of a 16-bit tensor or two of
+# an fp32 one, all issued before the first is used.
+BLOCK = 2048
+NUM_WARPS = 8
+RBLOCK = 1024  # partials summed per step by the last program
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # The same code with small constants on the CPU interpreter (tests): its cost grows with the lanes of every
+    # operation, and more, smaller chunks cross more chunk and block boundaries. The GPU constants above are the
+    # ones tests/test_triton_compile.py compiles.
+    CHUNK, BLOCK, RBLOCK = 1024, 128, 64
+NCOL = 5  # columns of the tensor table: address, numel, offset, dtype code, segment length
 
 
 @triton.jit
-def _row(table_ptr, t, VEC: tl.constexpr):
-    """Row t of the table: (address, numel, offset in flat, dtype code, segment length).
-
-    With VEC > 1 the launcher guarantees that every offset and segment length is a multiple of VEC elements
-    of flat (16 bytes); the hints are set here, on the loads themselves, where the compiler keeps them."""
+def _row(table_ptr, work_ptr, pid, CHUNK: tl.constexpr):
+    """This program's tensor and range [start, end): start is aligned (16 bytes) but for chunk 0."""
+    t = tl.load(work_ptr + 2 * pid)
+    k = tl.load(work_ptr + 2 * pid + 1)
     row = table_ptr + t * 5
-    offset, seg = tl.load(row + 2), tl.load(row + 4)
-    if VEC > 1:
-        offset = tl.multiple_of(offset, VEC)
-        seg = tl.multiple_of(seg, VEC)
-    return tl.load(row), tl.load(row + 1), offset, tl.load(row + 3), seg
+    addr, numel, offset = tl.load(row), tl.load(row + 1), tl.load(row + 2)
+    code, seg = tl.load(row + 3), tl.load(row + 4)
+    esize = tl.where(code == 0, 4, 2)
+    head = ((16 - addr % 16) % 16) // esize  # elements before the first 16-byte aligned one
+    start = tl.minimum(tl.where(k == 0, 0, k * CHUNK + head), seg)
+    end = tl.minimum((k + 1) * CHUNK + head, seg)
+    end = tl.where(k == tl.cdiv(seg, CHUNK) - 1, seg, end)
+    aligned = tl.minimum(tl.where(k == 0, head, start), end)  # first aligned element of this range
+    return addr, numel, offset, code, start, end, aligned
 
 
 @triton.jit
-def _ptr(addr, ty: tl.constexpr, VEC: tl.constexpr):
-    """A tensor's address as a typed pointer; with VEC > 1 the launcher guarantees it is 16-byte aligned
-    (the hint must sit on the pointer: one on the integer is lost in the cast)."""
-    p = addr.to(tl.pointer_type(ty))
-    if VEC > 1:
-        p = tl.multiple_of(p, 16)
-    return p
+def _typed(addr, CODE: tl.constexpr):
+    if CODE == 0:
+        return addr.to(tl.pointer_type(tl.float32))
+    elif CODE == 1:
+        return addr.to(tl.pointer_type(tl.float16))
+    else:
+        return addr.to(tl.pointer_type(tl.int16))
 
 
 @triton.jit
-def _load(p, mask, FULL: tl.constexpr):
-    """FULL: every lane valid, no mask (a masked load would stay scalar); else masked lanes read 0."""
+def _ld(ptr, mask, KIND: tl.constexpr, FULL: tl.constexpr):
+    """Elements of a KIND (0 fp32, 1 fp16, 2 bf16 bits) buffer as fp32; masked lanes read 0."""
     if FULL:
-        return tl.load(p)
+        x = tl.load(ptr)
     else:
-        return tl.load(p, mask=mask, other=0)
+        x = tl.load(ptr, mask=mask, other=0)
+    if KIND == 2:
+        return bf16_bits_to_f32(x)
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit
-def _store(p, x, mask, FULL: tl.constexpr):
+def _st(ptr, x, mask, KIND: tl.constexpr, FULL: tl.constexpr):
+    """Store fp32 values rounded to KIND (nearest even); returns them as stored, in fp32."""
+    if KIND == 2:
+        y = f32_to_bf16_bits(x)
+        back = bf16_bits_to_f32(y)
+    elif KIND == 1:
+        y = x.to(tl.float16)
+        back = y.to(tl.float32)
+    else:
+        y = x
+        back = x
     if FULL:
-        tl.store(p, x)
+        tl.store(ptr, y)
     else:
-        tl.store(p, x, mask=mask)
+        tl.store(ptr, y, mask=mask)
+    return back
 
 
 @triton.jit
-def _load_any(addr, code, offs, mask, VEC: tl.constexpr, FULL: tl.constexpr):
-    """Read a tensor given by address and dtype code as fp32 (masked lanes 0)."""
-    if code == 0:
-        x = _load(_ptr(addr, tl.float32, VEC) + offs, mask, FULL)
-    elif code == 1:
-        x = _load(_ptr(addr, tl.float16, VEC) + offs, mask, FULL).to(tl.float32)
-    else:
-        x = bf16_bits_to_f32(_load(_ptr(addr, tl.int16, VEC) + offs, mask, FULL))
-    return x
+def _pack_block(src, dst, offs, n_read, n_write, scale, acc, bad,
+                IN_KIND: tl.constexpr, OUT_KIND: tl.constexpr, FULL: tl.constexpr):  # fmt: skip
+    x = _ld(src + offs, offs < n_read, IN_KIND, FULL) * scale
+    y = _st(dst + offs, x, offs < n_write, OUT_KIND, FULL)
+    return acc + x * x, bad | (y != y) | (tl.abs(y) == float("inf"))  # inline: a call costs the interpreter ~1 ms
 
 
 @triton.jit
-def _pack_kernel(table_ptr, cum_ptr, n_seg, flat_ptr, part_ptr, scale,
-                 OUT_KIND: tl.constexpr, LOG2_N: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    t = _find_segment(cum_ptr, n_seg, pid, LOG2_N)
-    addr, numel, offset, code, seg = _row(table_ptr, t, VEC)
-    start = (pid - tl.load(cum_ptr + t)) * BLOCK
-    offs = start + tl.arange(0, BLOCK)
-    # A whole block is read without a mask (vector loads), the last block of a tensor with one; the
-    # alignment gap reads as 0.
-    if start + BLOCK <= numel:
-        x = _load_any(addr, code, offs, offs < numel, VEC, True) * scale
-    else:
-        x = _load_any(addr, code, offs, offs < numel, VEC, False) * scale
-    y = store_f32(flat_ptr + offset, offs, x, offs < seg, OUT_KIND)
-    # Per-block partials, reduced in a fixed order by _stats_kernel: no float atomics, so the sum of
-    # squares is the same bits on every run.
-    tl.store(part_ptr + pid, tl.sum(x * x, axis=0))
-    tl.store(part_ptr + tl.num_programs(0) + pid, tl.max(is_nonfinite(y).to(tl.float32), axis=0))
-
-
-@triton.jit
-def _stats_kernel(part_ptr, n_blocks, stats_ptr, BLOCK: tl.constexpr):
-    """One program: stats = [sum of the block sums, max of the block flags], always in the same order."""
+def _pack_tensor(addr, flat_addr, numel, offset, start, end, aligned, scale,
+                 IN_KIND: tl.constexpr, OUT_KIND: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Pack elements [start, end) of one tensor (those past numel are the segment's zero gap); (Σx², any bad)."""
+    IN_BYTES: tl.constexpr = 4 if IN_KIND == 0 else 2
+    OUT_BYTES: tl.constexpr = 4 if OUT_KIND == 0 else 2
+    src = _typed(addr, IN_KIND)
+    dst = _typed(flat_addr + offset * OUT_BYTES, OUT_KIND)
+    lanes = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    flag = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(0, n_blocks, BLOCK):
-        offs = i + tl.arange(0, BLOCK)
-        mask = offs < n_blocks
-        acc += tl.load(part_ptr + offs, mask=mask, other=0.0)
-        flag = tl.maximum(flag, tl.load(part_ptr + n_blocks + offs, mask=mask, other=0.0))
-    tl.store(stats_ptr, tl.sum(acc, axis=0))
-    tl.store(stats_ptr + 1, tl.max(flag, axis=0))
+    bad = tl.zeros((BLOCK,), dtype=tl.int1)
+    if aligned > start:  # chunk 0's head: the few elements before the first aligned one
+        acc, bad = _pack_block(src, dst, start + lanes, tl.minimum(aligned, numel), aligned, scale, acc, bad, IN_KIND,
+                               OUT_KIND, False)  # fmt: skip
+    n_full = tl.maximum(tl.minimum(end, numel) - aligned, 0) // BLOCK
+    if n_full > 0:
+        s = tl.multiple_of(_typed(addr + aligned * IN_BYTES, IN_KIND), 16)  # the head makes it so
+        d_addr = flat_addr + (offset + aligned) * OUT_BYTES
+        if d_addr % 16 == 0:
+            d = tl.multiple_of(_typed(d_addr, OUT_KIND), 16)  # on the cast: a mark on a pointer sum is folded away
+            for j in range(0, n_full):  # i = j * BLOCK: visibly a multiple of BLOCK (a loop variable is not)
+                i = j * BLOCK
+                acc, bad = _pack_block(s + i, d + i, lanes, 0, 0, scale, acc, bad, IN_KIND, OUT_KIND, True)
+        else:
+            d = _typed(d_addr, OUT_KIND)
+            for j in range(0, n_full):
+                i = j * BLOCK
+                acc, bad = _pack_block(s + i, d + i, lanes, 0, 0, scale, acc, bad, IN_KIND, OUT_KIND, True)
+    for i in range(aligned + n_full * BLOCK, end, BLOCK):  # the last partial block and the gap (read as 0)
+        acc, bad = _pack_block(src, dst, i + lanes, numel, end, scale, acc, bad, IN_KIND, OUT_KIND, False)
+    return tl.sum(acc, axis=0), tl.max(bad.to(tl.int32), axis=0)
 
 
 @triton.jit
-def _unpack_kernel(table_ptr, cum_ptr, n_seg, flat_ptr,
-                   IN_KIND: tl.constexpr, LOG2_N: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
+def _pack_kernel(table_ptr, work_ptr, n_work, flat_addr, part_ptr, count_ptr, sum_ptr, flag_ptr, scale,
+                 OUT_KIND: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
-    t = _find_segment(cum_ptr, n_seg, pid, LOG2_N)
-    addr, numel, offset, code, _ = _row(table_ptr, t, VEC)
-    start = (pid - tl.load(cum_ptr + t)) * BLOCK
-    offs = start + tl.arange(0, BLOCK)
-    if start + BLOCK <= numel:  # see _pack_kernel
-        _unpack_block(addr, code, offs, offs < numel, flat_ptr + offset, IN_KIND, VEC, True)
+    addr, numel, offset, code, start, end, aligned = _row(table_ptr, work_ptr, pid, CHUNK)
+    if code == 0:
+        sq, bad = _pack_tensor(addr, flat_addr, numel, offset, start, end, aligned, scale, 0, OUT_KIND, BLOCK)
+    elif code == 1:
+        sq, bad = _pack_tensor(addr, flat_addr, numel, offset, start, end, aligned, scale, 1, OUT_KIND, BLOCK)
     else:
-        _unpack_block(addr, code, offs, offs < numel, flat_ptr + offset, IN_KIND, VEC, False)
+        sq, bad = _pack_tensor(addr, flat_addr, numel, offset, start, end, aligned, scale, 2, OUT_KIND, BLOCK)
+    tl.store(part_ptr + pid, sq)
+    tl.store(part_ptr + n_work + pid, bad.to(tl.float32))
+    # The barrier orders the partials' stores (whichever thread makes them) before the ticket; the ticket's release
+    # (cumulative, gpu scope) publishes them, and the last ticket's acquire sees everyone's.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == n_work - 1:
+        total = tl.zeros((RBLOCK,), dtype=tl.float32)
+        flag = tl.zeros((RBLOCK,), dtype=tl.float32)
+        for i in range(0, n_work, RBLOCK):
+            offs = i + tl.arange(0, RBLOCK)
+            mask = offs < n_work
+            total += tl.load(part_ptr + offs, mask=mask, other=0.0, volatile=True)
+            flag = tl.maximum(flag, tl.load(part_ptr + n_work + offs, mask=mask, other=0.0, volatile=True))
+        tl.store(sum_ptr, tl.sum(total, axis=0))
+        tl.store(flag_ptr, tl.max(flag, axis=0) > 0)
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
-def _unpack_block(addr, code, offs, mask, src_ptr, IN_KIND: tl.constexpr, VEC: tl.constexpr, FULL: tl.constexpr):
-    """One block of flat (from src_ptr) into the tensor at addr, cast to its dtype code."""
-    if IN_KIND == 2:
-        x = bf16_bits_to_f32(_load(src_ptr + offs, mask, FULL))
-    else:
-        x = _load(src_ptr + offs, mask, FULL).to(tl.float32)
+def _unpack_tensor(addr, flat_addr, offset, start, end, aligned,
+                   OUT_CODE: tl.constexpr, IN_KIND: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Elements [start, end) of flat's segment into the tensor at addr, cast to its dtype."""
+    IN_BYTES: tl.constexpr = 4 if IN_KIND == 0 else 2
+    OUT_BYTES: tl.constexpr = 4 if OUT_CODE == 0 else 2
+    dst = _typed(addr, OUT_CODE)
+    src = _typed(flat_addr + offset * IN_BYTES, IN_KIND)
+    lanes = tl.arange(0, BLOCK)
+    if aligned > start:
+        offs = start + lanes
+        _st(dst + offs, _ld(src + offs, offs < aligned, IN_KIND, False), offs < aligned, OUT_CODE, False)
+    n_full = tl.maximum(end - aligned, 0) // BLOCK
+    if n_full > 0:
+        d = tl.multiple_of(_typed(addr + aligned * OUT_BYTES, OUT_CODE), 16)
+        s_addr = flat_addr + (offset + aligned) * IN_BYTES
+        if s_addr % 16 == 0:
+            s = tl.multiple_of(_typed(s_addr, IN_KIND), 16)
+            for j in range(0, n_full):  # see _pack_tensor
+                i = j * BLOCK
+                _st(d + i + lanes, _ld(s + i + lanes, None, IN_KIND, True), None, OUT_CODE, True)
+        else:
+            s = _typed(s_addr, IN_KIND)
+            for j in range(0, n_full):
+                i = j * BLOCK
+                _st(d + i + lanes, _ld(s + i + lanes, None, IN_KIND, True), None, OUT_CODE, True)
+    for i in range(aligned + n_full * BLOCK, end, BLOCK):
+        offs = i + lanes
+        _st(dst + offs, _ld(src + offs, offs < end, IN_KIND, False), offs < end, OUT_CODE, False)
+
+
+@triton.jit
+def _unpack_kernel(table_ptr, work_ptr, flat_addr,
+                   IN_KIND: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    addr, numel, offset, code, start, end, aligned = _row(table_ptr, work_ptr, pid, CHUNK)
+    end = tl.minimum(end, numel)  # a pack plan's segment runs on over the gap; the tensor ends at numel
+    aligned = tl.minimum(aligned, end)
+    start = tl.minimum(start, end)
     if code == 0:
-        _store(_ptr(addr, tl.float32, VEC) + offs, x, mask, FULL)
+        _unpack_tensor(addr, flat_addr, offset, start, end, aligned, 0, IN_KIND, BLOCK)
     elif code == 1:
-        _store(_ptr(addr, tl.float16, VEC) + offs, x.to(tl.float16), mask, FULL)
+        _unpack_tensor(addr, flat_addr, offset, start, end, aligned, 1, IN_KIND, BLOCK)
     else:
-        _store(_ptr(addr, tl.int16, VEC) + offs, f32_to_bf16_bits(x), mask, FULL)
+        _unpack_tensor(addr, flat_addr, offset, start, end, aligned, 2, IN_KIND, BLOCK)
 
 
-def _tables(tensors, offsets, segs, device):
-    rows, cum = [], [0]
-    for t, off, seg in zip(tensors, offsets, segs):
-        rows.append((t.data_ptr(), t.numel(), off, KIND[t.dtype], seg))
-        cum.append(cum[-1] + triton.cdiv(seg, BLOCK))
-    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, NCOL).to(device, non_blocking=True)
-    return table, torch.tensor(cum, dtype=torch.int64).to(device, non_blocking=True), cum[-1]
+def work_rows(segs, chunk: int = CHUNK) -> list[tuple[int, int]]:
+    """(tensor, chunk) for every program: cdiv(seg, chunk) per tensor, none for an empty one."""
+    return [(t, k) for t, seg in enumerate(segs) for k in range(-(-seg // chunk))]
 
 
-def _log2(n: int) -> int:
-    return max(1, math.ceil(math.log2(n + 1)))
+def pack(table: torch.Tensor, work: torch.Tensor, n_work: int, flat: torch.Tensor, scale: float,
+         part: torch.Tensor, count: torch.Tensor, sum_sq: torch.Tensor, found: torch.Tensor) -> None:  # fmt: skip
+    """One launch on a validated plan: packs, and writes Σx² to sum_sq and the flag to found (n_work >= 1).
 
-
-def _vec(tensors, flat, multiples) -> int:
-    """Elements of flat per 16 bytes when every address is 16-byte aligned and every one of `multiples`
-    (segment offsets and lengths) a multiple of that; else 1 (no alignment hints)."""
-    vec = 16 // flat.element_size()
-    ok = flat.data_ptr() % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in tensors)
-    return vec if ok and all(m % vec == 0 for m in multiples) else 1
-
-
-def pack(tensors, offsets, segs, flat, scale) -> torch.Tensor:
-    """Launch on validated input; returns stats = [sum_sq, found_inf (0./1.)] as an fp32 device tensor."""
-    table, cum, blocks = _tables(tensors, offsets, segs, flat.device)
-    if not blocks:
-        return torch.zeros(2, dtype=torch.float32, device=flat.device)
-    stats = torch.empty(2, dtype=torch.float32, device=flat.device)
-    part = torch.empty(2 * blocks, dtype=torch.float32, device=flat.device)
+    part: 2 * n_work fp32 scratch; count: one int32, 0 before the launch and after it."""
     with on_device(flat):
-        _pack_kernel[(blocks,)](
-            table, cum, len(tensors), as_kernel_arg(flat), part, float(scale),
-            OUT_KIND=KIND[flat.dtype], LOG2_N=_log2(len(tensors)), BLOCK=BLOCK,
-            VEC=_vec(tensors, flat, [*offsets, *segs]), num_warps=NUM_WARPS,
+        _pack_kernel[(n_work,)](
+            table, work, n_work, flat.data_ptr(), part, count, sum_sq, found, scale,
+            OUT_KIND=KIND[flat.dtype], CHUNK=CHUNK, BLOCK=BLOCK, RBLOCK=RBLOCK, num_warps=NUM_WARPS,
         )  # fmt: skip
-        _stats_kernel[(1,)](part, blocks, stats, BLOCK=BLOCK, num_warps=NUM_WARPS)
-    return stats
 
 
-def unpack(flat, tensors, offsets) -> None:
-    """Launch on validated input: tensors[i] <- flat[offsets[i]:][:numel], cast to tensors[i].dtype."""
-    segs = [t.numel() for t in tensors]
-    table, cum, blocks = _tables(tensors, offsets, segs, flat.device)
-    if blocks:
-        with on_device(flat):
-            _unpack_kernel[(blocks,)](
-                table, cum, len(tensors), as_kernel_arg(flat),
-                IN_KIND=KIND[flat.dtype], LOG2_N=_log2(len(tensors)), BLOCK=BLOCK,
-                VEC=_vec(tensors, flat, offsets), num_warps=NUM_WARPS,
-            )  # fmt: skip
+def unpack(table: torch.Tensor, work: torch.Tensor, n_work: int, flat: torch.Tensor) -> None:
+    """One launch on a validated plan: every tensor of the table <- its segment of flat (n_work >= 1)."""
+    with on_device(flat):
+        _unpack_kernel[(n_work,)](
+            table, work, flat.data_ptr(),
+            IN_KIND=KIND[flat.dtype], CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )  # fmt: skip

@@ -48,9 +48,3 @@ def store_f32(ptr, offs, x, mask, KIND: tl.constexpr):
         y = x.to(ptr.dtype.element_ty)
         tl.store(ptr + offs, y, mask=mask)
         return y.to(tl.float32)
-
-
-@triton.jit
-def is_nonfinite(x):
-    """inf or NaN (fp32 in)."""
-    return (x != x) | (tl.abs(x) == float("inf"))

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..buckets import pack
+from ..buckets import plan
 from ..cpu_adam import sum_squares
 from ..param_views import MovedGrad, in_nested_backward
 from ..transport import Transport
@@ -78,6 +78,7 @@ class GradPath:
         self.iteration = 0  # step() calls that consumed gradients
         self.last_got: list[bool] = []  # which params had a gradient at the last step (zero_grad(set_to_none=False))
         self.hooks: list[Any] = []
+        self.plans: dict[tuple[int, int], Any] = {}  # a launch plan per (bucket, unit): validated and uploaded once
         self.reset()
 
     def attach(self, accumulators: dict[torch.Tensor, Any] | None = None) -> None:
@@ -262,7 +263,7 @@ class GradPath:
         for i, j in zip(b.packs, b.packs[1:] + [len(b.params)]):  # ZeRO-3: one pack per unit in the bucket
             lo = b.params[i][1] - b.lo
             buf[end:lo].zero_()  # a unit's padding
-            packed = pack(grads[i:j], dtype=self.dtype, scale=self.predivide, out=buf[lo:], align=lay.align)
+            packed = self._pack(b.index, i, grads[i:j], buf[lo:])
             self._found_inf |= packed.found_inf
             self._sum_sq += packed.sum_sq
             end = lo + packed.flat.numel()
@@ -290,6 +291,15 @@ class GradPath:
                 busy.append(self.transport.d2h(dst, buf[a - b.lo : c - b.lo]))
         self.times.add("reduce", t2 - t1)
         self.times.add("offload", (t1 - t0) + (time.perf_counter() - t2))
+
+    def _pack(self, bucket: int, unit: int, grads: list[torch.Tensor], out: torch.Tensor):
+        """Pack with the unit's launch plan (gradients have their params' sizes and dtype: the plan holds while the
+        params do; it checks that on every call)."""
+        key = (bucket, unit)
+        p = self.plans.get(key)
+        if p is None:
+            p = self.plans[key] = plan(grads, dtype=self.dtype, align=self.layout.align)
+        return p.pack(grads, scale=self.predivide, out=out)
 
     def _place_moved_grad(self, p: torch.Tensor) -> None:
         i = self.layout.index[p]

@@ -1,0 +1,312 @@
+"""The launch plan of one bucket: its layout validated, its tables built and uploaded once, reused every call.
+
+A plan is built for tensors of given sizes and dtypes on one device. Each call checks, in a few C-level passes
+over the list (no Python loop per tensor), that the tensors still have those sizes and dtypes, are contiguous
+and on the plan's device, and reads their addresses. The addresses usually repeat (the same parameters, or
+gradients the caching allocator puts where it put them last step); only when they change is the table
+rebuilt: alignment and overlap checked (sorted by address, O(n log n)) and the new table uploaded through
+pinned memory. Nothing else of a call grows with the tensor count but the C++ copy calls of the CPU path.
+This module does not import triton: the CPU path needs none.
+"""
+
+from __future__ import annotations
+
+import bisect
+import importlib.util
+from collections.abc import Sequence
+from operator import attrgetter
+from typing import NamedTuple
+
+import torch
+
+from .. import _cpu
+from ..cpu_adam import ISAS, _real, best_isa, bump_version, check_memory, sum_squares
+
+CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_DTYPE, _CPU, _NEEDS_GRAD = attrgetter("dtype"), attrgetter("is_cpu"), attrgetter("requires_grad")
+
+
+def check_float(t, name: str) -> None:
+    """t is a dense contiguous fp32/fp16/bf16 tensor (TypeError/ValueError naming it otherwise)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in CODE:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense strided tensor, got layout {t.layout}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)})")
+
+
+def check_writable(t: torch.Tensor, name: str) -> None:
+    """An output must not need grad: autograd would refuse the write halfway (after earlier outputs changed)."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"{name} requires grad: it cannot be written in place here (use torch.no_grad() or "
+                           f"{name}.detach())")  # fmt: skip
+    check_memory(t, name, written=t.device.type == "cpu")
+
+
+def check_out(out, dtype: torch.dtype, numel: int, device: torch.device, name: str = "out",
+              memory: bool = True) -> None:  # fmt: skip
+    """out is a writable 1-D `dtype` tensor of at least `numel` elements on `device` (memory: check its storage)."""
+    check_float(out, name)
+    if out.dtype != dtype:
+        raise TypeError(f"{name} has dtype {out.dtype}, expected {dtype}")
+    if out.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(out.shape)}")
+    if out.numel() < numel:
+        raise ValueError(f"{name} has {out.numel()} elements, needs at least {numel}")
+    if out.device != device:
+        raise ValueError(f"{name} is on {out.device}, the tensors on {device}")
+    if out.requires_grad and torch.is_grad_enabled():
+        check_writable(out, name)
+    if memory:
+        check_memory(out, name, written=out.device.type == "cpu")
+
+
+def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t in pinned memory when it goes to a GPU (so the copy is asynchronous and never from pageable memory)."""
+    return t.pin_memory() if device.type == "cuda" else t
+
+
+class Packed(NamedTuple):
+    """The result of `pack`.
+
+    Args:
+        flat: 1-D bucket of the packed values (a view of `out` when one was given).
+        offsets: where each tensor starts in `flat` (multiples of `align`).
+        found_inf: 0-dim bool tensor on the device: some scaled value is inf/NaN or overflows the dtype.
+        sum_sq: 0-dim fp32 tensor on the device: sum of squares of the scaled values, accumulated in fp32.
+    """
+
+    flat: torch.Tensor
+    offsets: tuple[int, ...]
+    found_inf: torch.Tensor
+    sum_sq: torch.Tensor
+
+
+class PackPlan:
+    """How to pack tensors of these sizes and dtypes into (and unpack them from) a flat bucket of `dtype`.
+
+    Build it with `zo_kernels.buckets.plan` (it validates), keep it, and call `pack` / `unpack` with tensors of
+    the same sizes and dtypes every time (e.g. each step's gradients of one bucket). One plan is used in stream
+    order: its scratch (the partial sums and the ticket counter) is shared by its launches.
+
+    Args:
+        numels, dtypes: of the tensors, in order.
+        dtype: the bucket's dtype.
+        offsets, segs: where each tensor's segment starts in the bucket, and its length (>= numel: pack zeroes
+            the rest).
+        total: the bucket's size.
+        device: where the tensors and the bucket are.
+        name: how errors name the tensor list.
+    """
+
+    def __init__(self, numels: tuple[int, ...], dtypes: tuple[torch.dtype, ...], dtype: torch.dtype,
+                 offsets: tuple[int, ...], segs: tuple[int, ...], total: int, device: torch.device,
+                 name: str = "tensors") -> None:  # fmt: skip
+        self.numels, self.dtypes, self.dtype, self.offsets, self.total = numels, dtypes, dtype, offsets, total
+        self.device, self.name, self.n, self.segs = device, name, len(numels), segs
+        self.codes = tuple(CODE[d] for d in dtypes)
+        self.gaps = [(o + n, o + s) for o, n, s in zip(offsets, numels, self.segs) if s > n]
+        self.same_dtype = all(d == dtype for d in dtypes)
+        self._device_index = device.index if device.type == "cuda" else None
+        self._ptrs: tuple[int, ...] | None = None  # the addresses the table and the overlap check are for
+        self._starts: list[int] = []  # sorted non-empty spans of the tensors: the overlap check of `out`
+        self._ends: list[int] = []
+        self._device_tables = None  # (work, n_work, part, count, pack work, unpack work) once on a GPU
+        self._table: torch.Tensor | None = None
+        self._out_checked: tuple[int, int] | None = None  # (address, numel) of an `out` whose memory was checked
+        self._writable = False  # the tensors at these addresses were checked writable (unpack on the CPU)
+        self._gap_index: torch.Tensor | None = None
+        self.uploads = 0  # tensor tables uploaded (a test counts them)
+        self.impl = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+
+    # ------------------------------------------------------------------ per-call checks
+
+    def check(self, tensors: Sequence[torch.Tensor], written: bool = False) -> tuple[tuple[int, ...], Sequence]:
+        """(addresses, tensors) after checking they still fit the plan (O(n) in C-level passes); negated views
+        are resolved (copied) when only read, refused when written."""
+        name = self.name
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
+        if len(tensors) != self.n:
+            raise ValueError(f"{name} has {len(tensors)} tensors, the plan {self.n}")
+        try:
+            numels = tuple(map(torch.Tensor.numel, tensors))  # the descriptor refuses anything but a tensor
+        except TypeError:
+            i = next(i for i, t in enumerate(tensors) if not isinstance(t, torch.Tensor))
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(tensors[i]).__name__}") from None
+        if numels != self.numels or tuple(map(_DTYPE, tensors)) != self.dtypes:
+            i = next(i for i, t in enumerate(tensors) if (t.dtype, t.numel()) != (self.dtypes[i], self.numels[i]))
+            raise ValueError(f"{name}[{i}] is {tensors[i].dtype} with {tensors[i].numel()} elements; the plan was "
+                             f"built for {self.dtypes[i]} with {self.numels[i]} (build a new plan)")  # fmt: skip
+        if self.device.type == "cpu":
+            right = all(map(_CPU, tensors))
+        elif self._device_index is None:
+            right = all(t.device == self.device for t in tensors)
+        else:
+            right = set(map(torch.Tensor.get_device, tensors)) <= {self._device_index}
+        if not right:
+            i = next(i for i, t in enumerate(tensors) if t.device != self.device)
+            raise ValueError(f"{name}[{i}] is on {tensors[i].device} but {name}[0] is on {self.device}")
+        if not all(map(torch.Tensor.is_contiguous, tensors)):
+            i = next(i for i, t in enumerate(tensors) if not t.is_contiguous())
+            t = tensors[i]
+            raise ValueError(f"{name}[{i}] must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)})")
+        if any(map(torch.Tensor.is_neg, tensors)):
+            if written:
+                i = next(i for i, t in enumerate(tensors) if t.is_neg())
+                raise ValueError(f"{name}[{i}] is a negated view; pass {name}[{i}].resolve_neg()")
+            tensors = [t.resolve_neg() for t in tensors]  # the kernels read raw values
+        ptrs = tuple(map(torch.Tensor.data_ptr, tensors))
+        if ptrs != self._ptrs:
+            self._readdress(tensors, ptrs)
+        return ptrs, tensors
+
+    def _readdress(self, tensors: Sequence[torch.Tensor], ptrs: tuple[int, ...]) -> None:
+        """New addresses: check them (alignment, storage, overlap: sorted, O(n log n)); the table is rebuilt."""
+        name = self.name
+        for i, t in enumerate(tensors):
+            check_memory(t, f"{name}[{i}]")
+        spans = sorted((p, p + n * t.element_size(), i) for i, (p, n, t) in enumerate(zip(ptrs, self.numels, tensors))
+                       if n)  # fmt: skip
+        for (_, a1, i), (b0, _, j) in zip(spans, spans[1:]):
+            if b0 < a1:
+                raise ValueError(f"{name}[{min(i, j)}] and {name}[{max(i, j)}] overlap in memory; each must be its "
+                                 "own buffer")  # fmt: skip
+        self._starts, self._ends = [s[0] for s in spans], [s[1] for s in spans]
+        self._ptrs, self._table, self._writable = ptrs, None, False
+
+    def check_apart(self, buf: torch.Tensor, name: str) -> None:
+        """buf shares no memory with the tensors of the last check (O(log n): their spans are sorted, disjoint)."""
+        if not buf.numel() or not self._starts:
+            return
+        lo = buf.data_ptr()
+        hi = lo + buf.numel() * buf.element_size()
+        i = bisect.bisect_left(self._starts, hi)
+        if i and self._ends[i - 1] > lo:
+            raise ValueError(f"{name} and a tensor of {self.name} overlap in memory; each must be its own buffer")
+
+    # ------------------------------------------------------------------ device tables
+
+    def _tables(self, ptrs: tuple[int, ...]):
+        """(tensor table, work table, programs, partials, counter) on the device; uploaded once per address set."""
+        if self._device_tables is None:
+            from . import pack as kpack
+
+            rows = kpack.work_rows(self.segs)
+            work = _pinned(torch.tensor(rows, dtype=torch.int64).reshape(-1, 2), self.device)
+            n_work = len(rows)
+            self._device_tables = (
+                work.to(self.device, non_blocking=True), n_work,
+                torch.empty(2 * max(n_work, 1), dtype=torch.float32, device=self.device),
+                torch.zeros(1, dtype=torch.int32, device=self.device),
+            )  # fmt: skip
+        if self._table is None:
+            from . import pack as kpack
+
+            rows = [(p, n, o, c, s) for p, n, o, c, s in zip(ptrs, self.numels, self.offsets, self.codes, self.segs)]
+            host = _pinned(torch.tensor(rows, dtype=torch.int64).reshape(-1, kpack.NCOL), self.device)
+            # pinned + non_blocking: the caching host allocator keeps `host` until the copy has read it
+            self._table = host.to(self.device, non_blocking=True)
+            self.uploads += 1
+        return self._table, *self._device_tables
+
+    def _gaps(self) -> torch.Tensor:
+        if self._gap_index is None:
+            idx = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in self.gaps])
+            self._gap_index = idx.to(self.device)
+        return self._gap_index
+
+    # ------------------------------------------------------------------ the calls
+
+    def pack(self, tensors: Sequence[torch.Tensor], *, scale: float = 1.0, out: torch.Tensor | None = None,
+             impl: str | None = None) -> Packed:  # fmt: skip
+        """Pack `tensors` (sizes and dtypes as planned) into `out[:total]` or a new bucket; see buckets.pack.
+        impl: "triton" or "torch"; None: the kernels on a GPU with triton installed, else torch."""
+        ptrs, tensors = self.check(tensors)
+        scale = scale if type(scale) is float and -3.4e38 < scale < 3.4e38 else _real(scale, "scale")
+        if out is None:
+            flat = torch.empty(self.total, dtype=self.dtype, device=self.device)
+        else:
+            span = (out.data_ptr(), out.numel())
+            check_out(out, self.dtype, self.total, self.device, memory=span != self._out_checked)
+            self._out_checked = span  # its storage (bounds, writable) is checked once per address
+            self.check_apart(out, "out")
+            flat = out if out.numel() == self.total else out[: self.total]
+        if (impl or self.impl) == "triton":
+            table, work, n_work, part, count = self._tables(ptrs)
+            if n_work:
+                from . import pack as kpack
+
+                sum_sq = torch.empty((), dtype=torch.float32, device=self.device)
+                found = torch.empty((), dtype=torch.bool, device=self.device)
+                kpack.pack(table, work, n_work, flat, scale, part, count, sum_sq, found)
+                bump_version(flat)
+                return Packed(flat, self.offsets, found, sum_sq)
+            return Packed(flat, self.offsets, torch.zeros((), dtype=torch.bool, device=self.device),
+                          torch.zeros((), dtype=torch.float32, device=self.device))  # fmt: skip
+        if self.device.type == "cpu" and scale == 1.0 and self.same_dtype:
+            return self._pack_cpu_exact(ptrs, flat)
+        return self._pack_torch(tensors, flat, scale)
+
+    def _pack_cpu_exact(self, ptrs: tuple[int, ...], flat: torch.Tensor) -> Packed:
+        """The bucket holds the values unchanged (the offload step's case): one C++ pass per tensor copies it,
+        sums its squares (fp32 partials, combined in double) and flags inf/NaN."""
+        isa, threads = ISAS.index(best_isa()), max(1, torch.get_num_threads())
+        base, esize = flat.data_ptr(), flat.element_size()
+        squares, bad = 0.0, False
+        for p, n, c, o in zip(ptrs, self.numels, self.codes, self.offsets):
+            if n:
+                s, b = _cpu.sum_squares(p, base + o * esize, c, n, isa, threads)
+                squares, bad = squares + s, bad or b
+        if self.gaps:
+            flat.index_fill_(0, self._gaps(), 0)
+        bump_version(flat)
+        return Packed(flat, self.offsets, torch.tensor(bad), torch.tensor(squares, dtype=torch.float32))
+
+    def _pack_torch(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, scale: float) -> Packed:
+        """The multi-pass torch path: any device, any dtypes and scale; exact (rounds once, from fp32)."""
+        device = self.device
+        sum_sq = torch.zeros((), dtype=torch.float32, device=device)
+        for t, off in zip(tensors, self.offsets):
+            v = t.reshape(-1).float() * scale
+            flat[off : off + t.numel()].copy_(v)
+            sum_sq += v.square().sum()
+        if self.gaps:
+            flat.index_fill_(0, self._gaps(), 0)
+        if device.type == "cpu":
+            found = torch.tensor(bool(self.total) and sum_squares(flat)[1])
+        else:
+            found = ~torch.isfinite(flat).all() if self.total else torch.zeros((), dtype=torch.bool, device=device)
+        return Packed(flat, self.offsets, found, sum_sq)
+
+    def unpack(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], *, impl: str | None = None) -> None:
+        """tensors[i] <- flat[offsets[i]:][:numels[i]], cast to tensors[i].dtype."""
+        ptrs, tensors = self.check(tensors, written=True)
+        if torch.is_grad_enabled() and any(map(_NEEDS_GRAD, tensors)):
+            i = next(i for i, t in enumerate(tensors) if t.requires_grad)
+            raise RuntimeError(f"{self.name}[{i}] requires grad: it cannot be written in place here (use "
+                               f"torch.no_grad() or {self.name}[{i}].detach())")  # fmt: skip
+        if self.device.type == "cpu" and not self._writable:  # new addresses: foreign memory must be writable
+            for i, t in enumerate(tensors):
+                check_memory(t, f"{self.name}[{i}]", written=True)
+            self._writable = True
+        check_float(flat, "flat")
+        if flat.dim() != 1 or flat.dtype not in CODE or flat.device != self.device:
+            raise ValueError(f"flat must be a 1-D tensor on {self.device}, got shape {tuple(flat.shape)} on "
+                             f"{flat.device}")  # fmt: skip
+        if flat.numel() < self.total:
+            raise ValueError(f"flat has {flat.numel()} elements, the plan's bucket {self.total}")
+        self.check_apart(flat, "flat")
+        if (impl or self.impl) == "triton":
+            table, work, n_work, _, _ = self._tables(ptrs)
+            if n_work:
+                from . import pack as kpack
+
+                kpack.unpack(table, work, n_work, flat)
+                bump_version(*tensors)
+            return
+        for t, off in zip(tensors, self.offsets):
+            t.copy_(flat[off : off + t.numel()].reshape(t.shape))
