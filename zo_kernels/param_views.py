@@ -66,6 +66,7 @@ MOVED_GRAD_HELP = (
 
 _aten = torch.ops.aten
 _NORMS = (_aten.linalg_vector_norm.default, _aten._foreach_norm.Scalar)
+_ZEROS = (_aten.zero_.default, _aten._foreach_zero_.default)
 _MULS = (_aten.mul_.Tensor, _aten.mul_.Scalar, _aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar)
 
 
@@ -94,6 +95,8 @@ class MovedGrad(torch.Tensor):
             return _norms(func, args, kwargs)
         if func in _MULS:
             return _scale(func, args)
+        if func in _ZEROS:
+            return _zero(func, args)
         raise RuntimeError(f"{func} on p.grad: {MOVED_GRAD_HELP}")
 
     def __repr__(self) -> str:
@@ -143,6 +146,18 @@ def _scale(func: Any, args: Any) -> Any:
         if not isinstance(g, MovedGrad):
             g.mul_(factor)
     return None if foreach else args[0]  # the foreach op's schema returns nothing
+
+
+def _zero(func: Any, args: Any) -> Any:
+    """p.grad.zero_() (model.zero_grad(set_to_none=False)): the host gradient becomes zeros, kept, as in torch."""
+    foreach = func is _aten._foreach_zero_.default
+    grads = list(args[0]) if foreach else [args[0]]
+    for owner, where in _by_owner(grads).values():
+        owner._zero_host_grads([grads[k]._index for k in where])
+    for g in grads:
+        if not isinstance(g, MovedGrad):
+            g.zero_()
+    return None if foreach else args[0]
 
 
 _BACKWARD_APPLY = torch.autograd.function.BackwardCFunction.apply.__code__

@@ -117,6 +117,9 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
         for key, value in saved.items():
             if key != "params":
                 group[key] = tuple(value) if key == "betas" else value
+    no_masters = not plan or any(st.get("master") is None for _, _, st, _ in plan)
+    if no_masters and opt.update.params_in_swapper:  # (before save_state writes the masters' cast over the file)
+        opt.update.refresh_stale_masters()
     opt.update.steps = [0] * len(opt.layout.params)
     master, exp_avg, exp_avg_sq = opt.update.state()
     exp_avg.zero_()
@@ -133,7 +136,7 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
                 master[dst] = st["master"].reshape(-1)[src].float()
     opt.update.save_state(master, exp_avg, exp_avg_sq)
     opt._set_group_steps()
-    if not plan or any(st.get("master") is None for _, _, st, _ in plan):
+    if no_masters and not opt.update.params_in_swapper:
         opt.update.refresh_stale_masters()
     extra = state_dict.get("zero_offload", {})
     if "loss_scale" in extra and extra.get("dynamic") == opt.scaler.dynamic:
