@@ -91,8 +91,8 @@ class Unit:
         """p is still the optimizer's: empty between uses, or its range of the buffer holding the unit."""
         if p.dtype != self.dtype or p.device != self.device:
             return False
-        if p.numel() == 0:
-            return self.state in (UnitState.SHARDED, UnitState.GATHERING)
+        if p.numel() == 0:  # (between uses; or a parameter with no elements)
+            return True
         whole = self.whole
         return whole is not None and is_alias_of(p, whole, self._where[p][0])
 
@@ -120,7 +120,8 @@ class Unit:
         pending, self.pending = self.pending, None
         self._wait(self, pending)
         for p, (off, shape) in self._where.items():
-            p.data = self.buf[off : off + shape.numel()].view(shape)
+            if p.numel() == 0:
+                p.data = self.buf[off : off + shape.numel()].view(shape)
         self.state = UnitState.GATHERED
 
     def reshard(self, outputs: Any = None) -> None:
@@ -133,8 +134,9 @@ class Unit:
             self.pending = None
         elif self.state is not UnitState.GATHERED:
             return
-        for p in self.params:
-            p.data = self._empty
+        for p, (off, _) in self._where.items():
+            if p.numel() == 0 or is_alias_of(p, self.buf, off):  # (one set by hand stays: step() then refuses it)
+                p.data = self._empty
         if _viewed_by(self.buf, outputs):
             self.buf = None
         else:
