@@ -381,3 +381,23 @@ def test_zero_grad_keeping_zeros_after_a_backward_at_stage3() -> None:
             assert torch.allclose(got[k], v, rtol=0, atol=1e-6), k
     opt.close()
 
+
+
+def test_a_step_inside_gathered_refreshes_the_kept_parameters() -> None:
+    """Training inside `with opt.gathered():` (e.g. an evaluation loop that also steps): after each step the
+    parameters the block holds are the new ones, as at stage 2 (the kept buffers are refilled by the one
+    invalidation path)."""
+    runs = {}
+    for stage in (2, 3):
+        model = _seq(2)
+        opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=stage)
+        seen = []
+        with opt.gathered():
+            for _ in range(2):
+                model(torch.ones(2, 8)).square().sum().backward()
+                opt.step()
+                seen.append({k: v.clone() for k, v in model.state_dict().items()})
+        opt.close()
+        runs[stage] = seen
+    for got, want in zip(runs[3], runs[2]):
+        assert all(torch.equal(got[k], v) for k, v in want.items())
