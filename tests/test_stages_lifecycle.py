@@ -401,3 +401,44 @@ def test_a_step_inside_gathered_refreshes_the_kept_parameters() -> None:
         runs[stage] = seen
     for got, want in zip(runs[3], runs[2]):
         assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+# ---------------------------------------------------------------------------------------------- two ranks
+
+
+def _two_rank_body(rank: int, store: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        model = _seq()
+        opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3, prefetch=2)
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+        model(x).sum().backward()
+        opt.step()
+        with torch.no_grad():
+            model(x)  # leaves units prefetched
+        new = {k: torch.randn(s, generator=torch.Generator().manual_seed(3)) for k, s in _shapes(_seq()).items()}
+        model.load_state_dict(new)  # every rank loads the same values
+        ref = _seq()
+        ref.load_state_dict(new)
+        with torch.no_grad():
+            assert torch.equal(model(x), ref(x)), f"rank {rank}: a prefetched unit kept the old weights"
+        with pytest.raises(RuntimeError, match="gathered"):
+            copy.deepcopy(model)  # a collective: refused outside gathered()
+        with opt.gathered():
+            twin = copy.deepcopy(model)
+        assert all(torch.equal(twin.state_dict()[k], v) for k, v in ref.state_dict().items())
+        dist.barrier()
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_a_load_reaches_prefetched_units_and_deepcopy_is_refused_outside_gathered(tmp_path) -> None:
+    """On two gloo ranks (a FileStore rendezvous: no port): model.load_state_dict() after a forward that left units
+    prefetched reaches the next forward on every rank; copy.deepcopy(model) is refused outside gathered() (it would
+    be a collective) and whole inside it."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_two_rank_body, args=(str(tmp_path / "store"),), nprocs=2, join=True)
