@@ -59,9 +59,10 @@ def is_alias_of(p: torch.Tensor, flat: torch.Tensor, offset: int) -> bool:
 MOVED_GRAD_HELP = (
     "this parameter's gradient was moved to the host by ZeroOffloadAdamW during backward: p.grad supports "
     "only a norm (torch.linalg.vector_norm of any order p >= 1 or inf; with several ranks a collective that every "
-    "rank must call, as all do in clip_grad_norm_) and an in-place multiplication by a scalar, which is what "
-    "torch.nn.utils.clip_grad_norm_ does (so framework clipping works: the factor is applied on the host). To "
-    "discard gradients call opt.zero_grad() or model.zero_grad()."
+    "rank must call, as all do in clip_grad_norm_), an in-place multiplication by a scalar (what "
+    "torch.nn.utils.clip_grad_norm_ does, so framework clipping works: the factor is applied on the host) and "
+    "zero_() (model.zero_grad(set_to_none=False): a zero gradient is kept). To discard gradients call "
+    "opt.zero_grad() or model.zero_grad()."
 )
 
 _aten = torch.ops.aten
@@ -76,7 +77,7 @@ class MovedGrad(torch.Tensor):
     It answers what gradient clipping asks (torch.nn.utils.clip_grad_norm_, so HF Trainer and accelerate too):
     a norm is the true norm of the parameter's gradient on the host (summed over the micro-batches, averaged
     over the ranks, loss scale removed); an in-place multiplication by a scalar is applied to that gradient at
-    step(). Anything else raises, saying so.
+    step(); zero_() makes it zeros (kept, as torch keeps a zeroed p.grad). Anything else raises, saying so.
     """
 
     @staticmethod
