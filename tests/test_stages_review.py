@@ -74,8 +74,8 @@ def test_linear_units_are_released_after_their_forward() -> None:
         opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=stage, prefetch=0)
         bufs: list[weakref.ref] = []  # every gathered buffer, as long as anything (autograd's views) holds it
         if stage == 3:
-            start = opt.shards._start
-            opt.shards._start = lambda u, start=start, bufs=bufs: (start(u), bufs.append(weakref.ref(u.buf)))
+            for u in opt.shards.units:
+                u.start = lambda u=u, start=u.start, bufs=bufs: (start(), bufs.append(weakref.ref(u.buf)))
         losses = []
         for _ in range(3):
             loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(len(losses)))).square().sum()

@@ -7,6 +7,7 @@ The update of tile t runs while tile t+1 is read and tile t-1 is written: three 
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -94,6 +95,9 @@ class NvmeSwapper:
         self._views = [[aio.view(b, d) for b, d in zip(slot, dtypes)] for slot in self._pool]
         self._finalizer = weakref.finalize(self, _release, engine, files, scratch)
         self.torn: str | None = None  # why the files no longer hold one consistent state, if they don't
+        # one pass or read at a time: they share the pool's buffers and the engine's requests (a background update
+        # streams while the caller reads opt.master: the read waits for the pass)
+        self._lock = threading.RLock()
 
     @property
     def path(self) -> str:
@@ -187,7 +191,8 @@ class NvmeSwapper:
 
     def close(self) -> None:
         """Wait for the I/O in flight, close and remove the files and their directory (idempotent)."""
-        self._finalizer()
+        with self._lock:
+            self._finalizer()
 
     def __enter__(self) -> NvmeSwapper:
         return self
@@ -214,6 +219,11 @@ class NvmeSwapper:
         if not (0 <= lo <= hi <= self.numel):
             raise ValueError(f"[lo, hi) = [{lo}, {hi}) is not within the partition's {self.numel} elements")
         _check_tensor(out, "out", (self.params_dtype,), hi - lo, like="hi - lo")
+        with self._lock:
+            self._check_usable()  # (closed or torn while this thread waited)
+            self._read_params(lo, hi, out)
+
+    def _read_params(self, lo: int, hi: int, out: torch.Tensor) -> None:
         block = aio.ALIGN // 2  # 16-bit elements per aligned block
         buf, view, f = self._pool[0][3], self._views[0][3], self._files[3]
         pos = lo
@@ -229,6 +239,13 @@ class NvmeSwapper:
             self._engine.wait(h)
 
     def _run(self, fn: Callable, *, read: bool, write: bool) -> None:
+        """One pass at a time (see `_lock`)."""
+        with self._lock:
+            if self.closed or (read and self.torn):  # (closed or torn while this thread waited)
+                self._check_usable()
+            self._pipeline(fn, read=read, write=write)
+
+    def _pipeline(self, fn: Callable, *, read: bool, write: bool) -> None:
         """The pipeline: tile t in slot t % 3; reads of t+1 and the write of t-1 in flight while fn(t) runs."""
         eng, tiles = self._engine, self.tiles
         reads: list = [None] * SLOTS

@@ -59,13 +59,15 @@ def is_alias_of(p: torch.Tensor, flat: torch.Tensor, offset: int) -> bool:
 MOVED_GRAD_HELP = (
     "this parameter's gradient was moved to the host by ZeroOffloadAdamW during backward: p.grad supports "
     "only a norm (torch.linalg.vector_norm of any order p >= 1 or inf; with several ranks a collective that every "
-    "rank must call, as all do in clip_grad_norm_) and an in-place multiplication by a scalar, which is what "
-    "torch.nn.utils.clip_grad_norm_ does (so framework clipping works: the factor is applied on the host). To "
-    "discard gradients call opt.zero_grad() or model.zero_grad()."
+    "rank must call, as all do in clip_grad_norm_), an in-place multiplication by a scalar (what "
+    "torch.nn.utils.clip_grad_norm_ does, so framework clipping works: the factor is applied on the host) and "
+    "zero_() (model.zero_grad(set_to_none=False): a zero gradient is kept). To discard gradients call "
+    "opt.zero_grad() or model.zero_grad()."
 )
 
 _aten = torch.ops.aten
 _NORMS = (_aten.linalg_vector_norm.default, _aten._foreach_norm.Scalar)
+_ZEROS = (_aten.zero_.default, _aten._foreach_zero_.default)
 _MULS = (_aten.mul_.Tensor, _aten.mul_.Scalar, _aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar)
 
 
@@ -75,7 +77,7 @@ class MovedGrad(torch.Tensor):
     It answers what gradient clipping asks (torch.nn.utils.clip_grad_norm_, so HF Trainer and accelerate too):
     a norm is the true norm of the parameter's gradient on the host (summed over the micro-batches, averaged
     over the ranks, loss scale removed); an in-place multiplication by a scalar is applied to that gradient at
-    step(). Anything else raises, saying so.
+    step(); zero_() makes it zeros (kept, as torch keeps a zeroed p.grad). Anything else raises, saying so.
     """
 
     @staticmethod
@@ -94,6 +96,8 @@ class MovedGrad(torch.Tensor):
             return _norms(func, args, kwargs)
         if func in _MULS:
             return _scale(func, args)
+        if func in _ZEROS:
+            return _zero(func, args)
         raise RuntimeError(f"{func} on p.grad: {MOVED_GRAD_HELP}")
 
     def __repr__(self) -> str:
@@ -143,6 +147,18 @@ def _scale(func: Any, args: Any) -> Any:
         if not isinstance(g, MovedGrad):
             g.mul_(factor)
     return None if foreach else args[0]  # the foreach op's schema returns nothing
+
+
+def _zero(func: Any, args: Any) -> Any:
+    """p.grad.zero_() (model.zero_grad(set_to_none=False)): the host gradient becomes zeros, kept, as in torch."""
+    foreach = func is _aten._foreach_zero_.default
+    grads = list(args[0]) if foreach else [args[0]]
+    for owner, where in _by_owner(grads).values():
+        owner._zero_host_grads([grads[k]._index for k in where])
+    for g in grads:
+        if not isinstance(g, MovedGrad):
+            g.zero_()
+    return None if foreach else args[0]
 
 
 _BACKWARD_APPLY = torch.autograd.function.BackwardCFunction.apply.__code__

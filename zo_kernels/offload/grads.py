@@ -451,6 +451,22 @@ class GradPath:
         factor = torch.tensor(self.factor, dtype=torch.float64).abs()
         return (self._norm_cache[ord] * factor)[indices].tolist()
 
+    @torch.no_grad()
+    def _zero_host_grads(self, indices: list[int]) -> None:
+        """p.grad.zero_() on placeholders (model.zero_grad(set_to_none=False)): those params keep a zero gradient, as
+        in torch, so the next step updates them (decay, moments); after a step, as zero_grad(set_to_none=False)."""
+        if self.n_micro == 0 and not self.in_backward:
+            self.zero_grad(set_to_none=False)
+            return
+        last, earlier = self._host_gradient()
+        for i in indices:
+            a, b = self.layout.part_range(self.layout.params[i])
+            for buf in (last, earlier):
+                if buf is not None and a < b:
+                    buf[a:b].zero_()
+        self._sum_sq_stale = True
+        self._norm_cache.clear()
+
     def _scale_host_grads(self, indices: list[int], factor: float) -> None:
         """p.grad.mul_(factor) on placeholders: the host gradients of those params are scaled at step()
         (or when the next micro-batch starts accumulating). A non-finite factor (the clip coefficient of an

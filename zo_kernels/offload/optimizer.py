@@ -48,6 +48,15 @@ def _trainable_only(group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _close_owners(groups: list[dict[str, Any]]) -> None:
+    """A new optimizer over these params replaces the one that owns them (as with torch's): it is closed."""
+    for g in groups:
+        for p in g["params"]:
+            old = getattr(p, "_zo_owner", lambda: None)()
+            if old is not None and not old._closed and p in old._index:  # not a deepcopy's inherited attribute
+                old.close()
+
+
 def _from(part: str, name: str, doc: str) -> property:
     """A read-only attribute of the optimizer that lives in one of its parts (tests and tools read them)."""
     return property(lambda self: getattr(getattr(self, part), name), doc=doc)
@@ -198,11 +207,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         for name, value in (("update_timeout_s", update_timeout_s), ("collective_timeout_s", collective_timeout_s)):
             if _real(value, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        groups = check_params(params)
-        trainable, device = check_trainable(groups)
         if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "
                             f"got {type(process_group).__name__}")  # fmt: skip
+        groups = check_params(params)
+        _close_owners(groups)  # (a stage-3 one hands the parameters back whole: their shapes are checked next)
+        trainable, device = check_trainable(groups)
         is_trainable = {id(p) for p in trainable}
         followers = [p for g in groups for p in g["params"] if id(p) not in is_trainable]
         if module is not None:
@@ -222,10 +232,6 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.threads = threads if threads is not None else pin_rank_threads(self.world, self.rank)
         self.tile_numel = tile_numel or DEFAULT_TILE_NUMEL
 
-        for p in trainable:  # a new optimizer over these params replaces the old one (as with torch's)
-            old = getattr(p, "_zo_owner", lambda: None)()
-            if old is not None and not old._closed and p in old._index:  # not a deepcopy's inherited attribute
-                old.close()
         self._built = False  # add_param_group is refused once the flat layout exists
         self._closed = False
         self.stage, self.offload_param, self.prefetch = stage, offload_param, prefetch
@@ -236,8 +242,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                  bucket_numel or DEFAULT_BUCKET_NUMEL, units=units)  # fmt: skip
         self.transport = transport if transport is not None else default_transport(device)
         self._own_transport = transport is None  # close() closes (returns the pinned memory of) what it made
+        self._allocate(trainable, nvme_dir, uses)  # (touches the model only once nothing else can fail)
         self._cast_followers(followers)
-        self._allocate(trainable, nvme_dir, uses)
         self._built = True
         self.stats: dict[str, Any] = {}
         if self.shards is None:
@@ -275,22 +281,17 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.flat = torch.zeros(self.flat_numel, dtype=self.dtype, device=self.device)
             self.device_bytes.add(self.flat.numel() * self.flat.element_size())
         src = self.comm.global_rank(0)
+        values_of = {}
         for p in trainable:
             if self.world > 1:
                 self.comm.collective("the initial broadcast of the parameters", dist.broadcast, p.data, src=src)
             off, n = self._offset[p], p.numel()
-            values = p.detach().reshape(-1)
+            values_of[p] = values = p.detach().reshape(-1)
             for a, b, pa in self.layout.owned(off, off + n, self.rank):
                 if master is None:
                     values_at.append((pa, pa + b - a, values[a - off : b - off]))
                 else:
                     master[pa : pa + b - a] = values[a - off : b - off].float().cpu()
-            if self.shards is not None:
-                self.shards.take(p, values)
-            else:
-                self.flat[off : off + n].copy_(values)
-                p.data = alias(self.flat, off, n, p.shape)
-            p.grad = None
         shards = self.shards
         if shards is None:
             connected = lambda p: is_alias_of(p, self.flat, self._offset[p])  # noqa: E731
@@ -299,12 +300,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             connected, own, publish = shards.connected, shards.shard, shards.on_update
             # a shard in host memory is written there by host copies; on the device, through the transport
             update_transport = self.transport if self.offload_param is None else HostTransport()
-        self.grads = GradPath(self.layout, self.dtype, self.device, self.transport, self.comm, self.scaler,
-                              self._times, slots=2 if self.delay_update_after is not None else 1,
-                              threads=self.threads, guard=self._check_alive, connected=connected,
-                              all_reduce=self.stage == 1, on_grad=shards and shards.on_grad,
-                              on_pass_end=shards and shards.on_pass_end)  # fmt: skip
-        self.device_bytes.add(sum(b.numel() * b.element_size() for b in self.grads.bucket_bufs))
+        self._own_update_transport = update_transport is not self.transport
+        self._update_transport = update_transport
 
         def fill_master(lo: int, hi: int, out: torch.Tensor) -> None:  # out: [lo, hi) of the partition, zeroed
             for x, y, values in values_at:
@@ -312,14 +309,50 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 if s < e:
                     out[s - lo : e - lo] = values[s - x : e - x].float().cpu()
 
-        master = fill_master if master is None else master
-        self.update = HostUpdate(self.layout, own, master, update_transport, publish, threads=self.threads,
-                                 tile_numel=self.tile_numel, delayed=self.delay_update_after is not None,
-                                 timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir,
-                                 params_dtype=self.dtype)  # fmt: skip
+        self.grads = self.update = None
+        try:  # everything that can fail (memory, the NVMe files) before the model is touched
+            self.grads = GradPath(self.layout, self.dtype, self.device, self.transport, self.comm, self.scaler,
+                                  self._times, slots=2 if self.delay_update_after is not None else 1,
+                                  threads=self.threads, guard=self._check_alive, connected=connected,
+                                  all_reduce=self.stage == 1, on_grad=shards and shards.on_grad,
+                                  on_pass_end=shards and shards.on_pass_end)  # fmt: skip
+            self.device_bytes.add(sum(b.numel() * b.element_size() for b in self.grads.bucket_bufs))
+            self.update = HostUpdate(self.layout, own, fill_master if master is None else master, update_transport,
+                                     publish, threads=self.threads, tile_numel=self.tile_numel,
+                                     delayed=self.delay_update_after is not None, timeout_s=self.update_timeout_s,
+                                     times=self._times, nvme_dir=nvme_dir, params_dtype=self.dtype)  # fmt: skip
+        except BaseException:
+            self._release_transports()
+            raise
         if shards is not None:
             shards.swapper = self.update.swapper
-        self._own_update_transport = update_transport is not self.transport
+        for p in trainable:
+            values = values_of[p]
+            if shards is not None:
+                shards.take(p, values)
+            else:
+                off, n = self._offset[p], p.numel()
+                self.flat[off : off + n].copy_(values)
+                p.data = alias(self.flat, off, n, p.shape)
+            p.grad = None
+
+    def _release_transports(self) -> None:
+        """The transports' host blocks back: those this optimizer took from a transport of the user's (which
+        outlives it), every one of those it made (closed)."""
+        if not self._own_transport:
+            blocks = [self.shards.shard if self.shards is not None and self.offload_param == "cpu" else None]
+            blocks += self.grads.landing if self.grads is not None else []
+            if self.update is not None and not self.update.staging_in_place:
+                blocks.append(self.update.staging_buf)
+            self.transport.synchronize()
+            for t in blocks:
+                if t is not None and self.transport.pool.holds(t):
+                    self.transport.pool.give(t)
+        if self._own_update_transport:
+            self._update_transport.close()
+        if self._own_transport and hasattr(self.transport, "close"):
+            self.transport.synchronize()
+            self.transport.close()
 
     def register_external_parameter(self, module: torch.nn.Module, param: torch.Tensor) -> None:
         """Stage 3: `module`'s forward reads `param`, a parameter of another module (e.g. a parent reading a child's
@@ -586,9 +619,5 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self.shards is not None:
             self.shards.detach()
         self.update.close()
-        if self._own_update_transport:
-            self.update.transport.close()
-        if self._own_transport and hasattr(self.transport, "close"):
-            self.transport.synchronize()
-            self.transport.close()
+        self._release_transports()
         self._closed = True

@@ -1,14 +1,17 @@
 """ZeRO-3: the 16-bit parameters partitioned. Each rank keeps its shard of every unit (a module's own parameters);
 a unit is gathered just before its module's forward and again before its backward, and freed after; the next
-units are prefetched in the order recorded on the first iteration (forward, then backward).
+units are prefetched in the order recorded on the first iteration (forward, then backward). Each unit's lifecycle is
+the state machine of offload/unit.py; ParamShards drives it from the module hooks and owns the shard.
 
 Between uses a parameter is an empty tensor of the model's dtype (p.shape == (0,), as in DeepSpeed's ZeRO-3):
-`opt.gathered()` gathers every unit for code that reads the weights outside forward (saving, evaluation).
+`opt.gathered()` gathers every unit for code that reads the weights outside forward (saving, evaluation). A forward
+that reads another module's parameter (a parent reading a child's weight) gathers it on demand, as DeepSpeed does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,11 +21,11 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from ..cpu_adam import bump_version
-from ..param_views import alias, is_alias_of
 from ..transport import Event, Transport
 from .comm import Comm, _all_gather_single
 from .layout import FlatLayout
 from .report import PhaseTimes
+from .unit import Unit, UnitState
 
 Uses = list[tuple[torch.nn.Module, list[int]]]  # (module, the units it uses)
 
@@ -49,21 +52,43 @@ class DeviceBytes:
         return f"DeviceBytes(now={mib(self.now)}, peak={mib(self.peak)})"
 
 
-class Unit:
-    """One module's own trainable parameters: flat range [lo, hi), this rank's piece of it, its gathered buffer."""
+class _Hook:
+    """A hook of the optimizer's on a module; a deepcopy of the module gets a no-op (the copy is not the
+    optimizer's)."""
 
-    def __init__(self, index: int, params: list[torch.Tensor], lo: int, hi: int, piece: tuple[int, int, int]) -> None:
-        self.index, self.params, self.lo, self.hi, self.piece = index, params, lo, hi, piece
-        # the parameters gathered for forward/backward: the params are views of it; between uses its storage is
-        # resized to 0, so views autograd saved (e.g. nn.Linear's weight.t()) hold no memory until it is refilled
-        self.buf: torch.Tensor | None = None
-        self.live = False  # buf's storage holds (or is being filled with) the parameters
-        self.kept: torch.Tensor | None = None  # gathered() and close(): a buffer of its own, params alias it
-        self.pending: tuple[Event | None, Any] | None = None  # (shard copy, all-gather) still running
-        self.users = 0  # forward calls of its modules now running
-        self.held = False  # gathered for backward: kept until its parameters' gradients have arrived
-        self.bounce: torch.Tensor | None = None  # offload="nvme": the pinned block its shard was read into
-        self.arrived: set[torch.Tensor] = set()  # params whose gradient arrived in this backward pass
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _no_op
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class _Parameters(dict):
+    """A module's `_parameters` at stage 3 (what `module.weight` reads): an empty parameter of the optimizer's read
+    while a forward runs is gathered on demand for the running module; a deepcopy holds whole parameters."""
+
+    def __init__(self, items: dict, shards: ParamShards) -> None:
+        super().__init__(items)
+        self.shards = shards
+
+    def __getitem__(self, name: str) -> Any:
+        p = dict.__getitem__(self, name)
+        if p is not None and p.numel() == 0 and self.shards.running:
+            self.shards.fetch(p)
+        return p
+
+    def __deepcopy__(self, memo: dict) -> dict:
+        return {k: self.shards.whole_copy(p, memo) for k, p in self.items()}
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # (torch.save(model), pickle: whole parameters, a plain dict)
+        return dict, ({k: self.shards.whole_copy(p, {}) for k, p in self.items()},)
 
 
 class ParamShards:
@@ -89,8 +114,9 @@ class ParamShards:
         self.offload, self.prefetch, self.counter, self.times = offload, prefetch, counter, times
         self.units: list[Unit] = []
         for i, (lo, hi) in enumerate(layout.segments):
-            ps = [p for p in layout.flat_order if lo <= layout.offset[p] < hi]
-            self.units.append(Unit(i, ps, lo, hi, layout.pieces[comm.rank][i]))
+            ps = [(p, layout.offset[p] - lo, layout.shape[p]) for p in layout.flat_order if lo <= layout.offset[p] < hi]
+            self.units.append(Unit(i, ps, lo, hi, layout.pieces[comm.rank][i], dtype, device, self._fill, self._wait,
+                                   counter))  # fmt: skip
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.shard: torch.Tensor | None = None
@@ -107,7 +133,8 @@ class ParamShards:
         self.recording = True  # until the first step
         self.pos = 0  # uses since the last backward pass ended
         self.hooks: list[Any] = []
-        self.detached = False  # close(): every unit stays gathered for good
+        self.running: list[torch.nn.Module] = []  # the modules whose forward runs now, innermost last
+        self._patched: list[torch.nn.Module] = []  # modules whose `_parameters` is a _Parameters
         self._saving: list[Unit] = []  # units kept for a state_dict() in progress
         self._in_root_save = False  # the model's own state_dict() is running
         self._loading: list[Unit] = []  # units kept for a load_state_dict() in progress
@@ -128,9 +155,9 @@ class ParamShards:
         in it), one unit at a time."""
         out = {}
         for u in self.units:
-            self.gather(u)
+            u.finish()
             out.update({p: p.view_as(p).grad_fn.next_functions[0][0] for p in u.params})
-            self.free(u)
+            u.reshard()
         return out
 
     def attach(self, root: torch.nn.Module) -> None:
@@ -140,72 +167,63 @@ class ParamShards:
         self.uses: dict[torch.nn.Module, list[Unit]] = {}
         for module, idx in self.modules:
             self.use(module, [self.units[i] for i in idx])
-        self.hooks.append(root.register_state_dict_pre_hook(lambda *a: setattr(self, "_in_root_save", True)))
-        self.hooks.append(root.register_state_dict_post_hook(lambda *a: self._release_saved(root_done=True)))
+        for module in root.modules():  # the parents run too: a forward reading a child's weight fetches it for them
+            if module not in self.uses and any(m in self.uses for m in module.modules()):
+                self.use(module, [])
+        for module in self.uses:
+            module._parameters = _Parameters(module._parameters, self)
+            self._patched.append(module)
+        self._hook(root.register_state_dict_pre_hook, lambda *a: setattr(self, "_in_root_save", True))
+        self._hook(root.register_state_dict_post_hook, lambda *a: self._release_saved(root_done=True))
         # root.load_state_dict(): the units whole while it copies, then each rank's shard of them kept
-        self.hooks.append(root.register_load_state_dict_pre_hook(lambda *a: self._keep_for_load()))
-        self.hooks.append(root.register_load_state_dict_post_hook(lambda *a: self._store_loaded()))
+        self._hook(root.register_load_state_dict_pre_hook, lambda *a: self._keep_for_load())
+        self._hook(root.register_load_state_dict_post_hook, lambda *a: self._store_loaded())
+
+    def _hook(self, register: Any, fn: Any, **kw: Any) -> None:
+        self.hooks.append(register(_Hook(fn), **kw))
 
     def use(self, module: torch.nn.Module, units: list[Unit]) -> None:
         """`module`'s forward (and backward) needs these units gathered (besides the ones it needed already)."""
         if module in self.uses:
-            self.uses[module] += [u for u in units if u not in self.uses[module]]
+            self.uses[module] += [u for u in units if u not in self.uses[module]]  # (in place: the hooks hold it)
             return
         self.uses[module] = units = list(units)
-        self.hooks.append(module.register_forward_pre_hook(lambda m, a, units=units: self._pre_forward(units)))
-        self.hooks.append(module.register_forward_hook(lambda m, a, out, units=units: self._post_forward(units, out)))
+        self._hook(module.register_forward_pre_hook, lambda m, a, units=units: self._pre_forward(m, units))
+        self._hook(module.register_forward_hook, lambda m, a, out, units=units: self._post_forward(m, units, out),
+                   always_call=True)  # fmt: skip
         # module.state_dict() (save_pretrained, safetensors, Trainer) sees whole parameters
-        self.hooks.append(module.register_state_dict_pre_hook(lambda m, *a, units=units: self._keep_for_save(units)))
-        self.hooks.append(module.register_state_dict_post_hook(
-            lambda m, sd, prefix, *a, units=units: self._after_save(m, sd, prefix, units)))
+        self._hook(module.register_state_dict_pre_hook, lambda m, *a, units=units: self._keep_for_save(units))
+        self._hook(module.register_state_dict_post_hook,
+                   lambda m, sd, prefix, *a, units=units: self._after_save(m, sd, prefix, units))  # fmt: skip
 
     def detach(self) -> None:
-        """Remove the hooks; every parameter gathered again, on the device, for good (close())."""
+        """Remove the hooks; every parameter handed back whole, on the device, for good (close())."""
         for h in self.hooks:
             h.remove()
         self.hooks = []
+        for m in self._patched:
+            m._parameters = dict(m._parameters)
+        self._patched = []
         for u in self.units:
-            self.free(u)
-            self._keep(u)
-        self.detached = True
+            u.hand_back()
 
     # ------------------------------------------------------------------ gathers
 
     def connected(self, p: torch.Tensor) -> bool:
         """p is still the optimizer's: empty between uses, or its range of the unit's gathered buffer."""
-        if p.dtype != self.dtype or p.device != self.device:
-            return False
-        u = self.unit_of[p]
-        if p.numel() == 0:
-            return True
-        off = self.layout.offset[p] - u.lo
-        return (u.live and u.pending is None and is_alias_of(p, u.buf, off)) or (
-            u.kept is not None and is_alias_of(p, u.kept, off))
+        return self.unit_of[p].owns(p)
 
-    def _start(self, u: Unit) -> None:
-        """Begin gathering u: its buffer, this rank's shard copied into its slice, the all-gather started."""
-        if u.live:
-            return
+    def _fill(self, u: Unit, buf: torch.Tensor) -> tuple[Event | None, Any, torch.Tensor | None]:
+        """This rank's shard of u copied into its slice of buf, the all-gather into buf started; what to wait for
+        (the copy's event, the collective, the pinned block an NVMe read went through)."""
         t0 = time.perf_counter()
-        n = u.hi - u.lo
-        if u.buf is None:
-            u.buf = torch.empty(n, dtype=self.dtype, device=self.device)
-        else:
-            u.buf.untyped_storage().resize_(n * self.elem)
-        u.live = True
-        self.counter.add(n * self.elem)
-        u.pending = self._fill(u, u.buf)
-        self.times.add("gather", time.perf_counter() - t0)
-
-    def _fill(self, u: Unit, buf: torch.Tensor) -> tuple[Event | None, Any]:
-        """This rank's shard of u copied into its slice of buf, the all-gather into buf started; what to wait for."""
         a, b, pa = u.piece
         mine = buf[a - u.lo : b - u.lo]
-        event = None
+        event = bounce = None
         if self.offload == "nvme":  # read into a pinned block, then copy it up
-            u.bounce = self.transport.pool.take(b - a, self.dtype)
-            self.swapper.read_params(pa, pa + b - a, u.bounce)
-            event = self.transport.h2d(mine, u.bounce)
+            bounce = self.transport.pool.take(b - a, self.dtype)
+            self.swapper.read_params(pa, pa + b - a, bounce)
+            event = self.transport.h2d(mine, bounce)
         elif self.offload == "cpu":
             event = self.transport.h2d(mine, self.shard[pa : pa + b - a])
         else:
@@ -227,7 +245,8 @@ class ParamShards:
                     self.transport.wait(event)
                 event = None
                 work = _all_gather_single(buf, mine, group=self.comm.group, async_op=True)
-        return event, work
+        self.times.add("gather", time.perf_counter() - t0)
+        return event, work, bounce
 
     def _check_same_unit(self, u: Unit) -> None:
         """Every rank must gather the same unit now (they run the same modules in the same order): one small
@@ -243,45 +262,59 @@ class ParamShards:
                 "order (a branch taken on some ranks only needs stage 1 or 2)")
             raise self.comm.failed
 
-    def _wait(self, u: Unit, pending: tuple[Event | None, Any]) -> None:
-        event, work = pending
+    def _wait(self, u: Unit, pending: tuple[Event | None, Any, torch.Tensor | None]) -> None:
+        t0 = time.perf_counter()
+        event, work, bounce = pending
         if work is not None:
             self.comm.wait(work, f"the all-gather of unit {u.index}")
         self.transport.device_wait(event)
-        if u.bounce is not None:  # the pinned block goes back once its copy is done
+        if bounce is not None:  # the pinned block goes back once its copy is done
             self.transport.wait(event)
-            self.transport.pool.give(u.bounce)
-            u.bounce = None
+            self.transport.pool.give(bounce)
+        self.times.add("gather_wait", time.perf_counter() - t0)
 
-    def _finish(self, u: Unit) -> None:
-        """Wait for u's gather; its (empty) parameters become views of the gathered buffer."""
-        if u.pending is not None:
-            t0 = time.perf_counter()
-            self._wait(u, u.pending)
-            u.pending = None
-            self.times.add("gather_wait", time.perf_counter() - t0)
-        for p in u.params:
-            if p.numel() == 0:
-                off = self.layout.offset[p] - u.lo
-                shape = self.layout.shape[p]  # (between uses a param is empty: the layout keeps its shape)
-                p.data = u.buf[off : off + shape.numel()].view(shape)
+    def _use(self, u: Unit) -> None:
+        """u is about to be used: gather it, record the order (first iteration) and prefetch what follows."""
+        if self.recording:
+            self.order.append(u.index)
+        elif self.prefetch and self.pos < len(self.order) and self.order[self.pos] == u.index:
+            for i in self.order[self.pos + 1 : self.pos + 1 + self.prefetch]:
+                self.units[i].start()
+        self.pos += 1
+        u.finish()
 
-    def _keep(self, u: Unit) -> None:
-        """u gathered into a buffer of its own that its parameters alias (each its own storage, as at stage 2):
-        what gathered() hands out stays valid after the block; close() leaves the model whole."""
-        if u.kept is not None or any(p.numel() for p in u.params):
-            return  # kept already, or in use by forward/backward (views of buf)
-        u.kept = torch.empty(u.hi - u.lo, dtype=self.dtype, device=self.device)
-        self.counter.add(u.kept.numel() * self.elem)
-        self._wait(u, self._fill(u, u.kept))
-        for p in u.params:
-            shape = self.layout.shape[p]
-            p.data = alias(u.kept, self.layout.offset[p] - u.lo, shape.numel(), shape)
+    def fetch(self, p: torch.Tensor) -> None:
+        """A forward reads p, another module's empty parameter: its unit is gathered now, and from now on around
+        the running module too (as register_external_parameter does)."""
+        u = self.unit_of.get(p)
+        if u is None:  # (not the optimizer's: a frozen parameter, or one of another model)
+            return
+        self.use(self.running[-1], [u])
+        self._use(u)
+        u.users += 1
+
+    def whole_copy(self, p: Any, memo: dict) -> Any:
+        """copy.deepcopy(p), with its values whole: an empty parameter of the optimizer's is gathered for it."""
+        u = self.unit_of.get(p) if isinstance(p, torch.Tensor) else None
+        if u is None or p.numel() or id(p) in memo:
+            return copy.deepcopy(p, memo)
+        if self.comm.world > 1:
+            raise RuntimeError("ZeRO-3 with several ranks: copy.deepcopy(model) would gather the parameters (a "
+                               "collective); call it inside `with opt.gathered():` on every rank")  # fmt: skip
+        kept = u.state is not UnitState.KEPT
+        u.keep()
+        try:
+            return copy.deepcopy(p, memo)
+        finally:
+            if kept:
+                u.unkeep()
+
+    # ------------------------------------------------------------------ state_dict and load_state_dict
 
     def _keep_for_save(self, units: list[Unit]) -> None:
         """Before module.state_dict(): its units gathered into buffers of their own (one rank); with several ranks
         that would be a collective inside a call often made on one rank only: refused unless already whole."""
-        missing = [u for u in units if u.kept is None and any(p.numel() == 0 for p in u.params)]
+        missing = [u for u in units if u.whole is None]
         if not missing:
             return
         if self.comm.world > 1:
@@ -290,120 +323,119 @@ class ParamShards:
                                "collective; call it inside `with opt.gathered():` on every rank (or use "
                                "zo_kernels.save_checkpoint, which does)")  # fmt: skip
         for u in missing:
-            if u.live:  # prefetched, not yet in use: wait, and read it as forward would
-                self._finish(u)
-            else:
-                self._keep(u)
-                self._saving.append(u)
+            u.keep()
+            self._saving.append(u)
 
     def _after_save(self, module: torch.nn.Module, sd: dict, prefix: str, units: list[Unit]) -> None:
         """After module.state_dict(): what it holds is copied out of storage that forward/backward will release,
         and the buffers kept for it are let go (the tensors in `sd` keep theirs alive)."""
-        for name, p in module.named_parameters(recurse=False):
+        for name, p in dict.items(module._parameters):
             u, t = self.unit_of.get(p), sd.get(prefix + name)
-            if u is not None and u.live and isinstance(t, torch.Tensor) and t.numel():
+            if u is not None and u.state is UnitState.GATHERED and isinstance(t, torch.Tensor) and t.numel():
                 sd[prefix + name] = t.clone()
         if not self._in_root_save:  # a submodule's own state_dict() call
             self._release_saved()
-
-    def _keep_for_load(self) -> None:
-        """Before model.load_state_dict(): every unit whole (a collective with several ranks: all load)."""
-        self._loading = [u for u in self.units if u.kept is None and not any(p.numel() for p in u.params)]
-        for u in self._loading:
-            self._keep(u)
-
-    def _store_loaded(self) -> None:
-        """After model.load_state_dict(): what it wrote becomes the shards (the masters follow with the optimizer's
-        load_state_dict or refresh_masters_from_model, as at stage 2)."""
-        loading, self._loading = self._loading, []
-        self._write_back(loading)
-        for u in loading:
-            self._unkeep(u)
-
-    def _write_back(self, units: list[Unit]) -> None:
-        """Each rank's piece of these units' whole parameters into its shard (every rank holds the same values)."""
-        if self.offload == "nvme":
-            self.swapper.stream(self._put_params)
-            return
-        for u in units:
-            a, b, pa = u.piece
-            full = u.kept if u.kept is not None else u.buf
-            dst, src = self.shard[pa : pa + b - a], full[a - u.lo : b - u.lo]
-            if self.offload is not None:
-                self.transport.wait(self.transport.d2h(dst, src))
-            else:
-                dst.copy_(src)
 
     def _release_saved(self, root_done: bool = False) -> None:
         if root_done:
             self._in_root_save = False
         for u in self._saving:
-            self._unkeep(u)
+            u.unkeep()
         self._saving = []
 
-    def _unkeep(self, u: Unit) -> None:
-        if u.kept is None or self.detached:  # (close() inside a gathered() block: the model stays whole)
-            return
-        for p in u.params:
-            if is_alias_of(p, u.kept, self.layout.offset[p] - u.lo):
-                p.data = self._empty
-        self.counter.sub(u.kept.numel() * self.elem)
-        u.kept = None
+    def _keep_for_load(self) -> None:
+        """Before model.load_state_dict(): every unit whole (a collective with several ranks: all load)."""
+        self._loading = [u for u in self.units if u.whole is None or (u.state is UnitState.GATHERED and u.idle)]
+        for u in self._loading:
+            u.keep()
 
-    def gather(self, u: Unit) -> None:
-        """u gathered now (waiting for a prefetch in flight)."""
-        self._start(u)
-        self._finish(u)
+    def _store_loaded(self) -> None:
+        """After model.load_state_dict(): what it wrote becomes the shards (the masters follow with the optimizer's
+        load_state_dict or refresh_masters_from_model, as at stage 2)."""
+        loading, self._loading = self._loading, []
+        self.write_back()
+        for u in loading:
+            u.unkeep()
 
-    def free(self, u: Unit) -> None:
-        """Release u's gathered storage: its parameters become empty (a graph that saved them, or views of them,
-        re-gathers into the same storage first, in the pre-backward hook)."""
-        if not u.live or self.detached:  # (a gathered() block around close() ends after it)
-            return
-        if u.pending is not None:
-            self._finish(u)  # its copy and collective must not write freed memory
-        for p in u.params:
-            if p.numel() == 0 or is_alias_of(p, u.buf, self.layout.offset[p] - u.lo):  # (not gathered()'s)
-                p.data = self._empty
-        u.buf.untyped_storage().resize_(0)
-        self.counter.sub((u.hi - u.lo) * self.elem)
-        u.live, u.held, u.users = False, False, 0
+    def write_back(self) -> None:
+        """Each rank's piece of the whole units (every rank holds the same values) into its shard; then the one
+        invalidation path: gathered copies of the old values are dropped."""
+        whole = [u for u in self.units if u.whole is not None]
+        if self.offload == "nvme":
+            self.swapper.stream(self._put_params)
+        else:
+            for u in whole:
+                a, b, pa = u.piece
+                dst, src = self.shard[pa : pa + b - a], u.whole[a - u.lo : b - u.lo]
+                if self.offload is not None:
+                    self.transport.wait(self.transport.d2h(dst, src))
+                else:
+                    dst.copy_(src)
+        self.invalidate(written=whole)
 
-    def _use(self, u: Unit) -> None:
-        """u is about to be used: gather it, record the order (first iteration) and prefetch what follows."""
-        if self.recording:
-            self.order.append(u.index)
-        elif self.prefetch and self.pos < len(self.order) and self.order[self.pos] == u.index:
-            for i in self.order[self.pos + 1 : self.pos + 1 + self.prefetch]:
-                self._start(self.units[i])
-        self.pos += 1
-        self.gather(u)
+    def _put_params(self, lo: int, hi: int, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                    params: torch.Tensor) -> None:  # fmt: skip
+        """A swapper pass over tile [lo, hi): this rank's pieces of the whole units into the parameters' file."""
+        for u in self.units:
+            a, b, pa = u.piece
+            x, y = max(pa, lo), min(pa + b - a, hi)
+            src = u.whole
+            if x < y and src is not None:  # (a unit not gathered keeps what the file holds)
+                params[x - lo : y - lo].copy_(src[a - u.lo + x - pa : a - u.lo + y - pa])
+
+    def invalidate(self, written: list[Unit]) -> None:
+        """The shard holds new values (every write of the weights ends here): gathered copies are dropped, kept
+        buffers that did not make the change refilled; graphs that saved the old values must fail."""
+        for u in self.units:
+            u.invalidate(refill_kept=u not in written)
+        bump_version(*self.layout.params)
+
+    @contextlib.contextmanager
+    def gathered(self, write: bool = False) -> Iterator[None]:
+        """Every unit gathered inside the block (e.g. to save or evaluate the model), freed after. With write=True
+        what the block wrote into the parameters is kept: each rank stores its shard of them (every rank must
+        have written the same values). The parameters alias buffers of their own (each its own storage), so what the
+        block takes from them (a state_dict) stays valid after it; a unit in use by forward/backward stays as is."""
+        kept = [u for u in self.units if u.state not in (UnitState.KEPT, UnitState.HANDED_BACK)]
+        for u in kept:
+            u.keep()
+        try:
+            yield
+            if write:
+                self.write_back()
+        finally:
+            for u in kept:
+                u.unkeep()
 
     # ------------------------------------------------------------------ hooks
 
     @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
-    def _pre_forward(self, units: list[Unit]) -> None:
+    def _pre_forward(self, module: torch.nn.Module, units: list[Unit]) -> None:
+        self.running.append(module)
         for u in units:
+            u.check_untouched()
             self._use(u)
             u.users += 1
 
     @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
-    def _post_forward(self, units: list[Unit], out: Any) -> None:
+    def _post_forward(self, module: torch.nn.Module, units: list[Unit], out: Any) -> None:
+        if self.running and self.running[-1] is module:
+            self.running.pop()
         for u in units:
-            u.users -= 1
+            u.users = max(0, u.users - 1)
         if torch.is_grad_enabled():
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda g, units=units: self._pre_backward(units))
         if torch._C._current_graph_task_id() == -1:  # (a forward recomputed inside backward keeps its units)
             for u in units:
-                if u.users == 0 and not u.held:
-                    self.free(u)
+                if u.idle:
+                    u.reshard(out)
 
     @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _pre_backward(self, units: list[Unit]) -> None:
         for u in units:
-            if not u.held or not u.live:
+            if not u.held or u.state in (UnitState.SHARDED, UnitState.GATHERING):
                 self._use(u)
             u.held = True
 
@@ -412,7 +444,8 @@ class ParamShards:
         u = self.unit_of[p]
         u.arrived.add(p)
         if u.held and u.users == 0 and len(u.arrived) == len(u.params):
-            self.free(u)
+            u.reshard()
+            u.held = False
 
     def on_pass_end(self, final: bool) -> None:
         """A backward pass ended: free every unit still gathered (no forward is running)."""
@@ -421,43 +454,15 @@ class ParamShards:
         for u in self.units:
             u.arrived = set()
             if u.users == 0:
-                self.free(u)
+                u.reshard()
+                u.held = False
         self.pos = 0
 
     def on_update(self) -> None:
-        """The shard holds new parameters: gathered copies are stale; graphs that saved the old ones must fail."""
-        for u in self.units:
-            self.free(u)
-            u.arrived = set()
+        """The step wrote new parameters into the shard: the one invalidation path; the next iteration uses the
+        recorded order."""
+        self.invalidate(written=[])
         self.recording, self.pos = False, 0
-        bump_version(*self.layout.params)
-
-    def _put_params(self, lo: int, hi: int, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-                    params: torch.Tensor) -> None:  # fmt: skip
-        """A swapper pass over tile [lo, hi): this rank's pieces of the gathered units into the parameters' file."""
-        for u in self.units:
-            a, b, pa = u.piece
-            x, y = max(pa, lo), min(pa + b - a, hi)
-            src = u.kept if u.kept is not None else u.buf if u.live else None
-            if x < y and src is not None:  # (a unit not gathered keeps what the file holds)
-                params[x - lo : y - lo].copy_(src[a - u.lo + x - pa : a - u.lo + y - pa])
-
-    @contextlib.contextmanager
-    def gathered(self, write: bool = False) -> Iterator[None]:
-        """Every unit gathered inside the block (e.g. to save or evaluate the model), freed after. With write=True
-        what the block wrote into the parameters is kept: each rank stores its shard of them (every rank must
-        have written the same values). The parameters alias buffers of their own (each its own storage), so what the
-        block takes from them (a state_dict) stays valid after it; a unit in use by forward/backward stays as is."""
-        kept = [u for u in self.units if u.kept is None]
-        for u in kept:
-            self._keep(u)
-        try:
-            yield
-            if write:
-                self._write_back(self.units)
-        finally:
-            for u in kept:
-                self._unkeep(u)
 
 
 def units_of(module: torch.nn.Module, trainable: list[torch.Tensor]) -> tuple[list[list[torch.Tensor]], Uses]:

@@ -125,6 +125,9 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
         group["decoupled_weight_decay"] = True  # an AdamW whatever it loads, as torch.optim.AdamW (Adam's is False)
         for key, default in TORCH_OPTIONS.items():
             group.setdefault(key, default)
+    no_masters = not plan or any(st.get("master") is None for _, _, st, _ in plan)
+    if no_masters and opt.update.params_in_swapper:  # (before save_state writes the masters' cast over the file)
+        opt.update.refresh_stale_masters()
     opt.update.steps = [0] * len(opt.layout.params)
     master, exp_avg, exp_avg_sq = opt.update.state()
     exp_avg.zero_()
@@ -141,7 +144,7 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
                 master[dst] = st["master"].reshape(-1)[src].float()
     opt.update.save_state(master, exp_avg, exp_avg_sq)
     opt._set_group_steps()
-    if not plan or any(st.get("master") is None for _, _, st, _ in plan):
+    if no_masters and not opt.update.params_in_swapper:
         opt.update.refresh_stale_masters()
     extra = state_dict.get("zero_offload", {})
     if "loss_scale" in extra and extra.get("dynamic") == opt.scaler.dynamic:

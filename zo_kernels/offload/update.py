@@ -319,8 +319,9 @@ class HostUpdate:
     @torch.no_grad()
     def refresh_stale_masters(self) -> None:
         """Keep the fp32 masters if the device params are still their cast; else take them from the model."""
-        if self.params_in_swapper:  # the parameters' file is always the masters' cast, unless gathered(write=True)
-            return  # wrote it, which calls refresh_from_model
+        if self.params_in_swapper:  # the parameters' file holds the masters' cast, unless new weights were stored
+            self._refresh_stale_masters_in_swapper()
+            return
         device_part = self.own.cpu()
         master, exp_avg, exp_avg_sq = self.state()
         if not torch.equal(master.to(self.own.dtype), device_part):
@@ -329,6 +330,23 @@ class HostUpdate:
                           "the bits below its dtype", stacklevel=5)  # fmt: skip
             master.copy_(device_part)
             self.save_state(master, exp_avg, exp_avg_sq)
+
+    def _refresh_stale_masters_in_swapper(self) -> None:
+        """refresh_stale_masters with the 16-bit parameters in the swapper's fourth file: one read pass compares,
+        one more pass takes the masters from the file if they differ."""
+        stale = []
+
+        def compare(lo: int, hi: int, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                    params: torch.Tensor) -> None:  # fmt: skip
+            if not stale and not torch.equal(master.to(params.dtype), params):
+                stale.append((lo, hi))
+
+        self.swapper.read(compare)
+        if stale:
+            warnings.warn("the model's parameters changed since the optimizer took its fp32 masters (e.g. "
+                          "model.load_state_dict after construction): masters refreshed from the model, losing "
+                          "the bits below its dtype", stacklevel=5)  # fmt: skip
+            self.refresh_from_model()
 
     @torch.no_grad()
     def refresh_from_model(self) -> None:

@@ -1,0 +1,444 @@
+"""Stage 3's gather lifecycle (offload/unit.py): every write of the weights reaches the next forward, views of a
+gathered parameter outlive its release, a failed construction leaves the model as it was, and what a user cannot
+support fails with a message naming the fix. Judged against plain PyTorch."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zo_kernels as zk
+from zo_kernels.transport import HostTransport
+
+
+def _seq(n: int = 4) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(8, 8) for _ in range(n)))
+
+
+def _shapes(model: nn.Module) -> dict[str, torch.Size]:
+    return {k: v.shape for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------------------------- views of params
+
+
+class Positional(nn.Module):
+    """A positional table sliced to the sequence length: its forward returns a view of its own parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, n: int) -> torch.Tensor:
+        return self.table[:n]
+
+
+class WithPositions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos, self.proj = Positional(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x + self.pos(x.shape[1]))
+
+
+def _view_of_param_body() -> None:
+    """Stage 3 trains the model bit for bit as stage 2 does."""
+    runs = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = WithPositions()
+        opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=stage)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            loss = model(torch.randn(2, 5, 8, generator=g)).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        with opt.gathered():
+            runs[stage] = losses, {k: v.clone() for k, v in model.state_dict().items()}
+        opt.close()
+    assert runs[3][0] == runs[2][0], (runs[3][0], runs[2][0])
+    assert all(torch.equal(runs[3][1][k], v) for k, v in runs[2][1].items())
+
+
+def test_forward_returning_a_view_of_its_parameter_trains_as_at_stage2() -> None:
+    """A forward that returns a view of its own parameter: the gathered storage must outlive the view (it was
+    resized to 0 after forward while the view lived: a segfault, exit -11)."""
+    _view_of_param_body()
+
+
+# ---------------------------------------------------------------------------------------------- writes reach forward
+
+
+@pytest.mark.parametrize("prefetch", [2, 3])
+@pytest.mark.parametrize("how", ["load_state_dict", "gathered_write"])
+def test_a_write_of_the_weights_reaches_a_prefetched_unit(how: str, prefetch: int) -> None:
+    """A forward without gradients leaves the next units prefetched; new weights written by model.load_state_dict()
+    or inside opt.gathered(write=True) must reach the next forward (the prefetched buffers kept the old ones)."""
+    model = _seq()
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3, prefetch=prefetch)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    model(x).sum().backward()
+    opt.step()  # the order is recorded: prefetch is on from now
+    with torch.no_grad():
+        model(x)  # leaves units gathered ahead for a backward that never comes
+    g = torch.Generator().manual_seed(3)
+    new = {k: torch.randn(s, generator=g) for k, s in _shapes(_seq()).items()}  # (model.state_dict() would gather)
+    if how == "load_state_dict":
+        model.load_state_dict(new)
+    else:
+        with opt.gathered(write=True):
+            for k, p in model.named_parameters():
+                p.data.copy_(new[k])
+    ref = _seq()
+    ref.load_state_dict(new)
+    with torch.no_grad():
+        got, want = model(x), ref(x)
+    assert torch.equal(got, want), f"max difference {(got - want).abs().max().item():.3g}"
+    opt.close()
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_load_state_dict_reaches_a_unit_prefetched_in_a_nested_module(prefetch: int) -> None:
+    """The same with modules nested in a parent that reads its head's weight (so a unit is used twice)."""
+
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = _seq(3)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(self.head(self.body(x)), self.head.weight.t())
+
+    torch.manual_seed(0)
+    model = Parent()
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3, prefetch=prefetch)
+    opt.register_external_parameter(model, model.head.weight)
+    x = torch.randn(3, 8)
+    model(x).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        model(x)
+    torch.manual_seed(0)
+    new = {k: torch.randn(s) for k, s in _shapes(Parent()).items()}
+    model.load_state_dict(new)
+    torch.manual_seed(0)
+    ref = Parent()
+    ref.load_state_dict(new)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    opt.close()
+
+
+# ---------------------------------------------------------------------------------------------- ZeRO-Infinity masters
+
+
+def test_nvme_params_new_weights_then_a_torch_state_refresh_the_masters_with_a_warning(tmp_path) -> None:
+    """offload_param="nvme": new weights loaded into the model, then torch.optim.AdamW's state dict (no masters):
+    the masters are refreshed from the model, with a warning (as at the other settings); a step with lr=0 and no
+    decay then leaves the loaded weights as they are."""
+    model = _seq(2)
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, weight_decay=0.0, dtype=torch.bfloat16, stage=3,
+                              offload_optimizer="nvme", offload_param="nvme", nvme_dir=str(tmp_path))  # fmt: skip
+    new = {k: torch.randn(s) for k, s in _shapes(model).items()}
+    model.load_state_dict(new)
+    ref = _seq(2)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=0.0, weight_decay=0.0)
+    ref(torch.ones(1, 8)).sum().backward()
+    torch_opt.step()
+    with pytest.warns(UserWarning, match="refreshed"):
+        opt.load_state_dict(torch_opt.state_dict())
+    model(torch.ones(1, 8, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    with opt.gathered():
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, new[k].to(torch.bfloat16)), f"{k} moved by {(v.float() - new[k]).abs().max()}"
+    opt.close()
+
+
+# ---------------------------------------------------------------------------------------------- construction
+
+
+def test_a_construction_failing_late_leaves_the_model_intact(tmp_path, monkeypatch) -> None:
+    """The disk fills while the NVMe files are reserved (the last thing built): the model keeps its parameters
+    (they were left empty), and a retry builds."""
+    model = _seq(2)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    from zo_kernels import aio
+
+    real = aio.open_file
+
+    def full(path, *a, **kw):
+        if path.endswith("params.bin"):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(aio, "open_file", full)
+    kw = dict(lr=1e-2, dtype=torch.bfloat16, stage=3, offload_optimizer="nvme", offload_param="nvme",
+              nvme_dir=str(tmp_path))  # fmt: skip
+    with pytest.raises(OSError, match="No space"):
+        zk.ZeroOffloadAdamW(model, **kw)
+    got = model.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items()), {k: tuple(v.shape) for k, v in got.items()}
+    monkeypatch.setattr(aio, "open_file", real)
+    opt = zk.ZeroOffloadAdamW(model, **kw)
+    with opt.gathered():
+        got = model.state_dict()
+        assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in want.items())
+    opt.close()
+
+
+def test_a_second_optimizer_over_the_same_model_closes_the_first() -> None:
+    """As the README says (and as with stages 1 and 2): a new optimizer over the same parameters closes the first,
+    which hands the model back whole, so the second builds from the current weights."""
+    model = _seq(2)
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3)
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    with opt.gathered():
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+    opt2 = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3)
+    assert opt._closed
+    with opt2.gathered():
+        got = model.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+    opt2.close()
+
+
+def test_a_users_transport_gets_its_host_blocks_back_at_close() -> None:
+    """A transport passed by the user outlives the optimizer: close() gives back the blocks the optimizer took from
+    its pool (the pool grew by them at every build/close)."""
+    transport = HostTransport()
+    reserved = []
+    for offload in (None, "cpu", "cpu"):
+        model = _seq(2)
+        opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3, offload_param=offload,
+                                  transport=transport, delay_update_after=0)  # fmt: skip
+        for _ in range(2):
+            model(torch.ones(2, 8)).sum().backward()
+            opt.step()
+        opt.close()
+        assert not transport.pool._live, f"{len(transport.pool._live)} blocks still handed out after close()"
+        reserved.append(transport.pool.reserved)
+    assert reserved[2] == reserved[1], reserved
+    transport.close()
+
+
+# ---------------------------------------------------------------------------------------------- NVMe swapper threads
+
+
+def _master_during_dpu_body() -> None:
+    """opt.master read while the background (DPU) update streams the NVMe state: a read waits for the pass (the
+    pool's buffers are the swapper's), so it returns the state before the update or after it, never a mix (it raised
+    "unknown request handle" or crashed)."""
+
+    from zo_kernels.offload import update as upd
+
+    real = upd.cpu_adam_step
+
+    def slow(*a, **kw):  # the update is slow, so the read surely lands inside its pass
+        time.sleep(0.02)
+        return real(*a, **kw)
+
+    upd.cpu_adam_step = slow
+    try:
+        _read_while_streaming()
+    finally:
+        upd.cpu_adam_step = real
+
+
+def _read_while_streaming() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(64 * 1024))
+        opt = zk.ZeroOffloadAdamW([p], lr=1e-2, dtype=torch.float32, tile_numel=4096, offload_optimizer="nvme",
+                                  nvme_dir=d, delay_update_after=0)  # fmt: skip
+        errors: list[BaseException] = []
+        for _ in range(2):
+            (p * p).sum().backward()
+            before = opt.master.clone()
+            opt.step()  # starts the update in the background
+            reads = []
+
+            def read(reads: list = reads) -> None:
+                try:
+                    reads.append(opt.master.clone())
+                except BaseException as e:
+                    errors.append(e)
+
+            threads = [threading.Thread(target=read) for _ in range(2)]
+            for t in threads:
+                t.start()
+            reads.append(opt.master.clone())
+            for t in threads:
+                t.join()
+            assert not errors, errors
+            opt.synchronize()
+            final = opt.master
+            assert not torch.equal(before, final)
+            assert all(torch.equal(r, final) or torch.equal(r, before) for r in reads), "a read saw a torn state"
+        opt.close()
+
+
+def test_reading_the_master_while_a_dpu_update_streams_nvme_waits_for_it() -> None:
+    _master_during_dpu_body()
+
+
+# ---------------------------------------------------------------------------------------------- what a user may do
+
+
+def test_model_float_after_construction_fails_naming_the_fix() -> None:
+    """model.float() at stage 3 converts the (empty) parameters behind the optimizer's back: the next forward says
+    so and names the fix (it said "mat1 and mat2 must have the same dtype")."""
+    model = _seq(2)
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.bfloat16, stage=3)
+    model.float()
+    with pytest.raises(RuntimeError, match=r"model\.float\(\)|converted"):
+        model(torch.ones(2, 8))
+    opt.close()
+
+
+class UsesChildWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.emb(x)), self.emb.weight)  # the parent reads a child's parameter
+
+
+def test_a_parent_reading_a_child_weight_unregistered_trains_as_at_stage2() -> None:
+    """A parent reads its child's weight without register_external_parameter: it is fetched on demand (as in
+    DeepSpeed's ZeRO-3) and the run equals stage 2's (it failed with "size mismatch ... vec (0)")."""
+    runs = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = UsesChildWeight()
+        opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=stage)
+        losses = []
+        for _ in range(3):
+            loss = model(torch.ones(2, 8)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        with opt.gathered():
+            runs[stage] = losses, {k: v.clone() for k, v in model.state_dict().items()}
+        opt.close()
+    assert runs[3][0] == runs[2][0]
+    assert all(torch.equal(runs[3][1][k], v) for k, v in runs[2][1].items())
+
+
+def test_deepcopy_of_the_model_outside_gathered_is_whole() -> None:
+    """copy.deepcopy(model) at stage 3 gives a whole, independent model (it copied empty parameters)."""
+    model = _seq(2)
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3)
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    with opt.gathered():
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+    twin = copy.deepcopy(model)
+    got = twin.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items()), {k: tuple(v.shape) for k, v in got.items()}
+    with torch.no_grad():
+        assert torch.equal(twin(torch.ones(2, 8)), model(torch.ones(2, 8)))
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()  # the copy is not the optimizer's
+    assert all(torch.equal(twin.state_dict()[k], v) for k, v in want.items())
+    opt.close()
+
+
+def test_zero_grad_keeping_zeros_after_a_backward_at_stage3() -> None:
+    """model.zero_grad(set_to_none=False) after a backward (torch's zero_grad API, e.g. in older training loops)
+    must not raise; the next step then updates with zero gradients, as torch.optim.AdamW does."""
+    model = _seq(2)
+    ref = _seq(2)
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for m in (model, ref):
+        m(torch.ones(2, 8)).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m.zero_grad(set_to_none=False)
+    opt.step()
+    torch_opt.step()
+    with opt.gathered():
+        got = model.state_dict()
+        for k, v in ref.state_dict().items():
+            assert torch.allclose(got[k], v, rtol=0, atol=1e-6), k
+    opt.close()
+
+
+
+def test_a_step_inside_gathered_refreshes_the_kept_parameters() -> None:
+    """Training inside `with opt.gathered():` (e.g. an evaluation loop that also steps): after each step the
+    parameters the block holds are the new ones, as at stage 2 (the kept buffers are refilled by the one
+    invalidation path)."""
+    runs = {}
+    for stage in (2, 3):
+        model = _seq(2)
+        opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=stage)
+        seen = []
+        with opt.gathered():
+            for _ in range(2):
+                model(torch.ones(2, 8)).square().sum().backward()
+                opt.step()
+                seen.append({k: v.clone() for k, v in model.state_dict().items()})
+        opt.close()
+        runs[stage] = seen
+    for got, want in zip(runs[3], runs[2]):
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+# ---------------------------------------------------------------------------------------------- two ranks
+
+
+def _two_rank_body(rank: int, store: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        model = _seq()
+        opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3, prefetch=2)
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+        model(x).sum().backward()
+        opt.step()
+        with torch.no_grad():
+            model(x)  # leaves units prefetched
+        new = {k: torch.randn(s, generator=torch.Generator().manual_seed(3)) for k, s in _shapes(_seq()).items()}
+        model.load_state_dict(new)  # every rank loads the same values
+        ref = _seq()
+        ref.load_state_dict(new)
+        with torch.no_grad():
+            assert torch.equal(model(x), ref(x)), f"rank {rank}: a prefetched unit kept the old weights"
+        with pytest.raises(RuntimeError, match="gathered"):
+            copy.deepcopy(model)  # a collective: refused outside gathered()
+        with opt.gathered():
+            twin = copy.deepcopy(model)
+        assert all(torch.equal(twin.state_dict()[k], v) for k, v in ref.state_dict().items())
+        dist.barrier()
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_a_load_reaches_prefetched_units_and_deepcopy_is_refused_outside_gathered(tmp_path) -> None:
+    """On two gloo ranks (a FileStore rendezvous: no port): model.load_state_dict() after a forward that left units
+    prefetched reaches the next forward on every rank; copy.deepcopy(model) is refused outside gathered() (it would
+    be a collective) and whole inside it."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_two_rank_body, args=(str(tmp_path / "store"),), nprocs=2, join=True)
