@@ -11,11 +11,15 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _cpu
+from .quant8 import Quantized8bit
 
 ISAS = ("scalar", "avx2", "avx512")
 ISA_ENV = "ZO_KERNELS_ISA"  # forces one variant ("scalar", "avx2", "avx512"), e.g. to test all three here
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _NO_OUT = 3
+# The moments' formats (cpu/adam.h State): both fp32 tensors, both bf16 tensors, or both Quantized8bit.
+STATE_F32, STATE_BF16, STATE_8BIT = 0, 1, 2
+MAX_SEED = 2**64 - 1
 
 FP32_MAX = torch.finfo(torch.float32).max  # a hyper-parameter beyond it is inf once the kernel rounds it
 FP32_TINY = torch.finfo(torch.float32).tiny
@@ -139,19 +143,94 @@ def _readonly(base: int, start: int, nbytes: int) -> str | None:
             return "the buffer of an immutable bytes object"
     return None
 
+
+def moment_format(exp_avg: Any, exp_avg_sq: Any) -> int:
+    """STATE_F32, STATE_BF16 or STATE_8BIT for a pair of moments; TypeError naming the one that does not fit."""
+    q = (isinstance(exp_avg, Quantized8bit), isinstance(exp_avg_sq, Quantized8bit))
+    if any(q):
+        if not all(q):
+            bad, other = ("exp_avg_sq", "exp_avg") if q[0] else ("exp_avg", "exp_avg_sq")
+            x = exp_avg_sq if q[0] else exp_avg
+            raise TypeError(f"{bad} must be a Quantized8bit like {other}, got {_describe(x)}")
+        if not exp_avg.signed:
+            raise TypeError("exp_avg must be a signed Quantized8bit (Quantized8bit.empty(n, signed=True))")
+        if exp_avg_sq.signed:
+            raise TypeError("exp_avg_sq must be an unsigned Quantized8bit (Quantized8bit.empty(n, signed=False))")
+        if exp_avg.block != exp_avg_sq.block:
+            raise ValueError(f"exp_avg and exp_avg_sq must have one block size, got {exp_avg.block} and "
+                             f"{exp_avg_sq.block}")  # fmt: skip
+        return STATE_8BIT
+    if not isinstance(exp_avg, torch.Tensor):
+        raise TypeError(f"exp_avg must be a torch.Tensor or a Quantized8bit, got {type(exp_avg).__name__}")
+    if exp_avg.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"exp_avg must have dtype float32 or bfloat16 (or be a Quantized8bit), got {exp_avg.dtype}")
+    want = str(exp_avg.dtype).replace("torch.", "")
+    if not isinstance(exp_avg_sq, torch.Tensor) or exp_avg_sq.dtype != exp_avg.dtype:
+        raise TypeError(f"exp_avg_sq must have dtype {want} like exp_avg (the moments are both float32, both bfloat16 "
+                        f"or both Quantized8bit); got {_describe(exp_avg_sq)}")  # fmt: skip
+    return STATE_F32 if exp_avg.dtype == torch.float32 else STATE_BF16
+
+
+def _describe(x: Any) -> str:
+    return str(x.dtype).replace("torch.", "") if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def moment_tensors(exp_avg: Any, exp_avg_sq: Any) -> dict[str, torch.Tensor]:
+    """Every tensor the moments are stored in, by name (the kernel writes them all)."""
+    if isinstance(exp_avg, Quantized8bit):
+        return {"exp_avg.codes": exp_avg.codes, "exp_avg.scales": exp_avg.scales,
+                "exp_avg_sq.codes": exp_avg_sq.codes, "exp_avg_sq.scales": exp_avg_sq.scales}  # fmt: skip
+    return {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
 def _check_adam_tensors(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_out: Any = None) -> int:
     """The tensor checks shared by every Adam entry point; returns the element count."""
     _check_tensor(param, "param", (torch.float32,), None, written=True)
     n = param.numel()
     _check_tensor(grad, "grad", tuple(_DTYPE_CODE), n)
-    _check_tensor(exp_avg, "exp_avg", (torch.float32,), n, written=True)
-    _check_tensor(exp_avg_sq, "exp_avg_sq", (torch.float32,), n, written=True)
+    fmt = moment_format(exp_avg, exp_avg_sq)
+    if fmt == STATE_8BIT:
+        for q, name in ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")):
+            if q.numel != n:
+                raise ValueError(f"{name} has {q.numel} elements, expected {n} (the number in param)")
+            if q.scales.numel() != -(-n // q.block):
+                raise ValueError(f"{name}.scales has {q.scales.numel()} elements, expected {-(-n // q.block)}")
+            check_memory(q.codes, f"{name}.codes", written=True)
+            check_memory(q.scales, f"{name}.scales", written=True)
+    else:
+        dtype = (torch.float32, torch.bfloat16)[fmt]
+        _check_tensor(exp_avg, "exp_avg", (dtype,), n, written=True)
+        _check_tensor(exp_avg_sq, "exp_avg_sq", (dtype,), n, written=True)
     if param_out is not None:
         _check_tensor(param_out, "param_out", tuple(_DTYPE_CODE), n, written=True)
-    check_no_overlap(
-        {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out}
-    )
+    check_no_overlap({"param": param, "grad": grad, **moment_tensors(exp_avg, exp_avg_sq), "param_out": param_out})
     return n
+
+
+def _state_args(exp_avg: Any, exp_avg_sq: Any, start: int, seed: int) -> tuple:
+    """The kernel's `state` argument for elements [start, ...) of these moments (() for fp32)."""
+    fmt = moment_format(exp_avg, exp_avg_sq)
+    if fmt == STATE_F32:
+        return ()
+    if fmt == STATE_BF16:
+        return (STATE_BF16, 0, 0, 256, start, seed)
+    block = exp_avg.block
+    off = 4 * (start // block)
+    return (STATE_8BIT, exp_avg.scales.data_ptr() + off, exp_avg_sq.scales.data_ptr() + off, block, start, seed)
+
+
+def _moment_address(x: Any, start: int) -> int:
+    if isinstance(x, Quantized8bit):
+        return x.codes.data_ptr() + start
+    return x.data_ptr() + x.element_size() * start
+
+
+def _check_seed(seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be in [0, 2**64 - 1], got {seed}")
+    return seed
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -177,15 +256,27 @@ class AdamPlan(NamedTuple):
     """
 
     numel: int
-    tensors: tuple  # param, grad, exp_avg, exp_avg_sq: kept alive and re-checked by run
+    tensors: tuple  # param, grad, exp_avg, exp_avg_sq (tensors or Quantized8bit): kept alive, re-checked by run
     grad_code: int
     out_dtype: torch.dtype | None
     args: tuple  # step, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw, bias_correction, isa, threads
+    seed: int = 0  # bf16 moments: the stochastic rounding's seed
 
-    def _addresses(self) -> tuple[int, int, int, int]:
-        for t, name in zip(self.tensors, ("param", "grad", "exp_avg", "exp_avg_sq")):
+    @property
+    def block(self) -> int:
+        """The granularity of a range: the 8-bit moments' block, else 1."""
+        m = self.tensors[2]
+        return m.block if isinstance(m, Quantized8bit) else 1
+
+    def _named(self) -> dict[str, torch.Tensor]:
+        return {"param": self.tensors[0], "grad": self.tensors[1], **moment_tensors(*self.tensors[2:])}
+
+    def _addresses(self, start: int = 0) -> tuple[int, int, int, int]:
+        for name, t in self._named().items():
             check_memory(t, name)
-        return tuple(t.data_ptr() for t in self.tensors)
+        param, grad, m, v = self.tensors
+        return (param.data_ptr() + 4 * start, grad.data_ptr() + grad.element_size() * start,
+                _moment_address(m, start), _moment_address(v, start))  # fmt: skip
 
     def _check_out(self, out: Any, numel: int, name: str) -> int:
         if out is None:
@@ -193,7 +284,7 @@ class AdamPlan(NamedTuple):
         if self.out_dtype is None:
             raise ValueError(f"{name} given, but the plan was made without out_dtype")
         _check_tensor(out, name, (self.out_dtype,), numel, like="the range", written=True)
-        check_no_overlap({name: out, **dict(zip(("param", "grad", "exp_avg", "exp_avg_sq"), self.tensors))})
+        check_no_overlap({name: out, **self._named()})
         return out.data_ptr()
 
     def run_tiled(self, tile: int, sink: TileSink, out: torch.Tensor | None = None,
@@ -201,7 +292,7 @@ class AdamPlan(NamedTuple):
         """All of [0, numel) in tiles, a C tile sink called after each: the loop runs in C++, GIL released.
 
         `progress` (a 1-element int64 tensor) is set to the end of each tile once it is updated."""
-        tile = _check_tile(tile, self.numel, sink)
+        tile = _check_tile(tile, self.numel, sink, self.block)
         out_addr = self._check_out(out, self.numel, "out")
         if not isinstance(sink, TileSink):
             raise TypeError(f"sink must be a TileSink (copy_tile_sink, Transport.tile_sink), got {type(sink).__name__}")
@@ -209,7 +300,8 @@ class AdamPlan(NamedTuple):
         param, grad, m, v = self._addresses()
         _cpu.adam_step_tiled(param, grad, self.grad_code, m, v, out_addr,
                              _DTYPE_CODE[out.dtype] if out is not None else _NO_OUT, self.numel, *self.args, tile,
-                             sink.capsule, 0 if progress is None else progress.data_ptr())  # fmt: skip
+                             sink.capsule, 0 if progress is None else progress.data_ptr(),
+                             _state_args(*self.tensors[2:], 0, self.seed))  # fmt: skip
 
     def run(self, start: int, end: int, out: torch.Tensor | None = None, progress: torch.Tensor | None = None) -> None:
         """Update elements [start, end); with `out` (end - start elements of the plan's out dtype), write the new
@@ -220,13 +312,16 @@ class AdamPlan(NamedTuple):
         if not 0 <= start <= end <= self.numel:
             raise ValueError(f"start and end must satisfy 0 <= start <= end <= {self.numel}, got start={start}, "
                              f"end={end}")  # fmt: skip
+        block = self.block
+        if start % block or (end % block and end != self.numel):
+            raise ValueError(f"start and end must be multiples of the 8-bit moments' block ({block}) (end may be "
+                             f"numel), got start={start}, end={end}")  # fmt: skip
         out_addr = self._check_out(out, end - start, "out")
-        param, grad, m, v = self._addresses()
-        gsize = self.tensors[1].element_size()
+        param, grad, m, v = self._addresses(start)
         _cpu.adam_step(
-            param + 4 * start, grad + gsize * start, self.grad_code, m + 4 * start, v + 4 * start, out_addr,
-            _DTYPE_CODE[out.dtype] if out is not None else _NO_OUT, end - start, *self.args,
-            progress=0 if progress is None else progress.data_ptr(),
+            param, grad, self.grad_code, m, v, out_addr, _DTYPE_CODE[out.dtype] if out is not None else _NO_OUT,
+            end - start, *self.args, progress=0 if progress is None else progress.data_ptr(),
+            state=_state_args(*self.tensors[2:], start, self.seed),
         )  # fmt: skip
 
 
@@ -247,16 +342,17 @@ def plan_adam_step(
     out_dtype: torch.dtype | None = None,
     threads: int | None = None,
     isa: str | None = None,
+    seed: int = 0,
 ) -> AdamPlan:
     """Check every argument of a cpu_adam_step call (raising before anything is touched) and return its plan."""
     return _plan(param, grad, exp_avg, exp_avg_sq, None, step=step, lr=lr, betas=betas, eps=eps,
                  weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction, grad_scale=grad_scale,
-                 out_dtype=out_dtype, threads=threads, isa=isa)  # fmt: skip
+                 out_dtype=out_dtype, threads=threads, isa=isa, seed=seed)  # fmt: skip
 
 
 def _plan(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_out: Any, *, step: Any, lr: Any, betas: Any,
           eps: Any, weight_decay: Any, adamw: bool, bias_correction: bool, grad_scale: Any,
-          out_dtype: torch.dtype | None, threads: int | None, isa: str | None) -> AdamPlan:  # fmt: skip
+          out_dtype: torch.dtype | None, threads: int | None, isa: str | None, seed: Any = 0) -> AdamPlan:  # fmt: skip
     """plan_adam_step, also checking `param_out` (whose dtype then is the output dtype) with the other tensors."""
     n = _check_adam_tensors(param, grad, exp_avg, exp_avg_sq, param_out)
     if param_out is not None:
@@ -281,14 +377,15 @@ def _plan(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_out: Any, 
         raise TypeError(f"out_dtype must be torch.float32, torch.float16 or torch.bfloat16, got {out_dtype!r}")
     args = (step, lr, b1, b2, eps, weight_decay, grad_scale, bool(adamw), bool(bias_correction))
     args += (ISAS.index(isa), threads)
-    return AdamPlan(n, (param, grad, exp_avg, exp_avg_sq), _DTYPE_CODE[grad.dtype], out_dtype, args)
+    seed = _check_seed(seed)
+    return AdamPlan(n, (param, grad, exp_avg, exp_avg_sq), _DTYPE_CODE[grad.dtype], out_dtype, args, seed)
 
 
 def cpu_adam_step(
     param: torch.Tensor,
     grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    exp_avg: torch.Tensor | Quantized8bit,
+    exp_avg_sq: torch.Tensor | Quantized8bit,
     *,
     step: int,
     lr: float,
@@ -303,8 +400,14 @@ def cpu_adam_step(
     isa: str | None = None,
     tile_numel: int | None = None,
     sink: Callable[[int, int], None] | None = None,
+    seed: int = 0,
 ) -> None:
     """One Adam/AdamW step in a single pass over memory, in place; optionally emits the new param in 16 bits.
+
+    The moments are both fp32 tensors, both bf16 tensors (updated in fp32, stored with stochastic rounding:
+    the random bits are a hash of (`seed`, `step`, element index), so a rerun or a resume is bitwise identical),
+    or both `Quantized8bit` (exp_avg signed, exp_avg_sq unsigned, one block size; dequantized, updated in fp32
+    and requantized block by block in the same pass; `tile_numel` must then be a multiple of the block).
 
     `grad` (fp32/fp16/bf16) is multiplied by `grad_scale` first. With `sink`, the tensor is processed in
     tiles of `tile_numel` elements and `sink(start, end)` is called after each tile is final (its
@@ -320,12 +423,12 @@ def cpu_adam_step(
     plan = _plan(
         param, grad, exp_avg, exp_avg_sq, param_out, step=step, lr=lr, betas=betas, eps=eps,
         weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction, grad_scale=grad_scale,
-        out_dtype=None, threads=threads, isa=isa,
+        out_dtype=None, threads=threads, isa=isa, seed=seed,
     )  # fmt: skip
     c_sink = isinstance(sink, TileSink)
     if sink is not None and (not callable(sink) or type(sink).__name__ == "PyCapsule") and not c_sink:
         raise TypeError(f"sink must be callable(start, end) or a TileSink (copy_tile_sink), got {type(sink).__name__}")
-    tile = _check_tile(tile_numel, plan.numel, sink)
+    tile = _check_tile(tile_numel, plan.numel, sink, plan.block)
     if c_sink:
         sink.check(param_out if param_out is not None else param, plan.numel)
     progress = torch.zeros(1, dtype=torch.int64)  # written by the kernel after each tile: exact under Ctrl-C
@@ -348,7 +451,7 @@ def cpu_adam_step(
         raise
     finally:
         if int(progress):
-            bump_version(param, exp_avg, exp_avg_sq, param_out)
+            bump_version(param, *moment_tensors(exp_avg, exp_avg_sq).values(), param_out)
 
 
 def bump_version(*tensors: torch.Tensor | None) -> None:
@@ -361,23 +464,28 @@ def bump_version(*tensors: torch.Tensor | None) -> None:
 def stream_pass(
     param: torch.Tensor,
     grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    exp_avg: torch.Tensor | Quantized8bit,
+    exp_avg_sq: torch.Tensor | Quantized8bit,
     *,
     param_out: torch.Tensor | None = None,
     threads: int | None = None,
     isa: str | None = None,
 ) -> None:
-    """The bandwidth ceiling of cpu_adam_step: its exact loads and stores with trivial arithmetic (mutates!)."""
+    """The bandwidth ceiling of cpu_adam_step: its exact loads and stores with trivial arithmetic (mutates!).
+
+    Each moment format has its own ceiling: fp32 and bf16 moments are read and written as such (bf16 truncated,
+    no hash); 8-bit codes are read, converted to fp32 and back unchanged and their scales rewritten, block by block.
+    """
     n = _check_adam_tensors(param, grad, exp_avg, exp_avg_sq, param_out)
     threads = _check_threads(threads)
     isa = best_isa() if isa is None else _check_isa(isa)
     _cpu.stream_pass(
-        param.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-        param_out.data_ptr() if param_out is not None else 0,
+        param.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype], _moment_address(exp_avg, 0),
+        _moment_address(exp_avg_sq, 0), param_out.data_ptr() if param_out is not None else 0,
         _DTYPE_CODE[param_out.dtype] if param_out is not None else _NO_OUT, n, ISAS.index(isa), threads,
+        _state_args(exp_avg, exp_avg_sq, 0, 0),
     )  # fmt: skip
-    bump_version(param, exp_avg, exp_avg_sq, param_out)
+    bump_version(param, *moment_tensors(exp_avg, exp_avg_sq).values(), param_out)
 
 
 def sum_squares(x: torch.Tensor, *, out: torch.Tensor | None = None, threads: int | None = None,
@@ -448,13 +556,15 @@ def _check_threads(threads: int | None) -> int:
     return threads
 
 
-def _check_tile(tile_numel: int | None, n: int, sink: Any) -> int:
+def _check_tile(tile_numel: int | None, n: int, sink: Any, block: int = 1) -> int:
     if tile_numel is None:
-        return max(1, DEFAULT_TILE_NUMEL if sink is not None else n)
+        return max(1, DEFAULT_TILE_NUMEL // block * block if sink is not None else n)
     if isinstance(tile_numel, bool) or not isinstance(tile_numel, int):
         raise TypeError(f"tile_numel must be an int or None, got {type(tile_numel).__name__}")
     if tile_numel < 1:
         raise ValueError(f"tile_numel must be >= 1, got {tile_numel}")
+    if tile_numel < n and tile_numel % block:
+        raise ValueError(f"tile_numel must be a multiple of the 8-bit moments' block ({block}), got {tile_numel}")
     return min(tile_numel, max(1, n))
 
 
