@@ -544,6 +544,82 @@ def copy_tile_sink(dst: torch.Tensor, src: torch.Tensor) -> TileSink:
     return TileSink(_cpu.copy_tile_sink(dst.data_ptr(), src.data_ptr(), src.element_size(), src.numel()), dst, src)
 
 
+STATE_DTYPES = (torch.float32, torch.bfloat16, "8bit")
+QUANT_KEYS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales", "quant_block")
+
+
+def check_state_dtype(state_dtype: Any) -> torch.dtype | str:
+    """Validate a moments' format: torch.float32, torch.bfloat16 or "8bit"."""
+    if not any(state_dtype == d and type(state_dtype) is type(d) for d in STATE_DTYPES):
+        raise ValueError(f"state_dtype must be torch.float32, torch.bfloat16 or '8bit', got {state_dtype!r}")
+    return state_dtype
+
+
+def zero_moments(p: torch.Tensor, state_dtype: torch.dtype | str) -> tuple[Any, Any]:
+    """Zero (exp_avg, exp_avg_sq) for param p in the format `state_dtype`."""
+    if state_dtype == "8bit":
+        return Quantized8bit.empty(p.numel(), signed=True), Quantized8bit.empty(p.numel(), signed=False)
+    return (torch.zeros(p.shape, dtype=state_dtype), torch.zeros(p.shape, dtype=state_dtype))
+
+
+def check_saved_moments(st: dict[str, Any], numel: int, state_dtype: torch.dtype | str, where: str) -> None:
+    """Raise ValueError unless a saved param state can be loaded as `state_dtype` moments of `numel` elements."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        t = st.get(key)
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"{where}[{key!r}] must be a floating-point tensor, got {_describe(t)}")
+        if t.numel() != numel:
+            raise ValueError(f"{where}[{key!r}] has {t.numel()} elements, its param {numel}")
+    if state_dtype != "8bit":
+        return
+    if _has_codes(st):
+        from .quant8 import check_block, num_blocks
+
+        block = st["quant_block"]
+        try:
+            check_block(block)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}['quant_block']: {e}") from None
+        for key, n, lo, hi in (("exp_avg_codes", numel, -127, 127), ("exp_avg_sq_codes", numel, 0, 255),
+                               ("exp_avg_scales", num_blocks(numel, block), None, None),
+                               ("exp_avg_sq_scales", num_blocks(numel, block), None, None)):  # fmt: skip
+            t = st[key]
+            if not isinstance(t, torch.Tensor) or t.numel() != n:
+                raise ValueError(f"{where}[{key!r}] must be a tensor of {n} elements, got {_describe(t)}")
+            if lo is not None and t.numel() and not bool(((t == t.round()) & (t >= lo) & (t <= hi)).all()):
+                raise ValueError(f"{where}[{key!r}] must hold integers in [{lo}, {hi}]")
+        return
+    m, v = st["exp_avg"], st["exp_avg_sq"]
+    if not bool(torch.isfinite(m).all() and torch.isfinite(v).all()):
+        raise ValueError(f"{where}: exp_avg and exp_avg_sq must be finite to be quantized to 8 bits")
+    if bool((v < 0).any()):
+        raise ValueError(f"{where}['exp_avg_sq'] must be >= 0 to be quantized to 8 bits")
+
+
+def _has_codes(st: dict[str, Any]) -> bool:
+    return all(k in st for k in QUANT_KEYS)
+
+
+def moments_from_saved(st: dict[str, Any], p: torch.Tensor, state_dtype: torch.dtype | str) -> tuple[Any, Any]:
+    """(exp_avg, exp_avg_sq) in format `state_dtype` from a saved (checked) param state."""
+    m, v = st["exp_avg"], st["exp_avg_sq"]
+    if state_dtype != "8bit":
+        return (m.to(state_dtype).reshape(p.shape).contiguous(), v.to(state_dtype).reshape(p.shape).contiguous())
+    m = m.float().reshape(-1).contiguous()
+    v = v.float().reshape(-1).contiguous()
+    if _has_codes(st):
+        block = st["quant_block"]
+        qm = Quantized8bit(st["exp_avg_codes"].reshape(-1).to(torch.int8), st["exp_avg_scales"].float().reshape(-1),
+                           signed=True, block=block)  # fmt: skip
+        qv = Quantized8bit(st["exp_avg_sq_codes"].reshape(-1).to(torch.uint8),
+                           st["exp_avg_sq_scales"].float().reshape(-1), signed=False, block=block)  # fmt: skip
+        # The codes are used only while they still decode to the fp32 moments (a torch.optim.AdamW that loaded
+        # and stepped this state dict carries them along unchanged): the fp32 moments are the truth.
+        if torch.equal(qm.to_float(), m) and torch.equal(qv.to_float(), v):
+            return qm, qv
+    return Quantized8bit.from_float(m, signed=True), Quantized8bit.from_float(v, signed=False)
+
+
 def _check_threads(threads: int | None) -> int:
     if threads is None:
         return max(1, torch.get_num_threads())
@@ -574,6 +650,14 @@ class CPUAdam(torch.optim.Optimizer):
     State keys match torch.optim.Adam/AdamW (`step`, `exp_avg`, `exp_avg_sq`), so state dicts move
     between the two in both directions.
 
+    `state_dtype` stores the moments as fp32, bf16 (stochastic rounding, seeded by the parameter's position) or
+    "8bit" (`Quantized8bit`, blocks of 256). Whatever the format, `state_dict()` holds `exp_avg` / `exp_avg_sq`
+    dequantized to fp32 in the parameter's shape, so it loads into torch.optim.AdamW or a CPUAdam of any format
+    (which rounds or quantizes them). An "8bit" one also holds `exp_avg_codes`, `exp_avg_scales`,
+    `exp_avg_sq_codes`, `exp_avg_sq_scales` and `quant_block`: an "8bit" CPUAdam loads those instead (while they
+    still decode to the fp32 moments), so a resume is bitwise (bf16 needs nothing more: bf16 -> fp32 -> bf16 is
+    exact). A bad state dict is refused before anything changes.
+
     Args:
         params: iterable of fp32 CPU tensors or param-group dicts.
         lr: learning rate.
@@ -582,6 +666,7 @@ class CPUAdam(torch.optim.Optimizer):
         weight_decay: decoupled (AdamW) when `adamw`, else L2 added to the gradient (Adam).
         adamw: decoupled weight decay as torch.optim.AdamW; False gives torch.optim.Adam.
         bias_correction: divide by 1 - beta^step as torch does; False skips it.
+        state_dtype: torch.float32, torch.bfloat16 or "8bit": how exp_avg and exp_avg_sq are stored.
     """
 
     def __init__(
@@ -593,7 +678,9 @@ class CPUAdam(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         adamw: bool = True,
         bias_correction: bool = True,
+        state_dtype: torch.dtype | str = torch.float32,
     ) -> None:
+        self.state_dtype = check_state_dtype(state_dtype)
         check_hparams(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=bool(adamw),
                         bias_correction=bool(bias_correction))  # fmt: skip
@@ -639,16 +726,56 @@ class CPUAdam(torch.optim.Optimizer):
                     got, want = tuple(p.grad.shape), tuple(p.shape)
                     raise ValueError(f"param group {gi} param {pi}: grad shape {got} != param shape {want}")
                 work.append((group, p))
+        seeds = {p: i for i, p in enumerate(self._params())}
         for group, p in work:
             state = self.state[p]
             if len(state) == 0:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["exp_avg"], state["exp_avg_sq"] = zero_moments(p, self.state_dtype)
             cpu_adam_step(
                 p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], step=int(state["step"].item()) + 1,
                 lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                adamw=group["adamw"], bias_correction=group["bias_correction"],
+                adamw=group["adamw"], bias_correction=group["bias_correction"], seed=seeds[p],
             )  # fmt: skip
             state["step"] += 1
         return loss
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, with exp_avg / exp_avg_sq as fp32 (plus the 8-bit codes and scales: see the class)."""
+        sd = super().state_dict()
+        if self.state_dtype == torch.float32:
+            return sd
+        params = self._params()
+        state = {}
+        for k, st in sd["state"].items():
+            st = dict(st)
+            shape = params[k].shape
+            m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+            if isinstance(m, Quantized8bit):
+                st.update(exp_avg_codes=m.codes, exp_avg_scales=m.scales, exp_avg_sq_codes=v.codes,
+                          exp_avg_sq_scales=v.scales, quant_block=m.block)  # fmt: skip
+                st["exp_avg"], st["exp_avg_sq"] = m.to_float().view(shape), v.to_float().view(shape)
+            elif isinstance(m, torch.Tensor):
+                st["exp_avg"], st["exp_avg_sq"] = m.float(), v.float()
+            state[k] = st
+        return {"state": state, "param_groups": sd["param_groups"]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch's or any CPUAdam's state dict, rounding or quantizing the moments to this format."""
+        saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if isinstance(saved, list) and isinstance(state_dict.get("state"), dict):
+            ids = [i for g in saved if isinstance(g, dict) for i in g.get("params", [])]
+            by_id = dict(zip(ids, self._params()))
+            for k, st in state_dict["state"].items():
+                if k in by_id and isinstance(st, dict):
+                    check_saved_moments(st, by_id[k].numel(), self.state_dtype, f"state[{k!r}]")
+        super().load_state_dict(state_dict)  # its own checks (groups, sizes) also run before any change
+        for p in self._params():
+            st = self.state.get(p)
+            if st and "exp_avg" in st:
+                st["exp_avg"], st["exp_avg_sq"] = moments_from_saved(st, p, self.state_dtype)
+                for key in QUANT_KEYS:
+                    st.pop(key, None)
