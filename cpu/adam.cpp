@@ -59,8 +59,9 @@ inline uint16_t float_to_bf16(float f) {
 }
 
 // ---------------------------------------------------------------- stochastic rounding to bf16
-// A counter-based hash (xor-shift-multiply, 32 bits): the random bits of element i are mix32(i ^ key), key a hash
-// of (seed, step, moment), so a resumed run rounds exactly as the uninterrupted one and every ISA agrees.
+// A counter-based hash (xor-shift-multiply, 32 bits): h = mix32(uint32(i) ^ key) for element i, key a hash of
+// (seed, step); exp_avg rounds with h's low 16 bits, exp_avg_sq with its high 16 (one hash per element). So a
+// resumed run rounds exactly as the uninterrupted one and every ISA agrees.
 inline uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7feb352du;
@@ -70,19 +71,18 @@ inline uint32_t mix32(uint32_t x) {
   return x;
 }
 
-uint32_t sr_key(uint64_t seed, int64_t step, uint32_t moment) {
+uint32_t sr_key(uint64_t seed, int64_t step) {
   uint32_t h = mix32(uint32_t(seed) ^ 0x9e3779b9u);
   h = mix32(h ^ uint32_t(seed >> 32));
   h = mix32(h ^ uint32_t(uint64_t(step)));
-  h = mix32(h ^ uint32_t(uint64_t(step) >> 32));
-  return mix32(h ^ moment);
+  return mix32(h ^ uint32_t(uint64_t(step) >> 32));
 }
 
-// Round f to bf16 up (in magnitude) with probability (dropped bits) / 2^16: add 16 random bits, truncate.
+// Round f to bf16 up (in magnitude) with probability (dropped bits) / 2^16: add 16 random bits r, truncate.
 // NaN -> 0x7fc0; inf stays inf; the largest finite values may round to inf.
 inline uint16_t float_to_bf16_sr(float f, uint32_t r) {
   if (std::isnan(f)) return 0x7fc0u;
-  return uint16_t((f2u(f) + (r & 0xffffu)) >> 16);
+  return uint16_t((f2u(f) + r) >> 16);
 }
 
 // ---------------------------------------------------------------- 8-bit block scales
@@ -101,7 +101,7 @@ inline void block_scale(uint32_t amax, float levels, float* scale, float* mult) 
 struct Coef {
   float grad_scale, l2, decay, omb1, omb2, b2, inv_bc2_sqrt, eps, neg_step_size;
   bool adamw_decay, l2_decay;
-  uint32_t key_m, key_v;  // kStateBF16: the stochastic rounding's keys of this step
+  uint32_t key;  // kStateBF16: the stochastic rounding's key of this step
 };
 
 Coef make_coef(const AdamParams& a) {
@@ -178,10 +178,10 @@ inline void store1(void* base, int64_t i, int dt, float x) {
   else if (dt == kBF16) static_cast<uint16_t*>(base)[i] = float_to_bf16(x);
 }
 
-// A bf16 moment: stochastically rounded (the stream pass truncates: same bytes, no hash).
+// A bf16 moment: stochastically rounded with 16 random bits r (the stream pass truncates: same bytes, no hash).
 template <bool STREAM>
-inline void store_moment(void* base, int64_t i, float x, uint32_t key, int64_t index) {
-  static_cast<uint16_t*>(base)[i] = STREAM ? uint16_t(f2u(x) >> 16) : float_to_bf16_sr(x, mix32(uint32_t(index) ^ key));
+inline void store_moment(void* base, int64_t i, float x, uint32_t r) {
+  static_cast<uint16_t*>(base)[i] = STREAM ? uint16_t(f2u(x) >> 16) : float_to_bf16_sr(x, r);
 }
 
 template <int GDT, int ODT, int ST, bool STREAM>
@@ -198,8 +198,9 @@ void run(const Coef& c, const Bufs& b, int64_t lo, int64_t hi) {
       static_cast<float*>(b.m)[i] = m;
       static_cast<float*>(b.v)[i] = v;
     } else {
-      store_moment<STREAM>(b.m, i, m, c.key_m, b.index0 + i);
-      store_moment<STREAM>(b.v, i, v, c.key_v, b.index0 + i);
+      const uint32_t h = STREAM ? 0 : mix32(uint32_t(b.index0 + i) ^ c.key);
+      store_moment<STREAM>(b.m, i, m, h & 0xffffu);
+      store_moment<STREAM>(b.v, i, v, h >> 16);
     }
     if (ODT != kNone) store1(b.out, i, ODT, p);
   }
@@ -338,14 +339,17 @@ inline __m256 load_moment(const void* base, int64_t i) {
   return ST == kStateF32 ? _mm256_loadu_ps(static_cast<const float*>(base) + i) : load8(base, i, kBF16);
 }
 
+inline __m256i hash8(uint32_t key, int64_t index) {
+  const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(int(uint32_t(index))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return mix8(_mm256_xor_si256(idx, _mm256_set1_epi32(int(key))));
+}
+
 template <int ST, bool STREAM>
-inline void store_moment(void* base, int64_t i, __m256 x, uint32_t key, int64_t index) {
+inline void store_moment(void* base, int64_t i, __m256 x, __m256i r) {
   if (ST == kStateF32) { _mm256_storeu_ps(static_cast<float*>(base) + i, x); return; }
   __m256i u = _mm256_castps_si256(x);
   if (!STREAM) {
-    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(int(uint32_t(index))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256i r = mix8(_mm256_xor_si256(idx, _mm256_set1_epi32(int(key))));
-    u = _mm256_add_epi32(u, _mm256_and_si256(r, _mm256_set1_epi32(0xffff)));
+    u = _mm256_add_epi32(u, r);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     u = _mm256_blendv_epi8(u, _mm256_set1_epi32(0x7fc00000), nan);
   }
@@ -359,8 +363,9 @@ inline void step8(const Coef& c, const Bufs& b, int64_t i) {
   if (STREAM) stream_math<V>(c, p, m, v, g);
   else adam_math<V>(c, p, m, v, g);
   _mm256_storeu_ps(b.p + i, p);
-  store_moment<ST, STREAM>(b.m, i, m, c.key_m, b.index0 + i);
-  store_moment<ST, STREAM>(b.v, i, v, c.key_v, b.index0 + i);
+  const __m256i h = ST == kStateF32 || STREAM ? _mm256_setzero_si256() : hash8(c.key, b.index0 + i);
+  store_moment<ST, STREAM>(b.m, i, m, _mm256_and_si256(h, _mm256_set1_epi32(0xffff)));
+  store_moment<ST, STREAM>(b.v, i, v, _mm256_srli_epi32(h, 16));
   if (ODT != kNone) store8(b.out, i, ODT, p);
 }
 
@@ -554,15 +559,18 @@ inline __m512 load_moment(const void* base, int64_t i, __mmask16 k) {
 }
 
 // A moment: fp32, or bf16 stochastically rounded as scalar::float_to_bf16_sr (the stream pass truncates).
+inline __m512i hash16(uint32_t key, int64_t index) {
+  const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(index))),
+                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  return mix16(_mm512_xor_si512(idx, _mm512_set1_epi32(int(key))));
+}
+
 template <int ST, bool STREAM>
-inline void store_moment(void* base, int64_t i, __m512 x, __mmask16 k, uint32_t key, int64_t index) {
+inline void store_moment(void* base, int64_t i, __m512 x, __mmask16 k, __m512i r) {
   if (ST == kStateF32) { _mm512_mask_storeu_ps(static_cast<float*>(base) + i, k, x); return; }
   __m512i u = _mm512_castps_si512(x);
   if (!STREAM) {
-    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(index))),
-                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m512i r = mix16(_mm512_xor_si512(idx, _mm512_set1_epi32(int(key))));
-    u = _mm512_add_epi32(u, _mm512_and_si512(r, _mm512_set1_epi32(0xffff)));
+    u = _mm512_add_epi32(u, r);
     u = _mm512_mask_mov_epi32(u, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
   }
   _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + i, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
@@ -575,8 +583,9 @@ inline void step16(const Coef& c, const Bufs& b, int64_t i, __mmask16 k) {
   if (STREAM) stream_math<V>(c, p, m, v, g);
   else adam_math<V>(c, p, m, v, g);
   _mm512_mask_storeu_ps(b.p + i, k, p);
-  store_moment<ST, STREAM>(b.m, i, m, k, c.key_m, b.index0 + i);
-  store_moment<ST, STREAM>(b.v, i, v, k, c.key_v, b.index0 + i);
+  const __m512i h = ST == kStateF32 || STREAM ? _mm512_setzero_si512() : hash16(c.key, b.index0 + i);
+  store_moment<ST, STREAM>(b.m, i, m, k, _mm512_and_si512(h, _mm512_set1_epi32(0xffff)));
+  store_moment<ST, STREAM>(b.v, i, v, k, _mm512_srli_epi32(h, 16));
   if (ODT != kNone) store16(b.out, i, ODT, p, k);
 }
 
@@ -809,8 +818,7 @@ void adam_step(const Buffers& b, const AdamParams& a, int isa, int threads) {
   require(a.weight_decay >= 0, "weight_decay must be >= 0, got " + std::to_string(a.weight_decay));
   if (b.n == 0) return;
   Coef c = make_coef(a);
-  c.key_m = sr_key(b.seed, a.step, 1);
-  c.key_v = sr_key(b.seed, a.step, 2);
+  c.key = sr_key(b.seed, a.step);
   run_parallel(pick<false>(isa, b.grad_dtype, b.out_dtype, b.state), c, bufs_of(b), b.n, threads, grain_of(b));
 }
 

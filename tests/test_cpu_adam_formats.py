@@ -69,21 +69,23 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def sr_key(seed: int, step: int, moment: int) -> int:
+def sr_key(seed: int, step: int) -> int:
     def h(v: int) -> int:
         return int(mix32(torch.tensor([v & M32]))[0])
 
     k = h((seed & M32) ^ 0x9E3779B9)
     k = h(k ^ (seed >> 32))
     k = h(k ^ (step & M32))
-    k = h(k ^ (step >> 32))
-    return h(k ^ moment)
+    return h(k ^ (step >> 32))
 
 
-def sr_bits(x32: torch.Tensor, key: int, index0: int = 0) -> torch.Tensor:
-    """(fp32 bits + 16 random bits) as int64, for fp32 values x32; the bf16 is this >> 16 (NaN aside)."""
+def sr_bits(x32: torch.Tensor, key: int, moment: int, index0: int = 0) -> torch.Tensor:
+    """(fp32 bits + 16 random bits) as int64, for fp32 values x32; the bf16 is this >> 16 (NaN aside).
+
+    One hash per element: exp_avg (moment 1) takes its low 16 bits, exp_avg_sq (moment 2) its high 16."""
     idx = (torch.arange(x32.numel(), dtype=torch.int64) + index0) & M32
-    r = mix32(idx ^ key) & 0xFFFF
+    h = mix32(idx ^ key)
+    r = h & 0xFFFF if moment == 1 else h >> 16
     return (x32.view(torch.int32).long() & M32) + r
 
 
@@ -227,7 +229,7 @@ def test_bf16_stochastic_rounding_against_spec(isa, grad_dtype, n):
     cpu_adam_step(p, g, m, v, step=5, isa=isa, seed=1234, **HP)
     assert (p.double() - rp).abs().max() <= 1e-6 * max(1.0, rp.abs().max().item())
     for got, ref, moment in ((m, rm, 1), (v, rv, 2)):
-        bits = sr_bits(ref.to(F32), sr_key(1234, 5, moment))
+        bits = sr_bits(ref.to(F32), sr_key(1234, 5), moment)
         want = (bits >> 16).to(torch.int32).to(torch.int16)
         diff = got.view(torch.int16).long() - want.long()
         low = bits & 0xFFFF
