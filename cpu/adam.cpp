@@ -206,8 +206,14 @@ void run(const Coef& c, const Bufs& b, int64_t lo, int64_t hi) {
   }
 }
 
-// Requantize one block from its fp32 values (m in mb, sqrt(v) in rb) and their absmax bits; shared by every
-// variant's tail. Codes: RNE(clamp(x * levels / absmax)), clamping as maxps/minps do (NaN -> the bound).
+// x (= value * levels / absmax, so |x| <= levels + a few ulps, or NaN) to its code: RNE to int32 as cvtps2dq does
+// (NaN -> INT32_MIN, "integer indefinite"), then the low byte as vpmovdb keeps it (NaN -> 0). No clamp needed.
+inline uint8_t code_of(float x) {
+  const int32_t c = std::isnan(x) ? INT32_MIN : int32_t(std::nearbyint(x));
+  return uint8_t(uint32_t(c) & 0xffu);
+}
+
+// Requantize one block from its fp32 values (m in mb, sqrt(v) in rb) and their absmax bits.
 inline void requant1(const float* mb, const float* rb, int64_t L, uint32_t am, uint32_t ar, const Blk& k,
                      bool stream) {
   float sm, im, sr, ir;
@@ -217,14 +223,8 @@ inline void requant1(const float* mb, const float* rb, int64_t L, uint32_t am, u
   *k.ms = sm;
   *k.vs = sr;
   for (int64_t j = 0; j < L; ++j) {
-    float x = mb[j] * im;
-    x = x > -127.0f ? x : -127.0f;
-    x = x < 127.0f ? x : 127.0f;
-    k.mc[j] = int8_t(std::nearbyint(x));
-    float y = rb[j] * ir;
-    y = y > 0.0f ? y : 0.0f;
-    y = y < 255.0f ? y : 255.0f;
-    k.vc[j] = uint8_t(std::nearbyint(y));
+    k.mc[j] = int8_t(code_of(mb[j] * im));
+    k.vc[j] = code_of(rb[j] * ir);
   }
 }
 
@@ -402,12 +402,14 @@ inline __m256 load_codes8(const void* base, bool is_signed) {
   return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
 }
 
-// x -> RNE(clamp(x * mult, lo, hi)) as 8 bytes (maxps/minps: a NaN product gives lo).
-inline void store_codes8(void* base, __m256 x, __m256 mult, __m256 lo, __m256 hi, bool is_signed) {
-  x = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x, mult), lo), hi);
-  const __m256i c = _mm256_cvtps_epi32(x);
-  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-  _mm_storel_epi64(static_cast<__m128i*>(base), is_signed ? _mm_packs_epi16(w, w) : _mm_packus_epi16(w, w));
+// x * mult -> scalar::code_of as 8 bytes: cvtps2dq, then the low byte of each lane (as vpmovdb).
+inline void store_codes8(void* base, __m256 x, __m256 mult) {
+  const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(x, mult));
+  const __m256i sh = _mm256_shuffle_epi8(c, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                             -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                             -1, -1));
+  const __m128i b = _mm_unpacklo_epi32(_mm256_castsi256_si128(sh), _mm256_extracti128_si256(sh, 1));
+  _mm_storel_epi64(static_cast<__m128i*>(base), b);
 }
 
 inline uint32_t hmax8(__m256i x) {
@@ -446,11 +448,10 @@ void block8(const Coef& c, const Blk& k, int64_t L) {
   if (STREAM) { im = 1.0f; ir = 1.0f; sm = *k.ms; sr = *k.vs; }
   *k.ms = sm;
   *k.vs = sr;
-  const __m256 mi = _mm256_set1_ps(im), ri = _mm256_set1_ps(ir), zero = _mm256_setzero_ps();
-  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f), top = _mm256_set1_ps(255.0f);
+  const __m256 mi = _mm256_set1_ps(im), ri = _mm256_set1_ps(ir);
   for (int64_t j = 0; j < L; j += 8) {
-    store_codes8(k.mc + j, _mm256_load_ps(mb + j), mi, lo, hi, true);
-    store_codes8(k.vc + j, _mm256_load_ps(rb + j), ri, zero, top, false);
+    store_codes8(k.mc + j, _mm256_load_ps(mb + j), mi);
+    store_codes8(k.vc + j, _mm256_load_ps(rb + j), ri);
   }
 }
 
@@ -613,15 +614,16 @@ inline __m512 load_codes16(const void* base, bool is_signed, __mmask16 k) {
   return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 }
 
-// x -> RNE(clamp(x * mult, lo, hi)) as 16 bytes (maxps/minps: a NaN product gives lo).
-inline void store_codes16(void* base, __m512 x, __m512 mult, __m512 lo, __m512 hi, __mmask16 k) {
-  x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, mult), lo), hi);
-  _mm_mask_storeu_epi8(base, k, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(x)));
+// x * mult -> scalar::code_of as 16 bytes (cvtps2dq, vpmovdb).
+inline void store_codes16(void* base, __m512 x, __m512 mult, __mmask16 k) {
+  _mm_mask_storeu_epi8(base, k, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x, mult))));
 }
 
 // One block of L <= 256 elements (masked lanes read as zeros: they stay zero and do not change the absmax).
-template <int GDT, int ODT, bool STREAM>
-void block16(const Coef& c, const Blk& k, int64_t L) {
+// FIXED: L known at compile time (a full block of 256: the loops unroll).
+template <int GDT, int ODT, bool STREAM, int FIXED>
+void block16(const Coef& c, const Blk& k, int64_t len) {
+  const int64_t L = FIXED ? FIXED : len;
   alignas(64) float mb[kMaxBlock], rb[kMaxBlock];
   const __m512 dm = _mm512_set1_ps(STREAM ? 1.0f : *k.ms / 127.0f);
   const __m512 dr = _mm512_set1_ps(STREAM ? 1.0f : *k.vs / 255.0f);
@@ -649,12 +651,11 @@ void block16(const Coef& c, const Blk& k, int64_t L) {
   if (STREAM) { im = 1.0f; ir = 1.0f; sm = *k.ms; sr = *k.vs; }
   *k.ms = sm;
   *k.vs = sr;
-  const __m512 mi = _mm512_set1_ps(im), ri = _mm512_set1_ps(ir), zero = _mm512_setzero_ps();
-  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f), top = _mm512_set1_ps(255.0f);
+  const __m512 mi = _mm512_set1_ps(im), ri = _mm512_set1_ps(ir);
   for (int64_t j = 0; j < L; j += 16) {
     const __mmask16 km = L - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (L - j)) - 1u);
-    store_codes16(k.mc + j, _mm512_load_ps(mb + j), mi, lo, hi, km);
-    store_codes16(k.vc + j, _mm512_load_ps(rb + j), ri, zero, top, km);
+    store_codes16(k.mc + j, _mm512_load_ps(mb + j), mi, km);
+    store_codes16(k.vc + j, _mm512_load_ps(rb + j), ri, km);
   }
 }
 
@@ -662,8 +663,12 @@ template <int GDT, int ODT, bool STREAM>
 void run8(const Coef& coef, const Bufs& bufs, int64_t lo, int64_t hi) {
   const Coef c = coef;
   const Bufs b = bufs;
-  for (int64_t b0 = lo; b0 < hi; b0 += b.block)
-    block16<GDT, ODT, STREAM>(c, block_at(b, b0, dsize(GDT), dsize(ODT)), std::min(b.block, hi - b0));
+  for (int64_t b0 = lo; b0 < hi; b0 += b.block) {
+    const int64_t L = std::min(b.block, hi - b0);
+    const Blk k = block_at(b, b0, dsize(GDT), dsize(ODT));
+    if (L == kMaxBlock) block16<GDT, ODT, STREAM, kMaxBlock>(c, k, L);
+    else block16<GDT, ODT, STREAM, 0>(c, k, L);
+  }
 }
 
 template <int DT>

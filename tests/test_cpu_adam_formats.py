@@ -49,7 +49,8 @@ def ref_quantize(x: torch.Tensor, signed: bool, block: int = 256) -> tuple[torch
     scale = torch.where(small, 0.0, amax)
     mult = torch.where(small, 0.0, f32(levels / torch.where(small, 1.0, amax)))  # one fp32-rounded division
     prod = f32(xb * mult[:, None])  # the fp32 product (exact in float64, then rounded once)
-    codes = torch.round(prod.clamp(lo, hi)).flatten()[:n]  # torch.round: half to even
+    codes = torch.round(prod).flatten()[:n]  # torch.round: half to even
+    assert ((codes >= lo) & (codes <= hi)).all()  # |x| <= absmax keeps x * mult within the levels
     return codes.long(), scale.to(F32)
 
 
