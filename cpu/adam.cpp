@@ -1,4 +1,6 @@
 // CPU Adam/AdamW: one pass over memory, element-wise, three ISA variants picked at run time.
+// The moments are fp32, bf16 (stochastically rounded) or 8-bit blockwise (dequantized, updated in fp32
+// and requantized block by block in the same pass; zo_kernels/quant8.py documents the format).
 //
 // Stateless: Python owns every buffer and passes raw addresses; this file never sees a torch type,
 // so the module does not depend on torch's C++ ABI. Each element is updated with exactly the same
@@ -13,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -55,11 +58,50 @@ inline uint16_t float_to_bf16(float f) {
   return uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
+// ---------------------------------------------------------------- stochastic rounding to bf16
+// A counter-based hash (xor-shift-multiply, 32 bits): h = mix32(uint32(i) ^ key) for element i, key a hash of
+// (seed, step); exp_avg rounds with h's low 16 bits, exp_avg_sq with its high 16 (one hash per element). So a
+// resumed run rounds exactly as the uninterrupted one and every ISA agrees.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+uint32_t sr_key(uint64_t seed, int64_t step) {
+  uint32_t h = mix32(uint32_t(seed) ^ 0x9e3779b9u);
+  h = mix32(h ^ uint32_t(seed >> 32));
+  h = mix32(h ^ uint32_t(uint64_t(step)));
+  return mix32(h ^ uint32_t(uint64_t(step) >> 32));
+}
+
+// Round f to bf16 up (in magnitude) with probability (dropped bits) / 2^16: add 16 random bits r, truncate.
+// NaN -> 0x7fc0; inf stays inf; the largest finite values may round to inf.
+inline uint16_t float_to_bf16_sr(float f, uint32_t r) {
+  if (std::isnan(f)) return 0x7fc0u;
+  return uint16_t((f2u(f) + r) >> 16);
+}
+
+// ---------------------------------------------------------------- 8-bit block scales
+// A block whose absmax is below 2^-100 (or zero) is stored as zeros: 127 / absmax must stay finite.
+constexpr uint32_t kTinyBits = uint32_t(127 - 100) << 23;
+
+// (stored scale, multiplier to codes) of a block with absmax bits `amax` (|x| as uint32: NaN > inf > finite).
+inline void block_scale(uint32_t amax, float levels, float* scale, float* mult) {
+  if (amax < kTinyBits) { *scale = 0.0f; *mult = 0.0f; return; }
+  *scale = u2f(amax);
+  *mult = levels / *scale;
+}
+
 // ---------------------------------------------------------------- the per-element arithmetic
 // Constants derived once per call (in double, then rounded to fp32 once).
 struct Coef {
   float grad_scale, l2, decay, omb1, omb2, b2, inv_bc2_sqrt, eps, neg_step_size;
   bool adamw_decay, l2_decay;
+  uint32_t key;  // kStateBF16: the stochastic rounding's key of this step
 };
 
 Coef make_coef(const AdamParams& a) {
@@ -82,10 +124,32 @@ Coef make_coef(const AdamParams& a) {
 }
 
 struct Bufs {
-  float *p, *m, *v;
+  float* p;
+  void *m, *v;  // the state format's elements
   const void* g;
   void* out;
+  float *ms, *vs;  // kState8: the scales
+  int64_t block;   // kState8
+  int64_t index0;  // kStateBF16: the hash index of element 0
 };
+
+// One 8-bit block, its pointers at the block's first element.
+struct Blk {
+  float* p;
+  const void* g;
+  int8_t* mc;
+  uint8_t* vc;
+  void* out;
+  float *ms, *vs;
+};
+
+inline Blk block_at(const Bufs& b, int64_t b0, int gsz, int osz) {
+  return {b.p + b0, static_cast<const char*>(b.g) + b0 * gsz, static_cast<int8_t*>(b.m) + b0,
+          static_cast<uint8_t*>(b.v) + b0, b.out ? static_cast<char*>(b.out) + b0 * osz : nullptr,
+          b.ms + b0 / b.block, b.vs + b0 / b.block};
+}
+
+constexpr int dsize(int dt) { return dt == kF32 ? 4 : 2; }
 
 namespace scalar {
 #include "adam_math.inc"
@@ -102,21 +166,93 @@ struct V {
 };
 
 // ---------------------------------------------------------------- scalar variant
-template <int GDT, int ODT, bool STREAM>
+inline float load1(const void* base, int64_t i, int dt) {
+  if (dt == kF32) return static_cast<const float*>(base)[i];
+  if (dt == kF16) return half_to_float(static_cast<const uint16_t*>(base)[i]);
+  return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+}
+
+inline void store1(void* base, int64_t i, int dt, float x) {
+  if (dt == kF32) static_cast<float*>(base)[i] = x;
+  else if (dt == kF16) static_cast<uint16_t*>(base)[i] = float_to_half(x);
+  else if (dt == kBF16) static_cast<uint16_t*>(base)[i] = float_to_bf16(x);
+}
+
+// A bf16 moment: stochastically rounded with 16 random bits r (the stream pass truncates: same bytes, no hash).
+template <bool STREAM>
+inline void store_moment(void* base, int64_t i, float x, uint32_t r) {
+  static_cast<uint16_t*>(base)[i] = STREAM ? uint16_t(f2u(x) >> 16) : float_to_bf16_sr(x, r);
+}
+
+template <int GDT, int ODT, int ST, bool STREAM>
 void run(const Coef& c, const Bufs& b, int64_t lo, int64_t hi) {
   for (int64_t i = lo; i < hi; ++i) {
-    float g;
-    if (GDT == kF32) g = static_cast<const float*>(b.g)[i];
-    else if (GDT == kF16) g = half_to_float(static_cast<const uint16_t*>(b.g)[i]);
-    else g = bf16_to_float(static_cast<const uint16_t*>(b.g)[i]);
-    float p = b.p[i], m = b.m[i], v = b.v[i];
+    const float g = load1(b.g, i, GDT);
+    float p = b.p[i];
+    float m = ST == kStateF32 ? static_cast<float*>(b.m)[i] : bf16_to_float(static_cast<uint16_t*>(b.m)[i]);
+    float v = ST == kStateF32 ? static_cast<float*>(b.v)[i] : bf16_to_float(static_cast<uint16_t*>(b.v)[i]);
     if (STREAM) stream_math<V>(c, p, m, v, g);
     else adam_math<V>(c, p, m, v, g);
-    b.p[i] = p; b.m[i] = m; b.v[i] = v;
-    if (ODT == kF32) static_cast<float*>(b.out)[i] = p;
-    else if (ODT == kF16) static_cast<uint16_t*>(b.out)[i] = float_to_half(p);
-    else if (ODT == kBF16) static_cast<uint16_t*>(b.out)[i] = float_to_bf16(p);
+    b.p[i] = p;
+    if (ST == kStateF32) {
+      static_cast<float*>(b.m)[i] = m;
+      static_cast<float*>(b.v)[i] = v;
+    } else {
+      const uint32_t h = STREAM ? 0 : mix32(uint32_t(b.index0 + i) ^ c.key);
+      store_moment<STREAM>(b.m, i, m, h & 0xffffu);
+      store_moment<STREAM>(b.v, i, v, h >> 16);
+    }
+    if (ODT != kNone) store1(b.out, i, ODT, p);
   }
+}
+
+// x (= value * levels / absmax, so |x| <= levels + a few ulps, or NaN) to its code: RNE to int32 as cvtps2dq does
+// (NaN -> INT32_MIN, "integer indefinite"), then the low byte as vpmovdb keeps it (NaN -> 0). No clamp needed.
+inline uint8_t code_of(float x) {
+  const int32_t c = std::isnan(x) ? INT32_MIN : int32_t(std::nearbyint(x));
+  return uint8_t(uint32_t(c) & 0xffu);
+}
+
+// Requantize one block from its fp32 values (m in mb, sqrt(v) in rb) and their absmax bits.
+inline void requant1(const float* mb, const float* rb, int64_t L, uint32_t am, uint32_t ar, const Blk& k,
+                     bool stream) {
+  float sm, im, sr, ir;
+  block_scale(am, 127.0f, &sm, &im);
+  block_scale(ar, 255.0f, &sr, &ir);
+  if (stream) { im = 1.0f; ir = 1.0f; sm = *k.ms; sr = *k.vs; }
+  *k.ms = sm;
+  *k.vs = sr;
+  for (int64_t j = 0; j < L; ++j) {
+    k.mc[j] = int8_t(code_of(mb[j] * im));
+    k.vc[j] = code_of(rb[j] * ir);
+  }
+}
+
+// One 8-bit block of L elements: dequantize, update in fp32, requantize.
+template <int GDT, int ODT, bool STREAM>
+void block8(const Coef& c, const Blk& k, int64_t L) {
+  float mb[kMaxBlock], rb[kMaxBlock];
+  const float dm = STREAM ? 1.0f : *k.ms / 127.0f, dr = STREAM ? 1.0f : *k.vs / 255.0f;
+  uint32_t am = 0, ar = 0;
+  for (int64_t j = 0; j < L; ++j) {
+    const float g = load1(k.g, j, GDT);
+    float p = k.p[j], m = float(k.mc[j]) * dm, r = float(k.vc[j]) * dr, v = r * r;
+    if (STREAM) p = p + g;
+    else r = adam_math<V>(c, p, m, v, g);
+    k.p[j] = p;
+    if (ODT != kNone) store1(k.out, j, ODT, p);
+    mb[j] = m;
+    rb[j] = r;
+    am = std::max(am, f2u(m) & 0x7fffffffu);
+    ar = std::max(ar, f2u(r) & 0x7fffffffu);
+  }
+  requant1(mb, rb, L, am, ar, k, STREAM);
+}
+
+template <int GDT, int ODT, bool STREAM>
+void run8(const Coef& c, const Bufs& b, int64_t lo, int64_t hi) {
+  for (int64_t b0 = lo; b0 < hi; b0 += b.block)
+    block8<GDT, ODT, STREAM>(c, block_at(b, b0, dsize(GDT), dsize(ODT)), std::min(b.block, hi - b0));
 }
 
 // Sum of squares of [lo, hi) in fp32 lanes (the chunks are short: 4096), and an inf/NaN flag.
@@ -185,37 +321,165 @@ inline void store8(void* base, int64_t i, int dt, __m256 x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i), h);
 }
 
-template <int GDT, int ODT, bool STREAM>
+inline __m256i mix8(__m256i x) {  // scalar::mix32 on 8 lanes
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(int(0x846ca68bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+inline __m128i narrow16(__m256i r) {  // 8 x u32 (each <= 0xffff) -> 8 x u16
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8));
+}
+
+// A moment: fp32, or bf16 stochastically rounded as scalar::float_to_bf16_sr (the stream pass truncates).
+template <int ST, bool STREAM>
+inline __m256 load_moment(const void* base, int64_t i) {
+  return ST == kStateF32 ? _mm256_loadu_ps(static_cast<const float*>(base) + i) : load8(base, i, kBF16);
+}
+
+inline __m256i hash8(uint32_t key, int64_t index) {
+  const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(int(uint32_t(index))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return mix8(_mm256_xor_si256(idx, _mm256_set1_epi32(int(key))));
+}
+
+template <int ST, bool STREAM>
+inline void store_moment(void* base, int64_t i, __m256 x, __m256i r) {
+  if (ST == kStateF32) { _mm256_storeu_ps(static_cast<float*>(base) + i, x); return; }
+  __m256i u = _mm256_castps_si256(x);
+  if (!STREAM) {
+    u = _mm256_add_epi32(u, r);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    u = _mm256_blendv_epi8(u, _mm256_set1_epi32(0x7fc00000), nan);
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i), narrow16(_mm256_srli_epi32(u, 16)));
+}
+
+template <int GDT, int ODT, int ST, bool STREAM>
 inline void step8(const Coef& c, const Bufs& b, int64_t i) {
-  __m256 p = _mm256_loadu_ps(b.p + i), m = _mm256_loadu_ps(b.m + i), v = _mm256_loadu_ps(b.v + i);
+  __m256 p = _mm256_loadu_ps(b.p + i), m = load_moment<ST, STREAM>(b.m, i), v = load_moment<ST, STREAM>(b.v, i);
   const __m256 g = load8(b.g, i, GDT);
   if (STREAM) stream_math<V>(c, p, m, v, g);
   else adam_math<V>(c, p, m, v, g);
-  _mm256_storeu_ps(b.p + i, p); _mm256_storeu_ps(b.m + i, m); _mm256_storeu_ps(b.v + i, v);
+  _mm256_storeu_ps(b.p + i, p);
+  const __m256i h = ST == kStateF32 || STREAM ? _mm256_setzero_si256() : hash8(c.key, b.index0 + i);
+  store_moment<ST, STREAM>(b.m, i, m, _mm256_and_si256(h, _mm256_set1_epi32(0xffff)));
+  store_moment<ST, STREAM>(b.v, i, v, _mm256_srli_epi32(h, 16));
   if (ODT != kNone) store8(b.out, i, ODT, p);
 }
 
-template <int GDT, int ODT, bool STREAM>
+template <int GDT, int ODT, int ST, bool STREAM>
 void run(const Coef& coef, const Bufs& bufs, int64_t lo, int64_t hi) {
   const Coef c = coef;  // local copies, as in the AVX-512 variant
   const Bufs b = bufs;
   int64_t i = lo;
   for (; i + 32 <= hi; i += 32) {
-    step8<GDT, ODT, STREAM>(c, b, i); step8<GDT, ODT, STREAM>(c, b, i + 8);
-    step8<GDT, ODT, STREAM>(c, b, i + 16); step8<GDT, ODT, STREAM>(c, b, i + 24);
+    step8<GDT, ODT, ST, STREAM>(c, b, i); step8<GDT, ODT, ST, STREAM>(c, b, i + 8);
+    step8<GDT, ODT, ST, STREAM>(c, b, i + 16); step8<GDT, ODT, ST, STREAM>(c, b, i + 24);
   }
-  for (; i + 8 <= hi; i += 8) step8<GDT, ODT, STREAM>(c, b, i);
+  for (; i + 8 <= hi; i += 8) step8<GDT, ODT, ST, STREAM>(c, b, i);
   if (i == hi) return;
   // Tail (< 8): run the same vector code on a zero-padded copy, then copy the live lanes back.
   const int64_t n = hi - i;
   alignas(32) float p[8] = {}, m[8] = {}, v[8] = {}, g[8] = {}, o[8] = {};
-  const size_t gsz = GDT == kF32 ? 4 : 2, osz = ODT == kF32 ? 4 : 2;
-  std::memcpy(p, b.p + i, n * 4); std::memcpy(m, b.m + i, n * 4); std::memcpy(v, b.v + i, n * 4);
+  const size_t gsz = dsize(GDT), osz = dsize(ODT), ssz = ST == kStateF32 ? 4 : 2;
+  std::memcpy(p, b.p + i, n * 4);
+  std::memcpy(m, static_cast<char*>(b.m) + i * ssz, n * ssz);
+  std::memcpy(v, static_cast<char*>(b.v) + i * ssz, n * ssz);
   std::memcpy(g, static_cast<const char*>(b.g) + i * gsz, n * gsz);
-  const Bufs t{p, m, v, g, ODT == kNone ? nullptr : o};
-  step8<GDT, ODT, STREAM>(c, t, 0);
-  std::memcpy(b.p + i, p, n * 4); std::memcpy(b.m + i, m, n * 4); std::memcpy(b.v + i, v, n * 4);
+  const Bufs t{p, m, v, g, ODT == kNone ? nullptr : o, nullptr, nullptr, 0, b.index0 + i};
+  step8<GDT, ODT, ST, STREAM>(c, t, 0);
+  std::memcpy(b.p + i, p, n * 4);
+  std::memcpy(static_cast<char*>(b.m) + i * ssz, m, n * ssz);
+  std::memcpy(static_cast<char*>(b.v) + i * ssz, v, n * ssz);
   if (ODT != kNone) std::memcpy(static_cast<char*>(b.out) + i * osz, o, n * osz);
+}
+
+// ---------------------------------------------------------------- AVX2 8-bit blocks
+inline __m256 load_codes8(const void* base, bool is_signed) {
+  const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(base));
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
+// x * mult -> scalar::code_of as 8 bytes: cvtps2dq, then the low byte of each lane (as vpmovdb).
+inline void store_codes8(void* base, __m256 x, __m256 mult) {
+  const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(x, mult));
+  const __m256i sh = _mm256_shuffle_epi8(c, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                             -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                             -1, -1));
+  const __m128i b = _mm_unpacklo_epi32(_mm256_castsi256_si128(sh), _mm256_extracti128_si256(sh, 1));
+  _mm_storel_epi64(static_cast<__m128i*>(base), b);
+}
+
+inline uint32_t hmax8(__m256i x) {
+  alignas(32) uint32_t a[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(a), x);
+  uint32_t r = 0;
+  for (uint32_t u : a) r = std::max(r, u);
+  return r;
+}
+
+// One block of L elements, L a multiple of 8 (the caller pads a shorter tail with zeros).
+template <int GDT, int ODT, bool STREAM>
+void block8(const Coef& c, const Blk& k, int64_t L) {
+  alignas(32) float mb[kMaxBlock], rb[kMaxBlock];
+  const __m256 dm = _mm256_set1_ps(STREAM ? 1.0f : *k.ms / 127.0f);
+  const __m256 dr = _mm256_set1_ps(STREAM ? 1.0f : *k.vs / 255.0f);
+  const __m256i abs = _mm256_set1_epi32(0x7fffffff);
+  __m256i am = _mm256_setzero_si256(), ar = _mm256_setzero_si256();
+  for (int64_t j = 0; j < L; j += 8) {
+    __m256 p = _mm256_loadu_ps(k.p + j);
+    const __m256 g = load8(k.g, j, GDT);
+    __m256 m = _mm256_mul_ps(load_codes8(k.mc + j, true), dm), r = _mm256_mul_ps(load_codes8(k.vc + j, false), dr);
+    __m256 v = _mm256_mul_ps(r, r);
+    if (STREAM) p = _mm256_add_ps(p, g);
+    else r = adam_math<V>(c, p, m, v, g);
+    _mm256_storeu_ps(k.p + j, p);
+    if (ODT != kNone) store8(k.out, j, ODT, p);
+    _mm256_store_ps(mb + j, m);
+    _mm256_store_ps(rb + j, r);
+    am = _mm256_max_epu32(am, _mm256_and_si256(_mm256_castps_si256(m), abs));
+    ar = _mm256_max_epu32(ar, _mm256_and_si256(_mm256_castps_si256(r), abs));
+  }
+  float sm, im, sr, ir;
+  block_scale(hmax8(am), 127.0f, &sm, &im);
+  block_scale(hmax8(ar), 255.0f, &sr, &ir);
+  if (STREAM) { im = 1.0f; ir = 1.0f; sm = *k.ms; sr = *k.vs; }
+  *k.ms = sm;
+  *k.vs = sr;
+  const __m256 mi = _mm256_set1_ps(im), ri = _mm256_set1_ps(ir);
+  for (int64_t j = 0; j < L; j += 8) {
+    store_codes8(k.mc + j, _mm256_load_ps(mb + j), mi);
+    store_codes8(k.vc + j, _mm256_load_ps(rb + j), ri);
+  }
+}
+
+template <int GDT, int ODT, bool STREAM>
+void run8(const Coef& coef, const Bufs& bufs, int64_t lo, int64_t hi) {
+  const Coef c = coef;
+  const Bufs b = bufs;
+  const int gsz = dsize(GDT), osz = dsize(ODT);
+  for (int64_t b0 = lo; b0 < hi; b0 += b.block) {
+    const int64_t L = std::min(b.block, hi - b0);
+    const Blk k = block_at(b, b0, gsz, osz);
+    if (L % 8 == 0) { block8<GDT, ODT, STREAM>(c, k, L); continue; }
+    // The last block of a tensor, not a multiple of 8 long: the same code on a zero-padded copy (zeros stay
+    // zero and do not change the absmax).
+    const int64_t L8 = (L + 7) / 8 * 8;
+    alignas(32) float p[kMaxBlock] = {}, g[kMaxBlock] = {}, o[kMaxBlock] = {};
+    alignas(32) int8_t mc[kMaxBlock] = {};
+    alignas(32) uint8_t vc[kMaxBlock] = {};
+    std::memcpy(p, k.p, L * 4);
+    std::memcpy(g, k.g, L * gsz);
+    std::memcpy(mc, k.mc, L);
+    std::memcpy(vc, k.vc, L);
+    block8<GDT, ODT, STREAM>(c, Blk{p, g, mc, vc, ODT == kNone ? nullptr : o, k.ms, k.vs}, L8);
+    std::memcpy(k.p, p, L * 4);
+    std::memcpy(k.mc, mc, L);
+    std::memcpy(k.vc, vc, L);
+    if (ODT != kNone) std::memcpy(k.out, o, L * osz);
+  }
 }
 
 template <int DT>
@@ -282,18 +546,51 @@ inline void store16(void* base, int64_t i, int dt, __m512 x, __mmask16 k) {
   _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + i, k, h);
 }
 
-template <int GDT, int ODT, bool STREAM>
+inline __m512i mix16(__m512i x) {  // scalar::mix32 on 16 lanes
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int(0x846ca68bu)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+template <int ST>
+inline __m512 load_moment(const void* base, int64_t i, __mmask16 k) {
+  return ST == kStateF32 ? _mm512_maskz_loadu_ps(k, static_cast<const float*>(base) + i) : load16(base, i, kBF16, k);
+}
+
+// A moment: fp32, or bf16 stochastically rounded as scalar::float_to_bf16_sr (the stream pass truncates).
+inline __m512i hash16(uint32_t key, int64_t index) {
+  const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(index))),
+                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  return mix16(_mm512_xor_si512(idx, _mm512_set1_epi32(int(key))));
+}
+
+template <int ST, bool STREAM>
+inline void store_moment(void* base, int64_t i, __m512 x, __mmask16 k, __m512i r) {
+  if (ST == kStateF32) { _mm512_mask_storeu_ps(static_cast<float*>(base) + i, k, x); return; }
+  __m512i u = _mm512_castps_si512(x);
+  if (!STREAM) {
+    u = _mm512_add_epi32(u, r);
+    u = _mm512_mask_mov_epi32(u, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+  }
+  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + i, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+template <int GDT, int ODT, int ST, bool STREAM>
 inline void step16(const Coef& c, const Bufs& b, int64_t i, __mmask16 k) {
-  __m512 p = _mm512_maskz_loadu_ps(k, b.p + i), m = _mm512_maskz_loadu_ps(k, b.m + i);
-  __m512 v = _mm512_maskz_loadu_ps(k, b.v + i);
+  __m512 p = _mm512_maskz_loadu_ps(k, b.p + i), m = load_moment<ST>(b.m, i, k), v = load_moment<ST>(b.v, i, k);
   const __m512 g = load16(b.g, i, GDT, k);
   if (STREAM) stream_math<V>(c, p, m, v, g);
   else adam_math<V>(c, p, m, v, g);
-  _mm512_mask_storeu_ps(b.p + i, k, p); _mm512_mask_storeu_ps(b.m + i, k, m); _mm512_mask_storeu_ps(b.v + i, k, v);
+  _mm512_mask_storeu_ps(b.p + i, k, p);
+  const __m512i h = ST == kStateF32 || STREAM ? _mm512_setzero_si512() : hash16(c.key, b.index0 + i);
+  store_moment<ST, STREAM>(b.m, i, m, k, _mm512_and_si512(h, _mm512_set1_epi32(0xffff)));
+  store_moment<ST, STREAM>(b.v, i, v, k, _mm512_srli_epi32(h, 16));
   if (ODT != kNone) store16(b.out, i, ODT, p, k);
 }
 
-template <int GDT, int ODT, bool STREAM>
+template <int GDT, int ODT, int ST, bool STREAM>
 void run(const Coef& coef, const Bufs& bufs, int64_t lo, int64_t hi) {
   constexpr int kUnroll = 8;  // the paper's auto-tuned unroll width; 8 x 16 lanes per iteration
   // Local copies: the compiler can then prove the stores never alias them and keeps the broadcast
@@ -303,11 +600,74 @@ void run(const Coef& coef, const Bufs& bufs, int64_t lo, int64_t hi) {
   int64_t i = lo;
   for (; i + 16 * kUnroll <= hi; i += 16 * kUnroll) {
 #pragma GCC unroll 8
-    for (int u = 0; u < kUnroll; ++u) step16<GDT, ODT, STREAM>(c, b, i + 16 * u, 0xffff);
+    for (int u = 0; u < kUnroll; ++u) step16<GDT, ODT, ST, STREAM>(c, b, i + 16 * u, 0xffff);
   }
   for (; i < hi; i += 16) {
     const int64_t n = std::min<int64_t>(16, hi - i);
-    step16<GDT, ODT, STREAM>(c, b, i, __mmask16((1u << n) - 1u));
+    step16<GDT, ODT, ST, STREAM>(c, b, i, __mmask16((1u << n) - 1u));
+  }
+}
+
+// ---------------------------------------------------------------- AVX-512 8-bit blocks
+inline __m512 load_codes16(const void* base, bool is_signed, __mmask16 k) {
+  const __m128i b = _mm_maskz_loadu_epi8(k, base);
+  return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+}
+
+// x * mult -> scalar::code_of as 16 bytes (cvtps2dq, vpmovdb).
+inline void store_codes16(void* base, __m512 x, __m512 mult, __mmask16 k) {
+  _mm_mask_storeu_epi8(base, k, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x, mult))));
+}
+
+// One block of L <= 256 elements (masked lanes read as zeros: they stay zero and do not change the absmax).
+// FIXED: L known at compile time (a full block of 256: the loops unroll).
+template <int GDT, int ODT, bool STREAM, int FIXED>
+void block16(const Coef& c, const Blk& k, int64_t len) {
+  const int64_t L = FIXED ? FIXED : len;
+  alignas(64) float mb[kMaxBlock], rb[kMaxBlock];
+  const __m512 dm = _mm512_set1_ps(STREAM ? 1.0f : *k.ms / 127.0f);
+  const __m512 dr = _mm512_set1_ps(STREAM ? 1.0f : *k.vs / 255.0f);
+  const __m512i abs = _mm512_set1_epi32(0x7fffffff);
+  __m512i am = _mm512_setzero_si512(), ar = _mm512_setzero_si512();
+  for (int64_t j = 0; j < L; j += 16) {
+    const __mmask16 km = L - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (L - j)) - 1u);
+    __m512 p = _mm512_maskz_loadu_ps(km, k.p + j);
+    const __m512 g = load16(k.g, j, GDT, km);
+    __m512 m = _mm512_mul_ps(load_codes16(k.mc + j, true, km), dm);
+    __m512 r = _mm512_mul_ps(load_codes16(k.vc + j, false, km), dr);
+    __m512 v = _mm512_mul_ps(r, r);
+    if (STREAM) p = _mm512_add_ps(p, g);
+    else r = adam_math<V>(c, p, m, v, g);
+    _mm512_mask_storeu_ps(k.p + j, km, p);
+    if (ODT != kNone) store16(k.out, j, ODT, p, km);
+    _mm512_store_ps(mb + j, m);
+    _mm512_store_ps(rb + j, r);
+    am = _mm512_max_epu32(am, _mm512_and_si512(_mm512_castps_si512(m), abs));
+    ar = _mm512_max_epu32(ar, _mm512_and_si512(_mm512_castps_si512(r), abs));
+  }
+  float sm, im, sr, ir;
+  block_scale(_mm512_reduce_max_epu32(am), 127.0f, &sm, &im);
+  block_scale(_mm512_reduce_max_epu32(ar), 255.0f, &sr, &ir);
+  if (STREAM) { im = 1.0f; ir = 1.0f; sm = *k.ms; sr = *k.vs; }
+  *k.ms = sm;
+  *k.vs = sr;
+  const __m512 mi = _mm512_set1_ps(im), ri = _mm512_set1_ps(ir);
+  for (int64_t j = 0; j < L; j += 16) {
+    const __mmask16 km = L - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (L - j)) - 1u);
+    store_codes16(k.mc + j, _mm512_load_ps(mb + j), mi, km);
+    store_codes16(k.vc + j, _mm512_load_ps(rb + j), ri, km);
+  }
+}
+
+template <int GDT, int ODT, bool STREAM>
+void run8(const Coef& coef, const Bufs& bufs, int64_t lo, int64_t hi) {
+  const Coef c = coef;
+  const Bufs b = bufs;
+  for (int64_t b0 = lo; b0 < hi; b0 += b.block) {
+    const int64_t L = std::min(b.block, hi - b0);
+    const Blk k = block_at(b, b0, dsize(GDT), dsize(ODT));
+    if (L == kMaxBlock) block16<GDT, ODT, STREAM, kMaxBlock>(c, k, L);
+    else block16<GDT, ODT, STREAM, 0>(c, k, L);
   }
 }
 
@@ -337,28 +697,38 @@ double sumsq(const void* x, void* y, int64_t lo, int64_t hi, int* bad) {
 using RangeFn = void (*)(const Coef&, const Bufs&, int64_t, int64_t);
 
 template <int G, int O, bool S>
-RangeFn pick_isa(int isa) {
-  if (isa == kAvx512) return avx512::run<G, O, S>;
-  if (isa == kAvx2) return avx2::run<G, O, S>;
-  return scalar::run<G, O, S>;
+RangeFn pick_isa(int isa, int st) {
+  if (st == kState8) {
+    if (isa == kAvx512) return avx512::run8<G, O, S>;
+    if (isa == kAvx2) return avx2::run8<G, O, S>;
+    return scalar::run8<G, O, S>;
+  }
+  if (st == kStateBF16) {
+    if (isa == kAvx512) return avx512::run<G, O, kStateBF16, S>;
+    if (isa == kAvx2) return avx2::run<G, O, kStateBF16, S>;
+    return scalar::run<G, O, kStateBF16, S>;
+  }
+  if (isa == kAvx512) return avx512::run<G, O, kStateF32, S>;
+  if (isa == kAvx2) return avx2::run<G, O, kStateF32, S>;
+  return scalar::run<G, O, kStateF32, S>;
 }
 
 template <int G, bool S>
-RangeFn pick_out(int isa, int odt) {
+RangeFn pick_out(int isa, int odt, int st) {
   switch (odt) {
-    case kF32: return pick_isa<G, kF32, S>(isa);
-    case kF16: return pick_isa<G, kF16, S>(isa);
-    case kBF16: return pick_isa<G, kBF16, S>(isa);
-    default: return pick_isa<G, kNone, S>(isa);
+    case kF32: return pick_isa<G, kF32, S>(isa, st);
+    case kF16: return pick_isa<G, kF16, S>(isa, st);
+    case kBF16: return pick_isa<G, kBF16, S>(isa, st);
+    default: return pick_isa<G, kNone, S>(isa, st);
   }
 }
 
 template <bool S>
-RangeFn pick(int isa, int gdt, int odt) {
+RangeFn pick(int isa, int gdt, int odt, int st) {
   switch (gdt) {
-    case kF32: return pick_out<kF32, S>(isa, odt);
-    case kF16: return pick_out<kF16, S>(isa, odt);
-    default: return pick_out<kBF16, S>(isa, odt);
+    case kF32: return pick_out<kF32, S>(isa, odt, st);
+    case kF16: return pick_out<kF16, S>(isa, odt, st);
+    default: return pick_out<kBF16, S>(isa, odt, st);
   }
 }
 
@@ -375,10 +745,11 @@ constexpr int64_t kMinPerThread = 1 << 14;
 // Threads split the range on multiples of one unrolled AVX-512 iteration (128 floats = 8 lines).
 constexpr int64_t kGrain = 128;
 
-void run_parallel(RangeFn fn, const Coef& c, const Bufs& b, int64_t n, int threads) {
+// 8-bit state: the split also falls on block boundaries.
+void run_parallel(RangeFn fn, const Coef& c, const Bufs& b, int64_t n, int threads, int64_t grain) {
   const int t = int(std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread)));
   if (t == 1) { fn(c, b, 0, n); return; }
-  const int64_t chunk = ((n + t - 1) / t + kGrain - 1) / kGrain * kGrain;
+  const int64_t chunk = ((n + t - 1) / t + grain - 1) / grain * grain;
 #pragma omp parallel num_threads(t)
   {
     const int64_t lo = std::min<int64_t>(n, omp_get_thread_num() * chunk);
@@ -407,6 +778,10 @@ void check_buffer(const void* p, const char* name, size_t align) {
 }
 
 void check_common(const Buffers& b, int isa, int threads) {
+  require(b.state >= kStateF32 && b.state <= kState8, "state format code must be 0..2, got " + std::to_string(b.state));
+  if (b.state == kState8)
+    require(b.block >= 16 && b.block <= kMaxBlock && b.block % 16 == 0,
+            "block must be a multiple of 16 in [16, 256], got " + std::to_string(b.block));
   require(b.n >= 0, "n must be >= 0, got " + std::to_string(b.n));
   require(b.grad_dtype == kF32 || b.grad_dtype == kF16 || b.grad_dtype == kBF16,
           "grad dtype code must be 0 (f32), 1 (f16) or 2 (bf16), got " + std::to_string(b.grad_dtype));
@@ -418,11 +793,23 @@ void check_common(const Buffers& b, int isa, int threads) {
   if (b.n == 0) return;
   const size_t gsz = b.grad_dtype == kF32 ? 4 : 2, osz = b.out_dtype == kF32 ? 4 : 2;
   check_buffer(b.param, "param", 4);
-  check_buffer(b.exp_avg, "exp_avg", 4);
-  check_buffer(b.exp_avg_sq, "exp_avg_sq", 4);
+  const size_t ssz = b.state == kStateF32 ? 4 : b.state == kStateBF16 ? 2 : 1;
+  check_buffer(b.exp_avg, "exp_avg", ssz);
+  check_buffer(b.exp_avg_sq, "exp_avg_sq", ssz);
+  if (b.state == kState8) {
+    check_buffer(b.exp_avg_scale, "exp_avg scales", 4);
+    check_buffer(b.exp_avg_sq_scale, "exp_avg_sq scales", 4);
+  }
   check_buffer(b.grad, "grad", gsz);
   if (b.out_dtype != kNone) check_buffer(b.param_out, "param_out", osz);
 }
+
+Bufs bufs_of(const Buffers& b) {
+  return {b.param, b.exp_avg, b.exp_avg_sq, b.grad, b.param_out, b.exp_avg_scale, b.exp_avg_sq_scale, b.block,
+          b.index0};
+}
+
+int64_t grain_of(const Buffers& b) { return b.state == kState8 ? std::lcm(kGrain, b.block) : kGrain; }
 
 void adam_step(const Buffers& b, const AdamParams& a, int isa, int threads) {
   check_common(b, isa, threads);
@@ -435,8 +822,9 @@ void adam_step(const Buffers& b, const AdamParams& a, int isa, int threads) {
   require(a.eps > 0, "eps must be > 0, got " + std::to_string(a.eps));
   require(a.weight_decay >= 0, "weight_decay must be >= 0, got " + std::to_string(a.weight_decay));
   if (b.n == 0) return;
-  const Bufs bufs{b.param, b.exp_avg, b.exp_avg_sq, b.grad, b.param_out};
-  run_parallel(pick<false>(isa, b.grad_dtype, b.out_dtype), make_coef(a), bufs, b.n, threads);
+  Coef c = make_coef(a);
+  c.key = sr_key(b.seed, a.step);
+  run_parallel(pick<false>(isa, b.grad_dtype, b.out_dtype, b.state), c, bufs_of(b), b.n, threads, grain_of(b));
 }
 
 void adam_step_tiled(const Buffers& b, const AdamParams& a, int isa, int threads, int64_t tile, const TileSink& sink,
@@ -445,14 +833,24 @@ void adam_step_tiled(const Buffers& b, const AdamParams& a, int isa, int threads
   require(sink.fn != nullptr, "sink has no function");
   require(b.n <= sink.numel, "sink covers " + std::to_string(sink.numel) + " elements, the step " +
                                  std::to_string(b.n));
-  adam_step({b.param, b.exp_avg, b.exp_avg_sq, b.grad, b.grad_dtype, b.param_out, b.out_dtype, 0}, a, isa, threads);
+  Buffers none = b;
+  none.n = 0;
+  adam_step(none, a, isa, threads);  // every check but the buffers'
+  require(b.state != kState8 || tile % b.block == 0,
+          "tile_numel must be a multiple of the block (" + std::to_string(b.block) + "), got " + std::to_string(tile));
   const size_t gsz = b.grad_dtype == kF32 ? 4 : 2, osz = b.out_dtype == kF32 ? 4 : 2;
+  const size_t ssz = b.state == kStateF32 ? 4 : b.state == kStateBF16 ? 2 : 1;
   for (int64_t start = 0; start < b.n; start += tile) {
     const int64_t end = std::min(b.n, start + tile);
     Buffers t = b;
     t.param += start;
-    t.exp_avg += start;
-    t.exp_avg_sq += start;
+    t.exp_avg = static_cast<char*>(b.exp_avg) + start * ssz;
+    t.exp_avg_sq = static_cast<char*>(b.exp_avg_sq) + start * ssz;
+    if (b.state == kState8) {
+      t.exp_avg_scale += start / b.block;
+      t.exp_avg_sq_scale += start / b.block;
+    }
+    t.index0 = b.index0 + start;
     t.grad = static_cast<const char*>(b.grad) + start * gsz;
     if (b.out_dtype != kNone) t.param_out = static_cast<char*>(b.param_out) + start * osz;
     t.n = end - start;
@@ -468,8 +866,7 @@ void adam_step_tiled(const Buffers& b, const AdamParams& a, int isa, int threads
 void stream_pass(const Buffers& b, int isa, int threads) {
   check_common(b, isa, threads);
   if (b.n == 0) return;
-  const Bufs bufs{b.param, b.exp_avg, b.exp_avg_sq, b.grad, b.param_out};
-  run_parallel(pick<true>(isa, b.grad_dtype, b.out_dtype), Coef{}, bufs, b.n, threads);
+  run_parallel(pick<true>(isa, b.grad_dtype, b.out_dtype, b.state), Coef{}, bufs_of(b), b.n, threads, grain_of(b));
 }
 
 SumSquares sum_squares(const void* x, void* y, int dtype, int64_t n, int isa, int threads) {

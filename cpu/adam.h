@@ -8,16 +8,26 @@ namespace zo {
 
 enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kNone = 3 };
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// How exp_avg / exp_avg_sq are stored. kState8: exp_avg int8 codes, exp_avg_sq uint8 codes, one fp32 scale per
+// block of each (see zo_kernels/quant8.py for the format); kStateBF16: rounded stochastically (see adam.cpp).
+enum State : int { kStateF32 = 0, kStateBF16 = 1, kState8 = 2 };
+constexpr int64_t kMaxBlock = 256;
 
 struct Buffers {
   float* param = nullptr;       // fp32, n elements, updated in place
-  float* exp_avg = nullptr;     // fp32, n elements, updated in place
-  float* exp_avg_sq = nullptr;  // fp32, n elements, updated in place
+  void* exp_avg = nullptr;      // n elements of the state format, updated in place
+  void* exp_avg_sq = nullptr;   // n elements of the state format, updated in place
   const void* grad = nullptr;   // grad_dtype, n elements, read only
   int grad_dtype = kF32;
   void* param_out = nullptr;    // out_dtype, n elements, written (kNone: not written)
   int out_dtype = kNone;
   int64_t n = 0;
+  int state = kStateF32;
+  float* exp_avg_scale = nullptr;     // kState8: ceil(n / block) fp32 scales each, updated in place
+  float* exp_avg_sq_scale = nullptr;
+  int64_t block = kMaxBlock;          // kState8: elements per scale, a multiple of 16 in [16, 256]
+  int64_t index0 = 0;                 // kStateBF16: the index of element 0 in the stochastic rounding's hash
+  uint64_t seed = 0;                  // kStateBF16: the hash's seed
 };
 
 struct AdamParams {
@@ -34,7 +44,7 @@ void adam_step(const Buffers& b, const AdamParams& a, int isa, int threads);
 // With `progress`, *progress is set to the end of each tile once it is updated (what a failure left written).
 void adam_step_tiled(const Buffers& b, const AdamParams& a, int isa, int threads, int64_t tile, const TileSink& sink,
                      int64_t* progress = nullptr);
-// The streaming ceiling: the same loads and stores as adam_step with trivial arithmetic.
+// The streaming ceiling: the same loads and stores as adam_step (of its state format) with trivial arithmetic.
 void stream_pass(const Buffers& b, int isa, int threads);
 
 // Sum of squares of n fp32/fp16/bf16 values (fp32 partials over 4096-element chunks, combined in double),

@@ -11,17 +11,26 @@ namespace py = pybind11;
 
 namespace {
 
+// `state`: the moments' format, () for fp32, else (code, exp_avg scales, exp_avg_sq scales, block, index0, seed).
 zo::Buffers buffers(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
-                    uintptr_t param_out, int out_dtype, int64_t n) {
+                    uintptr_t param_out, int out_dtype, int64_t n, const py::tuple& state = py::tuple()) {
   zo::Buffers b;
   b.param = reinterpret_cast<float*>(param);
   b.grad = reinterpret_cast<const void*>(grad);
   b.grad_dtype = grad_dtype;
-  b.exp_avg = reinterpret_cast<float*>(exp_avg);
-  b.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
+  b.exp_avg = reinterpret_cast<void*>(exp_avg);
+  b.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
   b.param_out = reinterpret_cast<void*>(param_out);
   b.out_dtype = out_dtype;
   b.n = n;
+  if (state.size() == 0) return b;
+  if (state.size() != 6) throw std::invalid_argument("state must be (code, m_scale, v_scale, block, index0, seed)");
+  b.state = state[0].cast<int>();
+  b.exp_avg_scale = reinterpret_cast<float*>(state[1].cast<uintptr_t>());
+  b.exp_avg_sq_scale = reinterpret_cast<float*>(state[2].cast<uintptr_t>());
+  b.block = state[3].cast<int64_t>();
+  b.index0 = state[4].cast<int64_t>();
+  b.seed = state[5].cast<uint64_t>();
   return b;
 }
 
@@ -116,9 +125,10 @@ PYBIND11_MODULE(_cpu, m) {
       [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
          uintptr_t param_out, int out_dtype, int64_t n, int64_t step, double lr, double beta1, double beta2,
          double eps, double weight_decay, double grad_scale, bool adamw, bool bias_correction, int isa,
-         int threads, uintptr_t progress) {
-        zo::adam_step(buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, param_out, out_dtype, n),
-                      params(step, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw, bias_correction), isa,
+         int threads, uintptr_t progress, const py::tuple& state) {
+        const zo::Buffers b = buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, param_out, out_dtype, n, state);
+        py::gil_scoped_release release;
+        zo::adam_step(b, params(step, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw, bias_correction), isa,
                       threads);
         if (progress) *reinterpret_cast<int64_t*>(progress) += n;  // after the update: exact under Ctrl-C
       },
@@ -126,19 +136,22 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("param_out"), py::arg("out_dtype"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
       py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("adamw"),
       py::arg("bias_correction"), py::arg("isa"), py::arg("threads"), py::arg("progress") = 0,
-      py::call_guard<py::gil_scoped_release>(),
-      "Adam/AdamW over n elements at raw addresses; adds n to the int64 at `progress` (if not 0) when done.");
+      py::arg("state") = py::tuple(),
+      "Adam/AdamW over n elements at raw addresses; adds n to the int64 at `progress` (if not 0) when done. "
+      "`state`: () for fp32 moments, else (format code 0/1/2, exp_avg scales, exp_avg_sq scales, block, index0, "
+      "seed).");
   m.def(
       "adam_step_tiled",
       [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
          uintptr_t param_out, int out_dtype, int64_t n, int64_t step, double lr, double beta1, double beta2,
          double eps, double weight_decay, double grad_scale, bool adamw, bool bias_correction, int isa,
-         int threads, int64_t tile, const py::capsule& sink, uintptr_t progress) {
+         int threads, int64_t tile, const py::capsule& sink, uintptr_t progress, const py::tuple& state) {
         if (!sink.name() || std::strcmp(sink.name(), zo::kTileSinkCapsule) != 0)
           throw py::type_error("sink must be a zo_kernels tile sink capsule");
         const auto* s = sink.get_pointer<zo::TileSink>();
+        const zo::Buffers b = buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, param_out, out_dtype, n, state);
         py::gil_scoped_release release;  // the whole tile loop, sink calls included, runs without Python
-        zo::adam_step_tiled(buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, param_out, out_dtype, n),
+        zo::adam_step_tiled(b,
                             params(step, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw, bias_correction),
                             isa, threads, tile, *s, reinterpret_cast<int64_t*>(progress));
       },
@@ -146,7 +159,7 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("param_out"), py::arg("out_dtype"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
       py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("adamw"),
       py::arg("bias_correction"), py::arg("isa"), py::arg("threads"), py::arg("tile"), py::arg("sink"),
-      py::arg("progress") = 0,
+      py::arg("progress") = 0, py::arg("state") = py::tuple(),
       "adam_step in tiles, calling a C tile sink after each one (no Python between tiles); the int64 at "
       "`progress` (if not 0) is set to the end of each tile once it is updated.");
   m.def(
@@ -176,12 +189,13 @@ PYBIND11_MODULE(_cpu, m) {
   m.def(
       "stream_pass",
       [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
-         uintptr_t param_out, int out_dtype, int64_t n, int isa, int threads) {
-        zo::stream_pass(buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, param_out, out_dtype, n), isa,
-                        threads);
+         uintptr_t param_out, int out_dtype, int64_t n, int isa, int threads, const py::tuple& state) {
+        const zo::Buffers b = buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, param_out, out_dtype, n, state);
+        py::gil_scoped_release release;
+        zo::stream_pass(b, isa, threads);
       },
       py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
       py::arg("param_out"), py::arg("out_dtype"), py::arg("n"), py::arg("isa"), py::arg("threads"),
-      py::call_guard<py::gil_scoped_release>(), "The streaming ceiling: Adam's loads and stores, no math.");
+      py::arg("state") = py::tuple(), "The streaming ceiling: Adam's loads and stores (of the state format), no math.");
   bind_aio(m);
 }

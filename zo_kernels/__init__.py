@@ -6,6 +6,7 @@ from .cpu_adam import CPUAdam, available_isas, best_isa, cpu_adam_step, stream_p
 from .offload import MemoryReport, ZeroOffloadAdamW
 from .param_views import MovedGrad
 from .planner import Plan, plan
+from .quant8 import Quantized8bit
 
 __version__ = "0.1.0"
 
@@ -15,6 +16,7 @@ __all__ = [
     "MovedGrad",
     "Packed",
     "Plan",
+    "Quantized8bit",
     "ZeroOffloadAdamW",
     "available_isas",
     "best_isa",

@@ -19,11 +19,15 @@ from .optim_contract import (
     run_load_pre_hooks,
     split_names,
 )
+from .quant8 import Quantized8bit
 
 ISAS = ("scalar", "avx2", "avx512")
 ISA_ENV = "ZO_KERNELS_ISA"  # forces one variant ("scalar", "avx2", "avx512"), e.g. to test all three here
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _NO_OUT = 3
+# The moments' formats (cpu/adam.h State): both fp32 tensors, both bf16 tensors, or both Quantized8bit.
+STATE_F32, STATE_BF16, STATE_8BIT = 0, 1, 2
+MAX_SEED = 2**64 - 1
 
 FP32_MAX = torch.finfo(torch.float32).max  # a hyper-parameter beyond it is inf once the kernel rounds it
 FP32_TINY = torch.finfo(torch.float32).tiny
@@ -147,19 +151,94 @@ def _readonly(base: int, start: int, nbytes: int) -> str | None:
             return "the buffer of an immutable bytes object"
     return None
 
+
+def moment_format(exp_avg: Any, exp_avg_sq: Any) -> int:
+    """STATE_F32, STATE_BF16 or STATE_8BIT for a pair of moments; TypeError naming the one that does not fit."""
+    q = (isinstance(exp_avg, Quantized8bit), isinstance(exp_avg_sq, Quantized8bit))
+    if any(q):
+        if not all(q):
+            bad, other = ("exp_avg_sq", "exp_avg") if q[0] else ("exp_avg", "exp_avg_sq")
+            x = exp_avg_sq if q[0] else exp_avg
+            raise TypeError(f"{bad} must be a Quantized8bit like {other}, got {_describe(x)}")
+        if not exp_avg.signed:
+            raise TypeError("exp_avg must be a signed Quantized8bit (Quantized8bit.empty(n, signed=True))")
+        if exp_avg_sq.signed:
+            raise TypeError("exp_avg_sq must be an unsigned Quantized8bit (Quantized8bit.empty(n, signed=False))")
+        if exp_avg.block != exp_avg_sq.block:
+            raise ValueError(f"exp_avg and exp_avg_sq must have one block size, got {exp_avg.block} and "
+                             f"{exp_avg_sq.block}")  # fmt: skip
+        return STATE_8BIT
+    if not isinstance(exp_avg, torch.Tensor):
+        raise TypeError(f"exp_avg must be a torch.Tensor or a Quantized8bit, got {type(exp_avg).__name__}")
+    if exp_avg.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"exp_avg must have dtype float32 or bfloat16 (or be a Quantized8bit), got {exp_avg.dtype}")
+    want = str(exp_avg.dtype).replace("torch.", "")
+    if not isinstance(exp_avg_sq, torch.Tensor) or exp_avg_sq.dtype != exp_avg.dtype:
+        raise TypeError(f"exp_avg_sq must have dtype {want} like exp_avg (the moments are both float32, both bfloat16 "
+                        f"or both Quantized8bit); got {_describe(exp_avg_sq)}")  # fmt: skip
+    return STATE_F32 if exp_avg.dtype == torch.float32 else STATE_BF16
+
+
+def _describe(x: Any) -> str:
+    return str(x.dtype).replace("torch.", "") if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def moment_tensors(exp_avg: Any, exp_avg_sq: Any) -> dict[str, torch.Tensor]:
+    """Every tensor the moments are stored in, by name (the kernel writes them all)."""
+    if isinstance(exp_avg, Quantized8bit):
+        return {"exp_avg.codes": exp_avg.codes, "exp_avg.scales": exp_avg.scales,
+                "exp_avg_sq.codes": exp_avg_sq.codes, "exp_avg_sq.scales": exp_avg_sq.scales}  # fmt: skip
+    return {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
 def _check_adam_tensors(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_out: Any = None) -> int:
     """The tensor checks shared by every Adam entry point; returns the element count."""
     _check_tensor(param, "param", (torch.float32,), None, written=True)
     n = param.numel()
     _check_tensor(grad, "grad", tuple(_DTYPE_CODE), n)
-    _check_tensor(exp_avg, "exp_avg", (torch.float32,), n, written=True)
-    _check_tensor(exp_avg_sq, "exp_avg_sq", (torch.float32,), n, written=True)
+    fmt = moment_format(exp_avg, exp_avg_sq)
+    if fmt == STATE_8BIT:
+        for q, name in ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")):
+            if q.numel != n:
+                raise ValueError(f"{name} has {q.numel} elements, expected {n} (the number in param)")
+            if q.scales.numel() != -(-n // q.block):
+                raise ValueError(f"{name}.scales has {q.scales.numel()} elements, expected {-(-n // q.block)}")
+            check_memory(q.codes, f"{name}.codes", written=True)
+            check_memory(q.scales, f"{name}.scales", written=True)
+    else:
+        dtype = (torch.float32, torch.bfloat16)[fmt]
+        _check_tensor(exp_avg, "exp_avg", (dtype,), n, written=True)
+        _check_tensor(exp_avg_sq, "exp_avg_sq", (dtype,), n, written=True)
     if param_out is not None:
         _check_tensor(param_out, "param_out", tuple(_DTYPE_CODE), n, written=True)
-    check_no_overlap(
-        {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out}
-    )
+    check_no_overlap({"param": param, "grad": grad, **moment_tensors(exp_avg, exp_avg_sq), "param_out": param_out})
     return n
+
+
+def _state_args(exp_avg: Any, exp_avg_sq: Any, start: int, seed: int) -> tuple:
+    """The kernel's `state` argument for elements [start, ...) of these moments (() for fp32)."""
+    fmt = moment_format(exp_avg, exp_avg_sq)
+    if fmt == STATE_F32:
+        return ()
+    if fmt == STATE_BF16:
+        return (STATE_BF16, 0, 0, 256, start, seed)
+    block = exp_avg.block
+    off = 4 * (start // block)
+    return (STATE_8BIT, exp_avg.scales.data_ptr() + off, exp_avg_sq.scales.data_ptr() + off, block, start, seed)
+
+
+def _moment_address(x: Any, start: int) -> int:
+    if isinstance(x, Quantized8bit):
+        return x.codes.data_ptr() + start
+    return x.data_ptr() + x.element_size() * start
+
+
+def _check_seed(seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be in [0, 2**64 - 1], got {seed}")
+    return seed
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -185,15 +264,27 @@ class AdamPlan(NamedTuple):
     """
 
     numel: int
-    tensors: tuple  # param, grad, exp_avg, exp_avg_sq: kept alive and re-checked by run
+    tensors: tuple  # param, grad, exp_avg, exp_avg_sq (tensors or Quantized8bit): kept alive, re-checked by run
     grad_code: int
     out_dtype: torch.dtype | None
     args: tuple  # step, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw, bias_correction, isa, threads
+    seed: int = 0  # bf16 moments: the stochastic rounding's seed
 
-    def _addresses(self) -> tuple[int, int, int, int]:
-        for t, name in zip(self.tensors, ("param", "grad", "exp_avg", "exp_avg_sq")):
+    @property
+    def block(self) -> int:
+        """The granularity of a range: the 8-bit moments' block, else 1."""
+        m = self.tensors[2]
+        return m.block if isinstance(m, Quantized8bit) else 1
+
+    def _named(self) -> dict[str, torch.Tensor]:
+        return {"param": self.tensors[0], "grad": self.tensors[1], **moment_tensors(*self.tensors[2:])}
+
+    def _addresses(self, start: int = 0) -> tuple[int, int, int, int]:
+        for name, t in self._named().items():
             check_memory(t, name)
-        return tuple(t.data_ptr() for t in self.tensors)
+        param, grad, m, v = self.tensors
+        return (param.data_ptr() + 4 * start, grad.data_ptr() + grad.element_size() * start,
+                _moment_address(m, start), _moment_address(v, start))  # fmt: skip
 
     def _check_out(self, out: Any, numel: int, name: str) -> int:
         if out is None:
@@ -201,7 +292,7 @@ class AdamPlan(NamedTuple):
         if self.out_dtype is None:
             raise ValueError(f"{name} given, but the plan was made without out_dtype")
         _check_tensor(out, name, (self.out_dtype,), numel, like="the range", written=True)
-        check_no_overlap({name: out, **dict(zip(("param", "grad", "exp_avg", "exp_avg_sq"), self.tensors))})
+        check_no_overlap({name: out, **self._named()})
         return out.data_ptr()
 
     def run_tiled(self, tile: int, sink: TileSink, out: torch.Tensor | None = None,
@@ -209,7 +300,7 @@ class AdamPlan(NamedTuple):
         """All of [0, numel) in tiles, a C tile sink called after each: the loop runs in C++, GIL released.
 
         `progress` (a 1-element int64 tensor) is set to the end of each tile once it is updated."""
-        tile = _check_tile(tile, self.numel, sink)
+        tile = _check_tile(tile, self.numel, sink, self.block)
         out_addr = self._check_out(out, self.numel, "out")
         if not isinstance(sink, TileSink):
             raise TypeError(f"sink must be a TileSink (copy_tile_sink, Transport.tile_sink), got {type(sink).__name__}")
@@ -217,7 +308,8 @@ class AdamPlan(NamedTuple):
         param, grad, m, v = self._addresses()
         _cpu.adam_step_tiled(param, grad, self.grad_code, m, v, out_addr,
                              _DTYPE_CODE[out.dtype] if out is not None else _NO_OUT, self.numel, *self.args, tile,
-                             sink.capsule, 0 if progress is None else progress.data_ptr())  # fmt: skip
+                             sink.capsule, 0 if progress is None else progress.data_ptr(),
+                             _state_args(*self.tensors[2:], 0, self.seed))  # fmt: skip
 
     def run(self, start: int, end: int, out: torch.Tensor | None = None, progress: torch.Tensor | None = None) -> None:
         """Update elements [start, end); with `out` (end - start elements of the plan's out dtype), write the new
@@ -228,13 +320,16 @@ class AdamPlan(NamedTuple):
         if not 0 <= start <= end <= self.numel:
             raise ValueError(f"start and end must satisfy 0 <= start <= end <= {self.numel}, got start={start}, "
                              f"end={end}")  # fmt: skip
+        block = self.block
+        if start % block or (end % block and end != self.numel):
+            raise ValueError(f"start and end must be multiples of the 8-bit moments' block ({block}) (end may be "
+                             f"numel), got start={start}, end={end}")  # fmt: skip
         out_addr = self._check_out(out, end - start, "out")
-        param, grad, m, v = self._addresses()
-        gsize = self.tensors[1].element_size()
+        param, grad, m, v = self._addresses(start)
         _cpu.adam_step(
-            param + 4 * start, grad + gsize * start, self.grad_code, m + 4 * start, v + 4 * start, out_addr,
-            _DTYPE_CODE[out.dtype] if out is not None else _NO_OUT, end - start, *self.args,
-            progress=0 if progress is None else progress.data_ptr(),
+            param, grad, self.grad_code, m, v, out_addr, _DTYPE_CODE[out.dtype] if out is not None else _NO_OUT,
+            end - start, *self.args, progress=0 if progress is None else progress.data_ptr(),
+            state=_state_args(*self.tensors[2:], start, self.seed),
         )  # fmt: skip
 
 
@@ -256,17 +351,18 @@ def plan_adam_step(
     threads: int | None = None,
     isa: str | None = None,
     maximize: bool = False,
+    seed: int = 0,
 ) -> AdamPlan:
     """Check every argument of a cpu_adam_step call (raising before anything is touched) and return its plan."""
     return _plan(param, grad, exp_avg, exp_avg_sq, None, step=step, lr=lr, betas=betas, eps=eps,
                  weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction, grad_scale=grad_scale,
-                 out_dtype=out_dtype, threads=threads, isa=isa, maximize=maximize)  # fmt: skip
+                 out_dtype=out_dtype, threads=threads, isa=isa, maximize=maximize, seed=seed)  # fmt: skip
 
 
 def _plan(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_out: Any, *, step: Any, lr: Any, betas: Any,
           eps: Any, weight_decay: Any, adamw: bool, bias_correction: bool, grad_scale: Any,
           out_dtype: torch.dtype | None, threads: int | None, isa: str | None,
-          maximize: bool = False) -> AdamPlan:  # fmt: skip
+          maximize: bool = False, seed: Any = 0) -> AdamPlan:  # fmt: skip
     """plan_adam_step, also checking `param_out` (whose dtype then is the output dtype) with the other tensors."""
     n = _check_adam_tensors(param, grad, exp_avg, exp_avg_sq, param_out)
     if param_out is not None:
@@ -295,14 +391,15 @@ def _plan(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_out: Any, 
         raise TypeError(f"out_dtype must be torch.float32, torch.float16 or torch.bfloat16, got {out_dtype!r}")
     args = (step, lr, b1, b2, eps, weight_decay, grad_scale, bool(adamw), bool(bias_correction))
     args += (ISAS.index(isa), threads)
-    return AdamPlan(n, (param, grad, exp_avg, exp_avg_sq), _DTYPE_CODE[grad.dtype], out_dtype, args)
+    seed = _check_seed(seed)
+    return AdamPlan(n, (param, grad, exp_avg, exp_avg_sq), _DTYPE_CODE[grad.dtype], out_dtype, args, seed)
 
 
 def cpu_adam_step(
     param: torch.Tensor,
     grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    exp_avg: torch.Tensor | Quantized8bit,
+    exp_avg_sq: torch.Tensor | Quantized8bit,
     *,
     step: int,
     lr: float,
@@ -318,15 +415,21 @@ def cpu_adam_step(
     tile_numel: int | None = None,
     sink: Callable[[int, int], None] | None = None,
     maximize: bool = False,
+    seed: int = 0,
 ) -> None:
     """One Adam/AdamW step in a single pass over memory, in place; optionally emits the new param in 16 bits.
 
-    `grad` (fp32/fp16/bf16) is multiplied by `grad_scale` first (by -grad_scale with `maximize`, as torch's).
-    With `sink`, the tensor is processed in tiles of `tile_numel` elements and `sink(start, end)` is called
-    after each tile is final (its `param_out` slice included), so the caller can copy tile t while tile t+1 is
-    computed. `sink` may be a Python callable or a TileSink (`copy_tile_sink`, `Transport.tile_sink`, checked
-    against this step): then the whole tile loop, sink calls included, runs in C++ without the GIL. Every
-    argument is checked first.
+    The moments are both fp32 tensors, both bf16 tensors (updated in fp32, stored with stochastic rounding:
+    the random bits are a hash of (`seed`, `step`, element index), so a rerun or a resume is bitwise identical),
+    or both `Quantized8bit` (exp_avg signed, exp_avg_sq unsigned, one block size; dequantized, updated in fp32
+    and requantized block by block in the same pass; `tile_numel` must then be a multiple of the block).
+
+    `grad` (fp32/fp16/bf16) is multiplied by `grad_scale` first (by -grad_scale with `maximize`, as
+    torch's). With `sink`, the tensor is processed in
+    tiles of `tile_numel` elements and `sink(start, end)` is called after each tile is final (its
+    `param_out` slice included), so the caller can copy tile t while tile t+1 is computed. `sink` may be a
+    Python callable or a TileSink (`copy_tile_sink`, `Transport.tile_sink`, checked against this step): then the
+    whole tile loop, sink calls included, runs in C++ without the GIL. Every argument is checked first.
 
     Interruption: the update is not transactional. If it fails after it started writing (a sink raised, a C
     sink failed, Ctrl-C between tiles), the exception carries `updated = (0, k)` (and a note saying so):
@@ -336,12 +439,12 @@ def cpu_adam_step(
     plan = _plan(
         param, grad, exp_avg, exp_avg_sq, param_out, step=step, lr=lr, betas=betas, eps=eps,
         weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction, grad_scale=grad_scale,
-        out_dtype=None, threads=threads, isa=isa, maximize=maximize,
+        out_dtype=None, threads=threads, isa=isa, maximize=maximize, seed=seed,
     )  # fmt: skip
     c_sink = isinstance(sink, TileSink)
     if sink is not None and (not callable(sink) or type(sink).__name__ == "PyCapsule") and not c_sink:
         raise TypeError(f"sink must be callable(start, end) or a TileSink (copy_tile_sink), got {type(sink).__name__}")
-    tile = _check_tile(tile_numel, plan.numel, sink)
+    tile = _check_tile(tile_numel, plan.numel, sink, plan.block)
     if c_sink:
         sink.check(param_out if param_out is not None else param, plan.numel)
     progress = torch.zeros(1, dtype=torch.int64)  # written by the kernel after each tile: exact under Ctrl-C
@@ -364,7 +467,7 @@ def cpu_adam_step(
         raise
     finally:
         if int(progress):
-            bump_version(param, exp_avg, exp_avg_sq, param_out)
+            bump_version(param, *moment_tensors(exp_avg, exp_avg_sq).values(), param_out)
 
 
 def bump_version(*tensors: torch.Tensor | None) -> None:
@@ -377,23 +480,28 @@ def bump_version(*tensors: torch.Tensor | None) -> None:
 def stream_pass(
     param: torch.Tensor,
     grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    exp_avg: torch.Tensor | Quantized8bit,
+    exp_avg_sq: torch.Tensor | Quantized8bit,
     *,
     param_out: torch.Tensor | None = None,
     threads: int | None = None,
     isa: str | None = None,
 ) -> None:
-    """The bandwidth ceiling of cpu_adam_step: its exact loads and stores with trivial arithmetic (mutates!)."""
+    """The bandwidth ceiling of cpu_adam_step: its exact loads and stores with trivial arithmetic (mutates!).
+
+    Each moment format has its own ceiling: fp32 and bf16 moments are read and written as such (bf16 truncated,
+    no hash); 8-bit codes are read, converted to fp32 and back unchanged and their scales rewritten, block by block.
+    """
     n = _check_adam_tensors(param, grad, exp_avg, exp_avg_sq, param_out)
     threads = _check_threads(threads)
     isa = best_isa() if isa is None else _check_isa(isa)
     _cpu.stream_pass(
-        param.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-        param_out.data_ptr() if param_out is not None else 0,
+        param.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype], _moment_address(exp_avg, 0),
+        _moment_address(exp_avg_sq, 0), param_out.data_ptr() if param_out is not None else 0,
         _DTYPE_CODE[param_out.dtype] if param_out is not None else _NO_OUT, n, ISAS.index(isa), threads,
+        _state_args(exp_avg, exp_avg_sq, 0, 0),
     )  # fmt: skip
-    bump_version(param, exp_avg, exp_avg_sq, param_out)
+    bump_version(param, *moment_tensors(exp_avg, exp_avg_sq).values(), param_out)
 
 
 def sum_squares(x: torch.Tensor, *, out: torch.Tensor | None = None, threads: int | None = None,
@@ -452,6 +560,82 @@ def copy_tile_sink(dst: torch.Tensor, src: torch.Tensor) -> TileSink:
     return TileSink(_cpu.copy_tile_sink(dst.data_ptr(), src.data_ptr(), src.element_size(), src.numel()), dst, src)
 
 
+STATE_DTYPES = (torch.float32, torch.bfloat16, "8bit")
+QUANT_KEYS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales", "quant_block")
+
+
+def check_state_dtype(state_dtype: Any) -> torch.dtype | str:
+    """Validate a moments' format: torch.float32, torch.bfloat16 or "8bit"."""
+    if not any(state_dtype == d and type(state_dtype) is type(d) for d in STATE_DTYPES):
+        raise ValueError(f"state_dtype must be torch.float32, torch.bfloat16 or '8bit', got {state_dtype!r}")
+    return state_dtype
+
+
+def zero_moments(p: torch.Tensor, state_dtype: torch.dtype | str) -> tuple[Any, Any]:
+    """Zero (exp_avg, exp_avg_sq) for param p in the format `state_dtype`."""
+    if state_dtype == "8bit":
+        return Quantized8bit.empty(p.numel(), signed=True), Quantized8bit.empty(p.numel(), signed=False)
+    return (torch.zeros(p.shape, dtype=state_dtype), torch.zeros(p.shape, dtype=state_dtype))
+
+
+def check_saved_moments(st: dict[str, Any], numel: int, state_dtype: torch.dtype | str, where: str) -> None:
+    """Raise ValueError unless a saved param state can be loaded as `state_dtype` moments of `numel` elements."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        t = st.get(key)
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"{where}[{key!r}] must be a floating-point tensor, got {_describe(t)}")
+        if t.numel() != numel:
+            raise ValueError(f"{where}[{key!r}] has {t.numel()} elements, its param {numel}")
+    if state_dtype != "8bit":
+        return
+    if _has_codes(st):
+        from .quant8 import check_block, num_blocks
+
+        block = st["quant_block"]
+        try:
+            check_block(block)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}['quant_block']: {e}") from None
+        for key, n, lo, hi in (("exp_avg_codes", numel, -127, 127), ("exp_avg_sq_codes", numel, 0, 255),
+                               ("exp_avg_scales", num_blocks(numel, block), None, None),
+                               ("exp_avg_sq_scales", num_blocks(numel, block), None, None)):  # fmt: skip
+            t = st[key]
+            if not isinstance(t, torch.Tensor) or t.numel() != n:
+                raise ValueError(f"{where}[{key!r}] must be a tensor of {n} elements, got {_describe(t)}")
+            if lo is not None and t.numel() and not bool(((t == t.round()) & (t >= lo) & (t <= hi)).all()):
+                raise ValueError(f"{where}[{key!r}] must hold integers in [{lo}, {hi}]")
+        return
+    m, v = st["exp_avg"], st["exp_avg_sq"]
+    if not bool(torch.isfinite(m).all() and torch.isfinite(v).all()):
+        raise ValueError(f"{where}: exp_avg and exp_avg_sq must be finite to be quantized to 8 bits")
+    if bool((v < 0).any()):
+        raise ValueError(f"{where}['exp_avg_sq'] must be >= 0 to be quantized to 8 bits")
+
+
+def _has_codes(st: dict[str, Any]) -> bool:
+    return all(k in st for k in QUANT_KEYS)
+
+
+def moments_from_saved(st: dict[str, Any], p: torch.Tensor, state_dtype: torch.dtype | str) -> tuple[Any, Any]:
+    """(exp_avg, exp_avg_sq) in format `state_dtype` from a saved (checked) param state."""
+    m, v = st["exp_avg"], st["exp_avg_sq"]
+    if state_dtype != "8bit":
+        return (m.to(state_dtype).reshape(p.shape).contiguous(), v.to(state_dtype).reshape(p.shape).contiguous())
+    m = m.float().reshape(-1).contiguous()
+    v = v.float().reshape(-1).contiguous()
+    if _has_codes(st):
+        block = st["quant_block"]
+        qm = Quantized8bit(st["exp_avg_codes"].reshape(-1).to(torch.int8), st["exp_avg_scales"].float().reshape(-1),
+                           signed=True, block=block)  # fmt: skip
+        qv = Quantized8bit(st["exp_avg_sq_codes"].reshape(-1).to(torch.uint8),
+                           st["exp_avg_sq_scales"].float().reshape(-1), signed=False, block=block)  # fmt: skip
+        # The codes are used only while they still decode to the fp32 moments (a torch.optim.AdamW that loaded
+        # and stepped this state dict carries them along unchanged): the fp32 moments are the truth.
+        if torch.equal(qm.to_float(), m) and torch.equal(qv.to_float(), v):
+            return qm, qv
+    return Quantized8bit.from_float(m, signed=True), Quantized8bit.from_float(v, signed=False)
+
+
 def _check_threads(threads: int | None) -> int:
     if threads is None:
         return max(1, torch.get_num_threads())
@@ -464,13 +648,15 @@ def _check_threads(threads: int | None) -> int:
     return threads
 
 
-def _check_tile(tile_numel: int | None, n: int, sink: Any) -> int:
+def _check_tile(tile_numel: int | None, n: int, sink: Any, block: int = 1) -> int:
     if tile_numel is None:
-        return max(1, DEFAULT_TILE_NUMEL if sink is not None else n)
+        return max(1, DEFAULT_TILE_NUMEL // block * block if sink is not None else n)
     if isinstance(tile_numel, bool) or not isinstance(tile_numel, int):
         raise TypeError(f"tile_numel must be an int or None, got {type(tile_numel).__name__}")
     if tile_numel < 1:
         raise ValueError(f"tile_numel must be >= 1, got {tile_numel}")
+    if tile_numel < n and tile_numel % block:
+        raise ValueError(f"tile_numel must be a multiple of the 8-bit moments' block ({block}), got {tile_numel}")
     return min(tile_numel, max(1, n))
 
 
@@ -481,6 +667,14 @@ class CPUAdam(torch.optim.Optimizer):
     between the two in both directions. Each group also carries torch's `decoupled_weight_decay` (= `adamw`).
     Loading a state dict keeps the algorithm, as torch's classes do: with adamw=True it stays AdamW (as
     torch.optim.AdamW), with adamw=False it follows the saved `decoupled_weight_decay` (as torch.optim.Adam).
+
+    `state_dtype` stores the moments as fp32, bf16 (stochastic rounding, seeded by the parameter's position) or
+    "8bit" (`Quantized8bit`, blocks of 256). Whatever the format, `state_dict()` holds `exp_avg` / `exp_avg_sq`
+    dequantized to fp32 in the parameter's shape, so it loads into torch.optim.AdamW or a CPUAdam of any format
+    (which rounds or quantizes them). An "8bit" one also holds `exp_avg_codes`, `exp_avg_scales`,
+    `exp_avg_sq_codes`, `exp_avg_sq_scales` and `quant_block`: an "8bit" CPUAdam loads those instead (while they
+    still decode to the fp32 moments), so a resume is bitwise (bf16 needs nothing more: bf16 -> fp32 -> bf16 is
+    exact). A bad state dict is refused before anything changes.
 
     Args:
         params: iterable of fp32 CPU tensors, (name, tensor) pairs (`model.named_parameters()`) or param-group dicts.
@@ -493,6 +687,7 @@ class CPUAdam(torch.optim.Optimizer):
         maximize: ascend, as torch's maximize (the gradient is negated).
         amsgrad, foreach, fused, capturable, differentiable: torch's options, accepted at their defaults (and
             False); True is refused with the reason (see zo_kernels.optim_contract).
+        state_dtype: torch.float32, torch.bfloat16 or "8bit": how exp_avg and exp_avg_sq are stored.
     """
 
     def __init__(
@@ -504,6 +699,7 @@ class CPUAdam(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         adamw: bool = True,
         bias_correction: bool = True,
+        state_dtype: torch.dtype | str = torch.float32,
         *,
         amsgrad: bool = False,
         maximize: bool = False,
@@ -512,6 +708,7 @@ class CPUAdam(torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
     ) -> None:
+        self.state_dtype = check_state_dtype(state_dtype)
         check_hparams(lr, betas, eps, weight_decay)
         options = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused, capturable=capturable,
                        differentiable=differentiable)  # fmt: skip
@@ -557,19 +754,6 @@ class CPUAdam(torch.optim.Optimizer):
                 st = self.state.get(p)
                 if st and "step" in st and not torch.is_tensor(st["step"]):
                     st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's load_state_dict, after checking that the (pre-hooked) dict is an Adam/AdamW state for these
-        params: a state dict of another optimizer (SGD...) is refused before anything changes."""
-        state_dict = run_load_pre_hooks(self, state_dict)
-        self._check_state_dict(state_dict)
-        state_dict = {**state_dict, "param_groups": [keep_implementation(saved, group) for saved, group in
-                                                     zip(state_dict["param_groups"], self.param_groups)]}  # fmt: skip
-        hooks, self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_pre_hooks, OrderedDict()
-        try:  # the pre-hooks ran above, once
-            super().load_state_dict(state_dict)
-        finally:
-            self._optimizer_load_state_dict_pre_hooks = hooks
 
     def _check_state_dict(self, state_dict: Any) -> None:
         if not isinstance(state_dict, dict):
@@ -633,16 +817,66 @@ class CPUAdam(torch.optim.Optimizer):
                     got, want = tuple(p.grad.shape), tuple(p.shape)
                     raise ValueError(f"param group {gi} param {pi}: grad shape {got} != param shape {want}")
                 work.append((group, p))
+        seeds = {p: i for i, p in enumerate(self._params())}
         for group, p in work:
             state = self.state[p]
             if len(state) == 0:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["exp_avg"], state["exp_avg_sq"] = zero_moments(p, self.state_dtype)
             cpu_adam_step(
                 p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], step=int(state["step"].item()) + 1,
                 lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                 adamw=group["adamw"], bias_correction=group["bias_correction"], maximize=bool(group.get("maximize")),
+                seed=seeds[p],
             )  # fmt: skip
             state["step"] += 1
         return loss
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, with exp_avg / exp_avg_sq as fp32 (plus the 8-bit codes and scales: see the class)."""
+        sd = super().state_dict()
+        if self.state_dtype == torch.float32:
+            return sd
+        params = self._params()
+        state = {}
+        for k, st in sd["state"].items():
+            st = dict(st)
+            shape = params[k].shape
+            m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+            if isinstance(m, Quantized8bit):
+                st.update(exp_avg_codes=m.codes, exp_avg_scales=m.scales, exp_avg_sq_codes=v.codes,
+                          exp_avg_sq_scales=v.scales, quant_block=m.block)  # fmt: skip
+                st["exp_avg"], st["exp_avg_sq"] = m.to_float().view(shape), v.to_float().view(shape)
+            elif isinstance(m, torch.Tensor):
+                st["exp_avg"], st["exp_avg_sq"] = m.float(), v.float()
+            state[k] = st
+        return {"state": state, "param_groups": sd["param_groups"]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch's or any CPUAdam's state dict, rounding or quantizing the moments to this format.
+
+        The (pre-hooked) dict is checked first to be an Adam/AdamW state for these params: a state dict of another
+        optimizer (SGD...) is refused before anything changes."""
+        state_dict = run_load_pre_hooks(self, state_dict)
+        self._check_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        by_id = dict(zip(ids, self._params()))
+        for k, st in state_dict["state"].items():
+            if k in by_id and isinstance(st, dict):
+                check_saved_moments(st, by_id[k].numel(), self.state_dtype, f"state[{k!r}]")
+        state_dict = {**state_dict, "param_groups": [keep_implementation(saved, group) for saved, group in
+                                                     zip(state_dict["param_groups"], self.param_groups)]}  # fmt: skip
+        hooks, self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_pre_hooks, OrderedDict()
+        try:  # the pre-hooks ran above, once
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = hooks
+        for p in self._params():
+            st = self.state.get(p)
+            if st and "exp_avg" in st:
+                st["exp_avg"], st["exp_avg_sq"] = moments_from_saved(st, p, self.state_dtype)
+                for key in QUANT_KEYS:
+                    st.pop(key, None)
