@@ -1,6 +1,8 @@
 """The ratios of pytest-benchmark JSON files (`--benchmark-json`), one block per group, best of N rounds.
 
 Usage: python bench/summary.py FILE.json...   (bench/gpu_check.sh writes its summary.txt with it)
+       python bench/summary.py --summary-json OUTDIR   (OUTDIR/summary.json from OUTDIR's bench-pack.json,
+       step.json of bench/step_rows.py and anchors.json of bench/anchors.py; see summary_json)
 Per provider: best time, GB/s of the bytes the op must move, time against the group's baseline, fraction of
 the group's ceiling (ceiling time / provider time). Also, where a group holds them: the hidden fraction of
 the tiled writeback, and the peak device memory of a training step. Needs only the standard library.
@@ -75,7 +77,59 @@ def group_lines(group: str, by_provider: dict[str, dict]) -> list[str]:
     return out
 
 
+def step_targets(rows: list[dict]) -> dict:
+    """Per target of issue 17 over the step rows: the worst value, its bar and whether every row meets it."""
+    out: dict = {}
+    for r in rows:
+        for name, t in (r.get("targets") or {}).items():
+            worst = out.get(name)
+            if worst is None or t["value"] > worst["value"]:
+                out[name] = {"value": t["value"], "bar": t["bar"], "met": t["met"], "params": r.get("params")}
+    return out
+
+
+def summary_json(outdir: str, device: str = "", commit: str = "", date: str = "") -> dict:
+    """summary.json: {"device", "date", "commit", "pack": [...], "step": [...], "anchors": [...], "targets": {...}}.
+    pack: pack_rows(groups) over OUTDIR/bench-pack.json when that function is defined here, else [];
+    step: OUTDIR/step.json (bench/step_rows.py); anchors: OUTDIR/anchors.json (bench/anchors.py)."""
+    import datetime
+    import os
+
+    def read(name: str) -> list:
+        try:
+            with open(os.path.join(outdir, name)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return []
+
+    rows = globals().get("pack_rows")
+    pack = rows(load([os.path.join(outdir, "bench-pack.json")])[0]) if rows is not None else []
+    step = read("step.json")
+    return {
+        "device": device,
+        "date": date or datetime.date.today().isoformat(),
+        "commit": commit,
+        "pack": pack,
+        "step": step,
+        "anchors": read("anchors.json"),
+        "targets": {"step": step_targets([r for r in step if "targets" in r])},
+    }
+
+
 def main(paths: list[str]) -> int:
+    if paths[:1] == ["--summary-json"] and len(paths) >= 2:
+        import os
+
+        outdir = paths[1]
+        env = os.environ
+        data = summary_json(outdir, env.get("ZO_DEVICE", ""), env.get("ZO_COMMIT", ""), env.get("ZO_DATE", ""))
+        with open(os.path.join(outdir, "summary.json"), "w") as f:
+            json.dump(data, f, indent=1)
+        for name, t in data["targets"]["step"].items():
+            print(f"  target {name}: worst {t['value']:.3f} (bar <= {t['bar']}): {'MET' if t['met'] else 'MISSED'}")
+        print(f"{outdir}/summary.json: {len(data['pack'])} pack, {len(data['step'])} step, "
+              f"{len(data['anchors'])} anchor rows")  # fmt: skip
+        return 0
     if not paths:
         print(__doc__.strip().splitlines()[2])
         return 2
