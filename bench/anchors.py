@@ -121,8 +121,8 @@ def sys_zo_dpu(cfg, x):
 
 def sys_deepspeed(cfg, x):
     if x.device.type != "cuda":
-        raise Unavailable("DeepSpeed ZeRO-Offload needs a CUDA device here (its CPU accelerator runs ZeRO without "
-                          "a device to offload from)")  # fmt: skip
+        raise Unavailable("DeepSpeed ZeRO-Offload offloads from a CUDA device (tried on its CPU accelerator: "
+                          "initialize() did not finish within 10 minutes on a loaded 2-core machine)")  # fmt: skip
     import deepspeed
 
     _rendezvous()

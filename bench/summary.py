@@ -125,6 +125,17 @@ def main(paths: list[str]) -> int:
         data = summary_json(outdir, env.get("ZO_DEVICE", ""), env.get("ZO_COMMIT", ""), env.get("ZO_DATE", ""))
         with open(os.path.join(outdir, "summary.json"), "w") as f:
             json.dump(data, f, indent=1)
+        for r in data["step"]:
+            if "zo_ms" not in r:
+                print(f"  step {r.get('size')}: {r.get('error') or r.get('skipped')}")
+                continue
+            peak = f", peak {r['zo_peak_gib']:.2f} vs {r['torch_peak_gib']:.2f} GiB" if r.get("zo_peak_gib") else ""
+            print(f"  step {r['params'] / 1e6:.0f}M {r['mode']}: zo {r['zo_ms']:.1f} ms, "
+                  f"fwd+bwd {r['fwd_bwd_ms']:.1f}, CPU Adam {r['cpu_adam_ms']:.1f}, D2H {r.get('d2h_ms', 0):.1f}, "
+                  f"torch fused {r['torch_fused_ms']:.1f}{peak}")  # fmt: skip
+        for r in data["anchors"]:
+            ms = f"{r['ms']:.1f} ms, peak {r['peak_gib']} GiB, host {r['host_gib']:.2f} GiB" if r.get("ms") else ""
+            print(f"  anchor {r.get('system')}: {ms} {r.get('note', '')}"[:300])
         for name, t in data["targets"]["step"].items():
             print(f"  target {name}: worst {t['value']:.3f} (bar <= {t['bar']}): {'MET' if t['met'] else 'MISSED'}")
         print(f"{outdir}/summary.json: {len(data['pack'])} pack, {len(data['step'])} step, "
