@@ -88,8 +88,8 @@ limited 150 330 "build (pip install -e .)" "$py" -m pip install --no-build-isola
 limited 60 300 "triton kernels -> cubin sm_80/90" env -u TRITON_INTERPRET "$py" tests/triton_compile.py \
   "$out/triton_compile.json" || status=1
 limited 150 240 "tests: GPU, two ranks, CUDA" "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/tests.xml" \
-  tests/test_gpu.py tests/test_gpu_two_ranks.py tests/test_transport.py tests/test_buckets.py \
-  tests/test_gpu_shaped.py || status=1
+  tests/test_gpu.py tests/test_transport.py tests/test_buckets.py tests/test_gpu_shaped.py \
+  tests/test_gpu_two_ranks.py || status=1  # the two-process test last: if it stalls, the others have reported
 grep -E "passed|failed|error" "$log" | grep -E "^[0-9=]" | tail -4 >>"$summary"
 bench() { # bench CAP RESERVE NAME JSON FILE [pytest args]: one benchmark suite into OUTDIR/JSON
   local cap="$1" reserve="$2" name="$3" json="$out/$4"
