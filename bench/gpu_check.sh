@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
 # The one command that verifies the GPU path on a machine with one CUDA GPU and no network:
-#   bash bench/gpu_check.sh OUTDIR
+#   bash bench/gpu_check.sh OUTDIR        (carry .whl/, from bash bench/fetch_anchor_wheels.sh, for the anchors)
 # Builds the project in place with the Python found here (torch, triton, pybind11, scikit-build-core, cmake,
-# ninja, pytest, pytest-benchmark preinstalled), runs tests/test_gpu.py, the CUDA tests and the GPU benchmarks:
+# ninja, pytest, pytest-benchmark preinstalled), runs tests/test_gpu.py, tests/test_gpu_two_ranks.py (stages 1, 2,
+# 3, 3+cpu on two gloo processes over CUDA tensors against the oracle), the CUDA tests and the GPU benchmarks:
 #   bench/test_bench_buckets.py          pack (and cast) vs torch's flatten + cast, and a device copy of the same
 #                                        bytes: GB/s and fraction of that copy bandwidth   -> OUTDIR/bench-pack.json
 #   bench/test_bench_transport.py -k cuda  H2D/D2H GB/s, zo pinned pool / torch pinned / pageable, 64 MiB..1 GiB;
 #                                        CPU Adam alone, H2D alone, tiled writeback: hidden fraction
 #                                                                                    -> OUTDIR/bench-transport.json
-#   bench/test_bench_step.py -k cuda     one GPT step, zo vs torch AdamW(fused) on fp32 masters: time, peak
-#                                        torch.cuda.max_memory_allocated                  -> OUTDIR/bench-step.json
-# and writes OUTDIR/gpu_check.log (everything), OUTDIR/tests.xml and OUTDIR/summary.txt (one line per step,
-# then bench/summary.py's ratios). Sizes: ZO_BENCH_SIZES (elements/params, default here 1e7,1e8),
-# ZO_BENCH_COPY_MIB (default 64,256,1024). Every step has a time limit and the whole run a deadline
-# (ZO_CHECK_BUDGET_S, default 480 s) so that it ends within 9 minutes on one H100; a step cut short is
-# reported FAILED (rc 124) and a benchmark step keeps the JSON of the benchmarks it finished (SIGINT).
-# NEVER RUN ON A GPU: written without one; its no-GPU path runs in .ci/run.
+#   bench/step_rows.py                   the GPT step in parts, 95M and 1.3B params, sync and DPU: phases,
+#                                        fwd+bwd alone, CPU Adam alone, D2H alone, torch AdamW(fused) + peaks
+#   bench/anchors.py                     torch fused, DeepSpeed ZeRO-Offload, torchao, FSDP2, zo: one GPT, batch
+#                                        and dtype, each in its own process (wheels from .whl/ when carried)
+# and writes OUTDIR/summary.json (bench/summary.py --summary-json: device, date, commit, pack, step, anchors,
+# targets; the step and anchor rows are folded into it), OUTDIR/gpu_check.log (everything), OUTDIR/tests.xml and
+# OUTDIR/summary.txt (one line per stage, then bench/summary.py's ratios): 7 files, under the device's 8.
+# Commit OUTDIR/summary.json as bench/results/gpu-DATE-DEVICE.json (the script prints the name).
+# Sizes: ZO_BENCH_SIZES (elements/params, default here 1e7,1e8), ZO_BENCH_COPY_MIB (default 64,256,1024),
+# ZO_STEP_SIZES (default 95M,1.3B), ZO_ANCHOR_SIZE (default 95M), batch x context ZO_STEP_BATCH x ZO_STEP_CONTEXT
+# (default 8 x 512). Every stage has a time limit and the whole run a deadline (ZO_CHECK_BUDGET_S, default 500 s)
+# so that it ends within 9 minutes on one H100; each stage prints its progress and seconds; a stage cut short is
+# reported FAILED (rc 124) and keeps the rows it finished.
+# NEVER RUN ON A GPU in this form: written without one; its no-GPU path runs in .ci/run.
 # Without a GPU it says so, runs the CPU-side compile checks (every Triton kernel to cubin for sm_80/sm_90,
 # cuda/*.cu with nvcc where present) and the benchmarks' collection (the CUDA ones skip, with the reason),
 # and exits with their status (0 when they pass).
@@ -35,13 +42,14 @@ step() { # step NAME CMD...: run, log, one summary line with the exit status and
   shift
   t0=$(date +%s)
   echo "=== $name: $*" >>"$log"
+  echo "... $name (at $(($(date +%s) - start))s of ${budget}s)"
   "$@" >>"$log" 2>&1
   rc=$?
   say "$(printf '%-34s %s (%ss)' "$name" "$([ $rc = 0 ] && echo ok || echo "FAILED rc=$rc")" $(($(date +%s) - t0)))"
   return $rc
 }
 start=$(date +%s)
-budget="${ZO_CHECK_BUDGET_S:-480}"
+budget="${ZO_CHECK_BUDGET_S:-500}"
 limited() { # limited CAP RESERVE NAME CMD...: step under a limit of CAP s, leaving RESERVE s of the budget for later
   local cap="$1" reserve="$2" name="$3" t
   shift 3
@@ -76,11 +84,12 @@ fi
 say "GPU: $gpu; torch $("$py" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
 export ZO_BENCH_SIZES="${ZO_BENCH_SIZES:-1e7,1e8}" ZO_BENCH_COPY_MIB="${ZO_BENCH_COPY_MIB:-64,256,1024}"
 say "benchmark sizes: ZO_BENCH_SIZES=$ZO_BENCH_SIZES ZO_BENCH_COPY_MIB=$ZO_BENCH_COPY_MIB; budget ${budget}s"
-limited 240 240 "build (pip install -e .)" "$py" -m pip install --no-build-isolation --no-deps -e . || status=1
-limited 120 240 "triton kernels -> cubin sm_80/90" env -u TRITON_INTERPRET "$py" tests/triton_compile.py \
+limited 150 330 "build (pip install -e .)" "$py" -m pip install --no-build-isolation --no-deps -e . || status=1
+limited 60 300 "triton kernels -> cubin sm_80/90" env -u TRITON_INTERPRET "$py" tests/triton_compile.py \
   "$out/triton_compile.json" || status=1
-limited 240 150 "tests: GPU and CUDA" "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/tests.xml" \
-  tests/test_gpu.py tests/test_transport.py tests/test_buckets.py tests/test_gpu_shaped.py || status=1
+limited 150 240 "tests: GPU, two ranks, CUDA" "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/tests.xml" \
+  tests/test_gpu.py tests/test_transport.py tests/test_buckets.py tests/test_gpu_shaped.py \
+  tests/test_gpu_two_ranks.py || status=1  # the two-process test last: if it stalls, the others have reported
 grep -E "passed|failed|error" "$log" | grep -E "^[0-9=]" | tail -4 >>"$summary"
 # --- README examples marked "# needs a GPU" (tests/readme_blocks.py; the CPU ones run in the default pytest) ---
 limited 120 120 "README: the GPU examples" "$py" tests/readme_blocks.py --gpu || status=1
@@ -90,20 +99,38 @@ bench() { # bench CAP RESERVE NAME JSON FILE [pytest args]: one benchmark suite 
   shift 4
   limited "$cap" "$reserve" "$name" "$py" -m pytest -q -rs -p no:cacheprovider --benchmark-json="$json" "$@"
 }
-bench 90 100 "bench: pack, cast vs copy" bench-pack.json bench/test_bench_buckets.py || status=1
-bench 90 60 "bench: H2D/D2H, writeback hidden" bench-transport.json bench/test_bench_transport.py -k cuda || status=1
-bench 120 0 "bench: train step vs AdamW" bench-step.json bench/test_bench_step.py -k cuda || status=1
+bench 60 200 "bench: pack, cast vs copy" bench-pack.json bench/test_bench_buckets.py || status=1
+bench 45 160 "bench: H2D/D2H, writeback hidden" bench-transport.json bench/test_bench_transport.py -k cuda || status=1
+step_args=(--batch "${ZO_STEP_BATCH:-8}" --context "${ZO_STEP_CONTEXT:-512}")
+limited 130 110 "bench: step in parts (step_rows)" "$py" bench/step_rows.py "$out/step.json" \
+  --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --budget-s 60 "${step_args[@]}" || status=1
+site=/tmp/zo-anchor-site
+if ls .whl/*.whl >/dev/null 2>&1; then
+  step "anchor wheels (.whl/)" timeout 60 "$py" -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target "$site" .whl/*.whl || status=1
+else
+  say "no .whl/ carried: DeepSpeed and torchao rows will say NOT INSTALLED (bash bench/fetch_anchor_wheels.sh)"
+fi
+nvcc_dir="$(dirname "$(dirname "$(command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)")")"
+limited 200 5 "bench: anchors (same GPT)" env PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" \
+  CUDA_HOME="${CUDA_HOME:-$nvcc_dir}" "$py" bench/anchors.py "$out/anchors.json" --size "${ZO_ANCHOR_SIZE:-95M}" \
+  --timeout-s 100 --budget-s 190 "${step_args[@]}" || status=1
 say "--- benchmark ratios (bench/summary.py; best of N rounds)"
 "$py" bench/summary.py "$out"/bench-*.json 2>>"$log" | tee -a "$summary" || status=1
 # --- pack rows (issue 17, deliverable 1): bench/test_bench_buckets.py's cases (64 tensors at align 1 and 8, 1 tensor;
-# ZO_BENCH_SIZES elements) as summary rows {numel, tensors, align, zo_ms, copy_ms, torch_ref_ms, ...} -> OUTDIR/pack.json
+# ZO_BENCH_SIZES elements) as summary.json's "pack" rows {numel, tensors, align, zo_ms, copy_ms, torch_ref_ms, ...}
 # (bench/summary_pack.py's pack_rows(); the table and MET/MISSED per target go to summary.txt)
 if [ -s "$out/bench-pack.json" ]; then
-  "$py" bench/summary_pack.py "$out/bench-pack.json" >"$out/pack.json" 2>>"$summary" || status=1
+  "$py" bench/summary_pack.py "$out/bench-pack.json" >/dev/null 2>>"$summary" || status=1  # the table; rows go to summary.json
 else
   say "pack rows: no bench-pack.json (the pack benchmark did not finish)"
   status=1
 fi
+commit="${ZO_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+device_tag="$(echo "$gpu" | grep -oE 'H100|H200|A100|L40S|B200|GH200' | head -1)"
+ZO_DEVICE="$gpu" ZO_COMMIT="$commit" "$py" bench/summary.py --summary-json "$out" 2>>"$log" | tee -a "$summary" \
+  && rm -f "$out/step.json" "$out/anchors.json" || status=1
+say "commit it as bench/results/gpu-$(date -u +%Y-%m-%d)-${device_tag:-GPU}.json"
 say "result: $([ $status = 0 ] && echo 'GPU checks passed' || echo 'GPU checks FAILED') on $gpu" \
   "in $(($(date +%s) - start))s"
 exit $status

@@ -1,6 +1,8 @@
 """The ratios of pytest-benchmark JSON files (`--benchmark-json`), one block per group, best of N rounds.
 
 Usage: python bench/summary.py FILE.json...   (bench/gpu_check.sh writes its summary.txt with it)
+       python bench/summary.py --summary-json OUTDIR   (OUTDIR/summary.json from OUTDIR's bench-pack.json,
+       step.json of bench/step_rows.py and anchors.json of bench/anchors.py; see summary_json)
 Per provider: best time, GB/s of the bytes the op must move, time against the group's baseline, fraction of
 the group's ceiling (ceiling time / provider time). Also, where a group holds them: the hidden fraction of
 the tiled writeback, and the peak device memory of a training step. Needs only the standard library.
@@ -11,6 +13,8 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+
+from summary_pack import host_row, pack_rows  # bench/ is on sys.path: this file runs as a script
 
 # Providers named by the suites: a group's ratios are against the first baseline and the first ceiling present.
 BASELINES = ("torch_fused", "torch", "kernel", "reference", "pageable")
@@ -75,7 +79,75 @@ def group_lines(group: str, by_provider: dict[str, dict]) -> list[str]:
     return out
 
 
+def step_targets(rows: list[dict]) -> dict:
+    """Per target of issue 17 over the step rows: the worst value, its bar and whether every row meets it."""
+    out: dict = {}
+    for r in rows:
+        for name, t in (r.get("targets") or {}).items():
+            worst = out.get(name)
+            if worst is None or t["value"] > worst["value"]:
+                out[name] = {"value": t["value"], "bar": t["bar"], "met": t["met"], "params": r.get("params")}
+    return out
+
+
+def summary_json(outdir: str, device: str = "", commit: str = "", date: str = "") -> dict:
+    """summary.json: {"device", "date", "commit", "pack": [...], "step": [...], "anchors": [...], "targets": {...}}.
+    pack: bench/summary_pack.py's pack_rows over OUTDIR/bench-pack.json (and pack_host: the host time per call);
+    step: OUTDIR/step.json (bench/step_rows.py); anchors: OUTDIR/anchors.json (bench/anchors.py)."""
+    import datetime
+    import os
+
+    def read(name: str) -> list:
+        try:
+            with open(os.path.join(outdir, name)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return []
+
+    try:
+        with open(os.path.join(outdir, "bench-pack.json")) as f:
+            bench_pack = json.load(f)
+    except (OSError, ValueError):
+        bench_pack = {}
+    pack = pack_rows(bench_pack)
+    step = read("step.json")
+    return {
+        "device": device,
+        "date": date or datetime.date.today().isoformat(),
+        "commit": commit,
+        "pack": pack,
+        "pack_host": host_row(bench_pack),
+        "step": step,
+        "anchors": read("anchors.json"),
+        "targets": {"step": step_targets([r for r in step if "targets" in r])},
+    }
+
+
 def main(paths: list[str]) -> int:
+    if paths[:1] == ["--summary-json"] and len(paths) >= 2:
+        import os
+
+        outdir = paths[1]
+        env = os.environ
+        data = summary_json(outdir, env.get("ZO_DEVICE", ""), env.get("ZO_COMMIT", ""), env.get("ZO_DATE", ""))
+        with open(os.path.join(outdir, "summary.json"), "w") as f:
+            json.dump(data, f, indent=1)
+        for r in data["step"]:
+            if "zo_ms" not in r:
+                print(f"  step {r.get('size')}: {r.get('error') or r.get('skipped')}")
+                continue
+            peak = f", peak {r['zo_peak_gib']:.2f} vs {r['torch_peak_gib']:.2f} GiB" if r.get("zo_peak_gib") else ""
+            print(f"  step {r['params'] / 1e6:.0f}M {r['mode']}: zo {r['zo_ms']:.1f} ms, "
+                  f"fwd+bwd {r['fwd_bwd_ms']:.1f}, CPU Adam {r['cpu_adam_ms']:.1f}, D2H {r.get('d2h_ms', 0):.1f}, "
+                  f"torch fused {r['torch_fused_ms']:.1f}{peak}")  # fmt: skip
+        for r in data["anchors"]:
+            ms = f"{r['ms']:.1f} ms, peak {r['peak_gib']} GiB, host {r['host_gib']:.2f} GiB" if r.get("ms") else ""
+            print(f"  anchor {r.get('system')}: {ms} {r.get('note', '')}"[:300])
+        for name, t in data["targets"]["step"].items():
+            print(f"  target {name}: worst {t['value']:.3f} (bar <= {t['bar']}): {'MET' if t['met'] else 'MISSED'}")
+        print(f"{outdir}/summary.json: {len(data['pack'])} pack, {len(data['step'])} step, "
+              f"{len(data['anchors'])} anchor rows")  # fmt: skip
+        return 0
     if not paths:
         print(__doc__.strip().splitlines()[2])
         return 2

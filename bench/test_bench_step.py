@@ -7,6 +7,9 @@ inside the CPU Adam kernel in that step, as a fraction of the whole step (bar: <
 of the optimizer, measured as resident-set growth in a fresh process (bar: <= 18 B/param + buckets).
 CUDA (skipped here, NOT MEASURED): step time and peak GPU memory (torch.cuda.max_memory_allocated) of zo
 against torch.optim.AdamW(fused=True) on fp32 masters on the GPU, at the last of $ZO_BENCH_SIZES params.
+test_step_in_parts (bench/step_rows.py, the rows of gpu_check.sh's summary.json): the step in parts, in one run:
+phases, forward+backward alone, CPU Adam alone (with its tiled writeback), the D2H copies alone, sync and DPU
+steady state, torch's fused AdamW on the device; CUDA: the 95M and 1.3B GPTs, CPU: $ZO_STEP_CPU_SIZE (1e6).
 Run: pytest bench/test_bench_step.py   (sizes: $ZO_BENCH_SIZES, default 1e7,1e8)
 """
 
@@ -14,11 +17,13 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
 
 import pytest
+import step_rows
 import torch
 from common import sizes
 
@@ -136,18 +141,25 @@ def test_train_step(benchmark, n, provider):
         opt_time = opt_time[len(opt_time) // 2]
         kernel = sorted(s["time_kernel"] for s in phases)[len(phases) // 2]  # inside the step, same caches
         bare = bare_kernel_time(opt)
+        med = {k: sorted(s.get(f"time_{k}", 0.0) for s in phases)[len(phases) // 2] * 1e3
+               for k in ("offload", "reduce", "step", "kernel")}  # fmt: skip
+        pack_ms = step_rows.pack_alone(opt, 5) * 1e3
+        orch = step_rows.orchestration_ms(med, pack_ms, torch.device("cpu")) / (step_time * 1e3)
         mem = measure_host_memory(cfg)
         per_param = mem["bytes"] / mem["n"]
         benchmark.extra_info.update(
             optimizer_s=opt_time, kernel_s=kernel, bare_kernel_s=bare,
             orchestration_of_step=(opt_time - kernel) / step_time,
             orchestration_of_optimizer=(opt_time - kernel) / opt_time, host_bytes_per_param=per_param,
+            orchestration_outside_kernels_and_copies=orch, pack_alone_s=pack_ms / 1e3,
             host_bytes_budget_per_param=18 + mem["buckets"] / mem["n"],
         )  # fmt: skip
         print(f"\nzo step {step_time * 1e3:.1f} ms: optimizer {opt_time * 1e3:.1f} ms, "
               f"kernel {kernel * 1e3:.1f} ms (alone, warm cache: {bare * 1e3:.1f} ms), "
               f"orchestration {(opt_time - kernel) / step_time:.1%} of the step (bar <= 10%), "
-              f"{(opt_time - kernel) / opt_time:.1%} of the optimizer; host memory {per_param:.2f} B/param measured "
+              f"{(opt_time - kernel) / opt_time:.1%} of the optimizer; outside kernels and copies (the pack alone, "
+              f"{pack_ms:.1f} ms, is the copy to the host here) {orch:.1%} of the step (bar <= 5%); "
+              f"host memory {per_param:.2f} B/param measured "
               f"(bar <= 18 + buckets {mem['buckets'] / mem['n']:.2f})")  # fmt: skip
         opt.close()
 
@@ -219,3 +231,27 @@ def test_cuda_train_step(benchmark, provider):
     finally:
         if provider == "zo":
             opt.close()
+
+
+STEP_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                      reason="needs a CUDA GPU; NOT MEASURED"))]
+
+
+@pytest.mark.parametrize("device", STEP_DEVICES)
+def test_step_in_parts(device, tmp_path):
+    """The step in parts (bench/step_rows.py): every key of a summary.json step row, sync and DPU; on CUDA the 95M
+    and 1.3B GPTs at 8x512 tokens, on the CPU $ZO_STEP_CPU_SIZE params at 4x64. Prints one line per row."""
+    if device == "cuda":
+        argv = ["--sizes", "95M,1.3B", "--device", "cuda"]
+    else:
+        argv = ["--sizes", os.environ.get("ZO_STEP_CPU_SIZE", "1e6"), "--device", "cpu", "--batch", "4",
+                "--context", "64", "--rounds", "3"]  # fmt: skip
+    out = tmp_path / "step.json"
+    assert step_rows.main([str(out), *argv]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["mode"] for r in rows] == ["sync", "dpu"] * (len(rows) // 2) and rows
+    for r in rows:
+        print("\n" + step_rows.line(r))
+        for key in ("params", "zo_ms", "fwd_bwd_ms", "cpu_adam_ms", "d2h_ms", "torch_fused_ms", "phases"):
+            assert r[key], key
+        assert (r["zo_peak_gib"] is None) == (device == "cpu")

@@ -174,6 +174,10 @@ def render(paths: list[Path]) -> str:
     """The HTML page for these runs (oldest first; the last one is 'latest')."""
     if not paths:
         raise ValueError("no benchmark JSON given")
+    gpu = [(p, load_gpu_summary(p)) for p in paths if is_gpu_summary(p)]
+    paths = [p for p in paths if not is_gpu_summary(p)]
+    if not paths:
+        return _gpu_only_page(gpu)
     runs = [load_run(p) for p in paths]
     history = []
     for p, run in zip(paths, runs):
@@ -193,6 +197,7 @@ def render(paths: list[Path]) -> str:
     desc = ", ".join(f"{k} {v}" for k, v in zo.items() if v is not None) or machine.get("cpu", {}).get("brand_raw", "")
     sections = "".join(_op_section(op, recs, [(label, recs) for label, recs in history
                                               if any(r["op"] == op for r in recs)]) for op, recs in ops.items())
+    sections += gpu_sections(gpu)
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>zo_kernels benchmarks</title>
 <style>
@@ -212,3 +217,82 @@ same memory traffic). Figures measured on a machine without a GPU have no CUDA r
 {sections}
 </body></html>
 """
+
+
+# ---------------------------------------------------------------------- GPU summaries (bench/gpu_check.sh)
+
+
+def is_gpu_summary(path: Path) -> bool:
+    """A summary.json of bench/gpu_check.sh (bench/results/gpu-*.json), not a pytest-benchmark run."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(data, dict) and "benchmarks" not in data and isinstance(data.get("step"), list)
+
+
+def load_gpu_summary(path: Path) -> dict:
+    """A GPU summary, checked for the lists the dashboard reads."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    for key in ("pack", "step", "anchors"):
+        rows = data.get(key, [])
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ValueError(f"{path}: {key} must be a list of objects")
+    return data
+
+
+def _cell(v: object) -> str:
+    if v is None:
+        return "<td>-</td>"
+    if isinstance(v, float):
+        return f"<td>{v:.4g}</td>"
+    return f"<td>{html.escape(str(v))}</td>"
+
+
+def _rows_table(rows: list[dict], keys: list[str]) -> str:
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
+    body = "".join("<tr>" + "".join(_cell(r.get(k)) for k in keys) + "</tr>" for r in rows)
+    return f"<table class='ratios'><tr>{head}</tr>{body}</table>"
+
+
+STEP_KEYS = ["params", "mode", "batch", "zo_ms", "fwd_bwd_ms", "cpu_adam_ms", "d2h_ms", "torch_fused_ms",
+             "zo_peak_gib", "torch_peak_gib", "orchestration_of_step"]  # fmt: skip
+ANCHOR_KEYS = ["system", "params", "ms", "tokens_per_s", "peak_gib", "host_gib", "note"]
+
+
+def gpu_section(label: str, data: dict) -> str:
+    """One GPU summary: its step rows (with their phases and targets), anchors, pack rows."""
+    meta = f"{data.get('device', '?')}, {data.get('date', '?')}, commit {data.get('commit', '?')}"
+    parts = [f"<section><h2>GPU: {html.escape(label)}</h2><p class='meta'>{html.escape(meta)}</p>"]
+    if data.get("note"):
+        parts.append(f"<p class='note'>{html.escape(str(data['note']))}</p>")
+    step = [r for r in data.get("step", []) if "zo_ms" in r]
+    if step:
+        parts.append("<h3>train step</h3>" + _rows_table(step, STEP_KEYS))
+        phases = [{"params": r.get("params"), "mode": r.get("mode"), **(r.get("phases") or {})} for r in step]
+        keys = ["params", "mode", *sorted({k for r in step for k in (r.get("phases") or {})})]
+        if len(keys) > 2:
+            parts.append("<h3>phases of the step (ms)</h3>" + _rows_table(phases, keys))
+        targets = [{"params": r.get("params"), "mode": r.get("mode"), "target": k, "value": t.get("value"),
+                    "bar": t.get("bar"), "met": "MET" if t.get("met") else "MISSED"}
+                   for r in step for k, t in (r.get("targets") or {}).items()]  # fmt: skip
+        if targets:
+            parts.append("<h3>targets</h3>" + _rows_table(targets, ["params", "mode", "target", "value", "bar", "met"]))
+    if data.get("anchors"):
+        parts.append("<h3>anchors (same model, batch, dtype)</h3>" + _rows_table(data["anchors"], ANCHOR_KEYS))
+    if data.get("pack"):
+        keys = list(dict.fromkeys(k for r in data["pack"] for k in r))
+        parts.append("<h3>pack</h3>" + _rows_table(data["pack"], keys))
+    return "".join(parts) + "</section>"
+
+
+def gpu_sections(gpu: list[tuple[Path, dict]]) -> str:
+    """The GPU summaries, newest first."""
+    return "".join(gpu_section(Path(p).name, d) for p, d in sorted(gpu, key=lambda x: str(x[1].get("date")))[::-1])
+
+
+def _gpu_only_page(gpu: list[tuple[Path, dict]]) -> str:
+    return ("<!doctype html><html lang='en'><head><meta charset='utf-8'><title>zo_kernels GPU benchmarks</title>"
+            "<style>body { font-family: system-ui, sans-serif; margin: 24px; } table { border-collapse: collapse; "
+            "font-size: 13px; } th, td { border: 1px solid #ccc; padding: 4px 8px; } .meta, .note { color: #555; }"
+            f"</style></head><body><h1>zo_kernels GPU benchmarks</h1>{gpu_sections(gpu)}</body></html>")

@@ -79,6 +79,9 @@ class GradPath:
         self.last_got: list[bool] = []  # which params had a gradient at the last step (zero_grad(set_to_none=False))
         self.hooks: list[Any] = []
         self.plans: dict[tuple[int, int], Any] = {}  # a launch plan per (bucket, unit): validated and uploaded once
+        # the pass's overflow flag and sum of squares, on the device; zeroed by reset(), never reallocated per step
+        self._found_inf = torch.zeros((), dtype=torch.bool, device=self.device)
+        self._sum_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         self.reset()
 
     def attach(self, accumulators: dict[torch.Tensor, Any] | None = None) -> None:
@@ -113,8 +116,8 @@ class GradPath:
         self._norm_cache: dict[float, torch.Tensor] = {}  # per-param gradient norms, by order, until it changes
         self._sum_sq_stale = False  # pack's in-pass sum of squares no longer describes the landing buffer
         self._next_bucket = 0
-        self._found_inf = torch.zeros((), dtype=torch.bool, device=self.device)
-        self._sum_sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._found_inf.zero_()
+        self._sum_sq.zero_()
         for b in self.layout.buckets:
             b.ready = 0
 
@@ -165,7 +168,8 @@ class GradPath:
         i = self.layout.index[p]
 
         def hook(grad: torch.Tensor) -> None:
-            if not self.connected(p):
+            # checked once per pass, on its first gradient (_begin_micro checks every param): not once per tensor
+            if not self.in_backward and not self.connected(p):
                 self.check_connected()  # raises, naming the first param that was cast or moved
             try:
                 accumulates = torch._C._will_engine_execute_node(self.accumulators[i])
@@ -173,7 +177,8 @@ class GradPath:
                 accumulates = False
             if not accumulates:
                 return  # torch.autograd.grad(..., inputs=...) or a graph that does not reach p: nothing to send
-            self.guard()
+            if not self.in_backward or p in self._seen:  # a pass begins or is cut: the optimizer must be usable
+                self.guard()
             if self.in_backward and p in self._seen:
                 # p got a second gradient: a param shared by two reentrant-checkpoint segments of one backward
                 # (an outer backward that will close the pass is still running), or a new backward pass (the
@@ -379,10 +384,16 @@ class GradPath:
         gradient on some rank: all-reduced."""
         t0 = time.perf_counter()
         if self.comm.world == 1 and self.n_micro == 1 and not self._sum_sq_stale:
-            sum_sq, nonfinite = float(self._sum_sq.item()), False  # pack's in-pass sum: no extra pass
+            # pack's in-pass sum: no extra pass; on a GPU one device-to-host read for both scalars
+            if self._sum_sq.is_cuda:
+                sum_sq, flagged = torch.stack((self._sum_sq, self._found_inf.float())).tolist()
+            else:
+                sum_sq, flagged = self._sum_sq.item(), self._found_inf.item()
+            nonfinite = False
         else:
             sum_sq, nonfinite = sum_squares(grad, threads=self.threads)
-        found = bool(self._found_inf.item()) or nonfinite or not math.isfinite(sum_sq)
+            flagged = self._found_inf.item()
+        found = bool(flagged) or nonfinite or not math.isfinite(sum_sq)
         got = list(self._got)
         if self.comm.world > 1:
             t = torch.tensor([0.0 if math.isnan(sum_sq) else sum_sq, float(found), *map(float, got)],

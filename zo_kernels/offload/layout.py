@@ -94,6 +94,7 @@ class FlatLayout:
             joined = all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
             self.group_ranges.append((spans[0][0], spans[-1][1]) if spans and joined else None)
         self.buckets = self._buckets(bucket_numel)
+        self._uniform_runs: list[tuple[int, int, int]] | None = None  # runs() of the usual step, once computed
         self.bucket_of = {p: b for b in self.buckets for p, _, _ in b.params}
 
     def owned(self, lo: int, hi: int, r: int) -> list[tuple[int, int, int]]:
@@ -141,6 +142,16 @@ class FlatLayout:
         """(group, start, end, step, gradient factor) ranges of the partition to update: the params that got a
         gradient, cut where the group, the step count or the factor changes (one range per group when nothing
         is skipped or scaled apart)."""
+        n = len(self.params)
+        if n and all(got) and steps.count(steps[0]) == n and factor.count(1.0) == n:
+            # the usual step (every param has a gradient, one step count, no factor): its ranges depend on the
+            # layout alone, so they are computed once, not per parameter per step
+            if self._uniform_runs is None:
+                self._uniform_runs = [(g, a, b) for g, a, b, _, _ in self._runs([True] * n, [0] * n, [1.0] * n)]
+            return [(g, a, b, steps[0] + 1, 1.0) for g, a, b in self._uniform_runs]
+        return self._runs(got, steps, factor)
+
+    def _runs(self, got: list[bool], steps: list[int], factor: list[float]) -> list[Run]:
         runs: list[Run] = []
         for p in self.flat_order:
             i = self.index[p]

@@ -1,0 +1,344 @@
+"""One GPT training step measured in parts, in one process: the "step" rows of gpu_check.sh's summary.json.
+
+Per size and mode (sync, or DPU in steady state), in this order on a fresh model each time:
+  torch_fused   the no-offload reference: bf16 working model, fp32 masters, torch.optim.AdamW(fused=True) on the
+                same device (bench/test_bench_step.py's ReferenceLoop); step time and peak device memory
+  fwd_bwd       forward + backward alone on the bf16 model, no optimizer, no hooks
+  zo            ZeroOffloadAdamW(model): step time (forward + opt.backward + opt.step, device synchronized), its
+                phase times (PhaseTimes: stats["time_*"], median over the timed steps) and peak device memory
+  cpu_adam      CPU Adam alone over the optimizer's own partition, with its tiled writeback to the device
+                (HostUpdate.cpu_update, the copies waited for); and the bare kernel, untiled, no copies
+  d2h           the gradient copies alone: every bucket of the flat space device -> the pinned landing buffer
+  pack          the pack alone: every bucket's gradients packed where backward packs them (on the CPU: the copy)
+Orchestration = the optimizer's time outside kernels and copies: (offload + reduce + step() - CPU Adam kernel
+[- pack alone, device = CPU]) / step (orchestration_ms); the earlier measure, every optimizer phase but the kernel
+(packing and the end-of-backward wait included), is optimizer_outside_kernel_of_step.
+Peak memory: torch.cuda.max_memory_allocated, reset after construction (None on CPU).
+
+Usage: python bench/step_rows.py OUT.json [--sizes 95M,1.3B] [--modes sync,dpu] [--device cuda]
+       [--batch 8] [--context 512] [--budget-s 200]
+Writes OUT.json after every row (a run cut short keeps what finished); prints one line per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+import zo_kernels as zk
+from zo_kernels.gpt import GPT, GPTConfig, num_params
+
+# 1.3B: 26 layers of width 2048 (12 * 26 * 2048^2 = 1.31e9); torch's fused AdamW on fp32 masters with a bf16
+# working copy holds ~20 B/param = 26 GB + activations: it fits an 80 GB GPU without offload.
+CONFIGS = {
+    "95M": lambda vocab, context: GPTConfig.for_params(1e8, vocab=vocab, context=context),
+    "1.3B": lambda vocab, context: GPTConfig(vocab=vocab, context=context, layers=26, width=2048, heads=16),
+}
+VOCAB = 256
+PHASES = ("offload", "reduce", "backward_offload_wait", "step", "kernel", "cpu_update", "writeback", "dpu_wait",
+          "all_gather")  # fmt: skip
+
+
+def config(size: str, context: int) -> GPTConfig:
+    """The named size ("95M", "1.3B") or a parameter count ("1e7")."""
+    if size in CONFIGS:
+        return CONFIGS[size](VOCAB, context)
+    return GPTConfig.for_params(float(size), vocab=VOCAB, context=context)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def _timed(fn: Callable[[], None], device: torch.device, warmup: int, rounds: int) -> list[float]:
+    """Seconds of each timed call of fn (device synchronized after each)."""
+    for _ in range(warmup):
+        fn()
+        _sync(device)
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _model(cfg: GPTConfig, device: torch.device) -> GPT:
+    torch.manual_seed(0)
+    with torch.device(device):
+        return GPT(cfg)
+
+
+class ReferenceLoop:
+    """The textbook mixed-precision loop: bf16 working model, fp32 masters, torch.optim.AdamW(fused=True)."""
+
+    def __init__(self, model: GPT) -> None:
+        self.work = model
+        self.master = [p.detach().float().clone() for p in model.parameters()]
+        self.work.to(torch.bfloat16)
+        self.opt = torch.optim.AdamW(self.master, lr=1e-4, fused=True)
+
+    def step(self, x: torch.Tensor) -> None:
+        self.work.zero_grad(set_to_none=True)
+        self.work(x[:, :-1], x[:, 1:]).backward()
+        for m, p in zip(self.master, self.work.parameters()):
+            m.grad = p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for m, p in zip(self.master, self.work.parameters()):
+                p.copy_(m)
+
+
+def torch_fused(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
+    """The no-offload reference: median step ms and peak device GiB."""
+    device = x.device
+    loop = ReferenceLoop(_model(cfg, device))
+    _reset_peak(device)
+    times = _timed(lambda: loop.step(x), device, warmup=2, rounds=rounds)
+    out = {"torch_fused_ms": _median(times) * 1e3, "torch_peak_gib": _peak_gib(device)}
+    loop = None  # freed before the next model is built
+    _free(device)
+    return out
+
+
+def fwd_bwd(model: GPT, x: torch.Tensor, rounds: int) -> float:
+    """Median seconds of forward + backward on the (bf16) model alone."""
+
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x[:, :-1], x[:, 1:]).backward()
+
+    times = _timed(run, x.device, warmup=2, rounds=rounds)
+    model.zero_grad(set_to_none=True)
+    return _median(times)
+
+
+def cpu_adam_alone(opt: zk.ZeroOffloadAdamW, rounds: int) -> tuple[float, float]:
+    """(median seconds of the optimizer's CPU Adam with its tiled writeback to the device, copies waited for;
+    median seconds of the bare kernel over the partition, untiled, no copies). Moves the optimizer's state."""
+    u, n = opt.update, len(opt.layout.params)
+    runs = opt.layout.runs([True] * n, u.steps, [1.0] * n)
+    hparams = [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
+               for g in opt.param_groups]  # fmt: skip
+    grad = opt.grads.landing[0]
+    device = opt.flat.device
+
+    def tiled() -> None:
+        u.cpu_update(grad, 1e-3, runs, hparams, True)
+        u.transport.synchronize()
+
+    with_writeback = _median(_timed(tiled, device, warmup=1, rounds=rounds))
+    p, m, v = (torch.empty_like(t).copy_(t) for t in u.state())
+    out = torch.empty(p.numel(), dtype=opt.dtype)
+    bare = []
+    for i in range(rounds + 1):
+        t0 = time.perf_counter()
+        zk.cpu_adam_step(p, grad, m, v, step=i + 1, lr=1e-4, grad_scale=1e-3, param_out=out, threads=opt.threads)
+        bare.append(time.perf_counter() - t0)
+    return with_writeback, _median(bare[1:])
+
+
+def d2h_alone(opt: zk.ZeroOffloadAdamW, rounds: int) -> float:
+    """Median seconds of copying every bucket's bytes from the device to the pinned landing buffer (the copies
+    the backward pass makes), nothing else."""
+    device, tr, dst = opt.flat.device, opt.transport, opt.grads.landing[0]
+    src = torch.randn(opt.flat_numel, device=device).to(opt.dtype)
+    buckets = [(b.lo, min(b.hi, dst.numel())) for b in opt.layout.buckets]
+
+    def run() -> None:
+        for lo, hi in buckets:
+            tr.d2h(dst[lo:hi], src[lo:hi])
+        tr.synchronize()
+
+    return _median(_timed(run, device, warmup=1, rounds=rounds))
+
+
+def pack_alone(opt: zk.ZeroOffloadAdamW, rounds: int) -> float:
+    """Best seconds of packing every bucket's gradients (random, the params' sizes and dtype) where backward packs
+    them (the bucket buffer; one rank on the CPU: the landing buffer), nothing else: on the CPU this is the copy of
+    the gradients to the host (cast, Σg², inf flag), on a GPU the pack kernels."""
+    device, lay, g = opt.flat.device, opt.layout, opt.grads
+    jobs = []
+    for b in lay.buckets:
+        grads = [torch.randn(n, device=device).to(opt.dtype) for _, _, n in b.params]
+        out = g.landing[0][b.lo : b.hi] if g.direct_landing else g.bucket_bufs[b.index % 2][: b.hi - b.lo]
+        jobs.append((grads, out[b.params[0][1] - b.lo :]))
+
+    def run() -> None:
+        for grads, out in jobs:
+            zk.pack(grads, dtype=opt.dtype, scale=1.0, out=out, align=lay.align)
+
+    # the best of the rounds: what orchestration subtracts is then the least it could be (not understated)
+    return min(_timed(run, device, warmup=1, rounds=rounds))
+
+
+def orchestration_ms(phases: dict, pack_ms: float, device: torch.device) -> float:
+    """The optimizer's time outside kernels and copies, ms: its host time in backward (offload, reduce) and in step(),
+    less the CPU Adam kernel, less (with device = CPU, where packing is the copy to the host) the pack alone. The
+    end-of-backward wait (for the copies) is not counted."""
+    outside = phases["offload"] + phases["reduce"] + phases["step"] - phases["kernel"]
+    return outside - (pack_ms if device.type == "cpu" else 0.0)
+
+
+def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int) -> dict:
+    """fwd_bwd alone, then ZeroOffloadAdamW (sync or DPU steady state): step, phases, peak; CPU Adam alone, D2H
+    alone on the same optimizer's buffers."""
+    device = x.device
+    model = _model(cfg, device).to(torch.bfloat16)
+    params = num_params(model)
+    row: dict = {"params": params, "mode": mode, "config": cfg.__dict__, "tokens": x[:, :-1].numel()}
+    row["fwd_bwd_ms"] = fwd_bwd(model, x, rounds) * 1e3
+    _free(device)
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-4, delay_update_after=0 if mode == "dpu" else None)
+    try:
+        phases: list[dict] = []
+
+        def step() -> None:
+            opt.backward(model(x[:, :-1], x[:, 1:]))
+            opt.step()
+            phases.append({k[5:]: v for k, v in opt.stats.items() if k.startswith("time_")})
+
+        _reset_peak(device)
+        times = _timed(step, device, warmup=3 if mode == "dpu" else 2, rounds=rounds)
+        row["zo_peak_gib"] = _peak_gib(device)
+        phases = phases[-rounds:]
+        zo_s = _median(times)
+        row["zo_ms"] = zo_s * 1e3
+        row["phases"] = {k: _median([p.get(k, 0.0) for p in phases]) * 1e3 for k in PHASES}
+        opt.synchronize()
+        _sync(device)
+        adam, bare = cpu_adam_alone(opt, max(2, rounds // 2))
+        row["cpu_adam_ms"], row["cpu_adam_kernel_ms"] = adam * 1e3, bare * 1e3
+        row["d2h_ms"] = d2h_alone(opt, rounds) * 1e3
+        row["pack_ms"] = pack_alone(opt, rounds) * 1e3
+        ph = row["phases"]
+        row["orchestration_ms"] = orchestration_ms(ph, row["pack_ms"], device)
+        row["orchestration_of_step"] = row["orchestration_ms"] / row["zo_ms"]
+        # bench/test_bench_step.py's earlier measure: every optimizer phase but the kernel, packing and wait included
+        outside = ph["offload"] + ph["reduce"] + ph["backward_offload_wait"] + ph["step"] - ph["kernel"]
+        row["optimizer_outside_kernel_of_step"] = outside / row["zo_ms"]
+        row["threads"] = opt.threads
+    finally:
+        opt.close()
+        opt = model = None  # freed before the next model is built
+        _free(device)
+    return row
+
+
+TARGETS = {  # name: (value of a row, bar, "<=")
+    "sync_vs_fwd_bwd_plus_adam": 1.10,
+    "dpu_vs_max_fwd_bwd_adam": 1.15,
+    "orchestration_of_step": 0.05,
+    "peak_vs_torch": 0.25,
+}
+
+
+def targets(row: dict) -> dict:
+    """The issue's targets for one row: {name: {"value", "bar", "met"}} (those the row can be judged on)."""
+    out = {}
+    if row["mode"] == "sync":
+        out["sync_vs_fwd_bwd_plus_adam"] = row["zo_ms"] / (row["fwd_bwd_ms"] + row["cpu_adam_ms"])
+    else:
+        out["dpu_vs_max_fwd_bwd_adam"] = row["zo_ms"] / max(row["fwd_bwd_ms"], row["cpu_adam_ms"])
+    out["orchestration_of_step"] = row["orchestration_of_step"]
+    if row.get("zo_peak_gib") and row.get("torch_peak_gib"):
+        out["peak_vs_torch"] = row["zo_peak_gib"] / row["torch_peak_gib"]
+    return {k: {"value": v, "bar": TARGETS[k], "met": bool(v <= TARGETS[k])} for k, v in out.items()}
+
+
+def measure(size: str, modes: list[str], device: torch.device, batch: int, context: int, rounds: int) -> list[dict]:
+    """The rows of one size: the torch reference once, then one row per mode."""
+    cfg = config(size, context)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg.vocab, (batch, context + 1), generator=g).to(device)
+    ref = torch_fused(cfg, x, rounds)
+    rows = []
+    for mode in modes:
+        row = zo_step(cfg, x, mode, rounds)
+        row.update(ref, size=size, device=str(device), batch=[batch, context])
+        row["targets"] = targets(row)
+        rows.append(row)
+    return rows
+
+
+def line(row: dict) -> str:
+    """One printed line per row."""
+    peak = f", peak {row['zo_peak_gib']:.2f} GiB vs {row['torch_peak_gib']:.2f}" if row.get("zo_peak_gib") else ""
+    t = ", ".join(f"{k} {v['value']:.3f} ({'MET' if v['met'] else 'MISSED'} <= {v['bar']})"
+                  for k, v in row["targets"].items())  # fmt: skip
+    return (f"{row['size']:>5} {row['params'] / 1e6:8.1f}M {row['mode']:<4}: zo {row['zo_ms']:8.2f} ms, fwd+bwd "
+            f"{row['fwd_bwd_ms']:7.2f}, cpu adam {row['cpu_adam_ms']:7.2f} (kernel {row['cpu_adam_kernel_ms']:.2f}), "
+            f"d2h {row['d2h_ms']:.2f}, pack {row['pack_ms']:.2f}, orchestration {row['orchestration_ms']:.2f}, "
+            f"torch fused {row['torch_fused_ms']:.2f}{peak}; {t}")  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--sizes", default="95M,1.3B")
+    ap.add_argument("--modes", default="sync,dpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=math.inf, help="start no new size past this many seconds")
+    a = ap.parse_args(argv)
+    device = torch.device(a.device)
+    modes = a.modes.split(",")
+    if set(modes) - {"sync", "dpu"}:
+        ap.error(f"--modes: sync and/or dpu, got {a.modes}")
+    t0, rows, status = time.perf_counter(), [], 0
+    for size in a.sizes.split(","):
+        if time.perf_counter() - t0 > a.budget_s:
+            print(f"{size}: NOT RUN (the {a.budget_s:g} s budget is spent)", flush=True)
+            rows.append({"size": size, "skipped": f"the {a.budget_s:g} s budget was spent"})
+            status = 1
+            continue
+        try:
+            new = measure(size, modes, device, a.batch, a.context, a.rounds)
+        except Exception as e:  # e.g. out of memory: the row says why, the other sizes still run
+            print(f"{size}: FAILED {type(e).__name__}: {e}", flush=True)
+            rows.append({"size": size, "error": f"{type(e).__name__}: {e}"[:500]})
+            status = 1
+            _free(device)
+        else:
+            for row in new:
+                print(line(row), flush=True)
+            rows += new
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

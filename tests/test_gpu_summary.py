@@ -1,0 +1,76 @@
+"""gpu_check.sh's summary.json: bench/summary.py builds it from the step and anchor rows, the committed GPU results
+parse with the keys issue 17 names, and the dashboard renders them beside the CPU benchmark runs."""
+
+import glob
+import json
+import os
+import sys
+
+from zo_kernels import dashboard
+
+HERE = os.path.dirname(__file__)
+BENCH = os.path.join(HERE, "..", "bench")
+sys.path.insert(0, BENCH)
+
+import summary  # noqa: E402  (bench/summary.py)
+
+TOP = {"device", "date", "commit", "pack", "step", "anchors"}
+STEP = {"params", "mode", "zo_ms", "fwd_bwd_ms", "cpu_adam_ms", "zo_peak_gib", "torch_fused_ms", "torch_peak_gib",
+        "phases"}  # fmt: skip
+ANCHOR = {"system", "params", "ms", "peak_gib", "host_gib", "note"}
+
+
+def step_row(mode: str, zo_ms: float) -> dict:
+    row = {"params": 1000, "mode": mode, "zo_ms": zo_ms, "fwd_bwd_ms": 4.0, "cpu_adam_ms": 6.0, "zo_peak_gib": 0.1,
+           "torch_fused_ms": 3.0, "torch_peak_gib": 1.0, "phases": {"offload": 0.5, "step": 6.1}}  # fmt: skip
+    bar = 1.10 if mode == "sync" else 1.15
+    value = zo_ms / (10.0 if mode == "sync" else 6.0)
+    row["targets"] = {"t": {"value": value, "bar": bar, "met": value <= bar}}
+    return row
+
+
+def test_summary_json_collects_the_rows_and_judges_the_targets(tmp_path):
+    rows = [step_row("sync", 10.5), step_row("dpu", 7.5)]
+    (tmp_path / "step.json").write_text(json.dumps(rows))
+    anchors = [{"system": "deepspeed", "params": None, "ms": None, "peak_gib": None, "host_gib": None,
+                "note": "NOT INSTALLED: no module named deepspeed"}]  # fmt: skip
+    (tmp_path / "anchors.json").write_text(json.dumps(anchors))
+    data = summary.summary_json(str(tmp_path), "GPU X", "abc", "2026-01-02")
+    assert TOP <= data.keys() and data["device"] == "GPU X" and data["commit"] == "abc"
+    assert data["step"] == rows and data["anchors"] == anchors
+    assert data["pack"] == ([] if not hasattr(summary, "pack_rows") else data["pack"])
+    worst = data["targets"]["step"]["t"]
+    assert worst["value"] == 7.5 / 6.0 and worst["met"] is False  # the worse of the two rows
+
+
+def test_summary_json_without_rows_is_empty_not_an_error(tmp_path):
+    data = summary.summary_json(str(tmp_path))
+    assert data["step"] == [] and data["anchors"] == [] and data["targets"] == {"step": {}}
+
+
+def test_committed_gpu_results_have_the_issue_keys():
+    paths = sorted(glob.glob(os.path.join(BENCH, "results", "gpu-*.json")))
+    assert paths, "bench/results/ holds at least the converted 2026-11-22 H100 run"
+    for p in paths:
+        data = json.load(open(p))
+        assert TOP <= data.keys(), p
+        for r in data["step"]:
+            assert STEP <= r.keys(), (p, sorted(STEP - r.keys()))
+        for r in data["anchors"]:
+            assert ANCHOR <= r.keys(), (p, sorted(ANCHOR - r.keys()))
+        assert dashboard.is_gpu_summary(p)
+
+
+def test_dashboard_renders_gpu_summaries_beside_the_cpu_runs(tmp_path):
+    cpu_runs = [os.path.join(HERE, "data", f) for f in ("bench_run1.json", "bench_run2.json")]
+    gpu = tmp_path / "gpu-2026-01-02-H100.json"
+    gpu.write_text(json.dumps({"device": "H100", "date": "2026-01-02", "commit": "abc", "pack": [],
+                               "step": [step_row("sync", 12.0)],
+                               "anchors": [{"system": "torchao", "params": 1000, "ms": 9.0, "peak_gib": 1.5,
+                                            "host_gib": 2.0, "note": "fp32 params"}]}))  # fmt: skip
+    both = dashboard.render([*cpu_runs, gpu])
+    only_cpu = dashboard.render(cpu_runs)
+    assert both.count("<section>") == only_cpu.count("<section>") + 1
+    assert "GPU: gpu-2026-01-02-H100.json" in both and "torchao" in both and "MISSED" in both
+    alone = dashboard.render([gpu])
+    assert "GPU: gpu-2026-01-02-H100.json" in alone and "<script" not in alone
