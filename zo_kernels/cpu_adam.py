@@ -738,6 +738,9 @@ class CPUAdam(torch.optim.Optimizer):
             group["adamw"] = group["decoupled_weight_decay"] = bool(adamw)
         super().add_param_group(group)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "state_dtype": self.state_dtype}  # (torch's keeps only its own three)
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         adamw = self.defaults["adamw"]
