@@ -28,6 +28,7 @@ from ..transport import HostTransport, Transport, default_transport
 from . import report, state
 from .checks import DTYPES, MAX_THREADS, check_int, check_offload, check_params, check_stage, check_trainable
 from .comm import COLLECTIVE_TIMEOUT_S, Comm, pin_rank_threads
+from .formats import block_of, check_state_dtype
 from .grads import GradPath
 from .layout import FlatLayout
 from .params import DeviceBytes, ParamShards, units_of
@@ -114,6 +115,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             through a pinned block; 16-bit dtype, no DPU).
         prefetch: stage 3: how many units (modules' parameters) to gather ahead of use, in the order recorded on
             the first iteration (0: none).
+        state_dtype: the format of Adam's moments on the host (the masters stay fp32): torch.float32 (default),
+            torch.bfloat16 (rounded to nearest even after each step), or "8bit" (blockwise: exp_avg signed and
+            exp_avg_sq unsigned codes, one fp32 scale per 256 elements, zo_kernels.Quantized8bit; every parameter
+            then starts on a 256-element boundary of the flat buffer). 12, 8 or 6.06 bytes of state per parameter.
+            state_dict() still gives fp32 moments per parameter (dequantized) and loads any format's; the exact
+            bits travel beside them (see state_dict), so a checkpoint resumes bitwise in the same format.
     """
 
     def __init__(
@@ -141,6 +148,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         stage: int = 2,
         offload_param: str | None = None,
         prefetch: int = 1,
+        state_dtype: torch.dtype | str = torch.float32,
     ) -> None:
         # Every argument is checked before anything (the model included) is modified.
         if isinstance(params, torch.nn.Module):
@@ -152,6 +160,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         check_hparams(lr, betas, eps, weight_decay)
         if dtype not in DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
+        self.state_format = check_state_dtype(state_dtype)
         self.scaler = LossScaler(loss_scale)
         if max_grad_norm is not None and (_real(max_grad_norm, "max_grad_norm") <= 0):
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
@@ -165,6 +174,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if transport is not None and not isinstance(transport, Transport):
             raise TypeError(f"transport must be a zo_kernels Transport or None, got {type(transport).__name__}")
         nvme_dir = check_offload(offload_optimizer, nvme_dir)
+        if nvme_dir is not None and self.state_format != "fp32":
+            raise ValueError(f"state_dtype={state_dtype!r} with offload_optimizer='nvme' is not supported yet: "
+                             "the NVMe files hold fp32 moments (use state_dtype=torch.float32 there)")  # fmt: skip
         check_stage(stage, offload_param, module, nvme_dir, delay_update_after is not None, dtype)
         prefetch = check_int(prefetch, "prefetch", 0, required=True)
         for name, value in (("update_timeout_s", update_timeout_s), ("collective_timeout_s", collective_timeout_s)):
@@ -204,7 +216,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if stage == 3:
             units, uses = units_of(module, trainable)
         self.layout = FlatLayout([g["params"] for g in self.param_groups], dtype, self.world, self.rank,
-                                 bucket_numel or DEFAULT_BUCKET_NUMEL, units=units)  # fmt: skip
+                                 bucket_numel or DEFAULT_BUCKET_NUMEL, units=units,
+                                 block=block_of(self.state_format))  # fmt: skip
         self.transport = transport if transport is not None else default_transport(device)
         self._own_transport = transport is None  # close() closes (returns the pinned memory of) what it made
         self._cast_followers(followers)
@@ -286,7 +299,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.update = HostUpdate(self.layout, own, master, update_transport, publish, threads=self.threads,
                                  tile_numel=self.tile_numel, delayed=self.delay_update_after is not None,
                                  timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir,
-                                 params_dtype=self.dtype)  # fmt: skip
+                                 params_dtype=self.dtype, state_fmt=self.state_format)  # fmt: skip
         if shards is not None:
             shards.swapper = self.update.swapper
         self._own_update_transport = update_transport is not self.transport

@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .formats import bytes_per_element
+
 if TYPE_CHECKING:
     from .optimizer import ZeroOffloadAdamW
 
-K_ADAM = 12  # bytes of fp32 optimizer state per parameter: master, exp_avg, exp_avg_sq
+K_ADAM = 12  # bytes of fp32 optimizer state per parameter: master, exp_avg, exp_avg_sq (K = 4 + the moments' bytes
+# per parameter in other state_dtype formats: 8 with bf16, 6.06 with 8-bit)
 
 
 @dataclass
@@ -20,7 +23,8 @@ class MemoryReport:
         device_params, device_buckets: the flat 16-bit parameter buffer and the gradient buckets.
         host_state, host_landing, host_staging, host_accumulator: p32/m/v, gradient landing, p16 staging (and
             the stage-3 parameter shard when it is offloaded), fp32 accumulation buffer (only while accumulating).
-        formula_device, formula_host: 2Φ + buckets and (2 + K)Φ/N + 2Φ/N (DESIGN.md, ZeRO-2 + offload); at stage
+        formula_device, formula_host: 2Φ + buckets and (2 + K)Φ/N + 2Φ/N (DESIGN.md, ZeRO-2 + offload; K = 4 + the
+            moments' bytes per parameter: 12 fp32, 8 bf16, 6.06 8-bit); at stage
             3 the device holds 2Φ/N (none with offload_param) + buckets, the host 2Φ/N more with offload_param.
     """
 
@@ -66,12 +70,13 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
     host_shard = nbytes([shards.shard]) if shards is not None and shards.offload else 0
     staging = 0 if opt.update.staging_in_place else nbytes([opt.update.staging_buf])
     p16 = 2 * phi if shards is None else (0 if shards.offload else 2 * phi // n)
+    k = 4 + bytes_per_element(opt.state_format)  # the masters and the moments in their format
     return MemoryReport(
         params=phi, world_size=n, device_params=device_params, device_buckets=buckets,
         host_state=opt.update.host_state_bytes, host_landing=nbytes(opt.grads.landing),
         host_staging=staging + host_shard, host_accumulator=nbytes(opt.grads.accum),
         formula_device=p16 + buckets,
-        formula_host=(2 + K_ADAM) * phi // n + 2 * phi // n + (2 * phi // n if host_shard else 0),
+        formula_host=int((2 + k) * phi) // n + 2 * phi // n + (2 * phi // n if host_shard else 0),
         device_formula={None: "2Φ + buckets", False: "2Φ/N + buckets (+ gathered units)",
                         True: "buckets (+ gathered units)"}[None if shards is None else bool(shards.offload)],
         host_formula="(2+K)Φ/N + 2Φ/N" + (" + 2Φ/N (the shard)" if host_shard else ""),

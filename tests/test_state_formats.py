@@ -1,0 +1,279 @@
+"""ZeroOffloadAdamW's state_dtype (fp32 / bf16 / 8-bit moments) against a plain-torch oracle; conversions, resume.
+
+The oracle (FormatOracle) is tests/oracle.py's mixed-precision AdamW with one change: after every AdamW step its
+moments are stored in the format, i.e. replaced by their rounding, written here from the format's spec and sharing
+no code with zo_kernels (`round_bf16`, `round_8bit`). AdamW's step uses the new moments before they are stored, as
+the fused kernel does (it updates the moments in fp32 registers, uses them, then stores them rounded).
+
+Tolerance: the oracle matrix's (test_oracle_matrix.py). The oracle's own noise is measured per case by a perturbed
+oracle in the same format (foreach AdamW, sums in reverse order, masters moved by one ulp; with 16-bit parameters,
+the oracle in fp32); per kind of quantity each tensor must be within FACTOR x that noise (pooled over the kind) +
+a floor. In a rounded format that noise includes the format's: a last-bit difference of a moment flips its rounding
+to the next bf16 value or 8-bit code, so the bound scales with the format's own quantum and nothing looser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from dist_worker import free_port
+from oracle import FeatureNet, Oracle, param_groups
+
+import zo_kernels as zk
+from zo_kernels.transport import CopyEngineTransport
+
+STEPS = 6
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+BATCH, SEQ, VOCAB, WIDTH = 3, 5, 37, 24
+BLOCK = 256  # the 8-bit format's block (each parameter's own blocks, from its first element)
+FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": "8bit"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FACTOR = 4.0
+FORMAT_FACTOR = 0.25
+FLOOR = STEPS * torch.finfo(torch.float32).eps
+
+
+# ---------------------------------------------------------------------- the formats, from their spec
+
+
+def round_bf16(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """bf16 moments, stochastically rounded: away from zero with probability (the dropped 16 bits) / 2^16, i.e.
+    16 random bits added to the fp32 bits, then truncated. (zo's bits come from a hash; these from `gen`.)"""
+    bits = t.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    r = torch.randint(0, 1 << 16, bits.shape, generator=gen)
+    out = ((bits + r) >> 16 << 16) & 0xFFFFFFFF
+    return torch.where(out >= 1 << 31, out - (1 << 32), out).int().view(torch.float32).view_as(t)
+
+
+def round_8bit(t: torch.Tensor, signed: bool) -> torch.Tensor:
+    """8-bit moments, per block of BLOCK elements from the parameter's first, in fp32 arithmetic: exp_avg (signed)
+    code = round(x * (127 / absmax)), value = code * (absmax / 127); exp_avg_sq (unsigned) holds r = sqrt(v):
+    code = round(r * (255 / max r)), value = (code * (max r / 255))^2; a block with absmax < 2^-100 is zeros."""
+    x = t.reshape(-1).float()
+    x = x if signed else x.sqrt()
+    levels = torch.tensor(127.0 if signed else 255.0)
+    out = torch.zeros_like(x)
+    for lo in range(0, x.numel(), BLOCK):
+        xb = x[lo : lo + BLOCK]
+        amax = xb.abs().max()
+        if amax < 2.0**-100:
+            continue
+        code = torch.round((xb * (levels / amax)).clamp(-levels if signed else 0, levels))
+        out[lo : lo + BLOCK] = code * (amax / levels)
+    return (out if signed else out * out).view_as(t)
+
+
+class FormatOracle(Oracle):
+    """tests/oracle.py's AdamW whose moments are stored in `fmt` after every step (bf16: random bits of `sr_seed`)."""
+
+    def __init__(self, model, dtype, *, fmt: str, sr_seed: int = 0, **kwargs) -> None:
+        super().__init__(model, dtype, **kwargs)
+        self.fmt, step = fmt, self.opt.step
+        gen = torch.Generator().manual_seed(sr_seed)
+
+        def step_and_store() -> None:
+            step()
+            with torch.no_grad():
+                for st in self.opt.state.values():
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        if fmt == "bf16":
+                            st[key].copy_(round_bf16(st[key], gen))
+                        elif fmt == "8bit":
+                            st[key].copy_(round_8bit(st[key], signed=key == "exp_avg"))
+
+        self.opt.step = step_and_store
+
+
+# ---------------------------------------------------------------------- the cases
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    fmt: str
+    dtype: str = "fp32"
+    micro: int = 1
+    clip: bool = False
+    scale: str | None = None
+    dpu: int | None = None
+    world: int = 1
+    stage: int = 2
+    transport: str = "host"
+    groups: bool = False
+
+    @property
+    def id(self) -> str:
+        changed = [f for f in dataclasses.fields(self) if f.name != "fmt" and getattr(self, f.name) != f.default]
+        return "-".join([self.fmt] + [f"{f.name}{getattr(self, f.name)}" for f in changed])
+
+    def model(self) -> FeatureNet:
+        return FeatureNet(VOCAB, WIDTH, tied=self.groups)
+
+    def batches(self) -> list:
+        g = torch.Generator().manual_seed(7)
+        shape = (STEPS, self.world, self.micro, BATCH, SEQ)
+        x, y = torch.randint(0, VOCAB, shape, generator=g), torch.randint(0, VOCAB, shape, generator=g)
+        return [[[(x[s, r, i], y[s, r, i]) for i in range(self.micro)] for r in range(self.world)]
+                for s in range(STEPS)]  # fmt: skip
+
+    def options(self) -> dict:
+        return dict(loss_scale={None: None, "static": 1024.0, "dynamic": "dynamic"}[self.scale],
+                    max_grad_norm=2.5 if self.clip else None, delay_update_after=self.dpu)  # fmt: skip
+
+
+# every format with every option at least once, each format at 2 ranks, at every stage, with the GPU's data flow
+CASES = [
+    Case(fmt, **kw)
+    for fmt in ("bf16", "8bit")
+    for kw in (
+        {},
+        dict(dtype="bf16", micro=2, clip=True),
+        dict(scale="dynamic", dpu=2, transport="copy_engine"),
+        dict(dtype="bf16", scale="static", stage=1, groups=True),
+        dict(stage=3, micro=2, dpu=2),
+        dict(world=2, clip=True, scale="dynamic"),
+        dict(world=2, dtype="bf16", stage=3, dpu=2, micro=2),
+    )
+] + [Case("fp32", world=2, stage=1)]
+
+
+def forward(model, batch) -> torch.Tensor:
+    x, y = batch
+    return model(x, y)
+
+
+def run_zo(case: Case, rank: int, group) -> dict:
+    model = case.model()
+    params, extra = (param_groups(model), {"module": model}) if case.groups else (model, {})
+    if case.stage == 3:
+        extra["module"] = model
+    transport = CopyEngineTransport(delay_s=0.002) if case.transport == "copy_engine" else None
+    opt = zk.ZeroOffloadAdamW(params, **ADAMW, dtype=DTYPES[case.dtype], state_dtype=FORMATS[case.fmt],
+                              stage=case.stage, process_group=group, transport=transport, bucket_numel=1_000,
+                              collective_timeout_s=60.0, **case.options(), **extra)  # fmt: skip
+    try:
+        losses = []
+        for step in case.batches():
+            losses.append([])
+            for batch in step[rank]:
+                loss = forward(model, batch)
+                losses[-1].append(loss.item())
+                opt.backward(loss)
+            opt.step()
+        sd = opt.state_dict()
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+        state = {order[i]: {k: v.clone() for k, v in st.items() if k != "step"} for i, st in sd["state"].items()}
+        opt.synchronize()
+        with opt.gathered():
+            params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        return dict(losses=losses, state=state, params=params)
+    finally:
+        opt.close()
+        if transport is not None:
+            transport.close()
+
+
+def run_oracle(case: Case, dtype: torch.dtype, **perturb) -> dict:
+    model = case.model()
+    oracle = FormatOracle(model, dtype, fmt=case.fmt, groups=param_groups(model) if case.groups else None,
+                          **case.options(), **perturb, **ADAMW)  # fmt: skip
+    losses = []
+    for step in case.batches():
+        step_losses, _ = oracle.step(step, forward)
+        losses.append(step_losses)
+    oracle.synchronize()
+    return dict(losses=losses, state={n: oracle.state(n) for n in oracle.masters},
+                params={n: p.detach().float().clone() for n, p in oracle.work.named_parameters()})  # fmt: skip
+
+
+def _rank_entry(rank: int, port: int, cases: list[Case], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        for i, case in enumerate(cases):
+            group = dist.new_group(backend="gloo")
+            try:
+                result = run_zo(case, rank, group)
+            except Exception:
+                result = {"error": traceback.format_exc(limit=6)}
+            torch.save(result, os.path.join(out, f"{i}.{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+_RESULTS: dict[Case, list[dict]] = {}
+
+
+def zo_results(case: Case, tmp_dir: str) -> list[dict]:
+    """Each rank's results; the 2-rank cases all run in one launch of two gloo processes, on first need."""
+    if case not in _RESULTS:
+        if case.world == 1:
+            _RESULTS[case] = [run_zo(case, 0, None)]
+        else:
+            two = [c for c in CASES if c.world == 2]
+            failure = {"error": "no result written"}
+            try:
+                mp.spawn(_rank_entry, args=(free_port(), two, tmp_dir), nprocs=2, join=True)
+            except Exception as e:
+                failure = {"error": f"the 2-rank launch failed: {e}"}
+            for i, c in enumerate(two):
+                paths = [os.path.join(tmp_dir, f"{i}.{r}.pt") for r in range(2)]
+                _RESULTS[c] = [torch.load(p, weights_only=False) if os.path.exists(p) else failure for p in paths]
+    return _RESULTS[case]
+
+
+def top(t: torch.Tensor) -> float:
+    return t.abs().max().item() if t.numel() else 0.0
+
+
+def check(case: Case, zo: dict, want: dict, other: dict, plain: dict) -> list[str]:
+    """Per kind (losses, master, exp_avg, exp_avg_sq, params): |zo - oracle| <= FACTOR x the oracle's noise +
+    FORMAT_FACTOR x the format's effect (see the module docstring) + a floor."""
+    kinds: dict[str, list] = {k: [] for k in ("losses", "master", "exp_avg", "exp_avg_sq", "params")}
+    flat = lambda d: torch.tensor(d["losses"]).reshape(-1)  # noqa: E731
+    kinds["losses"].append(("losses", flat(zo), flat(want), flat(other), flat(plain)))
+    for name, w in want["state"].items():
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            kinds[key].append((f"{key}[{name}]", zo["state"][name][key], w[key], other["state"][name][key],
+                               plain["state"][name][key]))  # fmt: skip
+    for name, w in want["params"].items():
+        kinds["params"].append((f"param {name}", zo["params"][name], w, other["params"][name], plain["params"][name]))
+    errors, worst = [], 0.0
+    ulp = torch.finfo(DTYPES[case.dtype]).eps
+    spread = lambda items, j: max((top(it[2].double() - it[j].double()) / top(it[2])  # noqa: E731
+                                   for it in items if top(it[2]) > 0), default=0.0)  # fmt: skip
+    for kind, items in kinds.items():
+        noise, effect = spread(items, 3), spread(items, 4)
+        for what, g, w, _, _ in items:
+            bound = (FACTOR * noise + FORMAT_FACTOR * effect + FLOOR + (ulp if kind == "params" else 0)) * top(w)
+            err = (g.double() - w.double()).abs()
+            worst = max(worst, top(err) / bound)
+            if g.shape != w.shape or bool((err > bound).any()) or bool(g.isnan().any()):
+                errors.append(f"{what}: max err {top(err):.3g} > bound {bound:.3g} (noise {noise:.3g}, "
+                              f"format effect {effect:.3g})")  # fmt: skip
+    print(f"{case.id}: worst err/bound {worst:.3f}")
+    return errors
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_format_matches_oracle(case: Case, tmp_path_factory) -> None:
+    results = zo_results(case, str(tmp_path_factory.getbasetemp()))
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r}: {res['error']}"
+    dtype = DTYPES[case.dtype]
+    want = run_oracle(case, dtype)
+    # the oracle's own noise: fp32 rounding (perturbed), 16-bit parameters (the oracle in fp32), and bf16's random
+    # rounding (other random bits)
+    perturb = dict(foreach=True, reverse_sums=True, nudge=True) if dtype == torch.float32 else {}
+    other = run_oracle(case, dtype if dtype == torch.float32 else torch.float32, sr_seed=1, **perturb)
+    zo = results[0]
+    zo = dict(zo, losses=[[res["losses"][s] for res in results] for s in range(STEPS)])
+    plain = run_oracle(dataclasses.replace(case, fmt="fp32"), dtype)  # the same training with fp32 moments
+    errors = check(case, zo, want, other, plain)
+    assert not errors, "\n".join(errors[:10])
