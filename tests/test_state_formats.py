@@ -14,6 +14,7 @@ to the next bf16 value or 8-bit code, so the bound scales with the format's own 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import traceback
@@ -277,3 +278,169 @@ def test_format_matches_oracle(case: Case, tmp_path_factory) -> None:
     plain = run_oracle(dataclasses.replace(case, fmt="fp32"), dtype)  # the same training with fp32 moments
     errors = check(case, zo, want, other, plain)
     assert not errors, "\n".join(errors[:10])
+
+
+def test_oracle_tells_formats_apart() -> None:
+    """The judge can fail: fp32 moments judged as 8-bit ones are refused."""
+    case = Case("8bit")
+    zo = run_zo(Case("fp32"), 0, None)
+    want, plain = run_oracle(case, torch.float32), run_oracle(Case("fp32"), torch.float32)
+    other = run_oracle(case, torch.float32, foreach=True, reverse_sums=True, nudge=True)
+    assert check(case, zo, want, other, plain)
+
+
+# ---------------------------------------------------------------------- state, checkpoints, memory, arguments
+
+
+def _train(fmt: str, steps: int, *, load=None, ckpt_in=None, ckpt_out=None, first: int = 0, **kw):
+    """FeatureNet trained `steps` steps of fixed data (from step `first`) on one rank; returns (model, opt)."""
+    model = FeatureNet(VOCAB, WIDTH, seed=3)
+    opt = zk.ZeroOffloadAdamW(model, **ADAMW, dtype=torch.float32, state_dtype=FORMATS[fmt], bucket_numel=1_000, **kw)
+    if load is not None:
+        opt.load_state_dict(copy.deepcopy(load))
+    if ckpt_in is not None:
+        zk.load_checkpoint(ckpt_in, model, opt)
+    g = torch.Generator().manual_seed(11)
+    data = torch.randint(0, VOCAB, (first + steps, 2, BATCH, SEQ), generator=g)
+    for s in range(first, first + steps):
+        opt.backward(model(data[s, 0], data[s, 1]))
+        opt.step()
+    if ckpt_out is not None:
+        zk.save_checkpoint(ckpt_out, model, opt)
+    return model, opt
+
+
+def _exact(sd: dict) -> list[torch.Tensor]:
+    """Every tensor of a state dict (the 8-bit codes and scales included), in a fixed order."""
+    out = [v for st in sd["state"].values() for k, v in sorted(st.items()) if isinstance(v, torch.Tensor)]
+    for entry in sd["zero_offload"].get("moments", {}).values():
+        out += [entry[k] for k in sorted(entry)]
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_resume_is_bitwise(fmt: str, tmp_path) -> None:
+    m_all, o_all = _train(fmt, 6)
+    _train(fmt, 3, ckpt_out=tmp_path / "c.pt")
+    m_res, o_res = _train(fmt, 3, ckpt_in=tmp_path / "c.pt", first=3)
+    for a, b in zip(m_all.parameters(), m_res.parameters()):
+        assert torch.equal(a, b)
+    got, want = _exact(o_res.state_dict()), _exact(o_all.state_dict())
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize(("src", "dst"), [("8bit", "fp32"), ("fp32", "8bit"), ("bf16", "fp32"), ("fp32", "bf16"),
+                                          ("8bit", "bf16"), ("bf16", "8bit")])  # fmt: skip
+def test_state_dict_converts_between_formats(src: str, dst: str) -> None:
+    """A run's state dict loads into a run of another format: the fp32 moments (torch's keys) are stored in the new
+    format (bf16: rounded to nearest even; 8-bit: quantized per parameter as round_8bit); masters and steps exact."""
+    _, o_src = _train(src, 3)
+    saved = o_src.state_dict()
+    _, o_dst = _train(dst, 0, load=saved)
+    got = o_dst.state_dict()
+    for i, st in saved["state"].items():
+        assert torch.equal(got["state"][i]["master"], st["master"]) and float(got["state"][i]["step"]) == 3
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = {"fp32": st[key], "bf16": st[key].bfloat16().float(),
+                    "8bit": round_8bit(st[key], signed=key == "exp_avg")}[dst]  # fmt: skip
+            assert torch.equal(got["state"][i][key], want), (i, key)
+
+
+def test_8bit_state_dict_is_its_codes() -> None:
+    """state_dict's fp32 moments of an 8-bit run are its codes x scale / levels (sqrt(v) squared), exactly."""
+    _, opt = _train("8bit", 3)
+    sd = opt.state_dict()
+    for i, st in sd["state"].items():
+        raw = sd["zero_offload"]["moments"][i]
+        for key, levels in (("exp_avg", 127.0), ("exp_avg_sq", 255.0)):
+            d = (raw[f"{key}_scales"] / levels).repeat_interleave(BLOCK)[: st[key].numel()]
+            x = raw[f"{key}_codes"].float() * d
+            assert torch.equal(st[key].reshape(-1), x if key == "exp_avg" else x * x)
+        assert raw["exp_avg_codes"].dtype == torch.int8 and raw["exp_avg_sq_codes"].dtype == torch.uint8
+
+
+def test_bf16_moments_are_bf16() -> None:
+    _, opt = _train("bf16", 3)
+    for st in opt.state_dict()["state"].values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[key], st[key].bfloat16().float()) and bool(st[key].ne(0).any())
+
+
+def _ranks_entry(rank: int, world: int, port: int, fmt: str, ckpt_in, ckpt_out: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = FeatureNet(VOCAB, WIDTH, seed=3)
+        opt = zk.ZeroOffloadAdamW(model, **ADAMW, dtype=torch.float32, state_dtype=FORMATS[fmt], bucket_numel=1_000,
+                                  collective_timeout_s=60.0)  # fmt: skip
+        if ckpt_in is not None:
+            zk.load_checkpoint(ckpt_in, model, opt)
+        loaded = opt.state_dict()
+        g = torch.Generator().manual_seed(11)
+        data = torch.randint(0, VOCAB, (2, 2, 2 * BATCH, SEQ), generator=g)
+        for s in range(2):
+            x, y = (data[s, k, rank * BATCH : (rank + 1) * BATCH] for k in (0, 1))
+            opt.backward(model(x, y))
+            opt.step()
+        zk.save_checkpoint(ckpt_out, model, opt)
+        if rank == 0:
+            torch.save({"loaded": loaded, "saved": opt.state_dict()}, out)
+        else:
+            opt.state_dict()  # (a collective)
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "bf16"])
+def test_checkpoint_moves_between_world_sizes_exactly(fmt: str, tmp_path) -> None:
+    """2 ranks save, 1 rank loads: its state is the saved one bit for bit (the 8-bit blocks are per parameter);
+    1 rank saves, 2 ranks load: the same."""
+    a, b = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
+    mp.spawn(_ranks_entry, args=(2, free_port(), fmt, None, a, str(tmp_path / "two.pt")), nprocs=2, join=True)
+    saved_by_two = torch.load(tmp_path / "two.pt", weights_only=False)["saved"]
+    _, opt = _train(fmt, 0, ckpt_in=a)
+    assert all(torch.equal(x, y) for x, y in zip(_exact(opt.state_dict()), _exact(saved_by_two)))
+    _train(fmt, 2, ckpt_in=a, ckpt_out=b, first=5)
+    saved_by_one = torch.load(b, weights_only=True)["optimizer"]
+    mp.spawn(_ranks_entry, args=(2, free_port(), fmt, b, str(tmp_path / "c.pt"), str(tmp_path / "two.pt")), nprocs=2,
+             join=True)  # fmt: skip
+    loaded_by_two = torch.load(tmp_path / "two.pt", weights_only=False)["loaded"]
+    got, want = _exact(loaded_by_two), _exact(saved_by_one)
+    assert len(got) == len(want) and all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+@pytest.mark.parametrize(("fmt", "per_param"), [("fp32", 12), ("bf16", 8), ("8bit", 6)])
+def test_memory_report_counts_the_format(fmt: str, per_param: int) -> None:
+    """host_state = the fp32 masters + the moments in their format, byte for byte; one rank with bf16 parameters
+    holds <= 8.1 B/param with 8-bit moments, <= 10.1 with bf16 (14 with fp32)."""
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1000), torch.nn.Linear(1000, 509, bias=False))
+    opt = zk.ZeroOffloadAdamW(model, state_dtype=FORMATS[fmt])
+    rep, part = opt.memory_report(), opt.part
+    scales = 2 * 4 * -(-part // BLOCK) if fmt == "8bit" else 0
+    assert rep.host_state == per_param * part + scales
+    limit = {"fp32": 14.1, "bf16": 10.1, "8bit": 8.1}[fmt]
+    assert rep.host_bytes / rep.params <= limit, str(rep)
+    opt.close()
+
+
+BAD = [(torch.float16, ValueError), ("int8", ValueError), ("fp16", ValueError), (8, TypeError), (None, TypeError),
+       (torch.float64, ValueError)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("bad", "error"), BAD)
+def test_bad_state_dtype_is_refused_before_anything_changes(bad, error) -> None:
+    model = FeatureNet(VOCAB, WIDTH)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(error, match="state_dtype"):
+        zk.ZeroOffloadAdamW(model, dtype=torch.bfloat16, state_dtype=bad)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+def test_nvme_with_a_compressed_format_is_refused_clearly(fmt: str, tmp_path) -> None:
+    model = FeatureNet(VOCAB, WIDTH)
+    with pytest.raises(ValueError, match="state_dtype.*nvme"):
+        zk.ZeroOffloadAdamW(model, state_dtype=FORMATS[fmt], offload_optimizer="nvme", nvme_dir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
