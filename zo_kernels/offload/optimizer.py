@@ -157,7 +157,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             module, params = params, list(params.parameters())
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module or None, got {type(module).__name__}")
-        check_hparams(lr, betas, eps, weight_decay)
+        defaults = self._defaults(lr, betas, eps, weight_decay)
         if dtype not in DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
         self.state_format = check_state_dtype(state_dtype)
@@ -192,10 +192,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if module is not None:
             followers += [p for p in module.parameters() if id(p) not in is_trainable] + list(module.buffers())
 
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__([{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in groups], defaults)
         for group in self.param_groups:
-            check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            self._group_hparams(group)
 
         self.dtype, self.device = dtype, device
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -296,13 +295,25 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                     out[s - lo : e - lo] = values[s - x : e - x].float().cpu()
 
         master = fill_master if master is None else master
-        self.update = HostUpdate(self.layout, own, master, update_transport, publish, threads=self.threads,
+        self.update = self._update_class(self.layout, own, master, update_transport, publish, threads=self.threads,
                                  tile_numel=self.tile_numel, delayed=self.delay_update_after is not None,
                                  timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir,
                                  params_dtype=self.dtype, state_fmt=self.state_format)  # fmt: skip
         if shards is not None:
             shards.swapper = self.update.swapper
         self._own_update_transport = update_transport is not self.transport
+
+    _update_class = HostUpdate  # the host update's rule (ZeroOffloadAdafactor: its own)
+
+    def _defaults(self, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> dict[str, Any]:
+        """The param groups' defaults, checked (a subclass with another update rule has its own)."""
+        check_hparams(lr, betas, eps, weight_decay)
+        return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+
+    def _group_hparams(self, group: dict[str, Any]) -> dict[str, Any]:
+        """A param group's hyper-parameters as the update takes them, checked."""
+        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        return dict(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"], weight_decay=group["weight_decay"])
 
     def register_external_parameter(self, module: torch.nn.Module, param: torch.Tensor) -> None:
         """Stage 3: `module`'s forward reads `param`, a parameter of another module (e.g. a parent reading a child's
@@ -422,7 +433,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.grads.check_untouched()
         self.grads.check_connected()
         for group in self.param_groups:
-            check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            self._group_hparams(group)
         self.grads.close_pass()  # the last backward ran entirely inside nested (reentrant) backwards
         self.grads.drop_cleared()
         if self.max_grad_norm is not None and any(f != 1.0 for f in self.grads.factor):
@@ -454,8 +465,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.update.steps[i] += g
         self._set_group_steps()
         # the hyper-parameters as they are now: a scheduler may change them before a background update runs
-        hparams = [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
-                   for g in self.param_groups]  # fmt: skip
+        hparams = [self._group_hparams(g) for g in self.param_groups]
         if delayed:
             self.update.start(c.grad, grad_scale, runs, hparams)
         else:

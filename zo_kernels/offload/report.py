@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .formats import bytes_per_element
-
 if TYPE_CHECKING:
     from .optimizer import ZeroOffloadAdamW
 
@@ -70,7 +68,7 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
     host_shard = nbytes([shards.shard]) if shards is not None and shards.offload else 0
     staging = 0 if opt.update.staging_in_place else nbytes([opt.update.staging_buf])
     p16 = 2 * phi if shards is None else (0 if shards.offload else 2 * phi // n)
-    k = 4 + bytes_per_element(opt.state_format)  # the masters and the moments in their format
+    k = opt.update.state_bytes_per_param  # K: the masters and the moments in their format
     return MemoryReport(
         params=phi, world_size=n, device_params=device_params, device_buckets=buckets,
         host_state=opt.update.host_state_bytes, host_landing=nbytes(opt.grads.landing),

@@ -16,7 +16,7 @@ import torch
 from ..cpu_adam import cpu_adam_step
 from ..nvme import TILE_MULTIPLE, NvmeSwapper, UpdateFn
 from ..transport import Staging, Transport, tiled_writeback
-from .formats import Moments, block_of
+from .formats import Moments, block_of, bytes_per_element
 from .layout import FlatLayout, Run
 from .report import PhaseTimes
 
@@ -48,6 +48,8 @@ class HostUpdate:
             fourth file of the swapper, of this dtype, written by the same streamed update.
         state_fmt: the moments' format (formats.py): "fp32", "bf16" or "8bit" (then every run starts on a block).
     """
+
+    HAS_MOMENTS = True  # Adam's two moments (a subclass with another rule keeps its own state)
 
     def __init__(self, layout: FlatLayout, own: torch.Tensor | None, master: torch.Tensor | MasterFill,
                  transport: Transport, publish: Callable[[], None], *, threads: int, tile_numel: int, delayed: bool,
@@ -97,8 +99,9 @@ class HostUpdate:
             if not isinstance(master, torch.Tensor):
                 master = torch.zeros(layout.part, dtype=torch.float32)
                 fill_master(0, layout.part, master)
-            self._master, self.moments = master, Moments(state_fmt, layout.part)
-            if state_fmt == "fp32":  # the kernel's fp32 path, the tensors themselves
+            self._master = master
+            self.moments = Moments(state_fmt, layout.part) if self.HAS_MOMENTS else None
+            if state_fmt == "fp32" and self.HAS_MOMENTS:  # the kernel's fp32 path, the tensors themselves
                 self._state = (master, *self.moments.pair)
             if not self.staging_in_place:
                 # staging always holds the current params: a step that skips a param (no gradient) leaves its
@@ -205,6 +208,11 @@ class HostUpdate:
         if self.swapper is not None:
             return self.swapper.pool_bytes
         return self._master.numel() * 4 + self.moments.nbytes
+
+    @property
+    def state_bytes_per_param(self) -> float:
+        """K of the host formula: bytes of optimizer state per parameter (the masters' 4 and the moments')."""
+        return 4 + bytes_per_element(self.fmt)
 
     def run(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict]) -> None:
         """The synchronous update: CPU Adam, the new parameters to the device tile by tile, then the all-gather."""
