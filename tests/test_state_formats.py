@@ -444,3 +444,35 @@ def test_nvme_with_a_compressed_format_is_refused_clearly(fmt: str, tmp_path) ->
     with pytest.raises(ValueError, match="state_dtype.*nvme"):
         zk.ZeroOffloadAdamW(model, state_dtype=FORMATS[fmt], offload_optimizer="nvme", nvme_dir=str(tmp_path))
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------- the planner and the demo
+
+
+@pytest.mark.parametrize(("fmt", "k"), [("fp32", "12"), ("bf16", "8"), ("8bit", "6.03125")])
+def test_plan_state_dtype_sets_k(fmt: str, k: str, capsys) -> None:
+    """K = 4 (fp32 master) + the moments' bytes: host bytes per GPU of ZeRO-2 + offload = (2 + K + 2) x params."""
+    from zo_kernels.cli import main
+
+    assert main(["plan", "--params", "1e9", "--state-dtype", fmt]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith(f"K = {k}")
+    row = next(line for line in out.splitlines() if line.startswith("ZeRO-2 + offload"))
+    assert row.split()[7] == f"{(4 + float(k)):.1f}"
+
+
+def test_plan_refuses_k_and_state_dtype_together(capsys) -> None:
+    from zo_kernels.cli import main
+
+    assert main(["plan", "--params", "1e9", "--state-dtype", "8bit", "--k", "12"]) == 2
+    assert "--state-dtype" in capsys.readouterr().err
+    assert main(["plan", "--params", "1e9", "--state-dtype", "int4"]) == 2
+
+
+def test_demo_with_8bit_state(capsys) -> None:
+    from zo_kernels.cli import main
+
+    code = main(["demo", "--steps", "6", "--model-size", "1e5", "--batch", "2", "--context", "16", "--dtype", "bf16",
+                 "--quiet", "--state-dtype", "8bit"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and "(planner 10.03;" in out, out  # 2 + K + 2 - the staging's 2: 8.03 (measured: + padding)
