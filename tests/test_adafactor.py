@@ -115,7 +115,8 @@ def top(t: torch.Tensor) -> float:
     return t.abs().max().item() if t.numel() else 0.0
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=() if i < 3 else pytest.mark.slow)
+                                  for i, c in enumerate(CASES)])  # fmt: skip
 def test_matches_torch_adafactor(case: Case) -> None:
     dtype = DTYPES[case.dtype]
     zo, want = run_zo(case), run_oracle(case, dtype)

@@ -262,7 +262,13 @@ def check(case: Case, zo: dict, want: dict, other: dict, plain: dict) -> list[st
     return errors
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+DEFAULT = {Case("bf16"), Case("8bit"), Case("8bit", dtype="bf16", micro=2, clip=True),
+           Case("bf16", scale="dynamic", dpu=2, transport="copy_engine"), Case("8bit", stage=3, micro=2, dpu=2)}
+# the rest (the 2-rank ones: one launch of two processes) in the slow run; a few seconds each on a quiet machine
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=() if c in DEFAULT else pytest.mark.slow)
+                                  for c in CASES])  # fmt: skip
 def test_format_matches_oracle(case: Case, tmp_path_factory) -> None:
     results = zo_results(case, str(tmp_path_factory.getbasetemp()))
     for r, res in enumerate(results):
@@ -392,7 +398,7 @@ def _ranks_entry(rank: int, world: int, port: int, fmt: str, ckpt_in, ckpt_out: 
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fmt", ["8bit", "bf16"])
+@pytest.mark.parametrize("fmt", ["8bit", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_checkpoint_moves_between_world_sizes_exactly(fmt: str, tmp_path) -> None:
     """2 ranks save, 1 rank loads: its state is the saved one bit for bit (the 8-bit blocks are per parameter);
     1 rank saves, 2 ranks load: the same."""
