@@ -3,13 +3,17 @@
 Cases: `fp32` (fp32 grads and params) and `bf16` (the offload case: bf16 grads in, bf16 params out; torch
 and DeepSpeed run the chain grad.float() -> AdamW -> param.to(bf16), zo one fused pass). Both move 28 bytes
 per parameter: read g, p, m, v; write p, m, v (+ p16 and - 2 bytes of g in the bf16 case).
-Run: pytest bench/test_bench_cpu_adam.py   (sizes: $ZO_BENCH_SIZES, default 1e7,1e8)
+The moment formats (fp32, bf16, 8-bit blockwise) at 50M params in the offload case, each against the fp32-state
+update and its own streaming ceiling: test_cpu_adam_formats (pytest-benchmark) and test_cpu_adam_formats_ratios
+(the ratios, timed interleaved in one run; `-s` prints them).
+Run: pytest bench/test_bench_cpu_adam.py   (sizes: $ZO_BENCH_SIZES, default 1e7,1e8; $ZO_BENCH_FORMAT_SIZES, 5e7)
 """
 
 from __future__ import annotations
 
 import gc
 import importlib.util
+import time
 
 import pytest
 import torch
@@ -95,3 +99,81 @@ def test_cpu_adam(benchmark, n, case, threads, provider):
     benchmark.pedantic(run, warmup_rounds=1, rounds=rounds, iterations=1)
     benchmark.extra_info["GB/s"] = BYTES_PER_PARAM * n / benchmark.stats.stats.min / 1e9
     torch.set_num_threads(THREADS[-1])
+
+
+# ---------------------------------------------------------------- moment formats (the offload case)
+# bf16 grads in, bf16 params out, fp32 master; the moments fp32, bf16 or 8-bit blockwise. Bytes per param moved
+# by the update: read g 2 + p 4 + moments, write p 4 + moments + p16 2; the moments move 2 x 4 x 2 (fp32), 2 x 2 x 2
+# (bf16) or 2 x 1 x 2 + 2 x 2 x 4 / 256 (8-bit codes + scales).
+FORMAT_SIZE = sizes([50_000_000], "ZO_BENCH_FORMAT_SIZES")
+FORMATS = {"fp32": 28.0, "bf16": 20.0, "8bit": 16.0 + 16 / 256}
+FORMAT_BARS = {"bf16": 0.75, "8bit": 0.6}  # x the fp32-state update; and each >= 0.9 of its own ceiling
+
+
+def format_buffers(n: int) -> dict:
+    key = ("formats", n)
+    if key not in _buffers:
+        _buffers.clear()
+        gc.collect()
+        gen = torch.Generator().manual_seed(0)
+        _buffers[key] = dict(
+            p=torch.randn(n, generator=gen), g=torch.randn(n, generator=gen).bfloat16(),
+            out=torch.empty(n, dtype=torch.bfloat16),
+            fp32=(torch.zeros(n), torch.zeros(n)),
+            bf16=(torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)),
+            **{"8bit": (zk.Quantized8bit.empty(n, signed=True), zk.Quantized8bit.empty(n, signed=False))},
+        )  # fmt: skip
+    return _buffers[key]
+
+
+def format_run(b: dict, fmt: str, provider: str, threads: int):
+    """One update (or its streaming ceiling) of the format's moments, stepping on from call to call."""
+    m, v = b[fmt]
+    step = [0]
+
+    def run():
+        if provider == "ceiling":
+            zk.stream_pass(b["p"], b["g"], m, v, param_out=b["out"], threads=threads)
+            return
+        step[0] += 1
+        zk.cpu_adam_step(b["p"], b["g"], m, v, step=step[0], lr=1e-4, weight_decay=0.01, param_out=b["out"],
+                         threads=threads)  # fmt: skip
+
+    return run
+
+
+@pytest.mark.parametrize("provider", ["zo", "ceiling"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("n", FORMAT_SIZE)
+def test_cpu_adam_formats(benchmark, n, fmt, provider):
+    threads = THREADS[-1]
+    run = format_run(format_buffers(n), fmt, provider, threads)
+    run()
+    benchmark.group = f"cpu_adam state={fmt} n={n:.0e} threads={threads}"
+    benchmark.extra_info.update(provider=provider, numel=n, state=fmt, threads=threads, bytes=FORMATS[fmt] * n)
+    benchmark.pedantic(run, warmup_rounds=1, rounds=10, iterations=1)
+
+
+@pytest.mark.parametrize("n", FORMAT_SIZE)
+def test_cpu_adam_formats_ratios(n):
+    """Each format against the fp32-state update and its own ceiling: the six timed interleaved, round by round, in
+    one run (so a load that comes and goes hits them alike), best of 15 rounds."""
+    threads = THREADS[-1]
+    b = format_buffers(n)
+    runs = {(f, p): format_run(b, f, p, threads) for f in FORMATS for p in ("zo", "ceiling")}
+    best = dict.fromkeys(runs, float("inf"))
+    for fn in runs.values():
+        fn()
+    for _ in range(15):
+        for key, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            best[key] = min(best[key], time.perf_counter() - t0)
+    base = best["fp32", "zo"]
+    print(f"\ncpu_adam moment formats, n={n:.0e}, bf16 grads in, bf16 params out, threads={threads}")
+    print(f"  {'state':<6}{'B/param':>9}{'best ms':>10}{'GB/s':>8}{'x fp32':>9}{'of own ceiling':>16}{'bar':>20}")
+    for fmt, nbytes in FORMATS.items():
+        t, c = best[fmt, "zo"], best[fmt, "ceiling"]
+        bar = f"<= {FORMAT_BARS[fmt]}x, >= 0.90" if fmt in FORMAT_BARS else ""
+        print(f"  {fmt:<6}{nbytes:>9.2f}{t * 1e3:>10.2f}{nbytes * n / t / 1e9:>8.1f}{t / base:>8.2f}x"
+              f"{c / t:>16.2f}{bar:>20}")  # fmt: skip

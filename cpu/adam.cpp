@@ -59,8 +59,9 @@ inline uint16_t float_to_bf16(float f) {
 }
 
 // ---------------------------------------------------------------- stochastic rounding to bf16
-// A counter-based hash (xor-shift-multiply, 32 bits): the random bits of element i are mix32(i ^ key), key a hash
-// of (seed, step, moment), so a resumed run rounds exactly as the uninterrupted one and every ISA agrees.
+// A counter-based hash (xor-shift-multiply, 32 bits): h = mix32(uint32(i) ^ key) for element i, key a hash of
+// (seed, step); exp_avg rounds with h's low 16 bits, exp_avg_sq with its high 16 (one hash per element). So a
+// resumed run rounds exactly as the uninterrupted one and every ISA agrees.
 inline uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7feb352du;
@@ -70,19 +71,18 @@ inline uint32_t mix32(uint32_t x) {
   return x;
 }
 
-uint32_t sr_key(uint64_t seed, int64_t step, uint32_t moment) {
+uint32_t sr_key(uint64_t seed, int64_t step) {
   uint32_t h = mix32(uint32_t(seed) ^ 0x9e3779b9u);
   h = mix32(h ^ uint32_t(seed >> 32));
   h = mix32(h ^ uint32_t(uint64_t(step)));
-  h = mix32(h ^ uint32_t(uint64_t(step) >> 32));
-  return mix32(h ^ moment);
+  return mix32(h ^ uint32_t(uint64_t(step) >> 32));
 }
 
-// Round f to bf16 up (in magnitude) with probability (dropped bits) / 2^16: add 16 random bits, truncate.
+// Round f to bf16 up (in magnitude) with probability (dropped bits) / 2^16: add 16 random bits r, truncate.
 // NaN -> 0x7fc0; inf stays inf; the largest finite values may round to inf.
 inline uint16_t float_to_bf16_sr(float f, uint32_t r) {
   if (std::isnan(f)) return 0x7fc0u;
-  return uint16_t((f2u(f) + (r & 0xffffu)) >> 16);
+  return uint16_t((f2u(f) + r) >> 16);
 }
 
 // ---------------------------------------------------------------- 8-bit block scales
@@ -101,7 +101,7 @@ inline void block_scale(uint32_t amax, float levels, float* scale, float* mult) 
 struct Coef {
   float grad_scale, l2, decay, omb1, omb2, b2, inv_bc2_sqrt, eps, neg_step_size;
   bool adamw_decay, l2_decay;
-  uint32_t key_m, key_v;  // kStateBF16: the stochastic rounding's keys of this step
+  uint32_t key;  // kStateBF16: the stochastic rounding's key of this step
 };
 
 Coef make_coef(const AdamParams& a) {
@@ -178,10 +178,10 @@ inline void store1(void* base, int64_t i, int dt, float x) {
   else if (dt == kBF16) static_cast<uint16_t*>(base)[i] = float_to_bf16(x);
 }
 
-// A bf16 moment: stochastically rounded (the stream pass truncates: same bytes, no hash).
+// A bf16 moment: stochastically rounded with 16 random bits r (the stream pass truncates: same bytes, no hash).
 template <bool STREAM>
-inline void store_moment(void* base, int64_t i, float x, uint32_t key, int64_t index) {
-  static_cast<uint16_t*>(base)[i] = STREAM ? uint16_t(f2u(x) >> 16) : float_to_bf16_sr(x, mix32(uint32_t(index) ^ key));
+inline void store_moment(void* base, int64_t i, float x, uint32_t r) {
+  static_cast<uint16_t*>(base)[i] = STREAM ? uint16_t(f2u(x) >> 16) : float_to_bf16_sr(x, r);
 }
 
 template <int GDT, int ODT, int ST, bool STREAM>
@@ -198,15 +198,22 @@ void run(const Coef& c, const Bufs& b, int64_t lo, int64_t hi) {
       static_cast<float*>(b.m)[i] = m;
       static_cast<float*>(b.v)[i] = v;
     } else {
-      store_moment<STREAM>(b.m, i, m, c.key_m, b.index0 + i);
-      store_moment<STREAM>(b.v, i, v, c.key_v, b.index0 + i);
+      const uint32_t h = STREAM ? 0 : mix32(uint32_t(b.index0 + i) ^ c.key);
+      store_moment<STREAM>(b.m, i, m, h & 0xffffu);
+      store_moment<STREAM>(b.v, i, v, h >> 16);
     }
     if (ODT != kNone) store1(b.out, i, ODT, p);
   }
 }
 
-// Requantize one block from its fp32 values (m in mb, sqrt(v) in rb) and their absmax bits; shared by every
-// variant's tail. Codes: RNE(clamp(x * levels / absmax)), clamping as maxps/minps do (NaN -> the bound).
+// x (= value * levels / absmax, so |x| <= levels + a few ulps, or NaN) to its code: RNE to int32 as cvtps2dq does
+// (NaN -> INT32_MIN, "integer indefinite"), then the low byte as vpmovdb keeps it (NaN -> 0). No clamp needed.
+inline uint8_t code_of(float x) {
+  const int32_t c = std::isnan(x) ? INT32_MIN : int32_t(std::nearbyint(x));
+  return uint8_t(uint32_t(c) & 0xffu);
+}
+
+// Requantize one block from its fp32 values (m in mb, sqrt(v) in rb) and their absmax bits.
 inline void requant1(const float* mb, const float* rb, int64_t L, uint32_t am, uint32_t ar, const Blk& k,
                      bool stream) {
   float sm, im, sr, ir;
@@ -216,14 +223,8 @@ inline void requant1(const float* mb, const float* rb, int64_t L, uint32_t am, u
   *k.ms = sm;
   *k.vs = sr;
   for (int64_t j = 0; j < L; ++j) {
-    float x = mb[j] * im;
-    x = x > -127.0f ? x : -127.0f;
-    x = x < 127.0f ? x : 127.0f;
-    k.mc[j] = int8_t(std::nearbyint(x));
-    float y = rb[j] * ir;
-    y = y > 0.0f ? y : 0.0f;
-    y = y < 255.0f ? y : 255.0f;
-    k.vc[j] = uint8_t(std::nearbyint(y));
+    k.mc[j] = int8_t(code_of(mb[j] * im));
+    k.vc[j] = code_of(rb[j] * ir);
   }
 }
 
@@ -338,14 +339,17 @@ inline __m256 load_moment(const void* base, int64_t i) {
   return ST == kStateF32 ? _mm256_loadu_ps(static_cast<const float*>(base) + i) : load8(base, i, kBF16);
 }
 
+inline __m256i hash8(uint32_t key, int64_t index) {
+  const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(int(uint32_t(index))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return mix8(_mm256_xor_si256(idx, _mm256_set1_epi32(int(key))));
+}
+
 template <int ST, bool STREAM>
-inline void store_moment(void* base, int64_t i, __m256 x, uint32_t key, int64_t index) {
+inline void store_moment(void* base, int64_t i, __m256 x, __m256i r) {
   if (ST == kStateF32) { _mm256_storeu_ps(static_cast<float*>(base) + i, x); return; }
   __m256i u = _mm256_castps_si256(x);
   if (!STREAM) {
-    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(int(uint32_t(index))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256i r = mix8(_mm256_xor_si256(idx, _mm256_set1_epi32(int(key))));
-    u = _mm256_add_epi32(u, _mm256_and_si256(r, _mm256_set1_epi32(0xffff)));
+    u = _mm256_add_epi32(u, r);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     u = _mm256_blendv_epi8(u, _mm256_set1_epi32(0x7fc00000), nan);
   }
@@ -359,8 +363,9 @@ inline void step8(const Coef& c, const Bufs& b, int64_t i) {
   if (STREAM) stream_math<V>(c, p, m, v, g);
   else adam_math<V>(c, p, m, v, g);
   _mm256_storeu_ps(b.p + i, p);
-  store_moment<ST, STREAM>(b.m, i, m, c.key_m, b.index0 + i);
-  store_moment<ST, STREAM>(b.v, i, v, c.key_v, b.index0 + i);
+  const __m256i h = ST == kStateF32 || STREAM ? _mm256_setzero_si256() : hash8(c.key, b.index0 + i);
+  store_moment<ST, STREAM>(b.m, i, m, _mm256_and_si256(h, _mm256_set1_epi32(0xffff)));
+  store_moment<ST, STREAM>(b.v, i, v, _mm256_srli_epi32(h, 16));
   if (ODT != kNone) store8(b.out, i, ODT, p);
 }
 
@@ -397,12 +402,14 @@ inline __m256 load_codes8(const void* base, bool is_signed) {
   return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
 }
 
-// x -> RNE(clamp(x * mult, lo, hi)) as 8 bytes (maxps/minps: a NaN product gives lo).
-inline void store_codes8(void* base, __m256 x, __m256 mult, __m256 lo, __m256 hi, bool is_signed) {
-  x = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x, mult), lo), hi);
-  const __m256i c = _mm256_cvtps_epi32(x);
-  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-  _mm_storel_epi64(static_cast<__m128i*>(base), is_signed ? _mm_packs_epi16(w, w) : _mm_packus_epi16(w, w));
+// x * mult -> scalar::code_of as 8 bytes: cvtps2dq, then the low byte of each lane (as vpmovdb).
+inline void store_codes8(void* base, __m256 x, __m256 mult) {
+  const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(x, mult));
+  const __m256i sh = _mm256_shuffle_epi8(c, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                             -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                             -1, -1));
+  const __m128i b = _mm_unpacklo_epi32(_mm256_castsi256_si128(sh), _mm256_extracti128_si256(sh, 1));
+  _mm_storel_epi64(static_cast<__m128i*>(base), b);
 }
 
 inline uint32_t hmax8(__m256i x) {
@@ -441,11 +448,10 @@ void block8(const Coef& c, const Blk& k, int64_t L) {
   if (STREAM) { im = 1.0f; ir = 1.0f; sm = *k.ms; sr = *k.vs; }
   *k.ms = sm;
   *k.vs = sr;
-  const __m256 mi = _mm256_set1_ps(im), ri = _mm256_set1_ps(ir), zero = _mm256_setzero_ps();
-  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f), top = _mm256_set1_ps(255.0f);
+  const __m256 mi = _mm256_set1_ps(im), ri = _mm256_set1_ps(ir);
   for (int64_t j = 0; j < L; j += 8) {
-    store_codes8(k.mc + j, _mm256_load_ps(mb + j), mi, lo, hi, true);
-    store_codes8(k.vc + j, _mm256_load_ps(rb + j), ri, zero, top, false);
+    store_codes8(k.mc + j, _mm256_load_ps(mb + j), mi);
+    store_codes8(k.vc + j, _mm256_load_ps(rb + j), ri);
   }
 }
 
@@ -554,15 +560,18 @@ inline __m512 load_moment(const void* base, int64_t i, __mmask16 k) {
 }
 
 // A moment: fp32, or bf16 stochastically rounded as scalar::float_to_bf16_sr (the stream pass truncates).
+inline __m512i hash16(uint32_t key, int64_t index) {
+  const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(index))),
+                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  return mix16(_mm512_xor_si512(idx, _mm512_set1_epi32(int(key))));
+}
+
 template <int ST, bool STREAM>
-inline void store_moment(void* base, int64_t i, __m512 x, __mmask16 k, uint32_t key, int64_t index) {
+inline void store_moment(void* base, int64_t i, __m512 x, __mmask16 k, __m512i r) {
   if (ST == kStateF32) { _mm512_mask_storeu_ps(static_cast<float*>(base) + i, k, x); return; }
   __m512i u = _mm512_castps_si512(x);
   if (!STREAM) {
-    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(index))),
-                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m512i r = mix16(_mm512_xor_si512(idx, _mm512_set1_epi32(int(key))));
-    u = _mm512_add_epi32(u, _mm512_and_si512(r, _mm512_set1_epi32(0xffff)));
+    u = _mm512_add_epi32(u, r);
     u = _mm512_mask_mov_epi32(u, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
   }
   _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + i, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
@@ -575,8 +584,9 @@ inline void step16(const Coef& c, const Bufs& b, int64_t i, __mmask16 k) {
   if (STREAM) stream_math<V>(c, p, m, v, g);
   else adam_math<V>(c, p, m, v, g);
   _mm512_mask_storeu_ps(b.p + i, k, p);
-  store_moment<ST, STREAM>(b.m, i, m, k, c.key_m, b.index0 + i);
-  store_moment<ST, STREAM>(b.v, i, v, k, c.key_v, b.index0 + i);
+  const __m512i h = ST == kStateF32 || STREAM ? _mm512_setzero_si512() : hash16(c.key, b.index0 + i);
+  store_moment<ST, STREAM>(b.m, i, m, k, _mm512_and_si512(h, _mm512_set1_epi32(0xffff)));
+  store_moment<ST, STREAM>(b.v, i, v, k, _mm512_srli_epi32(h, 16));
   if (ODT != kNone) store16(b.out, i, ODT, p, k);
 }
 
@@ -604,15 +614,16 @@ inline __m512 load_codes16(const void* base, bool is_signed, __mmask16 k) {
   return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 }
 
-// x -> RNE(clamp(x * mult, lo, hi)) as 16 bytes (maxps/minps: a NaN product gives lo).
-inline void store_codes16(void* base, __m512 x, __m512 mult, __m512 lo, __m512 hi, __mmask16 k) {
-  x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, mult), lo), hi);
-  _mm_mask_storeu_epi8(base, k, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(x)));
+// x * mult -> scalar::code_of as 16 bytes (cvtps2dq, vpmovdb).
+inline void store_codes16(void* base, __m512 x, __m512 mult, __mmask16 k) {
+  _mm_mask_storeu_epi8(base, k, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x, mult))));
 }
 
 // One block of L <= 256 elements (masked lanes read as zeros: they stay zero and do not change the absmax).
-template <int GDT, int ODT, bool STREAM>
-void block16(const Coef& c, const Blk& k, int64_t L) {
+// FIXED: L known at compile time (a full block of 256: the loops unroll).
+template <int GDT, int ODT, bool STREAM, int FIXED>
+void block16(const Coef& c, const Blk& k, int64_t len) {
+  const int64_t L = FIXED ? FIXED : len;
   alignas(64) float mb[kMaxBlock], rb[kMaxBlock];
   const __m512 dm = _mm512_set1_ps(STREAM ? 1.0f : *k.ms / 127.0f);
   const __m512 dr = _mm512_set1_ps(STREAM ? 1.0f : *k.vs / 255.0f);
@@ -640,12 +651,11 @@ void block16(const Coef& c, const Blk& k, int64_t L) {
   if (STREAM) { im = 1.0f; ir = 1.0f; sm = *k.ms; sr = *k.vs; }
   *k.ms = sm;
   *k.vs = sr;
-  const __m512 mi = _mm512_set1_ps(im), ri = _mm512_set1_ps(ir), zero = _mm512_setzero_ps();
-  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f), top = _mm512_set1_ps(255.0f);
+  const __m512 mi = _mm512_set1_ps(im), ri = _mm512_set1_ps(ir);
   for (int64_t j = 0; j < L; j += 16) {
     const __mmask16 km = L - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (L - j)) - 1u);
-    store_codes16(k.mc + j, _mm512_load_ps(mb + j), mi, lo, hi, km);
-    store_codes16(k.vc + j, _mm512_load_ps(rb + j), ri, zero, top, km);
+    store_codes16(k.mc + j, _mm512_load_ps(mb + j), mi, km);
+    store_codes16(k.vc + j, _mm512_load_ps(rb + j), ri, km);
   }
 }
 
@@ -653,8 +663,12 @@ template <int GDT, int ODT, bool STREAM>
 void run8(const Coef& coef, const Bufs& bufs, int64_t lo, int64_t hi) {
   const Coef c = coef;
   const Bufs b = bufs;
-  for (int64_t b0 = lo; b0 < hi; b0 += b.block)
-    block16<GDT, ODT, STREAM>(c, block_at(b, b0, dsize(GDT), dsize(ODT)), std::min(b.block, hi - b0));
+  for (int64_t b0 = lo; b0 < hi; b0 += b.block) {
+    const int64_t L = std::min(b.block, hi - b0);
+    const Blk k = block_at(b, b0, dsize(GDT), dsize(ODT));
+    if (L == kMaxBlock) block16<GDT, ODT, STREAM, kMaxBlock>(c, k, L);
+    else block16<GDT, ODT, STREAM, 0>(c, k, L);
+  }
 }
 
 template <int DT>
@@ -809,8 +823,7 @@ void adam_step(const Buffers& b, const AdamParams& a, int isa, int threads) {
   require(a.weight_decay >= 0, "weight_decay must be >= 0, got " + std::to_string(a.weight_decay));
   if (b.n == 0) return;
   Coef c = make_coef(a);
-  c.key_m = sr_key(b.seed, a.step, 1);
-  c.key_v = sr_key(b.seed, a.step, 2);
+  c.key = sr_key(b.seed, a.step);
   run_parallel(pick<false>(isa, b.grad_dtype, b.out_dtype, b.state), c, bufs_of(b), b.n, threads, grain_of(b));
 }
 

@@ -38,9 +38,10 @@ class Quantized8bit:
     quantizing v linearly in v^(1/4) and over bitsandbytes/torchao-style dynamic tree codes (the update
     m / sqrt(v)'s relative error on the moments of a 300-step GPT run: 1.01%, 1.02% and 1.38%).
     Quantizing a block (in fp32, every operation rounded to nearest even): mult = levels / absmax, code =
-    round(clamp(x * mult, lo, hi)) with lo, hi = -127, 127 (signed) or 0, 255; a NaN product clamps to lo
-    (maxps semantics); a block with absmax < 2^-100 is stored as zeros with scale 0. Dequantizing: scale / levels
-    in fp32, times the code. The last block may be short. `empty` (all codes and scales 0) represents zeros.
+    round(x * mult), which lies in [-127, 127] (signed) or [0, 255] since |x| <= absmax; a block with absmax
+    below 2^-100 is stored as zeros with scale 0; a NaN (only a diverged step makes one) gets code 0.
+    Dequantizing: scale / levels in fp32, times the code. The last block may be short. `empty` (all codes and
+    scales 0) represents zeros.
     """
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, *, signed: bool, block: int = DEFAULT_BLOCK) -> None:
@@ -95,8 +96,7 @@ class Quantized8bit:
         small = amax < TINY
         scales = torch.where(small, torch.zeros_like(amax), amax)
         mult = torch.where(small, torch.zeros_like(amax), torch.tensor(_levels(signed)) / amax)
-        lo, hi = (-127.0, 127.0) if signed else (0.0, 255.0)
-        codes = torch.round((xb * mult[:, None]).clamp(lo, hi)).flatten()[:n]
+        codes = torch.round(xb * mult[:, None]).flatten()[:n]
         return cls(codes.to(torch.int8 if signed else torch.uint8), scales.contiguous(), signed=signed, block=block)
 
     def to_float(self) -> torch.Tensor:

@@ -1,0 +1,545 @@
+"""cpu_adam_step and CPUAdam with bf16 and 8-bit moments, against references written here from the formats' spec.
+
+The references share no code with zo_kernels: the 8-bit quantizer, the stochastic rounding's hash and AdamW are
+written out below in float64 with explicit roundings to fp32 where the spec rounds. Exact operations compare
+exactly; where the kernel's fp32 Adam arithmetic (not the format) can move a value across a rounding boundary,
+only those elements may differ, by one step of the format, and each such allowance is stated where it is made.
+"""
+
+import warnings
+
+import pytest
+import torch
+from helpers import assert_bits_equal, digest
+
+import zo_kernels as zk
+from zo_kernels import Quantized8bit, cpu_adam_step
+
+ISAS = zk.available_isas()
+ISA_NEEDS = {"scalar": "nothing", "avx2": "AVX2, FMA and F16C", "avx512": "AVX-512 F, BW, VL and DQ"}
+ALL_ISAS = [
+    pytest.param(isa, marks=pytest.mark.skipif(isa not in ISAS, reason=f"this CPU lacks {ISA_NEEDS[isa]} ({isa})"))
+    for isa in zk.cpu_adam.ISAS
+]
+GRAD_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [1, 255, 256, 257, 4097]
+HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+F32 = torch.float32
+M32 = 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------- references from the spec
+
+
+def f32(x: torch.Tensor) -> torch.Tensor:
+    """Round float64 to fp32 (RNE) and back to float64."""
+    return x.to(F32).double()
+
+
+def ref_quantize(x: torch.Tensor, signed: bool, block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes as int64, scales) of fp32 values x (float64 holding fp32 values) by the spec in quant8's docstring."""
+    levels, lo, hi = (127.0, -127.0, 127.0) if signed else (255.0, 0.0, 255.0)
+    n = x.numel()
+    nb = -(-n // block)
+    xb = torch.zeros(nb * block, dtype=torch.float64)
+    xb[:n] = x
+    xb = xb.view(nb, block)
+    amax = xb.abs().amax(1)
+    small = amax < 2.0**-100
+    scale = torch.where(small, 0.0, amax)
+    mult = torch.where(small, 0.0, f32(levels / torch.where(small, 1.0, amax)))  # one fp32-rounded division
+    prod = f32(xb * mult[:, None])  # the fp32 product (exact in float64, then rounded once)
+    codes = torch.round(prod).flatten()[:n]  # torch.round: half to even
+    assert ((codes >= lo) & (codes <= hi)).all()  # |x| <= absmax keeps x * mult within the levels
+    return codes.long(), scale.to(F32)
+
+
+def ref_dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool, block: int = 256) -> torch.Tensor:
+    """float64 of the fp32 values the kernel reads: code * fp32(scale / levels) (then squared if unsigned)."""
+    d = f32(scales.double() / (127.0 if signed else 255.0)).repeat_interleave(block)[: codes.numel()]
+    x = f32(codes.double() * d)
+    return x if signed else f32(x * x)
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """The spec's 32-bit hash on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)
+
+
+def sr_key(seed: int, step: int) -> int:
+    def h(v: int) -> int:
+        return int(mix32(torch.tensor([v & M32]))[0])
+
+    k = h((seed & M32) ^ 0x9E3779B9)
+    k = h(k ^ (seed >> 32))
+    k = h(k ^ (step & M32))
+    return h(k ^ (step >> 32))
+
+
+def sr_bits(x32: torch.Tensor, key: int, moment: int, index0: int = 0) -> torch.Tensor:
+    """(fp32 bits + 16 random bits) as int64, for fp32 values x32; the bf16 is this >> 16 (NaN aside).
+
+    One hash per element: exp_avg (moment 1) takes its low 16 bits, exp_avg_sq (moment 2) its high 16."""
+    idx = (torch.arange(x32.numel(), dtype=torch.int64) + index0) & M32
+    h = mix32(idx ^ key)
+    r = h & 0xFFFF if moment == 1 else h >> 16
+    return (x32.view(torch.int32).long() & M32) + r
+
+
+def ref_adamw(p, g, m, v, *, step, lr, betas, eps, weight_decay, grad_scale=1.0):
+    """One AdamW step in float64 from float64 inputs; returns (p, m, v)."""
+    b1, b2 = betas
+    g = g.double() * grad_scale
+    p = p * (1 - lr * weight_decay)
+    m = m + (1 - b1) * (g - m)
+    v = v * b2 + (1 - b2) * g * g
+    p = p - (lr / (1 - b1**step)) * m / (v.sqrt() / (1 - b2**step) ** 0.5 + eps)
+    return p, m, v
+
+
+def random_q8(n: int, signed: bool, seed: int, block: int = 256) -> Quantized8bit:
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = (-127, 128) if signed else (0, 256)
+    codes = torch.randint(lo, hi, (n,), generator=gen).to(torch.int8 if signed else torch.uint8)
+    scales = torch.rand(-(-n // block), generator=gen) * (0.1 if signed else 0.3) + 1e-3
+    return Quantized8bit(codes, scales, signed=signed, block=block)
+
+
+def make(n, grad_dtype=F32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(grad_dtype)
+
+
+def clone_q(q: Quantized8bit) -> Quantized8bit:
+    return Quantized8bit(q.codes.clone(), q.scales.clone(), signed=q.signed, block=q.block)
+
+
+def near_half(x: torch.Tensor, tol: float) -> torch.Tensor:
+    """Where x (float64) lies within tol of a rounding tie k + 1/2."""
+    return ((x - x.floor()) - 0.5).abs() < tol
+
+
+# ---------------------------------------------------------------- Quantized8bit
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("n", SIZES)
+def test_from_float_matches_spec_exactly(signed, n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * torch.logspace(-3, 3, n)
+    x = x if signed else x.abs() * x.abs()
+    x[: n // 7] = 0.0  # a block may hold zeros, or be all zeros
+    q = Quantized8bit.from_float(x, signed=signed)
+    codes, scales = ref_quantize(x.double() if signed else f32(x.double().sqrt()), signed)
+    assert torch.equal(q.codes.long(), codes)
+    assert torch.equal(q.scales, scales)
+    assert torch.equal(q.to_float().double(), ref_dequantize(q.codes, q.scales, signed))
+
+
+def test_empty_is_zero_and_narrow_shares_memory():
+    q = Quantized8bit.empty(1000, signed=False)
+    assert q.codes.dtype == torch.uint8 and q.scales.numel() == 4 and not q.to_float().any()
+    view = q.narrow(256, 744)
+    assert view.numel == 744 and view.scales.numel() == 3
+    view.codes.fill_(3)
+    view.scales.fill_(1.0)
+    assert q.codes[256:].eq(3).all() and q.codes[:256].eq(0).all() and q.scales[1:].eq(1.0).all()
+    for start, length, match in ((255, 256, "start must be a multiple"), (0, 300, "length must be a multiple"),
+                                 (768, 300, "exceeds numel")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            q.narrow(start, length)
+
+
+def test_quantized8bit_bad_construction():
+    with pytest.raises(TypeError, match="codes must have dtype torch.int8"):
+        Quantized8bit(torch.zeros(10, dtype=torch.uint8), torch.zeros(1), signed=True)
+    with pytest.raises(ValueError, match="scales has 2 elements"):
+        Quantized8bit(torch.zeros(10, dtype=torch.int8), torch.zeros(2), signed=True)
+    with pytest.raises(ValueError, match="block must be a multiple of 16"):
+        Quantized8bit.empty(10, signed=True, block=100)
+    with pytest.raises(ValueError, match="t must be >= 0"):
+        Quantized8bit.from_float(torch.tensor([-1.0]), signed=False)
+    with pytest.raises(ValueError, match="t must be finite"):
+        Quantized8bit.from_float(torch.tensor([float("nan")]), signed=True)
+
+
+# ---------------------------------------------------------------- the 8-bit kernel
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_8bit_requantization_is_exact(isa, grad_dtype, n):
+    """betas = 0 from zero state: m = g and v = g*g exactly in fp32, so the codes are the spec's, bit for bit."""
+    p, g = make(n, grad_dtype, seed=n)
+    m, v = Quantized8bit.empty(n, signed=True), Quantized8bit.empty(n, signed=False)
+    cpu_adam_step(p, g, m, v, step=1, lr=1e-3, betas=(0.0, 0.0), isa=isa)
+    g64 = g.double()
+    codes_m, scales_m = ref_quantize(g64, True)
+    codes_v, scales_v = ref_quantize(f32(f32(g64 * g64).sqrt()), False)
+    assert torch.equal(m.codes.long(), codes_m) and torch.equal(m.scales, scales_m)
+    assert torch.equal(v.codes.long(), codes_v) and torch.equal(v.scales, scales_v)
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_8bit_step_against_float64(isa, grad_dtype, n):
+    """One step from random codes: dequantize, AdamW in float64, quantize by the spec.
+
+    Allowed: scales within 4 fp32 ulps (the fp32 Adam arithmetic's error on the block's absmax), and a code off by
+    one only where the float64 value scaled to codes lies within 1e-4 of a rounding tie (that error, times 255).
+    """
+    p0, g = make(n, grad_dtype, seed=n + 1)
+    m, v = random_q8(n, True, 1), random_q8(n, False, 2)
+    m0, v0 = ref_dequantize(m.codes, m.scales, True), ref_dequantize(v.codes, v.scales, False)
+    p = p0.clone()
+    cpu_adam_step(p, g, m, v, step=7, isa=isa, **HP)
+    rp, rm, rv = ref_adamw(p0.double(), g, m0, v0, step=7, **HP)
+    assert (p.double() - rp).abs().max() <= 1e-6 * max(1.0, rp.abs().max().item())
+    for q, x, signed in ((m, rm, True), (v, rv.sqrt(), False)):
+        codes, scales = ref_quantize(x, signed)
+        torch.testing.assert_close(q.scales, scales, rtol=4 * 2**-23, atol=0)
+        scaled = x * (127.0 if signed else 255.0) / scales.double().repeat_interleave(256)[:n]
+        diff = q.codes.long() - codes
+        assert diff.abs().max() <= 1
+        assert near_half(scaled[diff != 0], 1e-4).all(), "a code differs away from a rounding tie"
+
+
+# ---------------------------------------------------------------- the bf16 kernel
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_bf16_stochastic_rounding_against_spec(isa, grad_dtype, n):
+    """One step from random bf16 moments; the moments are the float64 AdamW values rounded by the spec's hash.
+
+    Allowed: an element whose fp32 value plus its random bits lies within 16 fp32 ulps of the truncation
+    boundary may land one bf16 step away (the kernel's fp32 m and v differ from float64 by a few ulps).
+    """
+    p0, g = make(n, grad_dtype, seed=n + 2)
+    gen = torch.Generator().manual_seed(3)
+    m = (torch.randn(n, generator=gen) * 0.1).bfloat16()
+    v = (torch.rand(n, generator=gen) * 0.1).bfloat16()
+    rp, rm, rv = ref_adamw(p0.double(), g, m.double(), v.double(), step=5, **HP)
+    p = p0.clone()
+    cpu_adam_step(p, g, m, v, step=5, isa=isa, seed=1234, **HP)
+    assert (p.double() - rp).abs().max() <= 1e-6 * max(1.0, rp.abs().max().item())
+    for got, ref, moment in ((m, rm, 1), (v, rv, 2)):
+        bits = sr_bits(ref.to(F32), sr_key(1234, 5), moment)
+        want = (bits >> 16).to(torch.int32).to(torch.int16)
+        diff = got.view(torch.int16).long() - want.long()
+        low = bits & 0xFFFF
+        at_edge = (low < 16) | (low > 0xFFFF - 16)
+        assert diff.abs().max() <= 1 and at_edge[diff != 0].all(), "a bf16 moment differs away from its SR edge"
+        assert (diff != 0).sum() <= max(2, n // 1000)
+
+
+def test_bf16_stochastic_rounding_is_unbiased():
+    """A value between two bf16 neighbours rounds up with probability (its distance from the lower) / (the gap)."""
+    n = 1 << 16
+    frac = 0.3
+    lo = torch.tensor(1.0)
+    val = (lo + frac * 2**-7).item()  # 30% of the way from 1 to the next bf16 (1 + 2^-7)
+    p, g = torch.zeros(n), torch.zeros(n)
+    m = torch.zeros(n, dtype=torch.bfloat16)
+    v = torch.zeros(n, dtype=torch.bfloat16)
+    g.fill_(val)
+    cpu_adam_step(p, g, m, v, step=1, lr=0.0, betas=(0.0, 0.0))  # m = g exactly
+    ups = (m.float() > 1.0).double().mean().item()
+    assert abs(ups - frac) < 0.01, ups
+
+
+# ---------------------------------------------------------------- every format: ISAs, threads, tiles, many steps
+
+
+def moments(fmt: str, n: int):
+    if fmt == "bf16":
+        return torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    return Quantized8bit.empty(n, signed=True), Quantized8bit.empty(n, signed=False)
+
+
+def moment_bits(x) -> list[torch.Tensor]:
+    return [x.codes, x.scales] if isinstance(x, Quantized8bit) else [x]
+
+
+def run_steps(fmt, p0, grads, *, out_dtype=None, **kw):
+    p = p0.clone()
+    m, v = moments(fmt, p.numel())
+    out = None if out_dtype is None else torch.empty(p.numel(), dtype=out_dtype)
+    for i, g in enumerate(grads, 1):
+        cpu_adam_step(p, g, m, v, step=i, param_out=out, seed=7, **HP, **kw)
+    return [p, *moment_bits(m), *moment_bits(v)] + ([] if out is None else [out])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
+def test_isas_threads_tiles_bit_identical(fmt, out_dtype, grad_dtype):
+    n = 70_001  # > 2 x the per-thread minimum, and a short last block
+    p0, _ = make(n, seed=4)
+    grads = [make(n, grad_dtype, seed=10 + i)[1] for i in range(4)]
+    ref = run_steps(fmt, p0, grads, out_dtype=out_dtype, isa="scalar", threads=1)
+    if out_dtype is not None:
+        assert_bits_equal(ref[-1], ref[0].to(out_dtype), "param_out is the cast of param")
+    seen = []
+    variants = [dict(isa=isa, threads=t) for isa in ISAS for t in (1, 2)]
+    variants += [dict(tile_numel=256 * 37, sink=lambda s, e: seen.append((s, e)))]
+    for kw in variants:
+        got = run_steps(fmt, p0, grads, out_dtype=out_dtype, **kw)
+        for i, (a, b) in enumerate(zip(got, ref)):
+            assert torch.equal(a, b), f"{fmt} {kw}: tensor {i} differs from the scalar single-thread run"
+    assert seen[-1] == (256 * 37 * 7, n)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+def test_c_tile_sink(fmt):
+    n = 10_000
+    p0, g = make(n, torch.bfloat16, seed=5)
+    ref = run_steps(fmt, p0, [g], out_dtype=torch.bfloat16)
+    p = p0.clone()
+    m, v = moments(fmt, n)
+    staging, dst = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    sink = zk.cpu_adam.copy_tile_sink(dst, staging)
+    cpu_adam_step(p, g, m, v, step=1, param_out=staging, tile_numel=512, sink=sink, seed=7, **HP)
+    assert torch.equal(dst, ref[-1]) and torch.equal(p, ref[0])
+
+
+@pytest.mark.parametrize("fmt, tol", [("bf16", 0.01), ("8bit", 0.05)])
+def test_many_steps_track_fp32_adamw(fmt, tol):
+    """200 steps: each format's params stay within tol of the fp32-state run, relative to the distance travelled."""
+    n = 4097
+    p0, _ = make(n, seed=6)
+    gen = torch.Generator().manual_seed(8)
+    target = torch.randn(n, generator=gen)
+    p32, m32, v32 = p0.clone(), torch.zeros(n), torch.zeros(n)
+    p = p0.clone()
+    m, v = moments(fmt, n)
+    hp = dict(lr=3e-3, betas=(0.9, 0.999), weight_decay=0.01)
+    for step in range(1, 201):
+        noise = torch.randn(n, generator=gen)
+        cpu_adam_step(p32, (p32 - target) + noise, m32, v32, step=step, **hp)
+        cpu_adam_step(p, (p - target) + noise, m, v, step=step, **hp)
+    travelled = (p32 - p0).norm()
+    assert (p - p32).norm() <= tol * travelled, ((p - p32).norm() / travelled).item()
+
+
+def test_stream_pass_each_format():
+    n = 1000
+    p, g = make(n, seed=9)
+    m, v = random_q8(n, True, 3), random_q8(n, False, 4)
+    codes = [m.codes.clone(), m.scales.clone(), v.codes.clone(), v.scales.clone()]
+    p1 = p.clone()
+    zk.stream_pass(p1, g, m, v, param_out=torch.empty(n, dtype=torch.bfloat16))
+    assert torch.equal(p1, p + g)
+    assert all(torch.equal(a, b) for a, b in zip(codes, [m.codes, m.scales, v.codes, v.scales]))
+    mb, vb = torch.randn(n).bfloat16(), torch.rand(n).bfloat16()
+    zk.stream_pass(p.clone(), g, mb, vb)
+
+
+# ---------------------------------------------------------------- interruption and bad input
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+def test_interrupted_tiles_report_updated(fmt):
+    n = 5000
+    p0, g = make(n, seed=11)
+    ref = run_steps(fmt, p0, [g])
+    p = p0.clone()
+    m, v = moments(fmt, n)
+    before = [t.clone() for t in [p, *moment_bits(m), *moment_bits(v)]]
+
+    def sink(start, end):
+        if end >= 2048:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        cpu_adam_step(p, g, m, v, step=1, tile_numel=1024, sink=sink, seed=7, **HP)
+    assert info.value.updated == (0, 2048)
+    assert torch.equal(p[:2048], ref[0][:2048]) and torch.equal(p[2048:], before[0][2048:])
+    if fmt == "8bit":
+        assert torch.equal(m.codes[:2048], ref[1][:2048]) and torch.equal(m.codes[2048:], before[1][2048:])
+        assert torch.equal(m.scales[:8], ref[2][:8]) and torch.equal(m.scales[8:], before[2][8:])
+
+
+def _bad_format_cases():
+    n = 300
+    z = lambda dt=F32, k=n: torch.zeros(k, dtype=dt)  # noqa: E731
+    q = lambda s, k=n, block=256: Quantized8bit.empty(k, signed=s, block=block)  # noqa: E731
+    cases = [
+        ("f32-bf16", TypeError, "exp_avg_sq must have dtype float32", lambda: (z(), z(torch.bfloat16)), {}),
+        ("bf16-f32", TypeError, "exp_avg_sq must have dtype bfloat16", lambda: (z(torch.bfloat16), z()), {}),
+        ("f16-f16", TypeError, "exp_avg must have dtype float32 or bfloat16", lambda: (z(torch.half), z(torch.half)),
+         {}),
+        ("q-tensor", TypeError, "exp_avg_sq must be a Quantized8bit", lambda: (q(True), z()), {}),
+        ("tensor-q", TypeError, "exp_avg must be a Quantized8bit", lambda: (z(), q(False)), {}),
+        ("unsigned-m", TypeError, "exp_avg must be a signed", lambda: (q(False), q(False)), {}),
+        ("signed-v", TypeError, "exp_avg_sq must be an unsigned", lambda: (q(True), q(True)), {}),
+        ("block-mismatch", ValueError, "one block size", lambda: (q(True), q(False, block=128)), {}),
+        ("numel", ValueError, "exp_avg has 299 elements", lambda: (q(True, 299), q(False)), {}),
+        ("tile", ValueError, "tile_numel must be a multiple", lambda: (q(True), q(False)),
+         dict(tile_numel=100, sink=lambda s, e: None)),
+        ("seed", ValueError, "seed must be in", lambda: (z(torch.bfloat16), z(torch.bfloat16)), dict(seed=-1)),
+        ("m-is-v", ValueError, "overlap", lambda: (lambda t: (t, t))(z(torch.bfloat16)), {}),
+    ]  # fmt: skip
+    return [pytest.param(make_mv, exc, match, kw, id=name) for name, exc, match, make_mv, kw in cases]
+
+
+@pytest.mark.parametrize("make_mv, exc, match, kw", _bad_format_cases())
+def test_bad_moments_are_named_and_touch_nothing(make_mv, exc, match, kw):
+    m, v = make_mv()
+    p, g = make(300, seed=12)
+    tensors = [p, g, *moment_bits(m), *moment_bits(v)]
+    before = digest(*tensors)
+    with pytest.raises(exc, match=match):
+        cpu_adam_step(p, g, m, v, step=1, lr=1e-3, **kw)
+    assert digest(*tensors) == before
+
+
+def test_readonly_codes_refused():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        codes = torch.frombuffer(bytearray(300), dtype=torch.int8)
+        ro = torch.frombuffer(bytes(300), dtype=torch.uint8)
+    m = Quantized8bit(codes, torch.zeros(2), signed=True)
+    v = Quantized8bit(ro, torch.zeros(2), signed=False)
+    p, g = make(300, seed=13)
+    before = digest(p, m.codes, m.scales)
+    with pytest.raises(ValueError, match="exp_avg_sq.codes is read-only"):
+        cpu_adam_step(p, g, m, v, step=1, lr=1e-3)
+    assert digest(p, m.codes, m.scales) == before
+
+
+def test_plan_run_refuses_unaligned_ranges():
+    p, g = make(1000, seed=14)
+    plan = zk.cpu_adam.plan_adam_step(p, g, *moments("8bit", 1000), step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="multiples of the 8-bit moments' block"):
+        plan.run(100, 512)
+    plan.run(512, 1000)  # the end may be numel
+
+
+def test_cpp_checks_the_format():
+    from zo_kernels import _cpu
+
+    x, c = torch.zeros(32), torch.zeros(32, dtype=torch.uint8)
+    args = dict(param=x.data_ptr(), grad=x.data_ptr(), grad_dtype=0, exp_avg=c.data_ptr(), exp_avg_sq=c.data_ptr(),
+                param_out=0, out_dtype=3, n=32, step=1, lr=0.0, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0,
+                grad_scale=1.0, adamw=True, bias_correction=True, isa=0, threads=1)  # fmt: skip
+    with pytest.raises(ValueError, match="block must be a multiple of 16"):
+        _cpu.adam_step(**args, state=(2, x.data_ptr(), x.data_ptr(), 100, 0, 0))
+    with pytest.raises(ValueError, match="exp_avg scales address is null"):
+        _cpu.adam_step(**args, state=(2, 0, x.data_ptr(), 256, 0, 0))
+    with pytest.raises(ValueError, match="state format code"):
+        _cpu.adam_step(**args, state=(5, 0, 0, 256, 0, 0))
+
+
+# ---------------------------------------------------------------- CPUAdam
+
+
+def train(opt, params, steps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+
+
+FORMATS = [torch.float32, torch.bfloat16, "8bit"]
+
+
+@pytest.mark.parametrize("state_dtype", FORMATS, ids=str)
+def test_cpuadam_state_dict_round_trip_is_bitwise(state_dtype, tmp_path):
+    params = [torch.randn(300, 7), torch.randn(5)]
+    opt = zk.CPUAdam(params, lr=1e-2, weight_decay=0.01, state_dtype=state_dtype)
+    train(opt, params, 3, seed=0)
+    sd = opt.state_dict()
+    st = sd["state"][0]
+    assert st["exp_avg"].dtype == F32 and st["exp_avg"].shape == (300, 7)
+    assert ("exp_avg_codes" in st) == (state_dtype == "8bit")
+    torch.save(sd, tmp_path / "sd.pt")
+    params2 = [p.clone() for p in params]
+    opt2 = zk.CPUAdam(params2, lr=1e-2, weight_decay=0.01, state_dtype=state_dtype)
+    opt2.load_state_dict(torch.load(tmp_path / "sd.pt"))
+    train(opt, params, 3, seed=1)
+    train(opt2, params2, 3, seed=1)
+    for a, b in zip(params, params2):
+        assert torch.equal(a, b)
+    # ... and it loads into torch.optim.AdamW, which continues from the dequantized moments
+    tparams = [p.clone() for p in params]
+    topt = torch.optim.AdamW(tparams, lr=1e-2, weight_decay=0.01)
+    topt.load_state_dict(opt.state_dict())
+    assert torch.equal(topt.state[tparams[0]]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+@pytest.mark.parametrize("state_dtype", ["8bit", torch.bfloat16], ids=str)
+def test_cpuadam_loads_fp32_state_dict(state_dtype):
+    params = [torch.randn(1000)]
+    ref = torch.optim.AdamW([p.clone() for p in params], lr=1e-2)
+    train(ref, ref.param_groups[0]["params"], 2, seed=2)
+    opt = zk.CPUAdam(params, lr=1e-2, state_dtype=state_dtype)
+    opt.load_state_dict(ref.state_dict())
+    m = opt.state[params[0]]["exp_avg"]
+    want = ref.state[ref.param_groups[0]["params"][0]]["exp_avg"]
+    if state_dtype == "8bit":
+        codes, scales = ref_quantize(want.double(), True)
+        assert isinstance(m, Quantized8bit) and torch.equal(m.codes.long(), codes) and torch.equal(m.scales, scales)
+    else:
+        assert torch.equal(m, want.bfloat16())
+    train(opt, params, 1, seed=3)
+
+
+def test_cpuadam_ignores_stale_codes():
+    """A torch.optim.AdamW that loaded an 8-bit state dict and stepped carries the old codes along: not used."""
+    params = [torch.randn(1000)]
+    opt = zk.CPUAdam(params, lr=1e-2, state_dtype="8bit")
+    train(opt, params, 2, seed=4)
+    tp = [params[0].clone()]
+    topt = torch.optim.AdamW(tp, lr=1e-2)
+    topt.load_state_dict(opt.state_dict())
+    train(topt, tp, 1, seed=5)
+    opt2 = zk.CPUAdam([params[0].clone()], lr=1e-2, state_dtype="8bit")
+    opt2.load_state_dict(topt.state_dict())
+    m = opt2.state[opt2.param_groups[0]["params"][0]]["exp_avg"]
+    codes, _ = ref_quantize(topt.state[tp[0]]["exp_avg"].double(), True)
+    assert torch.equal(m.codes.long(), codes)
+
+
+@pytest.mark.parametrize(
+    "corrupt, match",
+    [
+        (lambda st: st.update(exp_avg=torch.zeros(3)), "has 3 elements"),
+        (lambda st: st.update(exp_avg_sq=torch.full((1000,), -1.0)), "must be >= 0"),
+        (lambda st: st.update(exp_avg=torch.full((1000,), float("nan"))), "must be finite"),
+        (lambda st: st.update(exp_avg_scales=torch.zeros(2)), "exp_avg_scales"),
+        (lambda st: st.update(exp_avg_codes=torch.full((1000,), 300.0)), "integers in"),
+        (lambda st: st.update(quant_block=100), "quant_block"),
+    ],
+)
+def test_cpuadam_refuses_bad_state_dict_before_any_change(corrupt, match):
+    params = [torch.randn(1000)]
+    opt = zk.CPUAdam(params, lr=1e-2, state_dtype="8bit")
+    train(opt, params, 1, seed=6)
+    sd = opt.state_dict()
+    sd = {"state": {k: dict(v) for k, v in sd["state"].items()}, "param_groups": sd["param_groups"]}
+    st = sd["state"][0]
+    if match in ("must be >= 0", "must be finite"):  # only an fp32 state dict is quantized
+        for key in ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales", "quant_block"):
+            st.pop(key)
+    corrupt(st)
+    before = digest(*moment_bits(opt.state[params[0]]["exp_avg"]), *moment_bits(opt.state[params[0]]["exp_avg_sq"]))
+    step_before = opt.state[params[0]]["step"].clone()
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    after = digest(*moment_bits(opt.state[params[0]]["exp_avg"]), *moment_bits(opt.state[params[0]]["exp_avg_sq"]))
+    assert after == before and torch.equal(opt.state[params[0]]["step"], step_before)
+
+
+def test_cpuadam_state_dtype_checked():
+    with pytest.raises(ValueError, match="state_dtype must be"):
+        zk.CPUAdam([torch.zeros(3)], state_dtype=torch.float16)
+    with pytest.raises(ValueError, match="state_dtype must be"):
+        zk.CPUAdam([torch.zeros(3)], state_dtype="4bit")
