@@ -12,6 +12,7 @@ the fp32-state run (targets: bf16 within 1%, 8bit within 2%), and the curves; --
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
 import time
 
@@ -32,7 +33,7 @@ def make_model(kind: str, vocab: int, context: int, seed: int) -> torch.nn.Modul
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=vocab, n_positions=context, n_embd=96, n_layer=2, n_head=3,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
     return GPT2LMHeadModel(cfg)
 
 
@@ -71,6 +72,13 @@ def run(kind: str, fmt: str, train: list[torch.Tensor], val: list[torch.Tensor],
                 host_state=rep.host_state / rep.params)  # fmt: skip
 
 
+def _job(kind: str, fmt: str, train: list[torch.Tensor], val: list[torch.Tensor], args: argparse.Namespace,
+         vocab: int) -> dict:  # fmt: skip
+    if args.jobs > 1:
+        torch.set_num_threads(1)
+    return run(kind, fmt, train, val, args, vocab)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=400)
@@ -81,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--models", default="demo-gpt,hf-gpt2")
     ap.add_argument("--plot", metavar="FILE.png")
+    ap.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (one thread each)")
     args = ap.parse_args(argv)
     text = load_corpus()
     chars = "".join(sorted(set(text)))
@@ -92,14 +101,13 @@ def main(argv: list[str] | None = None) -> int:
           f"fp32 parameters, seed {args.seed}; validation: {len(val)} x 32 held-out windows; torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads")  # fmt: skip
     results: dict[str, dict[str, dict]] = {}
-    for kind in args.models.split(","):
-        results[kind] = {}
-        for fmt in FORMATS:
-            r = run(kind, fmt, train, val, args, len(chars))
-            results[kind][fmt] = r
-            print(f"  {kind:9s} {fmt:5s} final val {r['curve'][-1][1]:.4f}  ({r['seconds']:.0f} s, "
-                  f"{r['params'] / 1e6:.2f}M params, host state {r['host_state']:.2f} B/param)",
-                  flush=True)  # fmt: skip
+    runs = [(kind, fmt) for kind in args.models.split(",") for fmt in FORMATS]
+    with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:  # one thread each: fair on a shared machine
+        done = pool.starmap(_job, [(kind, fmt, train, val, args, len(chars)) for kind, fmt in runs])
+    for (kind, fmt), r in zip(runs, done):
+        results.setdefault(kind, {})[fmt] = r
+        print(f"  {kind:9s} {fmt:5s} final val {r['curve'][-1][1]:.4f}  ({r['seconds']:.0f} s, "
+              f"{r['params'] / 1e6:.2f}M params, host state {r['host_state']:.2f} B/param)", flush=True)  # fmt: skip
     print("\nvalidation loss at the end, ratio to the fp32-state run (target: bf16 <= 1.01, 8bit <= 1.02):")
     ok = True
     for kind, by_fmt in results.items():
