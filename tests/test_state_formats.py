@@ -5,11 +5,14 @@ moments are stored in the format, i.e. replaced by their rounding, written here 
 no code with zo_kernels (`round_bf16`, `round_8bit`). AdamW's step uses the new moments before they are stored, as
 the fused kernel does (it updates the moments in fp32 registers, uses them, then stores them rounded).
 
-Tolerance: the oracle matrix's (test_oracle_matrix.py). The oracle's own noise is measured per case by a perturbed
-oracle in the same format (foreach AdamW, sums in reverse order, masters moved by one ulp; with 16-bit parameters,
-the oracle in fp32); per kind of quantity each tensor must be within FACTOR x that noise (pooled over the kind) +
-a floor. In a rounded format that noise includes the format's: a last-bit difference of a moment flips its rounding
-to the next bf16 value or 8-bit code, so the bound scales with the format's own quantum and nothing looser.
+Tolerance: the oracle matrix's, plus the format's own noise. The oracle's noise is measured per case by a perturbed
+oracle in the same format (foreach AdamW, sums in reverse order, masters moved by one ulp; with 16-bit parameters the
+oracle in fp32; for bf16 also other random bits of the stochastic rounding); per kind of quantity (losses, master,
+exp_avg, exp_avg_sq, params) each tensor must be within FACTOR x that noise (pooled over the kind) + FORMAT_FACTOR x
+the format's whole effect (the distance between the format oracle and the same oracle with fp32 moments, pooled) + a
+floor. A last-bit difference flips a rounding to the next bf16 value or 8-bit code, so the bound scales with the
+format's quantum; at FORMAT_FACTOR = 0.25 a run that ignored the format is refused (test_oracle_tells_formats_apart).
+Measured: err/bound <= 0.45 (bf16, stochastic rounding), <= 0.28 (8-bit; most cases ~0.00).
 """
 
 from __future__ import annotations
