@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .planner import MAX_GPUS, UNITS, format_plan, parse_count, plan
+from .planner import MAX_GPUS, STATE_DTYPES, UNITS, format_plan, parse_count, plan, state_k
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SUITES = {"cpu_adam": "test_bench_cpu_adam.py", "buckets": "test_bench_buckets.py",
@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--stage", type=int, choices=(1, 2, 3), default=2, help="ZeRO stage of ZeroOffloadAdamW")
     d.add_argument("--offload-param", choices=("none", "cpu"), default="none",
                    help="stage 3: keep the parameter shards in host memory")  # fmt: skip
+    d.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
+                   help="format of ZeroOffloadAdamW's Adam moments on the host (the fp32 masters stay)")
     d.add_argument("--seed", type=_int_in("--seed", 0, 2**63 - 1), default=0, help="model and data seed")
     d.add_argument("--batch", type=_positive_int("--batch", MAX_BATCH), default=16, metavar="SEQUENCES",
                    help="sequences per step")  # fmt: skip
@@ -118,8 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--host-mem", default="768GiB", metavar="SIZE", help="host memory per host")
     pl.add_argument("--gpus-per-host", default=None, metavar="COUNT",
                     help="GPUs sharing one host's memory (default: all)")  # fmt: skip
-    pl.add_argument("--k", default="12", metavar="BYTES",
-                    help="optimizer bytes per parameter (12: Adam, fp32 master + 2 moments)")  # fmt: skip
+    pl.add_argument("--k", default=None, metavar="BYTES",
+                    help="optimizer bytes per parameter (default 12: Adam, fp32 master + 2 moments; or from "
+                         "--state-dtype)")  # fmt: skip
+    pl.add_argument("--state-dtype", choices=STATE_DTYPES, default=None,
+                    help="K from the Adam moments' format: fp32 12, bf16 8, 8bit 6.03 (fp32 master + moments)")
     pl.add_argument("--activations", default="4GiB", metavar="SIZE", help="activation memory per GPU")
     pl.add_argument("--workspace", default="1GiB", metavar="SIZE", help="workspace memory per GPU")
     pl.add_argument("--reserve", default="0.05", metavar="FRACTION",
@@ -166,7 +171,10 @@ def cmd_plan(a: argparse.Namespace) -> int:
         gpus = _int_in("--gpus", 1, MAX_GPUS)(a.gpus)
         per_host = None if a.gpus_per_host is None else _int_in("--gpus-per-host", 1, MAX_GPUS)(a.gpus_per_host)
         prefetch = _int_in("--prefetch", 0, 1024)(a.prefetch)
-        k, reserve = _float("--k")(a.k), _float("--reserve")(a.reserve)
+        if a.k is not None and a.state_dtype is not None:
+            raise UsageError("--k and --state-dtype both set K: give one")
+        k = _float("--k")(a.k) if a.k is not None else state_k(a.state_dtype or "fp32")
+        reserve = _float("--reserve")(a.reserve)
     except argparse.ArgumentTypeError as e:
         raise UsageError(str(e)) from None
     try:

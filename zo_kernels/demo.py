@@ -16,8 +16,9 @@ import torch
 
 from .gpt import GPT, GPTConfig, num_params
 from .offload import ZeroOffloadAdamW
-from .planner import plan
+from .planner import plan, state_k
 
+STATE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": "8bit"}  # --state-dtype -> state_dtype
 PHASES = ("offload", "reduce", "backward_offload_wait", "cpu_update", "writeback", "all_gather", "dpu_wait")
 # x86 flags of bf16 dot-product instructions, and Arm's (Linux's /proc/cpuinfo names). Without them torch
 # emulates bf16 and fp16 matmuls: the demo ran at 0.9k tokens/s in bf16 against 21.7k in fp32 on an AVX2 EPYC.
@@ -129,7 +130,8 @@ def train_zo(model: GPT, data: list[torch.Tensor], device: torch.device, args: A
     opt = ZeroOffloadAdamW(model, lr=args.lr, weight_decay=0.01, dtype=args.dtype,
                            loss_scale="dynamic" if args.dtype == torch.float16 else None,
                            delay_update_after=args.delay_update_after, max_grad_norm=1.0, stage=stage,
-                           offload_param=None if offload == "none" else offload)  # fmt: skip
+                           offload_param=None if offload == "none" else offload,
+                           state_dtype=STATE_DTYPE[getattr(args, "state_dtype", "fp32")])  # fmt: skip
     bar = Progress("zo", len(data)) if progress else None
     t0 = time.perf_counter()
     for i, xb in enumerate(data, 1):
@@ -237,7 +239,8 @@ def report(out: TextIO, zo: Run, ref: Run, phi: int, args: Any) -> None:
     out.write(f"\nzo step phases (mean per step, of {step_ms:.1f} ms):\n")
     for k, ms in phase_ms(zo).items():
         out.write(f"  {k:<26}{ms:8.2f} ms  {ms / step_ms:6.1%}\n")
-    p = plan(phi, 1, "80GiB", "768GiB", bucket_bytes=0, dpu=args.delay_update_after is not None)
+    p = plan(phi, 1, "80GiB", "768GiB", bucket_bytes=0, dpu=args.delay_update_after is not None,
+             k=state_k(getattr(args, "state_dtype", "fp32")))
     stage, offload = getattr(args, "stage", 2), getattr(args, "offload_param", "none")
     row = "ZeRO-3 + offload" if stage == 3 else "ZeRO-2 + offload"
     off, ddp = p.row(row), p.row("DDP")
@@ -250,7 +253,7 @@ def report(out: TextIO, zo: Run, ref: Run, phi: int, args: Any) -> None:
               f"  zo     device {zo.device_bytes / phi:6.2f} B = {per('device')}\n"
               f"           host {zo.host_bytes / phi:6.2f} B = {per('host')}\n"
               f"         planner, {row} on a GPU: device {off.gpu_states / phi:.0f}{shard} + buckets, host "
-              f"{off.host / phi:.0f} (16-bit params, with p16 staging{'; this run: fp32, 4 B' if e == 4 else ''})\n"
+              f"{off.host / phi:.4g} (16-bit params, with p16 staging{'; this run: fp32, 4 B' if e == 4 else ''})\n"
               f"  torch  device {ref.device_bytes / phi:6.2f} B (planner DDP {ddp.gpu_states / phi:.0f}: "
               f"fp32 training here is 4+4+8 = 16 too)\n")  # fmt: skip
     gap = max(abs(a - b) for a, b in zip(zo.losses, ref.losses))

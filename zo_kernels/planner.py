@@ -29,6 +29,16 @@ _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB
 MAX_GPUS = 10**9  # beyond it the per-GPU shares underflow to 0 and big ints overflow float division
 _COUNTS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 UNITS = {"GB": 1e9, "TB": 1e12, "GiB": 2**30, "TiB": 2**40}  # the printed table's units
+STATE_DTYPES = ("fp32", "bf16", "8bit")  # ZeroOffloadAdamW's state_dtype: the Adam moments' format
+
+
+def state_k(state_dtype: str) -> float:
+    """K (optimizer bytes per parameter) of mixed-precision Adam with the moments in `state_dtype`: the fp32 master
+    (4) + both moments: fp32 8, bf16 4, 8-bit 2 + two fp32 scales per 256 elements (0.03125)."""
+    moments = {"fp32": 8.0, "bf16": 4.0, "8bit": 2.0 + 8 / 256}
+    if state_dtype not in moments:
+        raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
+    return 4.0 + moments[state_dtype]
 
 
 def _parse(text: str | float, name: str, units: dict[str, float], example: str, kind: str) -> float:

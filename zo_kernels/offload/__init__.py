@@ -8,9 +8,11 @@ One concept per module; the data of one step walks through them in order:
 - update.py: the host update (masters and moments, CPU Adam, tiled writeback, staging, the DPU worker).
 - comm.py: the process group (bounded collectives, all-gather of the parameters, gather of the state).
 - state.py: state-dict conversion. report.py: MemoryReport. checks.py: argument checks.
-- optimizer.py: ZeroOffloadAdamW, which composes them.
+- formats.py: the moments' formats (state_dtype: fp32, bf16, 8-bit blockwise).
+- optimizer.py: ZeroOffloadAdamW, which composes them. adafactor.py: ZeroOffloadAdafactor (its own host update).
 """
 
+from .adafactor import ZeroOffloadAdafactor
 from .checks import DTYPES, MAX_THREADS
 from .comm import COLLECTIVE_TIMEOUT_S, GATHER_CHUNK_NUMEL, backend_for_device
 from .layout import PARAM_ALIGN_BYTES
@@ -22,5 +24,5 @@ from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S
 __all__ = [
     "COLLECTIVE_TIMEOUT_S", "DEFAULT_BUCKET_NUMEL", "DEFAULT_TILE_NUMEL", "DTYPES", "GATHER_CHUNK_NUMEL", "K_ADAM",
     "MAX_THREADS", "PARAM_ALIGN_BYTES", "SCALE_BACKOFF", "SCALE_GROWTH", "SCALE_INIT", "SCALE_INTERVAL",
-    "UPDATE_TIMEOUT_S", "MemoryReport", "ZeroOffloadAdamW", "backend_for_device",
+    "UPDATE_TIMEOUT_S", "MemoryReport", "ZeroOffloadAdafactor", "ZeroOffloadAdamW", "backend_for_device",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 
 import torch
 
@@ -45,16 +46,19 @@ class FlatLayout:
         world, rank: the ranks sharing the flat space (N) and this one.
         bucket_numel: the most elements of a gradient bucket (a larger parameter gets a bucket of its own).
         units: lists of parameters covering `groups` exactly once, in gather order; None: one segment.
+        block: every param (and so every partition) also starts on a multiple of `block` elements (the 8-bit
+            moments' blocks: formats.py).
     """
 
     def __init__(self, groups: list[list[torch.Tensor]], dtype: torch.dtype, world: int, rank: int,
-                 bucket_numel: int, units: list[list[torch.Tensor]] | None = None) -> None:  # fmt: skip
+                 bucket_numel: int, units: list[list[torch.Tensor]] | None = None,
+                 block: int = 1) -> None:  # fmt: skip
         self.params = [p for ps in groups for p in ps]  # the optimizer's order (param indices), group by group
         self.index = {p: i for i, p in enumerate(self.params)}
         self.pgroup = [gi for gi, ps in enumerate(groups) for _ in ps]
         self.world, self.rank = world, rank
         self.shape = {p: p.shape for p in self.params}  # (ZeRO-3 empties the params between uses)
-        self.align = PARAM_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+        self.align = math.lcm(PARAM_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size(), block)
         up = lambda n, k: -(-n // k) * k  # noqa: E731
         self.offset: dict[torch.Tensor, int] = {}
         self.segments: list[tuple[int, int]] = []  # flat ranges shared evenly by the ranks

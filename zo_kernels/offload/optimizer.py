@@ -29,6 +29,7 @@ from ..transport import HostTransport, Transport, default_transport
 from . import report, state
 from .checks import DTYPES, MAX_THREADS, check_int, check_offload, check_params, check_stage, check_trainable
 from .comm import COLLECTIVE_TIMEOUT_S, Comm, pin_rank_threads
+from .formats import block_of, check_state_dtype
 from .grads import GradPath
 from .layout import FlatLayout
 from .params import DeviceBytes, ParamShards, units_of
@@ -142,6 +143,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     (`step`, `exp_avg`, `exp_avg_sq`, `master`; p's shape with one rank, this rank's elements of p flat with
     several); the param groups are fixed at construction (add_param_group and an edited param_groups list are
     refused); it cannot be deep-copied or pickled (it owns the model's storage): save and load its state dict.
+        state_dtype: the format of Adam's moments on the host (the masters stay fp32): torch.float32 (default),
+            torch.bfloat16 (rounded to nearest even after each step), or "8bit" (blockwise: exp_avg signed and
+            exp_avg_sq unsigned codes, one fp32 scale per 256 elements, zo_kernels.Quantized8bit; every parameter
+            then starts on a 256-element boundary of the flat buffer). 12, 8 or 6.03 bytes of state per parameter.
+            state_dict() still gives fp32 moments per parameter (dequantized) and loads any format's; the exact
+            bits travel beside them (see state_dict), so a checkpoint resumes bitwise in the same format.
     """
 
     def __init__(
@@ -175,6 +182,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         fused: bool | None = None,
         capturable: bool = False,
         differentiable: bool = False,
+        state_dtype: torch.dtype | str = torch.float32,
     ) -> None:
         # Every argument is checked before anything (the model included) is modified.
         if isinstance(params, torch.nn.Module):
@@ -183,12 +191,15 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             module, params = params, list(params.parameters())
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module or None, got {type(module).__name__}")
-        check_hparams(lr, betas, eps, weight_decay)
+        defaults = self._defaults(lr, betas, eps, weight_decay)
         options = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused, capturable=capturable,
                        differentiable=differentiable)  # fmt: skip
-        options = check_torch_options(options, "ZeroOffloadAdamW")
+        options = check_torch_options(options, type(self).__name__)
+        for key, value in {**options, "decoupled_weight_decay": True}.items():
+            defaults.setdefault(key, value)  # (a subclass's own, e.g. Adafactor's maximize, comes first)
         if dtype not in DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
+        self.state_format = check_state_dtype(state_dtype)
         self.scaler = LossScaler(loss_scale)
         if max_grad_norm is not None and (_real(max_grad_norm, "max_grad_norm") <= 0):
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
@@ -202,6 +213,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if transport is not None and not isinstance(transport, Transport):
             raise TypeError(f"transport must be a zo_kernels Transport or None, got {type(transport).__name__}")
         nvme_dir = check_offload(offload_optimizer, nvme_dir)
+        if nvme_dir is not None and self.state_format != "fp32":
+            raise ValueError(f"state_dtype={state_dtype!r} with offload_optimizer='nvme' is not supported yet: "
+                             "the NVMe files hold fp32 moments (use state_dtype=torch.float32 there)")  # fmt: skip
         check_stage(stage, offload_param, module, nvme_dir, delay_update_after is not None, dtype)
         prefetch = check_int(prefetch, "prefetch", 0, required=True)
         for name, value in (("update_timeout_s", update_timeout_s), ("collective_timeout_s", collective_timeout_s)):
@@ -218,11 +232,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if module is not None:
             followers += [p for p in module.parameters() if id(p) not in is_trainable] + list(module.buffers())
 
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **options,
-                        decoupled_weight_decay=True)  # fmt: skip
         super().__init__([_trainable_only(g) for g in groups], defaults)
         for group in self.param_groups:
-            check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            self._group_hparams(group)
 
         self.dtype, self.device = dtype, device
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -239,7 +251,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if stage == 3:
             units, uses = units_of(module, trainable)
         self.layout = FlatLayout([g["params"] for g in self.param_groups], dtype, self.world, self.rank,
-                                 bucket_numel or DEFAULT_BUCKET_NUMEL, units=units)  # fmt: skip
+                                 bucket_numel or DEFAULT_BUCKET_NUMEL, units=units,
+                                 block=block_of(self.state_format))  # fmt: skip
         self.transport = transport if transport is not None else default_transport(device)
         self._own_transport = transport is None  # close() closes (returns the pinned memory of) what it made
         self._allocate(trainable, nvme_dir, uses)  # (touches the model only once nothing else can fail)
@@ -317,10 +330,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                   all_reduce=self.stage == 1, on_grad=shards and shards.on_grad,
                                   on_pass_end=shards and shards.on_pass_end)  # fmt: skip
             self.device_bytes.add(sum(b.numel() * b.element_size() for b in self.grads.bucket_bufs))
-            self.update = HostUpdate(self.layout, own, fill_master if master is None else master, update_transport,
-                                     publish, threads=self.threads, tile_numel=self.tile_numel,
-                                     delayed=self.delay_update_after is not None, timeout_s=self.update_timeout_s,
-                                     times=self._times, nvme_dir=nvme_dir, params_dtype=self.dtype)  # fmt: skip
+            self.update = self._update_class(self.layout, own, fill_master if master is None else master,
+                                             update_transport, publish, threads=self.threads,
+                                             tile_numel=self.tile_numel, delayed=self.delay_update_after is not None,
+                                             timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir,
+                                             params_dtype=self.dtype, state_fmt=self.state_format)  # fmt: skip
         except BaseException:
             self._release_transports()
             raise
@@ -353,6 +367,19 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self._own_transport and hasattr(self.transport, "close"):
             self.transport.synchronize()
             self.transport.close()
+
+    _update_class = HostUpdate  # the host update's rule (ZeroOffloadAdafactor: its own)
+
+    def _defaults(self, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> dict[str, Any]:
+        """The param groups' defaults, checked (a subclass with another update rule has its own)."""
+        check_hparams(lr, betas, eps, weight_decay)
+        return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+
+    def _group_hparams(self, group: dict[str, Any]) -> dict[str, Any]:
+        """A param group's hyper-parameters as the update takes them, checked."""
+        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        return dict(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"], weight_decay=group["weight_decay"],
+                    maximize=bool(group.get("maximize")))  # fmt: skip
 
     def register_external_parameter(self, module: torch.nn.Module, param: torch.Tensor) -> None:
         """Stage 3: `module`'s forward reads `param`, a parameter of another module (e.g. a parent reading a child's
@@ -473,7 +500,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.grads.check_connected()
         self._check_groups()
         for gi, group in enumerate(self.param_groups):
-            check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            self._group_hparams(group)
             check_torch_options(group, f"param group {gi}")
         self.grads.close_pass()  # the last backward ran entirely inside nested (reentrant) backwards
         self.grads.drop_cleared()
@@ -506,8 +533,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.update.steps[i] += g
         self._set_group_steps()
         # the hyper-parameters as they are now: a scheduler may change them before a background update runs
-        hparams = [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"],
-                        maximize=bool(g.get("maximize"))) for g in self.param_groups]  # fmt: skip
+        hparams = [self._group_hparams(g) for g in self.param_groups]
         if delayed:
             self.update.start(c.grad, grad_scale, runs, hparams)
         else:

@@ -13,7 +13,8 @@ from ..aio import round_up
 if TYPE_CHECKING:
     from .optimizer import ZeroOffloadAdamW
 
-K_ADAM = 12  # bytes of fp32 optimizer state per parameter: master, exp_avg, exp_avg_sq
+K_ADAM = 12  # bytes of fp32 optimizer state per parameter: master, exp_avg, exp_avg_sq (K = 4 + the moments' bytes
+# per parameter in other state_dtype formats: 8 with bf16, 6.03 with 8-bit)
 
 
 @dataclass
@@ -40,9 +41,10 @@ class MemoryReport:
         params: trainable parameters (Φ). world_size: data-parallel ranks (N).
         device_params, device_buckets: the 16-bit parameters on the device (flat buffer, or the stage-3 shard) and
             the gradient buckets.
-        host_state, host_landing, host_staging, host_accumulator, host_shard: p32/m/v in host memory (or the NVMe
-            swapper's pool), the gradient landing buffers, the p16 staging buffer, the fp32 accumulation buffers
-            (once gradients were accumulated), the stage-3 shard kept in host memory (offload_param="cpu").
+        host_state, host_landing, host_staging, host_accumulator, host_shard: p32/m/v in host memory (K bytes per
+            element: 12 with fp32 moments, 8 bf16, 6.03 8-bit; or the NVMe swapper's pool), the gradient landing
+            buffers, the p16 staging buffer, the fp32 accumulation buffers (once gradients were accumulated), the
+            stage-3 shard kept in host memory (offload_param="cpu").
         nvme_bytes: the scratch files (offload_optimizer="nvme": p32, m, v, and the stage-3 shard with
             offload_param="nvme").
         formula_device, formula_host, formula_nvme: the same by the formulas. terms: every buffer, one Term each.
@@ -108,7 +110,8 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
         add("device", "two gradient buckets", f"2·{e}B", 2 * e * big, nbytes(grads.bucket_bufs))
     swapper = update.swapper
     if swapper is None:
-        add("host", "p32, m, v", f"{K_ADAM}P", K_ADAM * part, update.host_state_bytes)
+        k = update.state_bytes_per_param  # K: the masters and the moments in their format
+        add("host", "p32, m, v", f"{k:g}P", round(k * part), update.host_state_bytes)
     else:
         extra = 2 if swapper.params_dtype is not None else 0  # a fourth, 16-bit file's buffers
         add("host", "NVMe pool", f"3·{K_ADAM + extra}T", 3 * (K_ADAM + extra) * swapper.tile_numel,

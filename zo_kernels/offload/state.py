@@ -10,13 +10,19 @@ import torch
 from ..cpu_adam import _real, check_hparams
 from ..optim_contract import TORCH_OPTIONS, check_torch_options, keep_implementation
 from .checks import check_int
+from .formats import BLOCK_8BIT, check_raw, check_state_dtype
 
 if TYPE_CHECKING:
     from .optimizer import ZeroOffloadAdamW
 
 
 def state_dict(opt: ZeroOffloadAdamW) -> dict[str, Any]:
-    """torch.optim layout, world-size independent: per param step/exp_avg/exp_avg_sq/master (fp32, CPU)."""
+    """torch.optim layout, world-size independent: per param step/exp_avg/exp_avg_sq/master (fp32, CPU).
+
+    With 8-bit moments the exact codes and scales of each parameter travel too, in
+    state_dict["zero_offload"]["moments"][param index] (see raw_moments): a load into an 8-bit run takes them (bitwise
+    resume), a load into another format the fp32 moments. (bf16 moments are exact in fp32: no copy needed.)
+    """
     opt._check_alive()
     opt._check_groups()
     opt.update.finish_pending(write=False)
@@ -49,8 +55,30 @@ def state_dict(opt: ZeroOffloadAdamW) -> dict[str, Any]:
             idx += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
     extra = {"loss_scale": opt.scaler.scale, "dynamic": opt.scaler.dynamic, "good_steps": opt.scaler.good_steps,
-             "iteration": opt.grads.iteration, "world_size": opt.world, "staged": opt.update.staged}  # fmt: skip
+             "iteration": opt.grads.iteration, "world_size": opt.world, "staged": opt.update.staged,
+             "state_dtype": opt.state_format}  # fmt: skip
+    if opt.state_format == "8bit":
+        extra["moments"] = raw_moments(opt)
     return {"state": state, "param_groups": groups, "zero_offload": extra}
+
+
+def raw_moments(opt: ZeroOffloadAdamW) -> dict[int, dict[str, torch.Tensor]]:
+    """Each parameter's 8-bit moments exactly: {index: {"exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes",
+    "exp_avg_sq_scales"}}; its blocks are its own (it starts on a block), whatever the world size. A collective."""
+    lay, per = opt.layout, (1, BLOCK_8BIT, 1, BLOCK_8BIT)  # partition elements per entry of each tensor
+    names = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
+    full = [opt.comm.gather(t, t.numel() * opt.world) for t in opt.update.moments.tensors()]
+    out = {}
+    for i, p in enumerate(p for group in opt.param_groups for p in group["params"]):
+        off, n = lay.offset[p], lay.shape[p].numel()
+        pieces = sorted((a, r, pa, b) for r in range(opt.world) for a, b, pa in lay.owned(off, off + n, r))
+        entry = {}
+        for name, t, k in zip(names, full, per):
+            rank_len = t.numel() // opt.world
+            entry[name] = torch.cat([t[r * rank_len + pa // k : r * rank_len + pa // k + -(-(b - a) // k)]
+                                     for a, r, pa, b in pieces]).clone()  # fmt: skip
+        out[i] = entry
+    return out
 
 
 def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[tuple[int, torch.Tensor, dict, int]]:
@@ -107,7 +135,24 @@ def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[
             raise ValueError("state_dict['zero_offload']['loss_scale'] must be > 0")
         check_int(extra.get("good_steps"), "state_dict['zero_offload']['good_steps']", 0, required=True)
     check_int(extra.get("iteration"), "state_dict['zero_offload']['iteration']", 0)
+    if _exact_moments(opt, extra):
+        moments, ids = extra["moments"], [i for g in groups for i in g["params"]]
+        if not isinstance(moments, dict):
+            raise ValueError("state_dict['zero_offload']['moments'] must be a dict")
+        for _, p, _, _ in plan:
+            i = ids[opt.layout.index[p]]
+            check_raw(moments.get(i, moments.get(str(i))), "8bit", opt.layout.shape[p].numel(),
+                      f"state_dict['zero_offload']['moments'][{i!r}]")  # fmt: skip
     return plan
+
+
+def _exact_moments(opt: ZeroOffloadAdamW, extra: dict) -> bool:
+    """Whether the state dict carries this run's 8-bit moments exactly (then they are loaded, not requantized)."""
+    saved = extra.get("state_dtype", "fp32")
+    if not isinstance(saved, str):
+        raise ValueError(f"state_dict['zero_offload']['state_dtype'] must be a str, got {type(saved).__name__}")
+    check_state_dtype(saved)
+    return opt.state_format == "8bit" and saved == "8bit" and "moments" in extra
 
 
 def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
@@ -142,11 +187,21 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
             exp_avg_sq[dst] = st["exp_avg_sq"].reshape(-1)[src].float()
             if st.get("master") is not None:
                 master[dst] = st["master"].reshape(-1)[src].float()
-    opt.update.save_state(master, exp_avg, exp_avg_sq)
+    opt.update.save_state(master, exp_avg, exp_avg_sq)  # (quantized into this run's format)
+    extra = state_dict.get("zero_offload", {})
+    if _exact_moments(opt, extra):
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for _, p, _, _ in plan:
+            i = ids[opt.layout.index[p]]
+            raw = extra["moments"].get(i, extra["moments"].get(str(i)))
+            off, n = opt.layout.offset[p], opt.layout.shape[p].numel()
+            for a, b, pa in opt.layout.owned(off, off + n, opt.rank):  # a - off is on a block boundary
+                x, y = a - off, b - off
+                part = {k: v[x:y] if "codes" in k else v[x // BLOCK_8BIT : -(-y // BLOCK_8BIT)] for k, v in raw.items()}
+                opt.update.moments.set_raw(pa, pa + b - a, part)
     opt._set_group_steps()
     if no_masters and not opt.update.params_in_swapper:
         opt.update.refresh_stale_masters()
-    extra = state_dict.get("zero_offload", {})
     if "loss_scale" in extra and extra.get("dynamic") == opt.scaler.dynamic:
         opt.scaler.scale, opt.scaler.good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
     opt.grads.iteration = int(extra.get("iteration", max(opt.update.steps, default=0)))

@@ -16,6 +16,7 @@ import torch
 from ..cpu_adam import cpu_adam_step
 from ..nvme import TILE_MULTIPLE, NvmeSwapper, UpdateFn
 from ..transport import Staging, Transport, tiled_writeback
+from .formats import Moments, block_of, bytes_per_element
 from .layout import FlatLayout, Run
 from .report import PhaseTimes
 
@@ -45,12 +46,18 @@ class HostUpdate:
             its buffer pool; the update streams them tile by tile); None: in host memory.
         params_dtype: with `own` None (ZeRO-Infinity: the stage-3 shard on NVMe), the 16-bit parameters are a
             fourth file of the swapper, of this dtype, written by the same streamed update.
+        state_fmt: the moments' format (formats.py): "fp32", "bf16" or "8bit" (then every run starts on a block).
     """
+
+    HAS_MOMENTS = True  # Adam's two moments (a subclass with another rule keeps its own state)
 
     def __init__(self, layout: FlatLayout, own: torch.Tensor | None, master: torch.Tensor | MasterFill,
                  transport: Transport, publish: Callable[[], None], *, threads: int, tile_numel: int, delayed: bool,
                  timeout_s: float, times: PhaseTimes, nvme_dir: str | None = None,
-                 params_dtype: torch.dtype | None = None) -> None:  # fmt: skip
+                 params_dtype: torch.dtype | None = None, state_fmt: str = "fp32") -> None:  # fmt: skip
+        self.fmt = state_fmt
+        block = block_of(state_fmt)
+        tile_numel = -(-tile_numel // block) * block  # (8-bit) tiles start on block boundaries
         self.layout, self.own, self.transport, self.publish, self.times = layout, own, transport, publish, times
         self.threads, self.tile_numel, self.timeout_s = threads, tile_numel, timeout_s
         if isinstance(master, torch.Tensor):
@@ -72,7 +79,9 @@ class HostUpdate:
         else:  # host memory is the device: the update writes the parameters in place (no forward runs meanwhile)
             self.staging_buf = own
         self.swapper: NvmeSwapper | None = None
-        self._state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # fp32 format in memory
+        self.moments: Moments | None = None  # the other formats in memory
+        self._master: torch.Tensor | None = None
         if nvme_dir is not None:
             multiple = TILE_MULTIPLE * (2 if self.params_in_swapper else 1)
             tile = -(-tile_numel // multiple) * multiple  # the pool: 9 tiles of fp32 (+3 of 16 bits), by tile_numel
@@ -90,8 +99,10 @@ class HostUpdate:
             if not isinstance(master, torch.Tensor):
                 master = torch.zeros(layout.part, dtype=torch.float32)
                 fill_master(0, layout.part, master)
-            self._state = (master, torch.zeros(layout.part, dtype=torch.float32),
-                           torch.zeros(layout.part, dtype=torch.float32))  # fmt: skip
+            self._master = master
+            self.moments = Moments(state_fmt, layout.part) if self.HAS_MOMENTS else None
+            if state_fmt == "fp32" and self.HAS_MOMENTS:  # the kernel's fp32 path, the tensors themselves
+                self._state = (master, *self.moments.pair)
             if not self.staging_in_place:
                 # staging always holds the current params: a step that skips a param (no gradient) leaves its
                 # range as is, and the padding past the last parameter is sent to the device as zeros
@@ -120,6 +131,8 @@ class HostUpdate:
         from the files (write changes back with save_state)."""
         if self._state is not None:
             return self._state
+        if self.moments is not None:
+            return (self._master, *self.moments.get(0, self.layout.part))
         out = tuple(torch.empty(self.layout.part, dtype=torch.float32) for _ in range(3))
         self.swapper.read_all(*out)
         return out
@@ -133,10 +146,11 @@ class HostUpdate:
                 if out.dtype != torch.float32 or out.dim() != 1 or out.numel() != max(0, b - a):
                     raise ValueError(f"copy_state: the outputs of range [{a}, {b}) must be 1-D fp32 tensors of "
                                      f"{max(0, b - a)} elements, got {out.dtype} {tuple(out.shape)}")  # fmt: skip
-        if self._state is not None:
+        if self.moments is not None:
             for a, b, outs in ranges:
-                for out, src in zip(outs, self._state):
-                    out.copy_(src[a:b])
+                if a < b:  # (a param's range: a is on a block boundary)
+                    for out, src in zip(outs, (self._master[a:b], *self.moments.get(a, b))):
+                        out.copy_(src)
             return
         ranges = sorted((r for r in ranges if r[0] < r[1]), key=lambda r: r[0])
         first = 0  # the ranges before it end before the current tile (tiles come in order)
@@ -158,10 +172,22 @@ class HostUpdate:
         """Make these the state (a no-op for the in-memory tensors that state() returned)."""
         if self.swapper is not None:
             self.swapper.write_all(master, exp_avg, exp_avg_sq)
-        else:
+        elif self._state is not None:
             for mine, new in zip(self._state, (master, exp_avg, exp_avg_sq)):
                 if new is not mine:
                     mine.copy_(new)
+        else:
+            if master is not self._master:
+                self._master.copy_(master)
+            self.moments.set(0, self.layout.part, exp_avg, exp_avg_sq)
+
+    def save_master(self, master: torch.Tensor) -> None:
+        """Make `master` (state()'s first tensor, changed) the masters; the moments stay as they are."""
+        if self.swapper is not None:
+            _, exp_avg, exp_avg_sq = self.state()
+            self.swapper.write_all(master, exp_avg, exp_avg_sq)
+        elif master is not self._master:
+            self._master.copy_(master)
 
     @property
     def master(self) -> torch.Tensor:
@@ -177,8 +203,16 @@ class HostUpdate:
 
     @property
     def host_state_bytes(self) -> int:
-        """Host bytes the optimizer state takes: 12 per parameter in memory, the swapper's pool with NVMe."""
-        return self.swapper.pool_bytes if self.swapper is not None else 12 * self.layout.part
+        """Host bytes the optimizer state takes: the fp32 masters and the moments in their format (12 per parameter
+        with fp32 moments, 8 with bf16, 6.03 with 8-bit) in memory, the swapper's pool with NVMe."""
+        if self.swapper is not None:
+            return self.swapper.pool_bytes
+        return self._master.numel() * 4 + self.moments.nbytes
+
+    @property
+    def state_bytes_per_param(self) -> float:
+        """K of the host formula: bytes of optimizer state per parameter (the masters' 4 and the moments')."""
+        return 4 + bytes_per_element(self.fmt)
 
     def run(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict]) -> None:
         """The synchronous update: CPU Adam, the new parameters to the device tile by tile, then the all-gather."""
@@ -205,6 +239,9 @@ class HostUpdate:
         if self.swapper is not None:
             self._stream_update(grad, grad_scale, runs, hparams, writeback)
             return time.perf_counter() - t0
+        if self._state is None:
+            self._tile_update(grad, grad_scale, runs, hparams, writeback)
+            return time.perf_counter() - t0
         events = []
         master, exp_avg, exp_avg_sq = self._state
         for gi, a, b, step, factor in runs:
@@ -226,6 +263,38 @@ class HostUpdate:
         for ev in events:
             self.transport.device_wait(ev)
         return time.perf_counter() - t0
+
+    def _tile_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
+                     writeback: bool) -> None:  # fmt: skip
+        """The update of bf16 / 8-bit moments in memory: each run tile by tile (tiles start on blocks), the new
+        params into staging; with writeback each tile's copy to the device is queued at once (it overlaps the next
+        tile's update) and the compute stream waits for all of them at the end, as in the NVMe update."""
+        self.transport.wait(self._staging_read)  # the last update's copies out of staging
+        send = writeback and not self.staging_in_place
+        events: list = []
+        try:
+            for gi, a, b, step, factor in runs:
+                for x in range(a, b, self.tile_numel):
+                    y = min(b, x + self.tile_numel)
+                    t0 = time.perf_counter()
+                    cpu_adam_step(self._master[x:y], grad[x:y], *self.moments.view(x, y), step=step,
+                                           grad_scale=grad_scale * factor, threads=self.threads,
+                                           param_out=self.staging_buf[x:y], seed=self._seed(x),
+                                           **hparams[gi])  # fmt: skip
+                    if writeback:  # (the background thread under DPU leaves the step's timings alone)
+                        self.times.add("kernel", time.perf_counter() - t0)
+                    if send:
+                        events.append(self.transport.h2d(self.own[x:y], self.staging_buf[x:y]))
+        finally:
+            if events:  # copies run in order on one stream: the last one's event covers them all
+                self._staging_read = events[-1]
+        for ev in events:
+            self.transport.device_wait(ev)
+
+    def _seed(self, x: int) -> int:
+        """bf16's stochastic rounding: the seed of a kernel call from partition offset x (the kernel hashes it with
+        the step and the element's index in the call): the same bits at every run and resume of this layout."""
+        return (self.layout.rank << 40) + x
 
     def _stream_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
                        writeback: bool) -> None:  # fmt: skip
@@ -323,13 +392,13 @@ class HostUpdate:
             self._refresh_stale_masters_in_swapper()
             return
         device_part = self.own.cpu()
-        master, exp_avg, exp_avg_sq = self.state()
+        master = self.state()[0]
         if not torch.equal(master.to(self.own.dtype), device_part):
             warnings.warn("the model's parameters changed since the optimizer took its fp32 masters (e.g. "
                           "model.load_state_dict after construction): masters refreshed from the model, losing "
                           "the bits below its dtype", stacklevel=5)  # fmt: skip
             master.copy_(device_part)
-            self.save_state(master, exp_avg, exp_avg_sq)
+            self.save_master(master)
 
     def _refresh_stale_masters_in_swapper(self) -> None:
         """refresh_stale_masters with the 16-bit parameters in the swapper's fourth file: one read pass compares,
@@ -361,9 +430,9 @@ class HostUpdate:
             self.swapper.stream(take)
             return
         own = self.own
-        master, exp_avg, exp_avg_sq = self.state()
+        master = self.state()[0]
         master.copy_(own.float().cpu())
-        self.save_state(master, exp_avg, exp_avg_sq)
+        self.save_master(master)
         if not self.staging_in_place:  # staging holds the params a skipped range keeps
             self.staging_buf.copy_(own.cpu())
         self.staged = False  # the device parameters are the truth now
