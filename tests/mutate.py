@@ -7,7 +7,8 @@ kernel or checkpoints. For each: apply it, rebuild the C++ extension when a C++ 
 own test selection (pytest -x: the first failure kills it), restore the file (always, also on Ctrl-C), rebuild
 again if needed. A mutant is "killed" when its tests fail, "SURVIVED" when they pass, "undecided" when they did
 not finish within --timeout (on a loaded machine: raise it). Run it before resolving an issue that touches the
-step; a survivor is a missing test. It edits the working tree: run nothing else from the same tree meanwhile. The snippets must still occur exactly once: a refactor that moves one makes the run say so.
+step; a survivor is a missing test. It edits the working tree: run nothing else from the same tree meanwhile.
+The snippets must still occur exactly once: a refactor that moves one makes the run say so.
 """
 
 from __future__ import annotations

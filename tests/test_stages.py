@@ -57,7 +57,8 @@ def assert_same_run(got: dict, want: dict, what: str, exact: bool = True) -> Non
             same(got[phase][k], v, f"model.{k} ({phase})")
 
 
-ONE_RANK = [c for c in CASES if c.world == 1]
+# The first 8 one-rank cases (the matrix had 8 before it grew to 18; each runs here at 4 more stages).
+ONE_RANK = [c for c in CASES if c.world == 1][:8]
 
 
 @pytest.mark.parametrize("case", ONE_RANK, ids=[c.id for c in ONE_RANK])
