@@ -12,6 +12,7 @@ import torch
 from helpers import assert_close_verbose, ref_adam
 from test_oracle_matrix import DTYPES, Case, check_case, run_oracle, run_zo
 
+import zo_kernels as zk
 from zo_kernels import CPUAdam
 
 
@@ -69,3 +70,24 @@ def test_cpu_adam_takes_adamw_from_each_param_group(default_adamw) -> None:
         assert_close_verbose(params[i], want, bound, f"group {i} (adamw={adamw}) param")
         assert_close_verbose(st["exp_avg"], m, 1e-6, f"group {i} exp_avg")
         assert_close_verbose(st["exp_avg_sq"], v, 1e-6, f"group {i} exp_avg_sq")
+
+
+def test_a_gradient_factor_on_one_param_of_a_group_stays_its_own() -> None:
+    """p.grad.mul_(f) on one parameter only (per-parameter or per-group clipping in user code), with f changing
+    every step: that parameter's update uses f, its neighbours' in the same group do not (against torch)."""
+    g = torch.Generator().manual_seed(4)
+    init = [torch.randn(40, generator=g), torch.randn(24, generator=g), torch.randn(16, generator=g)]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = zk.ZeroOffloadAdamW(ours, dtype=torch.float32, lr=0.1, weight_decay=0.1)
+    topt = torch.optim.AdamW(ref, foreach=False, lr=0.1, weight_decay=0.1)
+    for step in range(4):
+        for ps in (ours, ref):
+            sum(((i + 1) * p.sin()).sum() for i, p in enumerate(ps)).backward()
+            ps[1].grad.mul_(0.1 * (step + 1))
+        opt.step()
+        topt.step()
+        opt.zero_grad()
+        topt.zero_grad()
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert_close_verbose(a.detach(), b.detach(), 1e-6, f"param {i}")
