@@ -63,7 +63,7 @@ MUTANTS = [
        *MATRIX_ONE_RANK),
     _m("clip-factor-applied-twice-over-micro-batches", "offload step", "zo_kernels/offload/grads.py",
        "                self.accum[s][a:b] *= f\n                self.factor[i] = 1.0\n",
-       "                self.accum[s][a:b] *= f\n", *MATRIX_ONE_RANK),
+       "                self.accum[s][a:b] *= f\n", "tests/test_combinations.py", *MATRIX_ONE_RANK),
     _m("runs-merge-across-factors", "offload step", "zo_kernels/offload/layout.py",
        "(runs[-1][0], runs[-1][3], runs[-1][4]) == key", "(runs[-1][0], runs[-1][3]) == key[:2]",
        "tests/test_combinations.py", *MATRIX_ONE_RANK),

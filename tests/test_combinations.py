@@ -72,9 +72,11 @@ def test_cpu_adam_takes_adamw_from_each_param_group(default_adamw) -> None:
         assert_close_verbose(st["exp_avg_sq"], v, 1e-6, f"group {i} exp_avg_sq")
 
 
-def test_a_gradient_factor_on_one_param_of_a_group_stays_its_own() -> None:
+@pytest.mark.parametrize("micro", [1, 2])
+def test_a_gradient_factor_on_one_param_of_a_group_stays_its_own(micro: int) -> None:
     """p.grad.mul_(f) on one parameter only (per-parameter or per-group clipping in user code), with f changing
-    every step: that parameter's update uses f, its neighbours' in the same group do not (against torch)."""
+    every step: that parameter's update uses f, its neighbours' in the same group do not (against torch). With
+    two micro-batches f comes after the first: it scales the sum so far only, once."""
     g = torch.Generator().manual_seed(4)
     init = [torch.randn(40, generator=g), torch.randn(24, generator=g), torch.randn(16, generator=g)]
     ours = [torch.nn.Parameter(t.clone()) for t in init]
@@ -83,8 +85,10 @@ def test_a_gradient_factor_on_one_param_of_a_group_stays_its_own() -> None:
     topt = torch.optim.AdamW(ref, foreach=False, lr=0.1, weight_decay=0.1)
     for step in range(4):
         for ps in (ours, ref):
-            sum(((i + 1) * p.sin()).sum() for i, p in enumerate(ps)).backward()
-            ps[1].grad.mul_(0.1 * (step + 1))
+            for m in range(micro):
+                sum(((i + m + 1) * p.sin()).sum() for i, p in enumerate(ps)).backward()
+                if m == 0:
+                    ps[1].grad.mul_(0.1 * (step + 1))
         opt.step()
         topt.step()
         opt.zero_grad()
