@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 SCRIPTS = {
-    # copies still queued on the copy-engine thread at exit (before the fix: 3 of 3 runs aborted)
+    # copies still queued on the copy-engine thread at exit (before the fix: 2 of 2 runs of this script aborted)
     "copy_engine_busy": """
         import torch
         from zo_kernels.transport import CopyEngineTransport
@@ -25,7 +25,7 @@ SCRIPTS = {
         for _ in range(100):
             t.h2d(dst, src)
     """,
-    # an optimizer over the copy-engine transport, mid-training under DPU, never closed
+    # an optimizer over the copy-engine transport, mid-training under DPU, never closed (exited 0 before the fix too)
     "optimizer_dpu_not_closed": """
         import torch
         import zo_kernels as zk
