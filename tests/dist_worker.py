@@ -1,10 +1,33 @@
-"""Multi-process training runs for the data-parallel tests (gloo on the CPU, torch.multiprocessing)."""
+"""The two-process harness (gloo on the CPU, spawned processes) and the data-parallel tests' training runs.
+
+`spawn_ranks(fn, world, tmp_dir, *args)` runs fn(rank, world, *args) on `world` ranks and is what every
+multi-process test uses. Its start and teardown are made to survive a loaded machine:
+- rendezvous through a FileStore in the test's own directory: no port is picked, so none can be taken between
+  picking it and binding it;
+- generous bounds (TIMEOUT_S for the rendezvous and every collective, JOIN_TIMEOUT_S for the whole run): a
+  2-core machine running other work can take tens of seconds for what takes one when it is idle;
+- teardown: garbage collected, a barrier (no rank destroys gloo while its peer still talks),
+  destroy_process_group, then the process ends through os._exit after flushing its output. That skips the
+  interpreter's finalization, where a thread still running C++ code (a gloo worker, a copy thread) is stopped
+  by pthread_exit when it next takes the GIL and the forced unwind through a noexcept frame aborts the
+  process ("terminate called without an active exception"). bench/stress_two_ranks.py exercises the normal
+  exit path instead.
+- the parent joins every rank with a deadline and fails with each rank's exit status, naming a signal.
+"""
 
 from __future__ import annotations
 
+import gc
 import os
+import signal
 import socket
+import sys
+import time
 import traceback
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,12 +37,85 @@ from offload_ref import make_data, make_model
 import zo_kernels as zk
 
 BATCH = 8
+TIMEOUT_S = 300.0  # rendezvous and collectives: a bound for a dead peer, far above a loaded machine's slowness
+JOIN_TIMEOUT_S = 900.0  # the whole multi-process run
 
 
 def free_port() -> int:
+    """A free TCP port (kept for callers outside the harness; spawn_ranks does not use ports)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def init_from_file(store_path: str, rank: int, world: int, timeout_s: float = TIMEOUT_S) -> None:
+    """Join the default gloo group through a FileStore at `store_path` (no port: nothing to race for)."""
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+
+
+def finish_rank(code: int = 0) -> None:
+    """Barrier (when the group is up and the rank succeeded), destroy the group, flush, end the process now.
+
+    gc.collect() first: an optimizer left in a reference cycle (hooks on the model) still holds its process
+    group and tensors; freed here, while the interpreter is whole, not by a collection during its finalization.
+    """
+    gc.collect()
+    try:
+        if dist.is_initialized():
+            if code == 0:
+                dist.barrier()  # neither rank tears gloo down while the other still talks
+            dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        code = code or 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, store_path: str, args: tuple, timeout_s: float) -> None:
+    code = 0
+    try:
+        init_from_file(store_path, rank, world, timeout_s)
+        fn(rank, world, *args)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finish_rank(code)
+
+
+def spawn_ranks(fn: Callable[..., Any], world: int, tmp_dir: str | os.PathLike, *args: Any,
+                timeout_s: float = TIMEOUT_S, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:  # fmt: skip
+    """Run fn(rank, world, *args) in `world` spawned processes joined in one gloo group; raise if any fails.
+
+    fn must be importable (a module-level function) and its arguments picklable; results go through files.
+    """
+    ctx = mp.get_context("spawn")
+    store_path = os.path.join(os.fspath(tmp_dir), f"store-{uuid.uuid4().hex}")
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, store_path, args, timeout_s), daemon=False)
+             for r in range(world)]  # fmt: skip
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + join_timeout_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if hung:
+        raise AssertionError(f"{fn.__name__}: rank(s) {hung} still running after {join_timeout_s:g} s (killed)")
+    bad = {r: _describe_exit(p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0}
+    if bad:
+        raise AssertionError(f"{fn.__name__}: " + "; ".join(f"rank {r} {why}" for r, why in bad.items()))
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
 
 
 def train(rank: int, world: int, steps: range, dtype, resume: str | None, save: str | None, out: str,
@@ -55,16 +151,8 @@ def train(rank: int, world: int, steps: range, dtype, resume: str | None, save: 
     opt.close()
 
 
-def _entry(rank: int, world: int, port: int, args: tuple, kwargs: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        train(rank, world, *args, **kwargs)
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()
+def _train_rank(rank: int, world: int, args: tuple, kwargs: dict) -> None:
+    train(rank, world, *args, **kwargs)
 
 
 def run(world: int, *args, **kwargs) -> list[dict]:
@@ -73,17 +161,16 @@ def run(world: int, *args, **kwargs) -> list[dict]:
     if world == 1:
         train(0, 1, *args, **kwargs)
     else:
-        mp.spawn(_entry, args=(world, free_port(), args, kwargs), nprocs=world, join=True)
+        spawn_ranks(_train_rank, world, os.path.dirname(out) or ".", args, kwargs)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
 
 
-def _failing_entry(rank: int, port: int, out: str, timeout_s: float) -> None:
+def _failing_entry(rank: int, store_path: str, out: str, timeout_s: float) -> None:
     """Rank 1 raises in its third forward; rank 0 records how it fails (type, message, seconds)."""
     import json
     import time as _time
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    init_from_file(store_path, rank, 2)
     model = make_model()
     opt = zk.ZeroOffloadAdamW(model.parameters(), collective_timeout_s=timeout_s)
     data = make_data(6, batch=4)
@@ -109,15 +196,15 @@ def run_failing(out: str, timeout_s: float) -> dict:
     import json
 
     ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_failing_entry, args=(r, port, out, timeout_s)) for r in range(2)]
+    store_path = os.path.join(out, f"store-{uuid.uuid4().hex}")
+    procs = [ctx.Process(target=_failing_entry, args=(r, store_path, out, timeout_s)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=120)
+        p.join(timeout=JOIN_TIMEOUT_S)
     for p in procs:
         if p.is_alive():
             p.kill()
-            raise AssertionError("a rank hung past 120 s")
+            raise AssertionError(f"a rank hung past {JOIN_TIMEOUT_S:g} s")
     with open(f"{out}/rank0.json") as f:
         return json.load(f)

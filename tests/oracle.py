@@ -42,7 +42,9 @@ class Oracle:
         dtype: the working copy's dtype.
         groups: optional param-group dicts over `model`'s params (per-group lr, weight_decay...).
         loss_scale: None, a number (static) or "dynamic".
-        max_grad_norm: clip the averaged gradient to this global L2 norm (None: no clipping).
+        max_grad_norm: clip the averaged gradient to this global L2 norm (None: no clipping). Clipping by the
+            framework (clip_grad_norm_ over the model's p.grad before step()) means the same: its p.grad is the
+            averaged, unscaled gradient.
         delay_update_after: k of the delayed parameter update (None: always synchronous).
         foreach, reverse_sums, nudge: perturbations used to measure the oracle's own fp32 noise: AdamW's
             foreach implementation, summing micro-batches and ranks in reverse order, and moving every
@@ -203,8 +205,10 @@ class FeatureNet(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
-def param_groups(model: nn.Module) -> list[dict]:
-    """Two groups: matrices (decayed, the base lr) and vectors (no decay, another lr)."""
+def param_groups(model: nn.Module, kind: str = "lr_wd") -> list[dict]:
+    """Two groups: matrices (decayed, the base lr) and vectors (no decay, another lr); kind "all": the vectors
+    also get their own betas and eps."""
     mats = [p for p in model.parameters() if p.dim() >= 2]
     vecs = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": mats, "weight_decay": 0.1}, {"params": vecs, "weight_decay": 0.0, "lr": 3e-3}]
+    more = {"betas": (0.8, 0.99), "eps": 1e-6} if kind == "all" else {}
+    return [{"params": mats, "weight_decay": 0.1}, {"params": vecs, "weight_decay": 0.0, "lr": 3e-3, **more}]

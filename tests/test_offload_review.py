@@ -1,14 +1,12 @@
 """Findings of an independent review of ZeroOffloadAdamW's torch semantics (issue 10), one test each, judged
 against plain torch.optim.AdamW (fp32 masters, fp32 model: the two differ by fp32 rounding only)."""
 
-import os
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from dist_worker import free_port
+from dist_worker import TIMEOUT_S, spawn_ranks
 
 import zo_kernels as zk
 
@@ -205,14 +203,12 @@ def test_whole_train_step_under_torch_compile():
 # ---------------------------------------------------------------------- two ranks
 
 
-def _two_rank_entry(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _two_rank_entry(rank: int, world: int, out: str) -> None:
     try:
         torch.manual_seed(0)
         a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
         ref = [torch.nn.Parameter(a.detach().clone()), torch.nn.Parameter(b.detach().clone())]
-        opt = zk.ZeroOffloadAdamW([a, b], dtype=torch.float32, collective_timeout_s=20.0, **HP)
+        opt = zk.ZeroOffloadAdamW([a, b], dtype=torch.float32, collective_timeout_s=TIMEOUT_S, **HP)
         topt = torch.optim.AdamW(ref, foreach=False, **HP)
         # b gets a gradient on rank 0 only; framework clipping must see one global norm on both ranks
         for ps in ((a, b), ref):
@@ -232,15 +228,15 @@ def _two_rank_entry(rank: int, port: int, out: str) -> None:
         sd = opt.state_dict()
         torch.save(dict(norms=norms, zo=[sd["state"][i]["exp_avg"] for i in (0, 1)],
                         torch=[topt.state[p]["exp_avg"] for p in ref]), f"{out}/{rank}.pt")  # fmt: skip
+        opt.close()
     except BaseException:
         torch.save(dict(error=traceback.format_exc()), f"{out}/{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+        raise
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 def test_two_ranks_clip_a_param_with_a_gradient_on_one_rank_only(tmp_path):
-    mp.start_processes(_two_rank_entry, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn_ranks(_two_rank_entry, 2, tmp_path, str(tmp_path))
     for rank in range(2):
         r = torch.load(tmp_path / f"{rank}.pt", weights_only=False)
         assert "error" not in r, r.get("error")

@@ -43,17 +43,18 @@ from itertools import combinations, product
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from dist_worker import free_port
+from dist_worker import TIMEOUT_S, spawn_ranks
 from oracle import FeatureNet, Oracle, param_groups
 
 import zo_kernels as zk
 from zo_kernels.transport import CopyEngineTransport
 
 STEPS = 8
-INF_STEP = 3  # 0-based; with DPU k=2 it is a delayed step
+# 0-based steps of the injected inf: "early" comes before DPU k=2 starts (an overflow-skipped step must not count
+# as an iteration, or the delayed update starts one step early), "late" is a delayed step
+INF_STEPS = {"early": 1, "late": 3}
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
-MAX_GRAD_NORM = 2.5  # this model's gradient norms are about 2 to 3.4: some steps clip, some do not
+MAX_GRAD_NORM = 1.5  # gradient norms: ~1.3-2.4 with one micro-batch, ~2.2-3.9 with three: some steps clip, some not
 STATIC_SCALE = 1024.0
 BUCKET_NUMEL = 1_000  # several buckets; params of ~600-900 elements
 BATCH, SEQ, VOCAB = 3, 5, 37
@@ -65,27 +66,34 @@ FP32_EPS = torch.finfo(torch.float32).eps
 FACTORS = {
     "dtype": ("fp32", "bf16", "fp16"),
     "micro": (1, 3),
-    "clip": (False, True),
+    # clipping to MAX_GRAD_NORM by the optimizer ("norm": max_grad_norm) or by the framework ("framework":
+    # torch.nn.utils.clip_grad_norm_ on the p.grad placeholders before step(), as HF Trainer and accelerate do)
+    "clip": (None, "norm", "framework"),
     "scale": (None, "static", "dynamic"),
-    "dpu": (None, 2),
+    "dpu": (None, 0, 2),  # delay_update_after: delayed from the first step, or after two synchronous ones
     "world": (1, 2),
-    "groups": (False, True),
+    # param groups: per-group lr and weight decay ("lr_wd"), and per-group betas and eps too ("all")
+    "groups": (None, "lr_wd", "all"),
     "frozen": (False, True),
     "tied": (False, True),
     "unused": (False, True),
     "buffers": (False, True),
-    "inf": (False, True),
+    "inf": (None, "early", "late"),
     # "copy_engine": the GPU's data flow on the CPU (CopyEngineTransport: separate device buffers, staging,
     # asynchronous delayed copies): buckets, D2H, landing, tiled writeback, staging and their events all run.
     "transport": ("host", "copy_engine"),
     # ZeRO stage: 1 (gradients all-reduced), 2, 3 (parameters partitioned, gathered per module), 3 with the
     # parameter shards in host memory
     "stage": ("2", "1", "3", "3+cpu"),
+    # where the optimizer state lives: host memory, or NVMe files streamed tile by tile through the update
+    "offload": ("cpu", "nvme"),
 }
-# Stronger than pairs where the bugs were: accumulation by dtype, ranks and DPU; the overflow path by dtype and
-# loss scale; a skipped step under DPU on 1 and 2 ranks; params without a gradient on some micro-batches/ranks.
-STRONGER = (("dtype", "micro", "world", "dpu"), ("dtype", "scale", "inf"), ("dpu", "inf", "world"),
-          ("unused", "micro", "world"), ("transport", "dpu", "world", "micro"))
+# Stronger than pairs where the bugs were: accumulation by dtype and ranks; the overflow path by dtype and loss
+# scale; a skipped step under DPU on 1 and 2 ranks; params without a gradient on some micro-batches/ranks; the
+# copy-engine transport's delayed copies by DPU and ranks. (Fewer than the full 4-way products: each factor
+# added grows the rows, and test_stages runs every one-rank row at every stage.)
+STRONGER = (("dtype", "micro", "world"), ("dtype", "scale", "inf"), ("dpu", "inf", "world"),
+            ("unused", "micro", "world"), ("transport", "dpu", "world"))
 COPY_DELAY_S = 0.001  # each copy of the copy-engine transport lands this late: a missing wait reads stale data
 
 
@@ -101,9 +109,15 @@ def covering_array(factors: dict, stronger=(), seed: int = 0, candidates: int = 
     rng = random.Random(seed)
     groups = [tuple(c) for c in combinations(names, 2)] + [tuple(t) for t in stronger]
     uncovered = {(g, v) for g in groups for v in product(*(range(len(factors[n])) for n in g))}
+    groups_of = {n: [g for g in groups if n in g] for n in names}
 
     def covered_by(row: dict) -> set:
         return {(g, tuple(row[n] for n in g)) for g in groups if all(n in row for n in g)} & uncovered
+
+    def gain_of(row: dict, n: str, lv: int) -> int:
+        """Uncovered tuples that setting n = lv completes (the others do not depend on lv)."""
+        row = {**row, n: lv}
+        return sum((g, tuple(row[m] for m in g)) in uncovered for g in groups_of[n] if all(m in row for m in g))
 
     rows = []
     while uncovered:
@@ -115,7 +129,7 @@ def covering_array(factors: dict, stronger=(), seed: int = 0, candidates: int = 
             rest = [n for n in names if n not in row]
             rng.shuffle(rest)
             for n in rest:
-                row[n] = max(range(len(factors[n])), key=lambda lv: (len(covered_by({**row, n: lv})), -lv))
+                row[n] = max(range(len(factors[n])), key=lambda lv: (gain_of(row, n, lv), -lv))
             gain = len(covered_by(row))
             if gain > best_gain:
                 best, best_gain = row, gain
@@ -129,25 +143,28 @@ class Case:
     index: int
     dtype: str
     micro: int
-    clip: bool
+    clip: str | None
     scale: str | None
     dpu: int | None
     world: int
-    groups: bool
+    groups: str | None
     frozen: bool
     tied: bool
     unused: bool
     buffers: bool
-    inf: bool
+    inf: str | None
     transport: str
     stage: str
+    offload: str = "cpu"
     seed: int | None = None  # of the data (None: the index); variants of a case keep the case's data
 
     @property
     def id(self) -> str:
-        on = [k for k in ("clip", "groups", "frozen", "tied", "unused", "buffers", "inf") if getattr(self, k)]
+        on = [k for k in ("frozen", "tied", "unused", "buffers") if getattr(self, k)]
+        valued = [f"{k}={getattr(self, k)}" for k in ("clip", "groups", "inf") if getattr(self, k)]
         return "-".join([f"c{self.index:02d}", self.dtype, f"m{self.micro}", f"w{self.world}", f"scale={self.scale}",
-                         f"dpu={self.dpu}", self.transport, f"zero{self.stage}", *on])  # fmt: skip
+                         f"dpu={self.dpu}", self.transport, f"zero{self.stage}", f"state={self.offload}", *valued,
+                         *on])  # fmt: skip
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
@@ -167,7 +184,7 @@ class Case:
         shape = (STEPS, self.world, self.micro, BATCH, SEQ)
         x, y = torch.randint(0, VOCAB, shape, generator=g), torch.randint(0, VOCAB, shape, generator=g)
         return [[[(x[s, r, i], y[s, r, i], s % 3 == 0 and (r == 0 or every_rank) and i == 0,
-                   self.inf and s == INF_STEP and r == self.world - 1 and i == self.micro - 1)
+                   self.inf is not None and s == INF_STEPS[self.inf] and r == self.world - 1 and i == self.micro - 1)
                   for i in range(self.micro)] for r in range(self.world)] for s in range(STEPS)]  # fmt: skip
 
 
@@ -182,24 +199,26 @@ def forward(model, batch) -> torch.Tensor:
 # ---------------------------------------------------------------------- the code under test
 
 
-def stage_args(stage: str) -> dict:
+def stage_args(stage: str, offload: str = "cpu") -> dict:
     """ZeroOffloadAdamW's arguments for a stage: "1", "2", "3", "3+cpu" (the shards in host memory), "3+nvme"
-    (ZeRO-Infinity: the shards and the optimizer state in scratch files under the temporary directory)."""
+    (ZeRO-Infinity: the shards and the optimizer state in scratch files under the temporary directory); with
+    offload="nvme" the optimizer state goes to scratch files whatever the stage."""
     if stage.endswith("+nvme"):
         return dict(stage=3, offload_param="nvme", offload_optimizer="nvme", nvme_dir=tempfile.gettempdir())
-    return {"stage": int(stage[0]), **({"offload_param": "cpu"} if stage.endswith("+cpu") else {})}
+    nvme = {"offload_optimizer": "nvme", "nvme_dir": tempfile.gettempdir()} if offload == "nvme" else {}
+    return {"stage": int(stage[0]), **({"offload_param": "cpu"} if stage.endswith("+cpu") else {}), **nvme}
 
 
 def run_zo(case: Case, rank: int, group, stage: str | None = None) -> dict:
     """Train the case with ZeroOffloadAdamW on this rank; everything the comparison needs, on the CPU.
     `stage` overrides the case's."""
     model = case.model()
-    params, extra = (param_groups(model), {"module": model}) if case.groups else (model, {})
-    extra.update(stage_args(stage or case.stage))
+    params, extra = (param_groups(model, case.groups), {"module": model}) if case.groups else (model, {})
+    extra.update(stage_args(stage or case.stage, case.offload))
     transport = CopyEngineTransport(delay_s=COPY_DELAY_S) if case.transport == "copy_engine" else None
     opt = zk.ZeroOffloadAdamW(params, **ADAMW, dtype=DTYPES[case.dtype], loss_scale=case.loss_scale(),
-                              max_grad_norm=MAX_GRAD_NORM if case.clip else None, delay_update_after=case.dpu,
-                              bucket_numel=BUCKET_NUMEL, process_group=group, collective_timeout_s=30.0,
+                              max_grad_norm=MAX_GRAD_NORM if case.clip == "norm" else None, delay_update_after=case.dpu,
+                              bucket_numel=BUCKET_NUMEL, process_group=group, collective_timeout_s=TIMEOUT_S,
                               transport=transport, **extra)  # fmt: skip
     try:
         losses, skipped, scales = [], [], []
@@ -212,6 +231,8 @@ def run_zo(case: Case, rank: int, group, stage: str | None = None) -> dict:
                     loss.backward()
                 else:
                     opt.backward(loss)
+            if case.clip == "framework":  # on the placeholders, as Trainer and accelerate do: a factor per param
+                torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
             opt.step()
             skipped.append(bool(opt.stats["skipped"]))
             scales.append(float(opt.loss_scale))
@@ -228,33 +249,30 @@ def run_zo(case: Case, rank: int, group, stage: str | None = None) -> dict:
         return dict(losses=losses, skipped=skipped, scales=scales, state=state, before=before, after=after,
                     threads=torch.get_num_threads())  # fmt: skip
     finally:
-        opt.close()
-        if transport is not None:
-            transport.close()
+        try:
+            opt.close()
+        finally:  # its copy thread must end even when close() raises
+            if transport is not None:
+                transport.close()
 
 
-def _rank_entry(rank: int, port: int, cases: list[Case], out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        for case in cases:
-            group = dist.new_group(backend="gloo")  # a fresh group: a case stuck on one rank stays in its own
-            try:
-                result = run_zo(case, rank, group)
-            except Exception:
-                result = {"error": traceback.format_exc(limit=4)}
-            torch.save(result, os.path.join(out, f"{case.index}.{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_entry(rank: int, world: int, cases: list[Case], out: str) -> None:
+    for case in cases:
+        group = dist.new_group(backend="gloo")  # a fresh group: a case stuck on one rank stays in its own
+        try:
+            result = run_zo(case, rank, group)
+        except Exception:
+            result = {"error": traceback.format_exc(limit=4)}
+        torch.save(result, os.path.join(out, f"{case.index}.{rank}.pt"))
 
 
 def run_two_ranks(cases: list[Case], out: str) -> dict[int, list[dict]]:
     """All the cases in one launch of two gloo processes: case index -> each rank's results."""
     failure = "no result written"
     try:
-        mp.spawn(_rank_entry, args=(free_port(), cases, out), nprocs=2, join=True)
-    except Exception as e:  # a rank died: every case it did not finish reports this
-        failure = f"the 2-rank launch failed: {type(e).__name__}: {e}"
+        spawn_ranks(_rank_entry, 2, out, cases, out)
+    except AssertionError as e:  # a rank died: every case it did not finish reports this
+        failure = f"the 2-rank launch failed: {e}"
     results = {}
     for c in cases:
         paths = [os.path.join(out, f"{c.index}.{r}.pt") for r in range(2)]
@@ -293,8 +311,9 @@ def spawn_dir(tmp_path_factory):
 
 def run_oracle(case: Case, dtype: torch.dtype, **perturb) -> dict:
     model = case.model()
-    oracle = Oracle(model, dtype, groups=param_groups(model) if case.groups else None, loss_scale=case.loss_scale(),
-                    max_grad_norm=MAX_GRAD_NORM if case.clip else None, delay_update_after=case.dpu, **perturb,
+    oracle = Oracle(model, dtype, groups=param_groups(model, case.groups) if case.groups else None,
+                    loss_scale=case.loss_scale(), max_grad_norm=MAX_GRAD_NORM if case.clip else None,
+                    delay_update_after=case.dpu, **perturb,
                     **ADAMW)  # fmt: skip
     losses, skipped, scales = [], [], []
     for step in case.batches():

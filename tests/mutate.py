@@ -1,0 +1,181 @@
+"""The project's mutation run: seed plausible bugs one at a time, run the tests that should catch each, score.
+
+    python tests/mutate.py [--only NAME ...] [--list] [--timeout 900]
+
+Each mutant is a text patch (an exact snippet replaced once) in the kernel, the offload step, stage 3, the pack
+kernel or checkpoints. For each: apply it, rebuild the C++ extension when a C++ file changed, run the mutant's
+own test selection (pytest -x: the first failure kills it), restore the file (always, also on Ctrl-C), rebuild
+again if needed. A mutant is "killed" when its tests fail, "SURVIVED" when they pass, "undecided" when they did
+not finish within --timeout (on a loaded machine: raise it). Run it before resolving an issue that touches the
+step; a survivor is a missing test. It edits the working tree: run nothing else from the same tree meanwhile.
+The snippets must still occur exactly once: a refactor that moves one makes the run say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MATRIX_ONE_RANK = ("tests/test_oracle_matrix.py", "-k", "w1")  # the matrix's one-rank cases (no spawn)
+COMBINATIONS = ("tests/test_combinations.py",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    area: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[tuple[str, ...], ...]  # pytest selections, run one after another (a -k applies to one only)
+
+
+def _m(name: str, area: str, path: str, old: str, new: str, *tests: tuple[str, ...] | str) -> Mutant:
+    return Mutant(name, area, path, old, new, tuple((t,) if isinstance(t, str) else t for t in tests))
+
+
+MUTANTS = [
+    # ---- the three that the whole suite let through (issue 24)
+    _m("overflow-counts-as-iteration", "offload step", "zo_kernels/offload/grads.py",
+       "        if found_inf:\n            self.iteration -= 1\n", "",
+       COMBINATIONS, MATRIX_ONE_RANK),
+    _m("nvme-drops-clip-factor", "offload step", "zo_kernels/offload/update.py",
+       "step=step,\n                                  grad_scale=grad_scale * factor,",
+       "step=step,\n                                  grad_scale=grad_scale,",
+       COMBINATIONS, ("tests/test_offload_nvme.py", "-k", "nvme or clip")),
+    _m("cpuadam-adamw-from-defaults", "CPUAdam", "zo_kernels/cpu_adam.py",
+       'adamw=group["adamw"], bias_correction=group["bias_correction"],',
+       'adamw=self.defaults["adamw"], bias_correction=group["bias_correction"],',
+       "tests/test_combinations.py", "tests/test_cpu_adam_optimizer.py"),
+    # ---- the offload step
+    _m("clip-coefficient-not-capped", "offload step", "zo_kernels/offload/optimizer.py",
+       "clip = min(1.0, self.max_grad_norm / (norm + 1e-6))", "clip = self.max_grad_norm / (norm + 1e-6)",
+       MATRIX_ONE_RANK),
+    _m("loss-scale-not-divided", "offload step", "zo_kernels/offload/optimizer.py",
+       "grad_scale = clip / scale", "grad_scale = clip", MATRIX_ONE_RANK),
+    _m("dpu-starts-one-late", "offload step", "zo_kernels/offload/optimizer.py",
+       "self.grads.iteration >= self.delay_update_after", "self.grads.iteration > self.delay_update_after",
+       MATRIX_ONE_RANK),
+    _m("clip-factor-applied-twice-over-micro-batches", "offload step", "zo_kernels/offload/grads.py",
+       "                self.accum[s][a:b] *= f\n                self.factor[i] = 1.0\n",
+       "                self.accum[s][a:b] *= f\n", COMBINATIONS, MATRIX_ONE_RANK),
+    _m("runs-merge-across-factors", "offload step", "zo_kernels/offload/layout.py",
+       "(runs[-1][0], runs[-1][3], runs[-1][4]) == key", "(runs[-1][0], runs[-1][3]) == key[:2]",
+       COMBINATIONS, MATRIX_ONE_RANK),
+    _m("scaler-backoff-keeps-good-steps", "offload step", "zo_kernels/offload/scaler.py",
+       "            self.scale *= SCALE_BACKOFF\n            self.good_steps = 0\n",
+       "            self.scale *= SCALE_BACKOFF\n", "tests/test_offload_semantics.py", "tests/test_offload.py"),
+    # ---- stage 3
+    _m("stage3-update-keeps-gathered-copies", "stage 3", "zo_kernels/offload/params.py",
+       "        for u in self.units:\n            self.free(u)\n            u.arrived = set()\n",
+       "        for u in self.units:\n            u.arrived = set()\n",
+       ("tests/test_stages.py", "-k", "one_rank")),
+    _m("stage3-load-takes-wrong-slice", "stage 3", "zo_kernels/offload/params.py",
+       "copy_(values.reshape(-1)[a - off : b - off])", "copy_(values.reshape(-1)[a : b])",
+       ("tests/test_stages.py", "-k", "not two_ranks and not world_sizes")),
+    # ---- the pack kernel (Triton; interpreted on the CPU)
+    _m("pack-full-blocks-unscaled", "pack kernel", "zo_kernels/kernels/pack.py",
+       "x = _load_any(addr, code, offs, offs < numel, VEC, True) * scale",
+       "x = _load_any(addr, code, offs, offs < numel, VEC, True)", "tests/test_buckets.py"),
+    _m("pack-stats-sum-not-squared", "pack kernel", "zo_kernels/kernels/pack.py",
+       "tl.store(part_ptr + pid, tl.sum(x * x, axis=0))", "tl.store(part_ptr + pid, tl.sum(tl.abs(x), axis=0))",
+       "tests/test_buckets.py"),
+    # ---- checkpoints
+    _m("load-ignores-saved-masters", "checkpoints", "zo_kernels/offload/state.py",
+       'if st.get("master") is not None:', 'if st.get("master") is None:',
+       "tests/test_offload.py", "tests/test_offload_semantics.py"),
+    _m("load-step-off-by-one", "checkpoints", "zo_kernels/offload/state.py",
+       "opt.update.steps[i] = step\n", "opt.update.steps[i] = step + 1\n",
+       "tests/test_offload.py", "tests/test_offload_semantics.py"),
+    _m("state-dict-drops-good-steps", "checkpoints", "zo_kernels/offload/state.py",
+       '"good_steps": opt.scaler.good_steps,', '"good_steps": 0,',
+       "tests/test_offload.py", "tests/test_offload_semantics.py"),
+    # ---- the C++ kernel
+    _m("kernel-bias-correction-no-sqrt", "kernel", "cpu/adam.cpp",
+       "c.inv_bc2_sqrt = float(1.0 / std::sqrt(bc2));", "c.inv_bc2_sqrt = float(1.0 / bc2);",
+       "tests/test_cpu_adam.py"),
+    _m("kernel-decay-without-lr", "kernel", "cpu/adam.cpp",
+       "c.decay = float(1.0 - double(a.lr) * a.weight_decay);", "c.decay = float(1.0 - a.weight_decay);",
+       "tests/test_cpu_adam.py"),
+]
+
+CPP_SUFFIXES = (".cpp", ".h", ".inc", ".cu")
+
+
+def rebuild() -> None:
+    """The C++ extension from the current sources (editable install, as the set-up does)."""
+    # a build directory of its own: after the first build only the mutated file recompiles
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "-e", str(ROOT),
+                    f"--config-settings=build-dir={ROOT / 'build' / 'mutate'}"],
+                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL)  # fmt: skip
+
+
+def run_mutant(m: Mutant, timeout_s: float) -> tuple[str, float]:
+    """Apply, test, restore; ("killed" | "SURVIVED" | "timeout (undecided)" | "not applied", seconds)."""
+    path = ROOT / m.path
+    original = path.read_text()
+    if original.count(m.old) != 1:
+        return f"not applied ({original.count(m.old)} matches)", 0.0
+    cpp = m.path.endswith(CPP_SUFFIXES)
+    t0 = time.perf_counter()
+    try:
+        path.write_text(original.replace(m.old, m.new))
+        if cpp:
+            rebuild()
+        verdict = "SURVIVED"
+        for selection in m.tests:
+            cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *selection]
+            left = timeout_s - (time.perf_counter() - t0)
+            try:
+                proc = subprocess.run(cmd, cwd=ROOT, timeout=max(1.0, left), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)  # fmt: skip
+            except subprocess.TimeoutExpired:
+                verdict = "timeout (undecided)"
+                break
+            if proc.returncode != 0:
+                verdict = "killed"
+                if proc.returncode != 1:  # 2: interrupted/collection error, 5: no tests: worth a look
+                    verdict += f" (pytest exit {proc.returncode})"
+                break
+    finally:
+        path.write_text(original)
+        if cpp:
+            rebuild()
+    return verdict, time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", help="mutant names to run (default: all)")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant's tests")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:46s} {m.area:13s} {m.path}  ->  {' ; '.join(' '.join(t) for t in m.tests)}")
+        return 0
+    os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+    rows, t_all = [], time.perf_counter()
+    for m in chosen:
+        verdict, secs = run_mutant(m, args.timeout)
+        rows.append((m, verdict, secs))
+        print(f"{m.name:46s} {verdict:22s} {secs:6.0f} s", flush=True)
+    killed = sum(v.startswith("killed") for _, v, _ in rows)
+    decided = sum(v.startswith(("killed", "SURVIVED")) for _, v, _ in rows)
+    print("\n| mutant | area | tests | result | s |\n|---|---|---|---|---|")
+    for m, v, s in rows:
+        print(f"| {m.name} | {m.area} | {' ; '.join(' '.join(t) for t in m.tests)} | {v} | {s:.0f} |")
+    print(f"\nscore: {killed}/{decided} killed, {len(rows) - decided} undecided or not applied "
+          f"({time.perf_counter() - t_all:.0f} s in all)")
+    return 0 if killed == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The combinations a hand-made mutation run found untested (issue 24), one targeted test each.
+
+Each was a seeded bug that passed the whole suite: an option that changes the schedule meeting an option that
+changes the values. The oracle matrix (tests/test_oracle_matrix.py) now crosses them pairwise; these are the
+cheap, direct versions (one rank, one case) that tests/mutate.py runs against its mutants.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close_verbose, ref_adam
+from test_oracle_matrix import DTYPES, Case, check_case, run_oracle, run_zo
+
+import zo_kernels as zk
+from zo_kernels import CPUAdam
+
+
+def oracle_errors(case: Case) -> list[str]:
+    """The case run by ZeroOffloadAdamW on one rank against the oracle; what differs."""
+    zo = [run_zo(case, 0, None)]
+    threads = torch.get_num_threads()
+    want = run_oracle(case, DTYPES[case.dtype])
+    other = run_oracle(case, torch.float32, foreach=True, reverse_sums=True, nudge=True)
+    assert torch.get_num_threads() == threads
+    return check_case(case, zo, want, other)
+
+
+def one_rank_case(**kw) -> Case:
+    base = dict(index=900, dtype="fp32", micro=1, clip=None, scale=None, dpu=None, world=1, groups=None, frozen=False,
+                tied=False, unused=False, buffers=False, inf=None, transport="host", stage="2")  # fmt: skip
+    return Case(**{**base, **kw})
+
+
+@pytest.mark.parametrize("scale", [None, "dynamic"])
+def test_overflow_before_the_delayed_update_starts_is_not_an_iteration(scale) -> None:
+    """DPU k=2 and an inf in step 1 (0-based): that skipped step is not one of the k synchronous ones, so the
+    delayed update starts at step 3, not step 2 (a skipped step counted as an iteration started it early)."""
+    errors = oracle_errors(one_rank_case(dpu=2, inf="early", scale=scale))
+    assert not errors, "\n".join(errors[:8])
+
+
+@pytest.mark.parametrize("stage", ["2", "3+cpu"])
+def test_framework_clipping_with_the_state_on_nvme(stage) -> None:
+    """clip_grad_norm_ on the p.grad placeholders (Trainer, accelerate) sets a factor per parameter: the update
+    streamed from NVMe files must apply it as the in-memory one does."""
+    errors = oracle_errors(one_rank_case(clip="framework", offload="nvme", stage=stage, groups="lr_wd"))
+    assert not errors, "\n".join(errors[:8])
+
+
+@pytest.mark.parametrize("default_adamw", [True, False])
+def test_cpu_adam_takes_adamw_from_each_param_group(default_adamw) -> None:
+    """Two groups with different `adamw` (decoupled decay vs L2 in the gradient): each follows its own flag,
+    not the constructor's default; judged against the formulas in float64 (tests/helpers.ref_adam)."""
+    g = torch.Generator().manual_seed(3)
+    init = [torch.randn(33, generator=g), torch.randn(4, 5, generator=g)]
+    grads = [[torch.randn(p.shape, generator=g) for p in init] for _ in range(5)]
+    params = [p.clone() for p in init]
+    hp = dict(lr=1e-2, weight_decay=0.3)
+    opt = CPUAdam([{"params": [params[0]], "adamw": True}, {"params": [params[1]], "adamw": False}],
+                  adamw=default_adamw, **hp)  # fmt: skip
+    for step in grads:
+        for p, gr in zip(params, step):
+            p.grad = gr.clone()
+        opt.step()
+    for i, adamw in enumerate((True, False)):
+        want, m, v = ref_adam(init[i], [s[i] for s in grads], adamw=adamw, **hp)
+        st = opt.state[params[i]]
+        bound = 1e-5 * max(1.0, want.abs().max().item())
+        assert_close_verbose(params[i], want, bound, f"group {i} (adamw={adamw}) param")
+        assert_close_verbose(st["exp_avg"], m, 1e-6, f"group {i} exp_avg")
+        assert_close_verbose(st["exp_avg_sq"], v, 1e-6, f"group {i} exp_avg_sq")
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_a_gradient_factor_on_one_param_of_a_group_stays_its_own(micro: int) -> None:
+    """p.grad.mul_(f) on one parameter only (per-parameter or per-group clipping in user code), with f changing
+    every step: that parameter's update uses f, its neighbours' in the same group do not (against torch). With
+    two micro-batches f comes after the first: it scales the sum so far only, once."""
+    g = torch.Generator().manual_seed(4)
+    init = [torch.randn(40, generator=g), torch.randn(24, generator=g), torch.randn(16, generator=g)]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = zk.ZeroOffloadAdamW(ours, dtype=torch.float32, lr=0.1, weight_decay=0.1)
+    topt = torch.optim.AdamW(ref, foreach=False, lr=0.1, weight_decay=0.1)
+    for step in range(4):
+        for ps in (ours, ref):
+            for m in range(micro):
+                sum(((i + m + 1) * p.sin()).sum() for i, p in enumerate(ps)).backward()
+                if m == 0:
+                    ps[1].grad.mul_(0.1 * (step + 1))
+        opt.step()
+        topt.step()
+        opt.zero_grad()
+        topt.zero_grad()
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert_close_verbose(a.detach(), b.detach(), 1e-6, f"param {i}")
