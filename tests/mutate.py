@@ -70,7 +70,8 @@ MUTANTS = [
        COMBINATIONS, MATRIX_ONE_RANK),
     _m("scaler-backoff-keeps-good-steps", "offload step", "zo_kernels/offload/scaler.py",
        "            self.scale *= SCALE_BACKOFF\n            self.good_steps = 0\n",
-       "            self.scale *= SCALE_BACKOFF\n", "tests/test_offload_semantics.py", "tests/test_offload.py"),
+       "            self.scale *= SCALE_BACKOFF\n", ("tests/test_combinations.py", "-k", "dynamic_scale"),
+       "tests/test_offload_semantics.py", "tests/test_offload.py"),
     # ---- stage 3
     _m("stage3-update-keeps-gathered-copies", "stage 3", "zo_kernels/offload/params.py",
        "        for u in self.units:\n            self.free(u)\n            u.arrived = set()\n",
@@ -95,7 +96,8 @@ MUTANTS = [
        "tests/test_offload.py", "tests/test_offload_semantics.py"),
     _m("state-dict-drops-good-steps", "checkpoints", "zo_kernels/offload/state.py",
        '"good_steps": opt.scaler.good_steps,', '"good_steps": 0,',
-       "tests/test_offload.py", "tests/test_offload_semantics.py"),
+       ("tests/test_combinations.py", "-k", "dynamic_scale"), "tests/test_offload.py",
+       "tests/test_offload_semantics.py"),
     # ---- the C++ kernel
     _m("kernel-bias-correction-no-sqrt", "kernel", "cpu/adam.cpp",
        "c.inv_bc2_sqrt = float(1.0 / std::sqrt(bc2));", "c.inv_bc2_sqrt = float(1.0 / bc2);",

@@ -95,3 +95,66 @@ def test_a_gradient_factor_on_one_param_of_a_group_stays_its_own(micro: int) -> 
         topt.zero_grad()
     for i, (a, b) in enumerate(zip(ours, ref)):
         assert_close_verbose(a.detach(), b.detach(), 1e-6, f"param {i}")
+
+
+GROWTH_INTERVAL = 3  # the scaler's 2000 shortened (monkeypatched) so that growth happens within a few steps
+# inf in the gradient at these steps of 12: growth, an overflow one good step before the next growth, two in a row
+INF_STEPS = {4, 6, 7}
+
+
+def torch_scales(steps: int) -> list[float]:
+    """torch.amp.GradScaler's loss scale after each step (same infs), with growth_interval=GROWTH_INTERVAL."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    sgd = torch.optim.SGD([p], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=GROWTH_INTERVAL)
+    out = []
+    for t in range(steps):
+        scaler.scale(p.sum()).backward()
+        if t in INF_STEPS:
+            p.grad[0] = float("inf")
+        scaler.step(sgd)
+        scaler.update()
+        sgd.zero_grad()
+        out.append(scaler.get_scale())
+    return out
+
+
+def zo_dynamic(monkeypatch) -> tuple[torch.nn.Module, zk.ZeroOffloadAdamW]:
+    monkeypatch.setattr("zo_kernels.offload.scaler.SCALE_INTERVAL", GROWTH_INTERVAL)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    return model, zk.ZeroOffloadAdamW(model, dtype=torch.float32, lr=1e-3, loss_scale="dynamic")
+
+
+def zo_step(model: torch.nn.Module, opt: zk.ZeroOffloadAdamW, t: int) -> float:
+    """One step (an inf in the gradient at INF_STEPS); the loss scale after it."""
+    opt.backward(model(torch.ones(2, 4)).sum() * (float("inf") if t in INF_STEPS else 1.0))
+    opt.step()
+    opt.zero_grad()
+    return opt.loss_scale
+
+
+def test_dynamic_scale_follows_torch_grad_scaler_through_overflows(monkeypatch) -> None:
+    """2**16, x2 after GROWTH_INTERVAL good steps, /2 on an overflow, which restarts the count of good steps:
+    the scale after every step equals torch.amp.GradScaler's with the same overflows."""
+    want = torch_scales(12)
+    assert want[0] == 2.0**16 and max(want) > 2.0**16 and min(want) < 2.0**16  # the schedule grows and backs off
+    model, opt = zo_dynamic(monkeypatch)
+    got = [zo_step(model, opt, t) for t in range(12)]
+    assert got == want
+
+
+@pytest.mark.parametrize("save_at", [1, 5, 9])
+def test_dynamic_scale_after_a_state_dict_round_trip(monkeypatch, save_at: int) -> None:
+    """Saved after step `save_at` (good steps counted since the last change) and loaded into a fresh optimizer:
+    the next growth comes at the same step as without the round trip (torch.amp.GradScaler's schedule)."""
+    want = torch_scales(12)
+    model, opt = zo_dynamic(monkeypatch)
+    got = [zo_step(model, opt, t) for t in range(save_at + 1)]
+    sd, msd = opt.state_dict(), model.state_dict()
+    opt.close()
+    model, opt = zo_dynamic(monkeypatch)
+    model.load_state_dict(msd)
+    opt.load_state_dict(sd)
+    got += [zo_step(model, opt, t) for t in range(save_at + 1, 12)]
+    assert got == want
