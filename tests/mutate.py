@@ -76,7 +76,7 @@ MUTANTS = [
     _m("stage3-update-keeps-gathered-copies", "stage 3", "zo_kernels/offload/params.py",
        "        for u in self.units:\n            self.free(u)\n            u.arrived = set()\n",
        "        for u in self.units:\n            u.arrived = set()\n",
-       ("tests/test_stages.py", "-k", "one_rank")),
+       ("tests/test_combinations.py", "-k", "stage3"), ("tests/test_stages.py", "-k", "one_rank")),
     _m("stage3-load-takes-wrong-slice", "stage 3", "zo_kernels/offload/params.py",
        "copy_(values.reshape(-1)[a - off : b - off])", "copy_(values.reshape(-1)[a : b])",
        ("tests/test_stages.py", "-k", "not two_ranks and not world_sizes")),

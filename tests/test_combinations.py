@@ -158,3 +158,37 @@ def test_dynamic_scale_after_a_state_dict_round_trip(monkeypatch, save_at: int) 
     opt.load_state_dict(sd)
     got += [zo_step(model, opt, t) for t in range(save_at + 1, 12)]
     assert got == want
+
+
+def stage_weights(stage: int) -> list[dict[str, torch.Tensor]]:
+    """3 steps of a small MLP, an evaluation forward (no_grad) between each backward and step; the weights read
+    right after each step, by model.state_dict() and inside opt.gathered() (no forward in between)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 6), torch.nn.Tanh(),
+                                torch.nn.Linear(6, 3))  # fmt: skip
+    kw = dict(stage=3, prefetch=2) if stage == 3 else dict(stage=stage)
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, **kw)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(3):
+        model(torch.randn(4, 5, generator=g)).square().sum().backward()
+        with torch.no_grad():  # at stage 3 this forward leaves a unit prefetched (gathered, pre-update values)
+            model(torch.randn(4, 5, generator=g))
+        opt.step()
+        opt.zero_grad()
+        out.append({k: v.clone() for k, v in model.state_dict().items()})
+        with opt.gathered():
+            out.append({"gathered " + k: v.clone() for k, v in model.state_dict().items()})
+    opt.close()
+    return out
+
+
+def test_stage3_weights_read_right_after_a_step_are_the_updated_ones() -> None:
+    """An update makes every gathered copy of the parameters stale: model.state_dict() or opt.gathered() right
+    after opt.step() must read the new weights, bit for bit stage 2's (fp32, one rank), also when a forward before
+    the step left a unit gathered (prefetched)."""
+    want, got = stage_weights(2), stage_weights(3)
+    for i, (w, o) in enumerate(zip(want, got)):
+        assert w.keys() == o.keys()
+        bad = [k for k in w if not torch.equal(w[k], o[k])]
+        assert not bad, f"{('state_dict()', 'gathered()')[i % 2]} after step {i // 2 + 1}: {bad} differ from stage 2's"
