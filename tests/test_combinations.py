@@ -95,3 +95,100 @@ def test_a_gradient_factor_on_one_param_of_a_group_stays_its_own(micro: int) -> 
         topt.zero_grad()
     for i, (a, b) in enumerate(zip(ours, ref)):
         assert_close_verbose(a.detach(), b.detach(), 1e-6, f"param {i}")
+
+
+GROWTH_INTERVAL = 3  # the scaler's 2000 shortened (monkeypatched) so that growth happens within a few steps
+# inf in the gradient at these steps of 12: growth, an overflow one good step before the next growth, two in a row
+INF_STEPS = {4, 6, 7}
+
+
+def torch_scales(steps: int) -> list[float]:
+    """torch.amp.GradScaler's loss scale after each step (same infs), with growth_interval=GROWTH_INTERVAL."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    sgd = torch.optim.SGD([p], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=GROWTH_INTERVAL)
+    out = []
+    for t in range(steps):
+        scaler.scale(p.sum()).backward()
+        if t in INF_STEPS:
+            p.grad[0] = float("inf")
+        scaler.step(sgd)
+        scaler.update()
+        sgd.zero_grad()
+        out.append(scaler.get_scale())
+    return out
+
+
+def zo_dynamic(monkeypatch) -> tuple[torch.nn.Module, zk.ZeroOffloadAdamW]:
+    monkeypatch.setattr("zo_kernels.offload.scaler.SCALE_INTERVAL", GROWTH_INTERVAL)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    return model, zk.ZeroOffloadAdamW(model, dtype=torch.float32, lr=1e-3, loss_scale="dynamic")
+
+
+def zo_step(model: torch.nn.Module, opt: zk.ZeroOffloadAdamW, t: int) -> float:
+    """One step (an inf in the gradient at INF_STEPS); the loss scale after it."""
+    opt.backward(model(torch.ones(2, 4)).sum() * (float("inf") if t in INF_STEPS else 1.0))
+    opt.step()
+    opt.zero_grad()
+    return opt.loss_scale
+
+
+def test_dynamic_scale_follows_torch_grad_scaler_through_overflows(monkeypatch) -> None:
+    """2**16, x2 after GROWTH_INTERVAL good steps, /2 on an overflow, which restarts the count of good steps:
+    the scale after every step equals torch.amp.GradScaler's with the same overflows."""
+    want = torch_scales(12)
+    assert want[0] == 2.0**16 and max(want) > 2.0**16 and min(want) < 2.0**16  # the schedule grows and backs off
+    model, opt = zo_dynamic(monkeypatch)
+    got = [zo_step(model, opt, t) for t in range(12)]
+    assert got == want
+
+
+@pytest.mark.parametrize("save_at", [1, 5, 9])
+def test_dynamic_scale_after_a_state_dict_round_trip(monkeypatch, save_at: int) -> None:
+    """Saved after step `save_at` (good steps counted since the last change) and loaded into a fresh optimizer:
+    the next growth comes at the same step as without the round trip (torch.amp.GradScaler's schedule)."""
+    want = torch_scales(12)
+    model, opt = zo_dynamic(monkeypatch)
+    got = [zo_step(model, opt, t) for t in range(save_at + 1)]
+    sd, msd = opt.state_dict(), model.state_dict()
+    opt.close()
+    model, opt = zo_dynamic(monkeypatch)
+    model.load_state_dict(msd)
+    opt.load_state_dict(sd)
+    got += [zo_step(model, opt, t) for t in range(save_at + 1, 12)]
+    assert got == want
+
+
+def stage_weights(stage: int) -> list[dict[str, torch.Tensor]]:
+    """3 steps of a small MLP, an evaluation forward (no_grad) between each backward and step; the weights read
+    right after each step, by model.state_dict() and inside opt.gathered() (no forward in between)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 6), torch.nn.Tanh(),
+                                torch.nn.Linear(6, 3))  # fmt: skip
+    kw = dict(stage=3, prefetch=2) if stage == 3 else dict(stage=stage)
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, **kw)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(3):
+        model(torch.randn(4, 5, generator=g)).square().sum().backward()
+        with torch.no_grad():  # at stage 3 this forward leaves a unit prefetched (gathered, pre-update values)
+            model(torch.randn(4, 5, generator=g))
+        opt.step()
+        opt.zero_grad()
+        out.append({k: v.clone() for k, v in model.state_dict().items()})
+        with opt.gathered():
+            out.append({"gathered " + k: v.clone() for k, v in model.state_dict().items()})
+    opt.close()
+    return out
+
+
+def test_stage3_weights_read_right_after_a_step_are_the_updated_ones() -> None:
+    """An update makes every gathered copy of the parameters stale: model.state_dict() or opt.gathered() right
+    after opt.step() must read the new weights, bit for bit stage 2's (fp32, one rank), also when a forward before
+    the step left a unit gathered (prefetched)."""
+    want, got = stage_weights(2), stage_weights(3)
+    for i, (w, o) in enumerate(zip(want, got)):
+        assert w.keys() == o.keys()
+        bad = [k for k in w if not torch.equal(w[k], o[k])]
+        assert not bad, f"{('state_dict()', 'gathered()')[i % 2]} after step {i // 2 + 1}: {bad} differ from stage 2's"
