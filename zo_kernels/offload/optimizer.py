@@ -646,4 +646,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.shards.detach()
         self.update.close()
         self._release_transports()
+        # Our reference to the process group goes: a gloo group kept alive by this object (which scripts keep until
+        # exit) is destroyed in interpreter finalization, where its worker threads, releasing the tensors of the last
+        # collectives, abort the process ("terminate called without an active exception"; tests/test_exit.py).
+        self.comm.group = None
         self._closed = True
