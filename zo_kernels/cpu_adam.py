@@ -14,6 +14,7 @@ import torch
 from . import _cpu
 from .optim_contract import (
     TORCH_OPTIONS,
+    check_state_dict_layout,
     check_torch_options,
     keep_implementation,
     run_load_pre_hooks,
@@ -759,13 +760,7 @@ class CPUAdam(torch.optim.Optimizer):
                     st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
 
     def _check_state_dict(self, state_dict: Any) -> None:
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        groups, state = state_dict.get("param_groups"), state_dict.get("state")
-        if not isinstance(groups, list) or not isinstance(state, dict):
-            raise ValueError("state_dict must have 'param_groups' (a list) and 'state' (a dict)")
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
+        groups, state = check_state_dict_layout(state_dict, len(self.param_groups))
         for gi, (saved, group) in enumerate(zip(groups, self.param_groups)):
             where = f"state_dict param group {gi}"
             if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):

@@ -47,6 +47,18 @@ def check_torch_options(options: dict[str, Any], where: str, loaded: bool = Fals
     return out
 
 
+def check_state_dict_layout(state_dict: Any, n_groups: int) -> tuple[list[Any], dict[Any, Any]]:
+    """The (param_groups, state) of a state dict with `n_groups` groups, checked only for their outer shape."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    groups, state = state_dict.get("param_groups"), state_dict.get("state")
+    if not isinstance(groups, list) or not isinstance(state, dict):
+        raise ValueError("state_dict must have 'param_groups' (a list) and 'state' (a dict)")
+    if len(groups) != n_groups:
+        raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer {n_groups}")
+    return groups, state
+
+
 def keep_implementation(saved: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:
     """A saved group to load into `group`: the implementation options stay the loading optimizer's."""
     return {**saved, **{k: group[k] for k in IMPLEMENTATION if k in group}}

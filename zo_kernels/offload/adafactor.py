@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..cpu_adam import _real
+from ..optim_contract import check_state_dict_layout
 from .checks import check_int
 from .layout import Run
 from .optimizer import ZeroOffloadAdamW
@@ -197,13 +198,7 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
         """Check a state dict of this class or torch.optim.Adafactor against the optimizer; change nothing."""
         from .state import _check_step
 
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        groups, state = state_dict.get("param_groups"), state_dict.get("state")
-        if not isinstance(groups, list) or not isinstance(state, dict):
-            raise ValueError("state_dict must have 'param_groups' (a list) and 'state' (a dict)")
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
+        groups, state = check_state_dict_layout(state_dict, len(self.param_groups))
         plan = []
         for gi, (saved, group) in enumerate(zip(groups, self.param_groups)):
             if not isinstance(saved, dict) or len(saved.get("params", ())) != len(group["params"]):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..cpu_adam import _real, check_hparams
-from ..optim_contract import TORCH_OPTIONS, check_torch_options, keep_implementation
+from ..optim_contract import TORCH_OPTIONS, check_state_dict_layout, check_torch_options, keep_implementation
 from .checks import check_int
 from .formats import BLOCK_8BIT, check_raw, check_state_dtype
 
@@ -86,13 +86,7 @@ def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[
 
     Returns the per-parameter entries to load as (group index, param, state, step).
     """
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-    groups, state = state_dict.get("param_groups"), state_dict.get("state")
-    if not isinstance(groups, list) or not isinstance(state, dict):
-        raise ValueError("state_dict must have 'param_groups' (a list) and 'state' (a dict)")
-    if len(groups) != len(opt.param_groups):
-        raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer {len(opt.param_groups)}")
+    groups, state = check_state_dict_layout(state_dict, len(opt.param_groups))
     plan = []
     for gi, (saved, group) in enumerate(zip(groups, opt.param_groups)):
         if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
