@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zo_kernels import checkpoint, load_checkpoint, save_checkpoint
+from zo_kernels import checkpoint_io, load_checkpoint, save_checkpoint
 
 
 def _model(width: int = 700) -> torch.nn.Module:
@@ -62,7 +62,7 @@ def test_sigkill_during_save_leaves_nothing_after_the_next_save(tmp_path):
 
 def test_a_live_writers_temp_file_is_kept(tmp_path):
     path = tmp_path / "ckpt.pt"
-    live = tmp_path / f"{checkpoint._temp_prefix(path)}abc.tmp"  # this process's: alive
+    live = tmp_path / f"{checkpoint_io._temp_prefix(path)}abc.tmp"  # this process's: alive
     live.write_bytes(b"partial")
     foreign = tmp_path / ".ckpt.pt.otherhost.1.abc.tmp"  # another host's: its writer may be alive
     foreign.write_bytes(b"partial")
@@ -78,7 +78,7 @@ def test_disk_full_says_so_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.os, "fsync", full)
+    monkeypatch.setattr(checkpoint_io.os, "fsync", full)
     with pytest.raises(OSError, match="no space left.*the last checkpoint .* is intact") as e:
         save_checkpoint(path, _model(4), step=2)
     assert e.value.errno == errno.ENOSPC

@@ -1,7 +1,8 @@
 """zo_kernels: hand-written kernels for ZeRO-Offload style training on one GPU plus the host CPU."""
 
+from .activations import ActivationBuffers, checkpoint
 from .buckets import Packed, cast, pack, unpack
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint_io import load_checkpoint, save_checkpoint
 from .cpu_adam import CPUAdam, available_isas, best_isa, cpu_adam_step, stream_pass, sum_squares
 from .offload import MemoryReport, ZeroOffloadAdafactor, ZeroOffloadAdamW
 from .param_views import MovedGrad
@@ -11,6 +12,7 @@ from .quant8 import Quantized8bit
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationBuffers",
     "CPUAdam",
     "MemoryReport",
     "MovedGrad",
@@ -22,6 +24,7 @@ __all__ = [
     "available_isas",
     "best_isa",
     "cast",
+    "checkpoint",
     "cpu_adam_step",
     "load_checkpoint",
     "pack",

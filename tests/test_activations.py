@@ -1,0 +1,266 @@
+"""zo_kernels.checkpoint (issue 21): gradients bit for bit torch.utils.checkpoint's (use_reentrant=False), checkpoints
+offloaded through the GPU-shaped transport (delayed copies: a missing wait fails), constant buffers, bad arguments.
+
+The reference is torch's own checkpoint of the same function; no zo code runs in it.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+import zo_kernels as zk
+from zo_kernels.activations import ActivationBuffers
+from zo_kernels.transport import CopyEngineTransport, HostTransport
+
+WIDTH = 48
+
+
+class Block(torch.nn.Module):
+    """A residual MLP block with dropout (RNG), a non-tensor argument and a keyword argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0, *, p: float = 0.1) -> torch.Tensor:
+        return x + scale * self.down(F.dropout(F.gelu(self.up(x)), p=p, training=True))
+
+
+def blocks(n: int = 4) -> torch.nn.ModuleList:
+    torch.manual_seed(0)
+    return torch.nn.ModuleList(Block() for _ in range(n))
+
+
+def run(model: torch.nn.ModuleList, ck, x0: torch.Tensor, **call) -> list[torch.Tensor]:
+    """Forward through every block under `ck`, backward of a loss; the grads of every param and of the input."""
+    for q in model.parameters():
+        q.grad = None
+    x = x0.detach().clone().requires_grad_()
+    torch.manual_seed(1)
+    h = x
+    for b in model:
+        h = ck(b, h, **call)
+    (h * h).sum().backward()
+    return [q.grad.clone() for q in model.parameters()] + [x.grad.clone()]
+
+
+def torch_ck(fn, *args, **kwargs):
+    return torch_checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+def same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"grad {i} differs: max err {(a - b).abs().max()}"
+
+
+def x_input(batch: int = 6) -> torch.Tensor:
+    return torch.randn(batch, 5, WIDTH, generator=torch.Generator().manual_seed(2))
+
+
+@pytest.fixture
+def engine():
+    tr = CopyEngineTransport(delay_s=0.002)
+    yield tr
+    tr.close()
+
+
+@pytest.mark.parametrize("offload", [True, False])
+@pytest.mark.parametrize("segments", [1, 4])
+def test_gradients_bitwise_equal_torch_checkpoint(engine, offload, segments):
+    """One and several segments, dropout (RNG restored as torch does), a non-tensor arg and a kwarg."""
+    model, x = blocks(segments), x_input()
+    want = run(model, torch_ck, x, scale=0.5, p=0.2)
+    buf = ActivationBuffers("cpu", engine)
+    ck = functools.partial(zk.checkpoint, offload=offload, buffers=buf)
+    for _ in range(2):  # a second step reuses the blocks of the first
+        same(run(model, ck, x, scale=0.5, p=0.2), want)
+    assert not torch.equal(run(model, torch_ck, x, scale=0.5, p=0.0)[0], want[0]), "dropout had no effect"
+
+
+def test_tuple_outputs_and_several_tensor_args(engine):
+    """A segment taking two activations and a mask (int, kept by reference) and returning a tuple."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(WIDTH, WIDTH)
+
+    def seg(a, b, mask, flag):
+        y = F.dropout(lin(a) * b.sigmoid(), p=0.3, training=flag)
+        return y.masked_fill(mask, 0.0), a - b
+
+    a0, b0 = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+    mask = torch.zeros(4, WIDTH, dtype=torch.bool)
+    mask[:, ::3] = True
+
+    def grads(ck):
+        lin.zero_grad(set_to_none=True)
+        a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+        torch.manual_seed(5)
+        for _ in range(3):
+            a, b = ck(seg, a * 1.0, b * 1.0, mask, True)
+        (a.square().sum() + b.sum()).backward()
+        return [lin.weight.grad, lin.bias.grad]
+
+    same(grads(functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine))), grads(torch_ck))
+
+
+def test_an_input_that_needs_no_grad(engine):
+    model, x = blocks(3), x_input()
+
+    def grads(ck):
+        for q in model.parameters():
+            q.grad = None
+        torch.manual_seed(1)
+        h = x
+        for b in model:
+            h = ck(b, h)
+        h.sum().backward()
+        return [q.grad.clone() for q in model.parameters()]
+
+    same(grads(functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine))), grads(torch_ck))
+
+
+def test_no_allocation_per_step_and_two_checkpoints_in_flight(engine):
+    """After the first step the device and host blocks are reused: the allocation counters stay put, with the
+    cyclic garbage collector off (nothing waits for it). Offloaded, six segments need two device slots."""
+    model, x = blocks(6), x_input()
+    want = run(model, torch_ck, x)
+    buf = ActivationBuffers("cpu", engine)
+    ck = functools.partial(zk.checkpoint, buffers=buf)
+    gc.disable()
+    try:
+        same(run(model, ck, x), want)
+        first = (buf.device_allocations, buf.host_allocations, engine.pool.reserved)
+        for _ in range(3):
+            same(run(model, ck, x), want)
+        assert (buf.device_allocations, buf.host_allocations, engine.pool.reserved) == first
+    finally:
+        gc.enable()
+    assert buf.device_allocations == 2, "one slot being recomputed, one being prefetched"
+    assert buf.host_allocations == 6
+    resident = ActivationBuffers("cpu", engine)
+    run(model, functools.partial(zk.checkpoint, offload=False, buffers=resident), x)
+    n = resident.device_allocations
+    run(model, functools.partial(zk.checkpoint, offload=False, buffers=resident), x)
+    assert resident.device_allocations == n == 6 and resident.host_allocations == 0
+
+
+def test_reserve_allocates_up_front(engine):
+    model, x = blocks(4), x_input()
+    nbytes = x.numel() * x.element_size()
+    buf = ActivationBuffers("cpu", engine)
+    buf.reserve([nbytes] * 2, [nbytes] * 4)
+    before = buf.allocations
+    run(model, functools.partial(zk.checkpoint, buffers=buf), x)
+    assert buf.allocations == before == 6
+
+
+def test_the_previous_segment_is_prefetched_while_this_one_recomputes(engine):
+    """The H2D copy of segment k-1 is queued when segment k starts recomputing, before segment k's backward."""
+    log = []
+    engine.h2d = (lambda h2d: lambda dst, src: (log.append(("h2d", src.data_ptr())), h2d(dst, src))[1])(engine.h2d)
+    buf = ActivationBuffers("cpu", engine)
+    model, x = blocks(3), x_input()
+    for i, b in enumerate(model):
+        b.up.register_full_backward_hook(lambda m, gi, go, i=i: log.append(("backward", i)))
+    run(model, functools.partial(zk.checkpoint, buffers=buf), x)
+    kinds = [k if k == "h2d" else f"b{i}" for k, i in log]
+    assert kinds == ["h2d", "h2d", "b2", "h2d", "b1", "b0"], kinds
+
+
+def test_a_missing_device_wait_is_caught():
+    """The recomputation reads the device slot before its delayed H2D copy has landed: gradients differ."""
+    model, x = blocks(4), x_input()
+    want = run(model, torch_ck, x)
+    tr = CopyEngineTransport(delay_s=0.05)
+    tr.device_wait = lambda event: None  # a deliberately broken consumer
+    try:
+        got = run(model, functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", tr)), x)
+    finally:
+        tr.close()
+    with pytest.raises(AssertionError, match="differs"):
+        same(got, want)
+
+
+def test_retain_graph_and_a_second_backward(engine):
+    model, x0 = blocks(3), x_input()
+
+    def twice(ck):
+        for q in model.parameters():
+            q.grad = None
+        torch.manual_seed(1)
+        h = x0
+        for b in model:
+            h = ck(b, h)
+        h.sum().backward(retain_graph=True)
+        h.square().sum().backward()
+        return [q.grad.clone() for q in model.parameters()]
+
+    same(twice(functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine))), twice(torch_ck))
+
+
+def test_plain_cpu_transport_and_no_grad():
+    model, x = blocks(2), x_input()
+    buf = ActivationBuffers("cpu", HostTransport())
+    same(run(model, functools.partial(zk.checkpoint, buffers=buf), x), run(model, torch_ck, x))
+    with torch.no_grad():
+        torch.manual_seed(1)
+        y = zk.checkpoint(model[0], x, buffers=buf)
+        torch.manual_seed(1)
+        assert torch.equal(y, model[0](x))
+    assert buf.allocations == 4  # nothing stored under no_grad
+
+
+def test_torch_compile_falls_back_to_eager(engine):
+    """zk.checkpoint is a graph break for dynamo: the compiled model runs it eagerly, with torch's gradients."""
+    model, x = blocks(2), x_input()
+    buf = ActivationBuffers("cpu", engine)
+
+    class Net(torch.nn.Module):
+        def __init__(self, ck):
+            super().__init__()
+            self.blocks, self.ck = model, ck
+
+        def forward(self, h):
+            for b in self.blocks:
+                h = self.ck(b, h)
+            return h
+
+    def grads(net):
+        for q in model.parameters():
+            q.grad = None
+        torch.manual_seed(1)
+        net(x.clone().requires_grad_()).sum().backward()
+        return [q.grad.clone() for q in model.parameters()]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(Net(functools.partial(zk.checkpoint, buffers=buf)), backend="eager")
+    same(grads(compiled), grads(Net(torch_ck)))
+    assert buf.allocations > 0, "the offloaded path ran"
+
+
+def test_bad_arguments_are_refused_before_anything_changes(engine):
+    buf = ActivationBuffers("cpu", engine)
+    x = torch.randn(3, WIDTH, requires_grad=True)
+    lin = torch.nn.Linear(WIDTH, WIDTH)
+    before = (x.detach().clone(), buf.allocations, engine.pool.reserved)
+    cases = [
+        (TypeError, "function must be callable", lambda: zk.checkpoint(3, x, buffers=buf)),
+        (TypeError, "offload must be a bool", lambda: zk.checkpoint(lin, x, offload="yes", buffers=buf)),
+        (ValueError, "use_reentrant", lambda: zk.checkpoint(lin, x, use_reentrant=True, buffers=buf)),
+        (TypeError, "buffers must be an ActivationBuffers", lambda: zk.checkpoint(lin, x, buffers=engine)),
+        (ValueError, "offload=True needs CUDA tensors", lambda: zk.checkpoint(lin, x)),
+        (ValueError, "determinism_check", lambda: zk.checkpoint(lin, x, buffers=buf, determinism_check="bad")),
+        (TypeError, "transport must be", lambda: ActivationBuffers("cpu", transport="fast")),
+        (ValueError, "device must be", lambda: ActivationBuffers("meta")),
+        (ValueError, "device_blocks", lambda: buf.reserve([-1])),
+    ]
+    for exc, match, call in cases:
+        with pytest.raises(exc, match=match):
+            call()
+    assert torch.equal(x.detach(), before[0]) and (buf.allocations, engine.pool.reserved) == before[1:]
+    assert x.grad is None and lin.weight.grad is None

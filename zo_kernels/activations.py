@@ -1,0 +1,299 @@
+"""Activation checkpoints offloaded to pinned host memory, prefetched one segment ahead, in constant buffers.
+
+`checkpoint(function, *args, offload=True)` is torch.utils.checkpoint.checkpoint(use_reentrant=False): torch's own
+non-reentrant checkpoint runs the function, stashes and restores the RNG and autocast state and checks the
+recomputation, so gradients are bit for bit torch's. What differs is where the checkpoint (the segment's tensor
+arguments) lives between forward and backward. torch keeps a reference to each argument on the device; here the
+floating-point positional arguments are copied into blocks of `ActivationBuffers` and torch is handed an empty
+placeholder (same device, so the same RNG states are stashed):
+
+- offload=True: forward queues a D2H copy of each argument to a pinned host block (on the transport's copy stream,
+  after its producer) and keeps no device reference. Backward recomputes segments in reverse; when segment k starts
+  recomputing, the device waits for its H2D copy and the H2D copy of the segment before it (k - 1 in forward order)
+  is queued into a free device slot, so it runs under segment k's compute. A device slot is free again when the
+  gradient of its segment's inputs has been computed (`_Release`): in a chain two slots are in use at a time.
+- offload=False: each argument is copied into a device block that lives until the graph is freed (one contiguous
+  block per checkpoint instead of whatever the allocator left; MD in ZeRO-R).
+
+Blocks are reused by size from step to step: after the first step (or after `reserve`), `allocations` stays
+constant. Host blocks are held until the segment's graph is freed, so retain_graph=True and a second backward work.
+The function must not modify its tensor arguments in place (they are leaves during the recomputation).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+from .transport import Event, Transport, default_transport
+
+_OFFLOADED = (torch.float32, torch.float16, torch.bfloat16)  # what transport.pool can hold
+_ALIGN = 512  # device blocks are rounded up to this many bytes, so a slot fits activations of nearby sizes
+
+
+class ActivationBuffers:
+    """Device and pinned host blocks for activation checkpoints, reused by size, with allocation counters.
+
+    Args:
+        device: where the activations live ("cuda", "cuda:1", or "cpu" with a GPU-shaped transport).
+        transport: the copy transport (default: `default_transport(device)`); its pool holds the host blocks.
+    """
+
+    def __init__(self, device: torch.device | str, transport: Transport | None = None) -> None:
+        device = torch.device(device)
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"device must be a CUDA device or the CPU, got {device}")
+        if transport is not None and not isinstance(transport, Transport):
+            raise TypeError(f"transport must be a zo_kernels Transport, got {type(transport).__name__}")
+        self.transport = default_transport(device) if transport is None else transport
+        self.device = self.transport.device if device.type == "cuda" else device
+        self._free: list[torch.Tensor] = []  # device blocks (uint8) ready for reuse
+        self.device_allocations = 0  # device blocks allocated so far (each once; reused afterwards)
+        self.host_allocations = 0  # host blocks the transport's pool allocated for checkpoints
+        self.device_bytes = 0  # bytes of device blocks allocated
+        self._order: list[weakref.ref[_Segment]] = []  # offloaded segments alive, in forward order
+        self._lock = threading.Lock()
+
+    @property
+    def allocations(self) -> int:
+        """Device and host block allocations so far: constant once every size has been seen."""
+        return self.device_allocations + self.host_allocations
+
+    def reserve(self, device_blocks: list[int] | tuple[int, ...],
+                host_blocks: list[int] | tuple[int, ...] = ()) -> None:  # fmt: skip
+        """Allocate blocks of the planned sizes (bytes) up front: a step that needs no more allocates nothing."""
+        for name, sizes in (("device_blocks", device_blocks), ("host_blocks", host_blocks)):
+            if not isinstance(sizes, (list, tuple)) or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0
+                                                           for n in sizes):  # fmt: skip
+                raise ValueError(f"{name} must be a list of positive byte counts, got {sizes!r}")
+        blocks = [self.take_device(n) for n in device_blocks]
+        for b in blocks:
+            self.give_device(b)
+        host = [self.take_host(n // 4 + (n % 4 > 0), torch.float32) for n in host_blocks]
+        for h in host:
+            self.transport.pool.give(h)
+
+    def take_device(self, nbytes: int) -> torch.Tensor:
+        """A device block (uint8) of at least `nbytes`: the smallest free one that fits, else a new one."""
+        size = -(-nbytes // _ALIGN) * _ALIGN
+        with self._lock:
+            fits = [b for b in self._free if b.numel() >= size]
+            if fits:
+                block = min(fits, key=torch.Tensor.numel)
+                self._free = [b for b in self._free if b is not block]
+                return block
+            self.device_allocations += 1
+            self.device_bytes += size
+        return torch.empty(size, dtype=torch.uint8, device=self.device)
+
+    def give_device(self, block: torch.Tensor) -> None:
+        """Return a block from `take_device` (the compute stream orders its next use after the current one)."""
+        with self._lock:
+            self._free.append(block)
+
+    def take_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A pinned host block of `numel` elements from the transport's pool (counted when the pool grows)."""
+        pool = self.transport.pool
+        before = pool.reserved
+        block = pool.take(numel, dtype)
+        if pool.reserved > before:
+            self.host_allocations += 1
+        return block
+
+    def _register(self, seg: _Segment) -> None:
+        with self._lock:
+            self._order = [r for r in self._order if r() is not None]
+            self._order.append(weakref.ref(seg))
+
+    def _previous(self, seg: _Segment) -> _Segment | None:
+        """The live segment registered just before `seg` (the next one backward recomputes)."""
+        with self._lock:
+            live = [s for s in (r() for r in self._order) if s is not None]
+        for i, s in enumerate(live):
+            if s is seg:
+                return live[i - 1] if i > 0 else None
+        return None
+
+
+class _Release(torch.autograd.Function):
+    """Identity on a segment's inputs; its backward runs once their gradient is computed: the segment is done."""
+
+    @staticmethod
+    def forward(ctx: Any, seg: _Segment, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.seg = weakref.ref(seg)
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        seg = ctx.seg()
+        if seg is not None:
+            seg.release_device()
+        return (None, *grads)
+
+
+class _Segment:
+    """One checkpointed call: its arguments' blocks, and the function torch's checkpoint calls (twice)."""
+
+    def __init__(self, buffers: ActivationBuffers, function: Callable[..., Any], args: tuple[Any, ...],
+                 offload: bool) -> None:  # fmt: skip
+        self.buffers, self.function, self.offload = buffers, function, offload
+        self.slots = [i for i, a in enumerate(args) if _offloadable(a, buffers.device)]
+        self.meta = [(args[i].shape, args[i].dtype, args[i].requires_grad) for i in self.slots]
+        self.args: tuple[Any, ...] | None = args  # only during the forward call
+        self.host: list[torch.Tensor] = []  # offload: the pinned copies
+        self.d2h: list[Event] = []
+        self.device: list[torch.Tensor] = []  # the device blocks holding the checkpoint now (may be empty)
+        self.h2d: Event | None = None  # offload: the prefetch into self.device, not yet waited for
+        self.state = "forward"  # forward -> stored -> (restoring -> restored -> stored)*
+        self._fin = weakref.finalize(self, _free_segment, buffers, self.host, self.device)
+
+    def store(self) -> None:
+        """Copy the arguments into their blocks (host: queued D2H; device: a copy on the compute stream)."""
+        assert self.args is not None
+        for i in self.slots:
+            x = self.args[i].detach()
+            x = x if x.is_contiguous() else x.contiguous()
+            if self.offload:
+                h = self.buffers.take_host(x.numel(), x.dtype)
+                self.host.append(h)
+                self.d2h.append(self.buffers.transport.d2h(h, x.reshape(-1)))
+            else:
+                block = self.buffers.take_device(x.numel() * x.element_size())
+                self.device.append(block)
+                _view(block, x.shape, x.dtype).copy_(x)
+        self.args = None
+        if self.offload:
+            self.buffers._register(self)
+        self.state = "stored"
+
+    def prefetch(self) -> None:
+        """Queue the H2D copies of the checkpoint into device blocks (no wait)."""
+        if self.state != "stored" or not self.offload:
+            return
+        tr = self.buffers.transport
+        for ev in self.d2h:
+            tr.wait(ev)  # written by the D2H stream, read by the H2D stream: done long ago by now
+        self.d2h = []
+        for h, (_, dtype, _) in zip(self.host, self.meta, strict=True):
+            block = self.buffers.take_device(h.numel() * h.element_size())
+            self.device.append(block)
+            self.h2d = tr.h2d(_view(block, (h.numel(),), dtype), h)
+        self.state = "restoring"
+
+    def restore(self) -> list[torch.Tensor]:
+        """The checkpoint on the device for the recomputation (leaves with the original requires_grad)."""
+        if self.offload:
+            self.prefetch()  # no-op if prefetched
+            if self.state == "restoring":
+                self.buffers.transport.device_wait(self.h2d)  # the H2D copies are queued in order: the last covers all
+                self.h2d, self.state = None, "restored"
+            prev = self.buffers._previous(self)
+            if prev is not None:
+                prev.prefetch()  # one segment ahead, under this segment's compute
+        return [_view(b, shape, dtype).detach().requires_grad_(rg)
+                for b, (shape, dtype, rg) in zip(self.device, self.meta, strict=True)]  # fmt: skip
+
+    def release_device(self) -> None:
+        """The segment's backward is done: an offloaded checkpoint's device blocks are free again."""
+        if self.offload and self.state == "restored":
+            for b in self.device:
+                self.buffers.give_device(b)
+            self.device.clear()
+            self.state = "stored"
+
+    def __call__(self, *call_args: Any, **kwargs: Any) -> Any:
+        if self.state == "forward":
+            args = list(self.args)
+            grads = [i for i in self.slots if args[i].requires_grad]
+            if grads and torch.is_grad_enabled():
+                outs = _Release.apply(self, *(args[i] for i in grads))
+                for i, o in zip(grads, outs, strict=True):
+                    args[i] = o
+            self.store()
+        else:
+            args = list(call_args)
+            for i, t in zip(self.slots, self.restore(), strict=True):
+                args[i] = t
+        return self.function(*args, **kwargs)
+
+
+def _free_segment(buffers: ActivationBuffers, host: list[torch.Tensor], device: list[torch.Tensor]) -> None:
+    for h in host:
+        buffers.transport.pool.give(h)  # fenced: not handed out again before its copies are done
+    for b in device:
+        buffers.give_device(b)
+
+
+def _view(block: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    numel = 1
+    for s in shape:
+        numel *= s
+    return block[: numel * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
+
+
+def _offloadable(a: Any, device: torch.device) -> bool:
+    return isinstance(a, torch.Tensor) and a.dtype in _OFFLOADED and a.device == device and a.numel() > 0
+
+
+_DEFAULT: dict[torch.device, ActivationBuffers] = {}
+_PLACEHOLDERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def default_buffers(device: torch.device | str) -> ActivationBuffers:
+    """The buffers `checkpoint` uses for `device` when none are given (created on first use)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _DEFAULT:
+        _DEFAULT[device] = ActivationBuffers(device)
+    return _DEFAULT[device]
+
+
+def _placeholder(t: torch.Tensor) -> torch.Tensor:
+    key = (t.device, t.dtype)
+    if key not in _PLACEHOLDERS:  # one per device and dtype: no allocation per call
+        _PLACEHOLDERS[key] = torch.empty(0, dtype=t.dtype, device=t.device)
+    return _PLACEHOLDERS[key]
+
+
+@torch.compiler.disable
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    offload: bool = True,
+    buffers: ActivationBuffers | None = None,
+    use_reentrant: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """torch.utils.checkpoint.checkpoint(use_reentrant=False) whose checkpoints live in `buffers` (host if offload)."""
+    if not callable(function):
+        raise TypeError(f"function must be callable, got {type(function).__name__}")
+    if not isinstance(offload, bool):
+        raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
+    if use_reentrant not in (None, False):
+        raise ValueError("use_reentrant: zo_kernels.checkpoint is non-reentrant only (use_reentrant=False or None)")
+    if buffers is not None and not isinstance(buffers, ActivationBuffers):
+        raise TypeError(f"buffers must be an ActivationBuffers, got {type(buffers).__name__}")
+    floats = [a for a in args if isinstance(a, torch.Tensor) and a.dtype in _OFFLOADED and a.numel() > 0]
+    if buffers is None:
+        if not floats or not torch.is_grad_enabled():
+            return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+        if floats[0].device.type not in ("cuda",) and offload:
+            raise ValueError(f"args: offload=True needs CUDA tensors (got {floats[0].device}); on the CPU pass "
+                             "buffers=ActivationBuffers('cpu', transport) with a GPU-shaped transport")  # fmt: skip
+        buffers = default_buffers(floats[0].device)
+    elif floats and not any(a.device == buffers.device for a in floats):
+        raise ValueError(f"args: no floating-point tensor argument is on the buffers' device {buffers.device}")
+    if not torch.is_grad_enabled():  # nothing is saved for a backward: no checkpoint to keep
+        return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+    seg = _Segment(buffers, function, args, offload)
+    call_args = [_placeholder(a) if i in seg.slots else a for i, a in enumerate(args)]
+    try:
+        return torch_checkpoint.checkpoint(seg, *call_args, use_reentrant=False, **kwargs)
+    finally:
+        seg.args = None
