@@ -143,3 +143,63 @@ def test_a_layer_too_large_to_gather_does_not_fit():
     """Memory-centric tiling is not modelled: a layer whose gathered copies exceed the GPU does not fit."""
     p = plan(100e9, 64, "80GiB", "1TiB", nvme="30TB", layer_params=20e9)
     assert not p.row("ZeRO-Infinity").fits_gpu and p.row("ZeRO-Infinity").max_params == 0
+
+
+# ---------------------------------------------------------------------- activations (issue 21)
+
+LLAMA70 = dict(seq=4096, batch=1, hidden=8192, layers=80)  # Llama-2/3 70B's width and depth
+
+
+def test_activation_modes_by_hand():
+    """Per GPU, 16-bit, flash attention: a layer keeps 34 sbh; its checkpoint is its input, 2 sbh."""
+    s, b, h, n = 4096, 2, 8192, 80
+    sbh = s * b * h
+    for mode, gpu, host in (("none", n * 34 * sbh, 0), ("checkpoint", n * 2 * sbh + 34 * sbh, 0),
+                            ("offload", 2 * 2 * sbh + 34 * sbh, n * 2 * sbh)):  # fmt: skip
+        p = plan(70e9, 1, "80GiB", "512GiB", nvme="4TB", seq=s, batch=b, hidden=h, layers=n, activation_mode=mode)
+        assert (p.activations, p.activation_host) == (gpu, host), mode
+        for r in p.strategies:  # the derived activations replace the 4 GiB default; offloaded ones go to the host
+            base = plan(70e9, 1, "80GiB", "512GiB", nvme="4TB", activations=gpu).row(r.strategy)
+            assert r.gpu_total == base.gpu_total and r.host == base.host + host
+    eager = plan(70e9, seq=s, batch=b, hidden=h, layers=n, heads=64, attention="eager", activation_mode="none")
+    assert eager.activations == n * (34 * sbh + 5 * 64 * s * s * b)
+    logits = plan(70e9, seq=s, batch=b, hidden=h, layers=n, vocab=128256, activation_mode="offload")
+    assert logits.activations == 2 * 2 * sbh + 34 * sbh + 6 * s * b * 128256
+
+
+def test_headline_70b_row_with_checkpointing_and_offload(capsys):
+    """The 70B headline on one 80 GiB GPU at seq 4096: activations derived; zo Infinity's GPU total is the stage-3
+    working set + buckets + workspace + one layer's activations + two checkpoints; the checkpoints (5.4 GB) are in
+    host memory. Offload trains a sequence >= 2x longer than checkpointing alone (5x: 216k vs 42k tokens)."""
+    argv = ["plan", "--params", "70e9", "--gpu-mem", "80GiB", "--host-mem", "512GiB", "--nvme", "4TB", "--seq",
+            "4096", "--batch", "1", "--hidden", "8192", "--layers", "80", "--activation-offload"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = rows_of(out)
+    assert rows["zo Infinity"].endswith("  yes") and rows["ZeRO-Infinity"].endswith("  yes")
+    assert "checkpointing + offload (used)" in out and "per GPU: activations (checkpointing + offload)" in out
+    p = plan(70e9, 1, "80GiB", "512GiB", nvme="4TB", activation_mode="offload", **LLAMA70)
+    sh = 4096 * 8192
+    zo = p.row("zo Infinity")
+    assert zo.gpu_total == pytest.approx(zo.working_set + 64 * 2**20 + GiB + 38 * sh, rel=1e-12)
+    assert zo.host == pytest.approx(2 * 70e9 + GiB + 80 * 2 * sh, rel=1e-12)
+    assert round(80 * 2 * sh / 1e9, 1) == 5.4
+    longest = {m: p.longest_seq(m, "zo Infinity") for m in ("none", "checkpoint", "offload")}
+    assert longest["offload"] >= 2 * longest["checkpoint"] > 2 * longest["none"] > 0, longest
+    left = 80 * GiB * 0.95 - (zo.gpu_total - p.activations)
+    assert 38 * 8192 * longest["offload"] <= left < 38 * 8192 * (longest["offload"] + 1)
+    for m in ("none", "checkpoint", "offload"):
+        assert f"{longest[m]:,}" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--hidden", "8192"], "--hidden describes the activations"),
+    (["--seq", "4096", "--hidden", "8192"], "--layers: needed with seq"),
+    (["--seq", "4096", "--hidden", "8192", "--layers", "80", "--activations", "4GiB"], "--activations: give either"),
+    (["--seq", "4096", "--hidden", "8192", "--layers", "80", "--attention", "eager"], "--heads: needed"),
+    (["--seq", "0", "--hidden", "8192", "--layers", "80"], "--seq must be an int >= 1"),
+    (["--seq", "4k", "--hidden", "8192", "--layers", "80"], "--seq"),
+])  # fmt: skip
+def test_activation_options_are_checked(capsys, argv, message):
+    assert main(["plan", "--params", "70e9", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -125,7 +125,24 @@ def build_parser() -> argparse.ArgumentParser:
                          "--state-dtype)")  # fmt: skip
     pl.add_argument("--state-dtype", choices=STATE_DTYPES, default=None,
                     help="K from the Adam moments' format: fp32 12, bf16 8, 8bit 6.03 (fp32 master + moments)")
-    pl.add_argument("--activations", default="4GiB", metavar="SIZE", help="activation memory per GPU")
+    pl.add_argument("--activations", default=None, metavar="SIZE",
+                    help="activation memory per GPU (default 4GiB; or derived from --seq)")  # fmt: skip
+    pl.add_argument("--seq", default=None, metavar="TOKENS",
+                    help="derive the activations from the model's shape: tokens per sequence (needs --hidden, "
+                         "--layers)")  # fmt: skip
+    pl.add_argument("--batch", default="1", metavar="SEQUENCES", help="with --seq: sequences per GPU micro-batch")
+    pl.add_argument("--hidden", default=None, metavar="WIDTH", help="with --seq: the model's hidden size")
+    pl.add_argument("--layers", default=None, metavar="COUNT", help="with --seq: transformer layers")
+    pl.add_argument("--heads", default="0", metavar="COUNT", help="with --attention eager: attention heads")
+    pl.add_argument("--vocab", default="0", metavar="COUNT",
+                    help="with --seq: count the logits (6 B per token x vocab)")  # fmt: skip
+    pl.add_argument("--attention", choices=("flash", "eager"), default="flash",
+                    help="with --seq: eager attention keeps the s x s scores (5 a s^2 b bytes per layer)")
+    act = pl.add_mutually_exclusive_group()
+    act.add_argument("--activation-offload", action="store_true",
+                     help="with --seq: checkpointing + offload (zo_kernels.checkpoint) sizes the rows")
+    act.add_argument("--no-checkpointing", action="store_true",
+                     help="with --seq: no activation checkpointing sizes the rows (default: checkpointing)")
     pl.add_argument("--workspace", default="1GiB", metavar="SIZE", help="workspace memory per GPU")
     pl.add_argument("--reserve", default="0.05", metavar="FRACTION",
                     help="fraction of GPU memory lost to fragmentation")  # fmt: skip
@@ -163,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
 PLAN_OPTIONS = {"params": "--params", "gpus": "--gpus", "gpu_mem": "--gpu-mem", "host_mem": "--host-mem",
                 "gpus_per_host": "--gpus-per-host", "k": "--k", "activations": "--activations",
                 "workspace": "--workspace", "reserve": "--reserve", "bucket_bytes": "--buckets", "nvme": "--nvme",
-                "layer_params": "--layer-params", "prefetch": "--prefetch", "io_pool": "--io-pool"}  # fmt: skip
+                "layer_params": "--layer-params", "prefetch": "--prefetch", "io_pool": "--io-pool", "seq": "--seq",
+                "batch": "--batch", "hidden": "--hidden", "layers": "--layers", "heads": "--heads", "vocab": "--vocab",
+                "attention": "--attention"}  # fmt: skip
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
@@ -175,13 +194,16 @@ def cmd_plan(a: argparse.Namespace) -> int:
             raise UsageError("--k and --state-dtype both set K: give one")
         k = _float("--k")(a.k) if a.k is not None else state_k(a.state_dtype or "fp32")
         reserve = _float("--reserve")(a.reserve)
+        shape = {name: None if getattr(a, name) is None else _int_in(f"--{name}", 0, 2**40)(getattr(a, name))
+                 for name in ("seq", "batch", "hidden", "layers", "heads", "vocab")}  # fmt: skip
     except argparse.ArgumentTypeError as e:
         raise UsageError(str(e)) from None
     try:
         p = plan(a.params, gpus, a.gpu_mem, a.host_mem, k=k, activations=a.activations, workspace=a.workspace,
                  reserve=reserve, bucket_bytes=a.buckets, gpus_per_host=per_host, nvme=a.nvme,
                  layer_params=a.layer_params, prefetch=prefetch, io_pool=a.io_pool, accumulation=a.accumulation,
-                 dpu=a.dpu)  # fmt: skip
+                 dpu=a.dpu, attention=a.attention, **shape,
+                 activation_mode="offload" if a.activation_offload else "none" if a.no_checkpointing else "checkpoint")
     except ValueError as e:
         raise UsageError(re.sub(r"^\w+", lambda m: PLAN_OPTIONS.get(m[0], m[0]), str(e))) from None
     print(format_plan(p, show_max=a.max, unit=a.units))

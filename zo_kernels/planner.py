@@ -5,11 +5,14 @@ state per parameter (K = 12 for mixed-precision Adam: fp32 master, momentum, var
 states every GPU needs activations and workspace (options), and only part of its memory is usable (the
 allocator's fragmentation reserve). Each row's formula, with its source, is in `_per_param`.
 
+Activations are either given (`activations`) or derived from the model's shape (`seq`, `batch`, `hidden`, `layers`;
+`activation_bytes`) for one of three modes: no checkpointing, checkpointing (each layer's input kept on the GPU) and
+checkpointing + offload (zo_kernels.checkpoint: the layer inputs in pinned host memory, two in flight on the GPU).
+
 Stage 3 rows also hold a working set on the GPU (`working_set`): the largest gathered layer's 16-bit
 parameters, (1 + prefetch) of them in flight, and that layer's 16-bit gradient before it is reduce-scattered,
 plus the gradient buckets. Modelled: model states, that working set, buckets, the NVMe rows' host I/O pool,
-and activations + workspace as given (per GPU). Not modelled: activations derived from the model's shape,
-activation checkpoints offloaded to the host, memory-centric tiling of a layer too large to gather, the
+and activations + workspace (per GPU). Not modelled: memory-centric tiling of a layer too large to gather, the
 allocator's behaviour beyond a fixed reserve, pinned-memory limits and NVMe bandwidth (only capacity).
 """
 
@@ -30,6 +33,8 @@ MAX_GPUS = 10**9  # beyond it the per-GPU shares underflow to 0 and big ints ove
 _COUNTS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 UNITS = {"GB": 1e9, "TB": 1e12, "GiB": 2**30, "TiB": 2**40}  # the printed table's units
 STATE_DTYPES = ("fp32", "bf16", "8bit")  # ZeroOffloadAdamW's state_dtype: the Adam moments' format
+ACTIVATION_MODES = ("none", "checkpoint", "offload")  # no checkpointing, checkpointing, checkpointing + offload
+MODE_NAMES = {"none": "no checkpointing", "checkpoint": "checkpointing", "offload": "checkpointing + offload"}
 
 
 def state_k(state_dtype: str) -> float:
@@ -39,6 +44,58 @@ def state_k(state_dtype: str) -> float:
     if state_dtype not in moments:
         raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
     return 4.0 + moments[state_dtype]
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """The transformer shape activations are derived from (per GPU: `batch` is the micro-batch of one GPU).
+
+    Args:
+        seq, batch: tokens per sequence and sequences per micro-batch. hidden, layers: the model's width and depth.
+        heads: attention heads (only counted with attention="eager"). vocab: 0, or the logits' width.
+        attention: "flash" (no s x s scores kept) or "eager" (scores, softmax and its dropout kept).
+    """
+
+    seq: int
+    batch: int
+    hidden: int
+    layers: int
+    heads: int = 0
+    vocab: int = 0
+    attention: str = "flash"
+
+    def layer_bytes(self) -> float:
+        """One layer's activations kept for backward, 16-bit: 34 sbh (+ 5 a s^2 b with eager attention).
+
+        Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022), eq. (1)
+        without tensor parallelism: a GPT layer keeps sbh(34 + 5as/h) bytes; memory-efficient (flash) attention
+        keeps no s x s scores, which leaves 34 sbh."""
+        s, b, h = self.seq, self.batch, self.hidden
+        return 34.0 * s * b * h + (5.0 * self.heads * s * s * b if self.attention == "eager" else 0.0)
+
+    def checkpoint_bytes(self) -> float:
+        """One layer's checkpoint: its 16-bit input, 2 sbh."""
+        return 2.0 * self.seq * self.batch * self.hidden
+
+    def logits_bytes(self) -> float:
+        """The output layer's 16-bit logits and their fp32 copy for the loss: 6 sbV (0 without vocab)."""
+        return 6.0 * self.seq * self.batch * self.vocab
+
+
+def activation_bytes(shape: ActivationShape, mode: str) -> tuple[float, float]:
+    """(GPU, host) activation bytes per GPU for a mode of ACTIVATION_MODES.
+
+    none: every layer's activations. checkpoint: every layer's input, plus the layer being recomputed.
+    offload: the recomputed layer plus two inputs in flight on the GPU (the one in use, the one prefetched); every
+    layer's input in pinned host memory."""
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"activation_mode must be one of {ACTIVATION_MODES}, got {mode!r}")
+    layer, ckpt, logits = shape.layer_bytes(), shape.checkpoint_bytes(), shape.logits_bytes()
+    if mode == "none":
+        return shape.layers * layer + logits, 0.0
+    if mode == "checkpoint":
+        return shape.layers * ckpt + layer + logits, 0.0
+    return min(2, shape.layers) * ckpt + layer + logits, shape.layers * ckpt
 
 
 def _parse(text: str | float, name: str, units: dict[str, float], example: str, kind: str) -> float:
@@ -118,11 +175,14 @@ class Plan:
     reserve: float
     bucket_bytes: float
     nvme_mem: float = 0.0
+    gpus_per_host: int = 1
     layer_params: float = 0.0
     prefetch: int = 1
     io_pool: float = 0.0
     strategies: list[StrategyPlan] = field(default_factory=list)
-
+    shape: ActivationShape | None = None  # activations derived from it (else given)
+    activation_mode: str = "checkpoint"
+    activation_host: float = 0.0  # host bytes per GPU of offloaded checkpoints
     @property
     def usable_gpu(self) -> float:
         """GPU memory left after the fragmentation reserve, activations and workspace."""
@@ -135,6 +195,27 @@ class Plan:
 
     def row(self, strategy: str) -> StrategyPlan:
         return next(s for s in self.strategies if s.strategy == strategy)
+
+    def longest_seq(self, mode: str, strategy: str) -> int:
+        """The longest sequence (at this batch and shape) whose activations in `mode` fit beside `strategy`'s other
+        GPU bytes and, offloaded, in its host memory; 0 if none."""
+        if self.shape is None:
+            raise ValueError("longest_seq needs the activation shape (plan(..., seq=, batch=, hidden=, layers=))")
+        r = self.row(strategy)
+        gpu_left = self.gpu_mem * (1 - self.reserve) - (r.gpu_total - self.activations)
+        host_left = self.host_mem / self.gpus_per_host - (r.host - self.activation_host)
+
+        def fits(seq: int) -> bool:
+            g, h = activation_bytes(ActivationShape(**{**self.shape.__dict__, "seq": seq}), mode)
+            return g <= gpu_left and h <= host_left
+
+        lo, hi = 0, 1
+        while fits(hi) and hi < 1 << 40:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
 
 def _per_param(strategy: str, k: float, n: int) -> tuple[float, float, float]:
@@ -213,7 +294,7 @@ def plan(
     host_mem: float | str = "768GiB",
     *,
     k: float = 12,
-    activations: float | str = "4GiB",
+    activations: float | str | None = None,
     workspace: float | str = "1GiB",
     reserve: float = 0.05,
     bucket_bytes: float | str = "64MiB",
@@ -224,6 +305,14 @@ def plan(
     io_pool: float | str = "1GiB",
     accumulation: bool = False,
     dpu: bool = False,
+    seq: int | None = None,
+    batch: int = 1,
+    hidden: int | None = None,
+    layers: int | None = None,
+    heads: int = 0,
+    vocab: int = 0,
+    attention: str = "flash",
+    activation_mode: str = "checkpoint",
 ) -> Plan:
     """Bytes per device for each strategy, whether it fits, and the largest trainable model per strategy.
 
@@ -232,6 +321,8 @@ def plan(
     gathered layer params / 32 unless `layer_params` gives it (then `max_params` keeps that layer); one layer
     prefetched; a 1 GiB host I/O pool per GPU for the NVMe rows. `accumulation` (several backward passes per step)
     and `dpu` (the delayed parameter update) add the host buffers ZeroOffloadAdamW then holds (`_host_extra`).
+    With `seq` (and `hidden`, `layers`) the activations are derived for `activation_mode` (`activation_bytes`)
+    instead of given; "offload" adds the offloaded checkpoints to every row's host bytes.
     """
     params = parse_count(params, "params")
     _int_at_least(gpus, "gpus", 1)
@@ -245,15 +336,22 @@ def plan(
     if not (isinstance(reserve, (int, float)) and 0 <= reserve < 1):
         raise ValueError(f"reserve must be a fraction in [0, 1), got {reserve!r}")
     _int_at_least(prefetch, "prefetch", 0)
+    shape = _activation_shape(seq, batch, hidden, layers, heads, vocab, attention, activations)
+    if activation_mode not in ACTIVATION_MODES:
+        raise ValueError(f"activation_mode must be one of {ACTIVATION_MODES}, got {activation_mode!r}")
+    act_gpu, act_host = activation_bytes(shape, activation_mode) if shape else (None, 0.0)
     layer = 0.0 if layer_params is None else parse_count(layer_params, "layer_params")
     if layer > params:
         raise ValueError(f"layer_params must be <= params ({params:g}), got {layer_params!r}")
     p = Plan(
         params=params, gpus=gpus, gpu_mem=parse_bytes(gpu_mem, "gpu_mem"), host_mem=parse_bytes(host_mem, "host_mem"),
-        k=float(k), activations=parse_bytes(activations, "activations"), workspace=parse_bytes(workspace, "workspace"),
+        k=float(k), activations=act_gpu if shape else parse_bytes("4GiB" if activations is None else activations,
+                                                                  "activations"),
+        workspace=parse_bytes(workspace, "workspace"),
         reserve=float(reserve), bucket_bytes=parse_bytes(bucket_bytes, "bucket_bytes"),
         nvme_mem=parse_bytes(nvme, "nvme"), layer_params=layer, prefetch=prefetch,
-        io_pool=parse_bytes(io_pool, "io_pool"),
+        io_pool=parse_bytes(io_pool, "io_pool"), gpus_per_host=per_host, shape=shape,
+        activation_mode=activation_mode, activation_host=act_host,
     )  # fmt: skip
     if p.gpu_mem <= 0:
         raise ValueError(f"gpu_mem must be > 0, got {gpu_mem!r}")
@@ -264,7 +362,7 @@ def plan(
         h += _host_extra(s, gpus, accumulation, dpu)
         ws = w * p.layer if s in STAGE3 else 0.0
         fixed = p.bucket_bytes if s == "ZeRO-2 + offload" or s in STAGE3 else 0.0
-        pool = p.io_pool if s in NVME_ROWS else 0.0
+        pool = (p.io_pool if s in NVME_ROWS else 0.0) + act_host
         gpu_total = g * params + ws + p.activations + p.workspace + fixed
         # max_params: a given layer stays fixed as the model grows; the guessed one grows with it
         g_max, ws_fixed = (g, ws) if layer else (g + (w / LAYERS_GUESS if s in STAGE3 else 0.0), 0.0)
@@ -277,6 +375,28 @@ def plan(
     return p
 
 
+def _activation_shape(seq: object, batch: object, hidden: object, layers: object, heads: object, vocab: object,
+                      attention: object, activations: object) -> ActivationShape | None:  # fmt: skip
+    if seq is None:
+        for name, value, default in (("hidden", hidden, None), ("layers", layers, None), ("heads", heads, 0),
+                                     ("vocab", vocab, 0), ("batch", batch, 1)):  # fmt: skip
+            if value != default:
+                raise ValueError(f"{name} describes the activations: give seq as well")
+        return None
+    if activations is not None:
+        raise ValueError("activations: give either activations or seq (activations derived from the shape)")
+    for name, value in (("hidden", hidden), ("layers", layers)):
+        if value is None:
+            raise ValueError(f"{name}: needed with seq (the activations are derived from the model's shape)")
+    if attention not in ("flash", "eager"):
+        raise ValueError(f"attention must be 'flash' or 'eager', got {attention!r}")
+    if attention == "eager" and heads == 0:
+        raise ValueError("heads: needed with attention='eager' (the s x s scores are per head)")
+    return ActivationShape(_int_at_least(seq, "seq", 1), _int_at_least(batch, "batch", 1),
+                           _int_at_least(hidden, "hidden", 1), _int_at_least(layers, "layers", 1),
+                           _int_at_least(heads, "heads", 0), _int_at_least(vocab, "vocab", 0), attention)  # fmt: skip
+
+
 def _fmt_bytes(b: float, unit: str = "GB") -> str:
     return f"{b / UNITS[unit]:,.{1 if unit == 'GB' else 2}f} {unit}"
 
@@ -285,6 +405,23 @@ def _fmt_count(n: float) -> str:
     if math.isinf(n):
         return "unbounded"
     return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.0f}M"
+
+
+def _activation_table(p: Plan, unit: str) -> list[str]:
+    """Rows per activation mode: GPU and host bytes, and the longest sequence beside the leanest fitting strategy."""
+    sh = p.shape
+    assert sh is not None
+    fitting = [r for r in p.strategies if r.fits_host and r.fits_nvme] or p.strategies
+    lean = min(fitting, key=lambda r: r.gpu_total - p.activations).strategy
+    lines = ["", f"activations: seq {sh.seq}, batch {sh.batch}, hidden {sh.hidden}, {sh.layers} layers, "
+                 f"{sh.attention} attention" + (f", vocab {sh.vocab}" if sh.vocab else ""),
+             f"{'activations':<31}{'GPU':>12}{'host/GPU':>12}  longest seq beside {lean}"]  # fmt: skip
+    for mode in ACTIVATION_MODES:
+        g, h = activation_bytes(sh, mode)
+        mark = " (used)" if mode == p.activation_mode else ""
+        lines.append(f"{MODE_NAMES[mode] + mark:<31}{_fmt_bytes(g, unit):>12}{_fmt_bytes(h, unit):>12}  "
+                     f"{p.longest_seq(mode, lean):,}")  # fmt: skip
+    return lines
 
 
 def format_plan(p: Plan, show_max: bool = False, unit: str = "GB") -> str:
@@ -302,6 +439,10 @@ def format_plan(p: Plan, show_max: bool = False, unit: str = "GB") -> str:
              f"stage 3: largest gathered layer {layer}, prefetch {p.prefetch}: working set {_fmt_bytes(ws, small)} "
              f"per GPU (2 (1 + prefetch) + 2 B per layer parameter); NVMe rows: host I/O pool "
              f"{_fmt_bytes(p.io_pool)} per GPU", ""]  # fmt: skip
+    if p.shape is not None:
+        used = f"per GPU: activations ({MODE_NAMES[p.activation_mode]})"
+        lines[1] = lines[1].replace("assumed per GPU: activations", used)
+        lines[-1:-1] = _activation_table(p, unit)
     head = f"{'strategy':<18}{'GPU states':>12}{'GPU total':>12}{'host/GPU':>12}{'NVMe/GPU':>12}  fits"
     if show_max:
         head += f"{'max params':>14}"
