@@ -11,11 +11,15 @@
 #                                                                                    -> OUTDIR/bench-transport.json
 #   bench/step_rows.py                   the GPT step in parts, 95M and 1.3B params, sync and DPU: phases,
 #                                        fwd+bwd alone, CPU Adam alone, D2H alone, torch AdamW(fused) + peaks
+#   bench/activation_rows.py             activations: no checkpointing, torch's checkpoint, save_on_cpu, zo's offloaded
+#                                        and resident checkpoint: step time, peak device activation memory, checkpoint
+#                                        allocations per step, longest sequence under a 2 GiB cap (issue 21)
 #   bench/anchors.py                     torch fused, DeepSpeed ZeRO-Offload, torchao, FSDP2, zo: one GPT, batch
 #                                        and dtype, each in its own process (wheels from .whl/ when carried)
 # and writes OUTDIR/summary.json (bench/summary.py --summary-json: device, date, commit, pack, step, anchors,
-# targets; the step and anchor rows are folded into it), OUTDIR/gpu_check.log (everything), OUTDIR/tests.xml and
-# OUTDIR/summary.txt (one line per stage, then bench/summary.py's ratios): 7 files, under the device's 8.
+# activations, targets; the step, anchor and activation rows are folded into it), OUTDIR/gpu_check.log
+# (everything), OUTDIR/tests.xml and OUTDIR/summary.txt (one line per stage, then bench/summary.py's ratios):
+# 7 files, under the device's 8.
 # Commit OUTDIR/summary.json as bench/results/gpu-DATE-DEVICE.json (the script prints the name).
 # Sizes: ZO_BENCH_SIZES (elements/params, default here 1e7,1e8), ZO_BENCH_COPY_MIB (default 64,256,1024),
 # ZO_STEP_SIZES (default 95M,1.3B), ZO_ANCHOR_SIZE (default 95M), batch x context ZO_STEP_BATCH x ZO_STEP_CONTEXT
@@ -88,7 +92,7 @@ limited 150 330 "build (pip install -e .)" "$py" -m pip install --no-build-isola
 limited 60 300 "triton kernels -> cubin sm_80/90" env -u TRITON_INTERPRET "$py" tests/triton_compile.py \
   "$out/triton_compile.json" || status=1
 limited 150 240 "tests: GPU, two ranks, CUDA" "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/tests.xml" \
-  tests/test_gpu.py tests/test_transport.py tests/test_buckets.py tests/test_gpu_shaped.py \
+  tests/test_gpu.py tests/test_transport.py tests/test_buckets.py tests/test_gpu_shaped.py tests/test_activations.py \
   tests/test_gpu_two_ranks.py || status=1  # the two-process test last: if it stalls, the others have reported
 grep -E "passed|failed|error" "$log" | grep -E "^[0-9=]" | tail -4 >>"$summary"
 # --- README examples marked "# needs a GPU" (tests/readme_blocks.py; the CPU ones run in the default pytest) ---
@@ -112,6 +116,8 @@ else
   say "no .whl/ carried: DeepSpeed and torchao rows will say NOT INSTALLED (bash bench/fetch_anchor_wheels.sh)"
 fi
 nvcc_dir="$(dirname "$(dirname "$(command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)")")"
+limited 60 150 "bench: activations (issue 21)" "$py" bench/activation_rows.py "$out/activations.json" \
+  --budget-s 45 || status=1
 limited 200 5 "bench: anchors (same GPT)" env PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" \
   CUDA_HOME="${CUDA_HOME:-$nvcc_dir}" "$py" bench/anchors.py "$out/anchors.json" --size "${ZO_ANCHOR_SIZE:-95M}" \
   --timeout-s 100 --budget-s 190 "${step_args[@]}" || status=1
@@ -129,7 +135,7 @@ fi
 commit="${ZO_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 device_tag="$(echo "$gpu" | grep -oE 'H100|H200|A100|L40S|B200|GH200' | head -1)"
 ZO_DEVICE="$gpu" ZO_COMMIT="$commit" "$py" bench/summary.py --summary-json "$out" 2>>"$log" | tee -a "$summary" \
-  && rm -f "$out/step.json" "$out/anchors.json" || status=1
+  && rm -f "$out/step.json" "$out/anchors.json" "$out/activations.json" || status=1
 say "commit it as bench/results/gpu-$(date -u +%Y-%m-%d)-${device_tag:-GPU}.json"
 say "result: $([ $status = 0 ] && echo 'GPU checks passed' || echo 'GPU checks FAILED') on $gpu" \
   "in $(($(date +%s) - start))s"

@@ -2,7 +2,8 @@
 
 Usage: python bench/summary.py FILE.json...   (bench/gpu_check.sh writes its summary.txt with it)
        python bench/summary.py --summary-json OUTDIR   (OUTDIR/summary.json from OUTDIR's bench-pack.json,
-       step.json of bench/step_rows.py and anchors.json of bench/anchors.py; see summary_json)
+       step.json of bench/step_rows.py, anchors.json of bench/anchors.py and activations.json of
+       bench/activation_rows.py; see summary_json)
 Per provider: best time, GB/s of the bytes the op must move, time against the group's baseline, fraction of
 the group's ceiling (ceiling time / provider time). Also, where a group holds them: the hidden fraction of
 the tiled writeback, and the peak device memory of a training step. Needs only the standard library.
@@ -90,10 +91,33 @@ def step_targets(rows: list[dict]) -> dict:
     return out
 
 
+def activation_targets(rows: list[dict]) -> dict:
+    """Issue 21's targets over the activation rows (where measured): zo's offloaded checkpoint against torch's
+    checkpoint (step time <= 1.05x, longest sequence >= 2x) and against save_on_cpu (step time < 1x)."""
+    by = {r.get("provider"): r for r in rows if "step_ms" in r}
+    zo, out = by.get("zo"), {}
+    if zo is None:
+        return out
+
+    def judge(name: str, value: float, bar: float, at_most: bool) -> None:
+        out[name] = {"value": value, "bar": bar, "met": value <= bar if at_most else value >= bar}
+
+    if "torch" in by:
+        judge("step_vs_torch_checkpoint", zo["step_ms"] / by["torch"]["step_ms"], 1.05, True)
+        if zo.get("longest_seq") and by["torch"].get("longest_seq"):
+            judge("longest_seq_vs_torch_checkpoint", zo["longest_seq"] / by["torch"]["longest_seq"], 2.0, False)
+    if "save_on_cpu" in by:
+        judge("step_vs_save_on_cpu", zo["step_ms"] / by["save_on_cpu"]["step_ms"], 1.0, True)
+    if "checkpoint_allocations_per_step" in zo:
+        judge("checkpoint_allocations_per_step", zo["checkpoint_allocations_per_step"], 0.0, True)
+    return out
+
+
 def summary_json(outdir: str, device: str = "", commit: str = "", date: str = "") -> dict:
     """summary.json: {"device", "date", "commit", "pack": [...], "step": [...], "anchors": [...], "targets": {...}}.
     pack: bench/summary_pack.py's pack_rows over OUTDIR/bench-pack.json (and pack_host: the host time per call);
-    step: OUTDIR/step.json (bench/step_rows.py); anchors: OUTDIR/anchors.json (bench/anchors.py)."""
+    step: OUTDIR/step.json (bench/step_rows.py); anchors: OUTDIR/anchors.json (bench/anchors.py); activations:
+    OUTDIR/activations.json (bench/activation_rows.py), judged by activation_targets."""
     import datetime
     import os
 
@@ -111,6 +135,7 @@ def summary_json(outdir: str, device: str = "", commit: str = "", date: str = ""
         bench_pack = {}
     pack = pack_rows(bench_pack)
     step = read("step.json")
+    activations = read("activations.json")
     return {
         "device": device,
         "date": date or datetime.date.today().isoformat(),
@@ -119,7 +144,9 @@ def summary_json(outdir: str, device: str = "", commit: str = "", date: str = ""
         "pack_host": host_row(bench_pack),
         "step": step,
         "anchors": read("anchors.json"),
-        "targets": {"step": step_targets([r for r in step if "targets" in r])},
+        "activations": activations,
+        "targets": {"step": step_targets([r for r in step if "targets" in r]),
+                    "activations": activation_targets(activations)},
     }
 
 
@@ -145,8 +172,17 @@ def main(paths: list[str]) -> int:
             print(f"  anchor {r.get('system')}: {ms} {r.get('note', '')}"[:300])
         for name, t in data["targets"]["step"].items():
             print(f"  target {name}: worst {t['value']:.3f} (bar <= {t['bar']}): {'MET' if t['met'] else 'MISSED'}")
+        for r in data["activations"]:
+            if "step_ms" not in r:
+                print(f"  activations {r.get('provider')}: {r.get('error')}")
+                continue
+            peak = f", peak activations {r['peak_activation_gib']:.2f} GiB" if "peak_activation_gib" in r else ""
+            longest = f", longest seq {r['longest_seq']}" if r.get("longest_seq") else ""
+            print(f"  activations {r['provider']} seq {r['seq']}: {r['step_ms']:.1f} ms{peak}{longest}")
+        for name, t in data["targets"]["activations"].items():
+            print(f"  target activations {name}: {t['value']:.3f} (bar {t['bar']}): {'MET' if t['met'] else 'MISSED'}")
         print(f"{outdir}/summary.json: {len(data['pack'])} pack, {len(data['step'])} step, "
-              f"{len(data['anchors'])} anchor rows")  # fmt: skip
+              f"{len(data['anchors'])} anchor, {len(data['activations'])} activation rows")  # fmt: skip
         return 0
     if not paths:
         print(__doc__.strip().splitlines()[2])

@@ -299,3 +299,55 @@ def test_hf_stage3_offload_param_with_offloaded_activations(arch, engine):
             assert torch.equal(got[1]["state"][i][k], v), f"{arch}: param {i} {k}"
     for k, v in want[2].items():
         assert torch.equal(got[2][k], v), f"{arch}: model.{k}"
+
+
+# ---------------------------------------------------------------------- the benchmark script, and CUDA
+
+
+def test_activation_rows_script_runs_on_the_cpu(tmp_path):
+    """bench/activation_rows.py, tiny, device = CPU: a row per provider, zo's with zero checkpoint allocations."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import activation_rows
+
+    out = tmp_path / "activations.json"
+    argv = [str(out), "--device", "cpu", "--layers", "3", "--hidden", "32", "--heads", "2", "--seq", "16",
+            "--rounds", "1"]  # fmt: skip
+    assert activation_rows.main(argv) == 0
+    rows = {r["provider"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == list(activation_rows.PROVIDERS) and all("step_ms" in r for r in rows.values()), rows
+    assert "device = CPU" in rows["zo"]["device"]
+    assert rows["zo"]["checkpoint_allocations_per_step"] == 0 and rows["zo"]["device_blocks"] == 2
+    assert rows["zo_resident"]["device_blocks"] == 3 and rows["torch"]["step_vs_torch_checkpoint"] == 1.0
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh runs it)")
+
+
+@needs_cuda
+def test_cuda_offload_bitwise_no_per_step_allocation_and_lower_peak():
+    """NEVER RUN (written without a GPU). CudaTransport: gradients bitwise torch's (CUDA dropout RNG restored),
+    zo's blocks allocated once, no new CUDA segment per step, a lower activation peak than torch's checkpoint."""
+    model = blocks(8).cuda()
+    x = torch.randn(64, 256, WIDTH, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+
+    def peak_run(ck):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        grads = run(model, ck, x)
+        torch.cuda.synchronize()
+        return grads, torch.cuda.max_memory_allocated() - before
+
+    want, torch_peak = peak_run(torch_ck)
+    buf = zk.activations.default_buffers("cuda")
+    same(peak_run(zk.checkpoint)[0], want)  # the first step allocates the blocks
+    allocs, segments = buf.allocations, torch.cuda.memory_stats()["segment.all.allocated"]
+    got, zo_peak = peak_run(zk.checkpoint)
+    same(got, want)
+    assert buf.allocations == allocs and buf.device_allocations == 2
+    assert torch.cuda.memory_stats()["segment.all.allocated"] == segments, "a cudaMalloc in a warm step"
+    assert zo_peak + buf.device_bytes < torch_peak, (zo_peak, buf.device_bytes, torch_peak)

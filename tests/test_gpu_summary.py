@@ -45,7 +45,7 @@ def test_summary_json_collects_the_rows_and_judges_the_targets(tmp_path):
 
 def test_summary_json_without_rows_is_empty_not_an_error(tmp_path):
     data = summary.summary_json(str(tmp_path))
-    assert data["step"] == [] and data["anchors"] == [] and data["targets"] == {"step": {}}
+    assert data["step"] == [] and data["anchors"] == [] and data["targets"] == {"step": {}, "activations": {}}
 
 
 def test_committed_gpu_results_have_the_issue_keys():
@@ -74,3 +74,19 @@ def test_dashboard_renders_gpu_summaries_beside_the_cpu_runs(tmp_path):
     assert "GPU: gpu-2026-01-02-H100.json" in both and "torchao" in both and "MISSED" in both
     alone = dashboard.render([gpu])
     assert "GPU: gpu-2026-01-02-H100.json" in alone and "<script" not in alone
+
+
+def test_summary_json_judges_the_activation_rows(tmp_path):
+    """Issue 21: zo's offloaded checkpoint against torch's checkpoint and save_on_cpu, from activations.json."""
+    rows = [{"provider": "torch", "seq": 4096, "step_ms": 100.0, "longest_seq": 40_000},
+            {"provider": "save_on_cpu", "seq": 4096, "step_ms": 150.0},
+            {"provider": "zo", "seq": 4096, "step_ms": 104.0, "longest_seq": 60_000,
+             "checkpoint_allocations_per_step": 0.0},
+            {"provider": "zo_resident", "seq": 4096, "error": "OutOfMemoryError: ..."}]  # fmt: skip
+    (tmp_path / "activations.json").write_text(json.dumps(rows))
+    data = summary.summary_json(str(tmp_path))
+    assert data["activations"] == rows
+    t = data["targets"]["activations"]
+    assert t["step_vs_torch_checkpoint"] == {"value": 1.04, "bar": 1.05, "met": True}
+    assert t["step_vs_save_on_cpu"]["met"] and t["checkpoint_allocations_per_step"]["met"]
+    assert t["longest_seq_vs_torch_checkpoint"] == {"value": 1.5, "bar": 2.0, "met": False}

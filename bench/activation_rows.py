@@ -1,0 +1,256 @@
+"""Activation memory and step time per way of keeping activations: the "activations" rows of gpu_check.sh's summary.
+
+Providers, one model (a stack of pre-norm transformer blocks, bf16 on CUDA, fp32 on the CPU), one run:
+  none          no checkpointing: every block's activations stay on the device
+  torch         torch.utils.checkpoint.checkpoint(use_reentrant=False) around every block
+  save_on_cpu   torch.autograd.graph.save_on_cpu(pin_memory=True): every saved tensor to the host, no prefetch
+  zo            zo_kernels.checkpoint(offload=True): block inputs to pinned host blocks, prefetched one block ahead
+  zo_resident   zo_kernels.checkpoint(offload=False): torch's checkpoint with the inputs in constant device blocks
+Per provider at --seq: the median step (forward + backward, device synchronized; the providers' steps interleaved
+round by round), the peak device activation memory
+(torch.cuda.max_memory_allocated above the memory before the step, plus the zo blocks allocated before it), the
+allocations per step of checkpoint blocks (zo's counters) and of CUDA segments (memory_stats "segment.all.allocated")
+after a warm-up step; then, on CUDA, the longest sequence that trains under a device memory cap of --cap-gib
+(doubling from --seq, then bisecting, each provider with its share of --budget-s: a search cut short says so).
+On the CPU (no GPU) the device is the CPU and zo runs on the GPU-shaped CopyEngineTransport: step time and zo's
+counters only, labelled so; peak memory and the longest sequence are not measured.
+
+Usage: python bench/activation_rows.py OUT.json [--device cuda] [--layers 16] [--hidden 1024] [--heads 8]
+       [--batch 1] [--seq 4096] [--rounds 5] [--cap-gib 2] [--budget-s 45]
+Writes OUT.json after every row; prints one line per row. NEVER RUN ON A GPU in this form: written without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import zo_kernels as zk
+from zo_kernels.activations import ActivationBuffers
+
+PROVIDERS = ("none", "torch", "save_on_cpu", "zo", "zo_resident")
+
+
+class Block(torch.nn.Module):
+    """Pre-norm attention (scaled_dot_product_attention, causal) and a 4h GELU MLP, residual."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+        self.up, self.down = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+        x = x + self.proj(a)
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, layers: int, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.wrap: Callable[..., torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x) if self.wrap is None else self.wrap(b, x)
+        return x
+
+
+def provider_setup(name: str, device: torch.device,
+                   transport) -> tuple[Callable | None, Callable, ActivationBuffers | None]:  # fmt: skip
+    """(the block wrapper, a context factory around forward, zo's buffers or None)."""
+    nothing = contextlib.nullcontext
+    if name == "none":
+        return None, nothing, None
+    if name == "torch":
+        return functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False), nothing, None
+    if name == "save_on_cpu":
+        return None, lambda: torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"), None
+    buf = ActivationBuffers(device, transport)
+    return functools.partial(zk.checkpoint, offload=name == "zo", buffers=buf), nothing, buf
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_step(model: Stack, device: torch.device, dtype: torch.dtype, batch: int, seq: int, hidden: int,
+              ctx: Callable) -> Callable[[], None]:  # fmt: skip
+    x = torch.randn(batch, seq, hidden, device=device, dtype=dtype, generator=None)
+
+    def step() -> None:
+        for p in model.parameters():
+            p.grad = None
+        inp = x.detach().requires_grad_()
+        with ctx():
+            y = model(inp)
+        y.float().square().mean().backward()
+        sync(device)
+
+    return step
+
+
+def measure(names: list[str], model: Stack, device: torch.device, dtype: torch.dtype, a: argparse.Namespace,
+            transport) -> list[dict]:  # fmt: skip
+    """Every provider at a.seq: a warm-up step each (zo's blocks are allocated there, once), a.rounds timed steps
+    interleaved round by round (every provider sees the same machine state), then one step each for the memory."""
+    setups = {n: provider_setup(n, device, transport) for n in names}
+    steps = {n: make_step(model, device, dtype, a.batch, a.seq, a.hidden, ctx) for n, (_, ctx, _) in setups.items()}
+    rows = {n: {"provider": n, "seq": a.seq} for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    allocs0 = {}
+    for rnd in range(a.rounds + 1):
+        for n in names:
+            model.wrap = setups[n][0]
+            try:
+                t0 = time.perf_counter()
+                steps[n]()
+                if rnd:
+                    times[n].append(time.perf_counter() - t0)
+            except Exception as e:  # noqa: BLE001 - a provider that fails is a row that says why
+                rows[n]["error"] = f"{type(e).__name__}: {e}"[:300]
+            buf = setups[n][2]
+            if not rnd and buf is not None:
+                allocs0[n] = buf.allocations
+    names = [n for n in names if "error" not in rows[n]]
+    for n in names:
+        rows[n]["step_ms"] = statistics.median(times[n]) * 1e3
+        buf = setups[n][2]
+        if buf is not None:
+            rows[n]["checkpoint_allocations_per_step"] = (buf.allocations - allocs0[n]) / a.rounds
+            rows[n]["device_blocks"], rows[n]["host_blocks"] = buf.device_allocations, buf.host_allocations
+        if device.type == "cuda":
+            model.wrap = setups[n][0]
+            segs0 = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            steps[n]()
+            held = buf.device_bytes if buf is not None else 0  # zo's blocks, allocated before `before`
+            rows[n]["peak_activation_gib"] = (torch.cuda.max_memory_allocated(device) - before + held) / 2**30
+            rows[n]["cuda_segments_per_step"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0) - segs0
+    model.wrap = None
+    return list(rows.values())
+
+
+def longest_seq(name: str, model: Stack, device: torch.device, dtype: torch.dtype, a: argparse.Namespace,
+                transport, deadline: float) -> tuple[int, bool]:  # fmt: skip
+    """The longest sequence (to 1/8, a multiple of 256) whose step fits the capped device memory; whether the search
+    ended (each try at a long sequence costs seconds of attention: a coarse answer within the budget)."""
+
+    def fits(seq: int) -> bool:
+        model.wrap, ctx, buf = provider_setup(name, device, transport)
+        try:
+            make_step(model, device, dtype, a.batch, seq, a.hidden, ctx)()
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            model.wrap = None
+            del buf
+            torch.cuda.empty_cache()
+
+    lo, hi = 0, a.seq
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if time.perf_counter() > deadline:
+            return lo, False
+    while hi - lo > max(256, hi // 8):
+        mid = (lo + hi) // 2 // 256 * 256
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        if time.perf_counter() > deadline:
+            return lo, False
+    return lo, True
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--layers", type=int, default=None, help="default 16 on CUDA, 4 on the CPU")
+    ap.add_argument("--hidden", type=int, default=None, help="default 1024 on CUDA, 256 on the CPU")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=None, help="default 4096 on CUDA, 256 on the CPU")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cap-gib", type=float, default=2.0, help="CUDA: device memory cap of the longest-seq search")
+    ap.add_argument("--budget-s", type=float, default=45.0)
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    a = ap.parse_args(argv)
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    a.layers = a.layers or (16 if cuda else 4)
+    a.hidden = a.hidden or (1024 if cuda else 256)
+    a.seq = a.seq or (4096 if cuda else 256)
+    providers = a.providers.split(",")
+    bad = [p for p in providers if p not in PROVIDERS]
+    if bad:
+        ap.error(f"--providers: unknown {bad} (known: {', '.join(PROVIDERS)})")
+    start = time.perf_counter()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    model = Stack(a.layers, a.hidden, a.heads).to(device, dtype)
+    if cuda:
+        from zo_kernels.transport import default_transport
+
+        transport = default_transport(device)  # one CudaTransport (pinned pool, copy streams) for every zo row
+        label = f"device {torch.cuda.get_device_name(device)}"
+    else:
+        from zo_kernels.transport import CopyEngineTransport
+
+        transport = CopyEngineTransport()
+        label = "device = CPU (no GPU): zo on the GPU-shaped CopyEngineTransport; step time and counters only"
+    common = dict(device=label, layers=a.layers, hidden=a.hidden, heads=a.heads, batch=a.batch,
+                  dtype=str(dtype).removeprefix("torch."))  # fmt: skip
+    rows: list[dict] = []
+    print(f"activations: {label}; {a.layers} blocks x hidden {a.hidden}, batch {a.batch}, seq {a.seq}")
+
+    def write() -> None:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+    rows += [{**common, **r} for r in measure(providers, model, device, dtype, a, transport)]
+    write()
+    for row in rows:
+        print(f"  {row['provider']:<12} " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                                    for k, v in row.items() if k not in common and k != "provider"))
+    base = {r["provider"]: r for r in rows if "step_ms" in r}
+    if "torch" in base:
+        for r in rows:
+            if "step_ms" in r:
+                r["step_vs_torch_checkpoint"] = r["step_ms"] / base["torch"]["step_ms"]
+    if cuda and a.cap_gib > 0:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 2**30 / total), device)
+        left = a.budget_s - (time.perf_counter() - start)
+        for i, r in enumerate(rows):
+            if "error" in r:
+                continue
+            deadline = time.perf_counter() + left / (len(rows) - i)
+            seq, done = longest_seq(r["provider"], model, device, dtype, a, transport, deadline)
+            r["longest_seq"], r["longest_seq_cap_gib"], r["longest_seq_search_ended"] = seq, a.cap_gib, done
+            left = a.budget_s - (time.perf_counter() - start)
+            write()
+            cut = "" if done else " (at least; cut short)"
+            print(f"  {r['provider']:<12} longest seq under {a.cap_gib} GiB: {seq}{cut}")
+    write()
+    transport.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
