@@ -207,7 +207,9 @@ def test_retain_graph_and_a_second_backward(engine):
 def test_plain_cpu_transport_and_no_grad():
     model, x = blocks(2), x_input()
     buf = ActivationBuffers("cpu", HostTransport())
-    same(run(model, functools.partial(zk.checkpoint, buffers=buf), x), run(model, torch_ck, x))
+    want = run(model, torch_ck, x)
+    same(run(model, functools.partial(zk.checkpoint, buffers=buf), x), want)
+    same(run(model, functools.partial(zk.checkpoint, offload=False), x), want)  # default buffers of the CPU
     with torch.no_grad():
         torch.manual_seed(1)
         y = zk.checkpoint(model[0], x, buffers=buf)
