@@ -98,6 +98,13 @@ MUTANTS = [
        '"good_steps": opt.scaler.good_steps,', '"good_steps": 0,',
        ("tests/test_combinations.py", "-k", "dynamic_scale"), "tests/test_offload.py",
        "tests/test_offload_semantics.py"),
+    # ---- activation checkpoints (issue 21)
+    _m("activation-restore-skips-wait", "activations", "zo_kernels/activations.py",
+       "self.buffers.transport.device_wait(self.h2d)", "None", "tests/test_activations.py"),
+    _m("activation-restored-needs-no-grad", "activations", "zo_kernels/activations.py",
+       "detach().requires_grad_(rg)", "detach()", "tests/test_activations.py"),
+    _m("activation-resident-copy-missing", "activations", "zo_kernels/activations.py",
+       "_view(block, x.shape, x.dtype).copy_(x)", "_view(block, x.shape, x.dtype)", "tests/test_activations.py"),
     # ---- the C++ kernel
     _m("kernel-bias-correction-no-sqrt", "kernel", "cpu/adam.cpp",
        "c.inv_bc2_sqrt = float(1.0 / std::sqrt(bc2));", "c.inv_bc2_sqrt = float(1.0 / bc2);",
