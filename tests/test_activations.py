@@ -158,6 +158,15 @@ def test_reserve_allocates_up_front(engine):
     before = buf.allocations
     run(model, functools.partial(zk.checkpoint, buffers=buf), x)
     assert buf.allocations == before == 6
+    half = ActivationBuffers("cpu", engine)  # bf16 checkpoints of an odd element count: exact byte counts
+    y = torch.randn(3, 7, WIDTH + 1, dtype=torch.bfloat16)
+    half.reserve([], [y.numel() * 2] * 2)
+    lin = torch.nn.Linear(WIDTH + 1, WIDTH + 1).to(torch.bfloat16)
+    h = y.requires_grad_()
+    for _ in range(2):
+        h = zk.checkpoint(lin, h, buffers=half)
+    h.sum().backward()
+    assert half.host_allocations == 2 and half.device_allocations == 2
 
 
 def test_the_previous_segment_is_prefetched_while_this_one_recomputes(engine):
@@ -261,6 +270,7 @@ def test_bad_arguments_are_refused_before_anything_changes(engine):
         (TypeError, "transport must be", lambda: ActivationBuffers("cpu", transport="fast")),
         (ValueError, "device must be", lambda: ActivationBuffers("meta")),
         (ValueError, "device_blocks", lambda: buf.reserve([-1])),
+        (ValueError, "host_blocks: checkpoints are 16- or 32-bit", lambda: buf.reserve([], [3])),
     ]
     for exc, match, call in cases:
         with pytest.raises(exc, match=match):

@@ -66,15 +66,21 @@ class ActivationBuffers:
 
     def reserve(self, device_blocks: list[int] | tuple[int, ...],
                 host_blocks: list[int] | tuple[int, ...] = ()) -> None:  # fmt: skip
-        """Allocate blocks of the planned sizes (bytes) up front: a step that needs no more allocates nothing."""
+        """Allocate blocks of the planned sizes up front: a step that needs no more allocates nothing.
+
+        device_blocks: bytes of each device slot (offload: two for a chain; resident: one per checkpoint).
+        host_blocks: the exact bytes of each offloaded checkpoint (the pool reuses a host block of the same size)."""
         for name, sizes in (("device_blocks", device_blocks), ("host_blocks", host_blocks)):
             if not isinstance(sizes, (list, tuple)) or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0
                                                            for n in sizes):  # fmt: skip
                 raise ValueError(f"{name} must be a list of positive byte counts, got {sizes!r}")
+        if any(n % 2 for n in host_blocks):
+            raise ValueError(f"host_blocks: checkpoints are 16- or 32-bit, so their byte counts are even, got "
+                             f"{list(host_blocks)}")  # fmt: skip
         blocks = [self.take_device(n) for n in device_blocks]
         for b in blocks:
             self.give_device(b)
-        host = [self.take_host(n // 4 + (n % 4 > 0), torch.float32) for n in host_blocks]
+        host = [self.take_host(n // 2, torch.float16) for n in host_blocks]
         for h in host:
             self.transport.pool.give(h)
 
