@@ -152,12 +152,24 @@ def test_no_allocation_per_step_and_two_checkpoints_in_flight(engine):
 
 def test_reserve_allocates_up_front(engine):
     model, x = blocks(4), x_input()
+    want = run(model, torch_ck, x)
     nbytes = x.numel() * x.element_size()
     buf = ActivationBuffers("cpu", engine)
     buf.reserve([nbytes] * 2, [nbytes] * 4)
     before = buf.allocations
     run(model, functools.partial(zk.checkpoint, buffers=buf), x)
     assert buf.allocations == before == 6
+    for offload in (True, False):  # the planner's sizes: a step after reserve_for allocates nothing
+        tr = CopyEngineTransport()  # a pool of its own: host_allocations counts this pool's growth
+        planned = ActivationBuffers("cpu", tr)
+        planned.reserve_for(5, 6, WIDTH, 4, dtype=torch.float32, offload=offload)
+        before = (planned.device_allocations, planned.host_allocations, tr.pool.reserved)
+        assert before[:2] == ((2, 4) if offload else (4, 0))
+        same(run(model, functools.partial(zk.checkpoint, offload=offload, buffers=planned), x), want)
+        assert (planned.device_allocations, planned.host_allocations, tr.pool.reserved) == before
+        tr.close()
+    sh = zk.planner.ActivationShape(seq=5, batch=6, hidden=WIDTH, layers=4)
+    assert sh.checkpoint_bytes() == x.numel() * 2  # 16-bit: the planner counts what reserve_for(bf16) reserves
     half = ActivationBuffers("cpu", engine)  # bf16 checkpoints of an odd element count: exact byte counts
     y = torch.randn(3, 7, WIDTH + 1, dtype=torch.bfloat16)
     half.reserve([], [y.numel() * 2] * 2)
@@ -271,6 +283,8 @@ def test_bad_arguments_are_refused_before_anything_changes(engine):
         (ValueError, "device must be", lambda: ActivationBuffers("meta")),
         (ValueError, "device_blocks", lambda: buf.reserve([-1])),
         (ValueError, "host_blocks: checkpoints are 16- or 32-bit", lambda: buf.reserve([], [3])),
+        (ValueError, "seq must be an int >= 1", lambda: buf.reserve_for(0, 1, WIDTH, 2)),
+        (TypeError, "dtype must be", lambda: buf.reserve_for(4, 1, WIDTH, 2, dtype=torch.int64)),
     ]
     for exc, match, call in cases:
         with pytest.raises(exc, match=match):

@@ -84,6 +84,22 @@ class ActivationBuffers:
         for h in host:
             self.transport.pool.give(h)
 
+    def reserve_for(self, seq: int, batch: int, hidden: int, layers: int, *, dtype: torch.dtype = torch.bfloat16,
+                    offload: bool = True) -> None:  # fmt: skip
+        """Reserve what `layers` checkpointed blocks with [batch, seq, hidden] inputs need: the planner's sizes
+        (zo_kernels.planner.activation_bytes: two slots on the device and every input on the host, or, resident,
+        every input on the device)."""
+        for name, v in (("seq", seq), ("batch", batch), ("hidden", hidden), ("layers", layers)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if dtype not in _OFFLOADED:
+            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        nbytes = seq * batch * hidden * torch.empty((), dtype=dtype).element_size()
+        if offload:
+            self.reserve([nbytes] * min(2, layers), [nbytes] * layers)
+        else:
+            self.reserve([nbytes] * layers)
+
     def take_device(self, nbytes: int) -> torch.Tensor:
         """A device block (uint8) of at least `nbytes`: the smallest free one that fits, else a new one."""
         size = -(-nbytes // _ALIGN) * _ALIGN
