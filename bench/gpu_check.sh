@@ -13,7 +13,7 @@
 #                                        fwd+bwd alone, CPU Adam alone, D2H alone, torch AdamW(fused) + peaks
 #   bench/activation_rows.py             activations: no checkpointing, torch's checkpoint, save_on_cpu, zo's offloaded
 #                                        and resident checkpoint: step time, peak device activation memory, checkpoint
-#                                        allocations per step, longest sequence under a 2 GiB cap (issue 21)
+#                                        allocations per step, longest sequence under a 1 GiB cap (issue 21)
 #   bench/anchors.py                     torch fused, DeepSpeed ZeRO-Offload, torchao, FSDP2, zo: one GPT, batch
 #                                        and dtype, each in its own process (wheels from .whl/ when carried)
 # and writes OUTDIR/summary.json (bench/summary.py --summary-json: device, date, commit, pack, step, anchors,
