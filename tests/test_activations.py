@@ -208,6 +208,30 @@ def test_a_missing_device_wait_is_caught():
         same(got, want)
 
 
+@pytest.mark.parametrize("offload", [True, False])
+def test_nested_checkpoints(engine, offload):
+    """A checkpoint inside a checkpoint (torch supports nesting): the inner one runs again in the recomputation."""
+    torch.manual_seed(0)
+    l1, l2 = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+    x0 = x_input(3)
+
+    def grads(ck):
+        l1.zero_grad(set_to_none=True)
+        l2.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+
+        def outer(h):
+            return ck(lambda t: torch.tanh(l2(t)), F.dropout(torch.relu(l1(h)), p=0.2))
+
+        torch.manual_seed(4)
+        y = ck(outer, ck(outer, x))
+        y.square().sum().backward()
+        return [l1.weight.grad, l2.weight.grad, x.grad]
+
+    buf = ActivationBuffers("cpu", engine)
+    same(grads(lambda f, *a: zk.checkpoint(f, *a, offload=offload, buffers=buf)), grads(torch_ck))
+
+
 def test_retain_graph_and_a_second_backward(engine):
     model, x0 = blocks(3), x_input()
 
