@@ -15,7 +15,7 @@ placeholder (same device, so the same RNG states are stashed):
 - offload=False: each argument is copied into a device block that lives until the graph is freed (one contiguous
   block per checkpoint instead of whatever the allocator left; MD in ZeRO-R).
 
-Blocks are reused by size from step to step: after the first step (or after `reserve`), `allocations` stays
+Blocks are reused by size from step to step: after the first step (or `reserve` / `reserve_for`), `allocations` stays
 constant. Host blocks are held until the segment's graph is freed, so retain_graph=True and a second backward work.
 The function must not modify its tensor arguments in place (they are leaves during the recomputation).
 """
