@@ -14,6 +14,10 @@ Groups:
   step on the CPU device, its update alone (stats["time_cpu_update"]: read, Adam, write back the state) vs
   `engine ceiling`: a sequential read then write of three files of the state's size through the same aio engine
   (backend, depth, pieces) with O_DIRECT, no compute, rounds interleaved. The bar: ceiling / update >= 0.8.
+- `nvme state formats n=...` (run with -s): the integrated mode with state_dtype fp32 / bf16 / 8bit, rounds
+  interleaved in one run: bytes read and written per step (memory_report: 12 / 8 / 6.03 B/param each way), the
+  update's time (stats["time_cpu_update"]), each against its own engine ceiling (a sequential read then write of
+  files of that format's sizes, same engine), and the compressed formats' time and bytes as ratios of fp32's.
 - test_nvme_optimizer_resident_memory (run with -s): resident memory of the integrated mode (construction + one
   step) as the model grows 10M -> 200M params, against offload_optimizer="cpu" at 10M and 50M.
 
@@ -224,6 +228,73 @@ def test_nvme_optimizer_step(benchmark, root, n):
           f"  engine ceiling (read then write, {aio.DEFAULT_BACKEND} engine, {req / 2**20:.1f} MiB requests): "
           f"{ceiling:.3f} s = {BYTES_PER_PARAM * n / ceiling / 1e9:.2f} GB/s\n"
           f"  ceiling / update = {ceiling / update:.2f} (bar >= {BAR['min_of_ceiling']})")  # fmt: skip
+
+FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": "8bit"}
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_nvme_state_formats(benchmark, root, n):
+    """One step of the NVMe mode per moment format, rounds interleaved; bytes and time per step against each
+    format's engine ceiling and against fp32 (setup: each format's ceiling pass, then its backward; timed: the three
+    steps)."""
+    params = {f: _flat_params(n) for f in FORMATS}
+    opts = {f: zk.ZeroOffloadAdamW(params[f], state_dtype=dt, offload_optimizer="nvme", nvme_dir=root, **ADAM)
+            for f, dt in FORMATS.items()}  # fmt: skip
+    eng = aio.make_engine()
+    ceilings = {}  # format -> (files of the swapper's sizes, their sizes, buffers of one record each)
+    for f, opt in opts.items():
+        sw = opt.update.swapper
+        nbytes = sw._file_bytes()
+        files = [aio.open_file(os.path.join(root, f"ceiling-{f}-{k}.bin"), nb, sw.direct)
+                 for k, nb in enumerate(nbytes)]  # fmt: skip
+        ceilings[f] = (files, nbytes, [[aio.AlignedBuffer(record) for _ in range(2)] for *_, record in sw._spec])
+        for fh, nb, bufs in zip(*ceilings[f]):
+            _engine_sequential(eng, [fh], nb, True, bufs)  # reads of reserved, never written blocks return zeros
+    times: dict[str, dict[str, list[float]]] = {f: {"ceiling": [], "update": []} for f in FORMATS}
+
+    def setup():
+        for f, opt in opts.items():
+            t0 = time.perf_counter()
+            for write in (False, True):
+                for fh, nb, bufs in zip(*ceilings[f]):
+                    _engine_sequential(eng, [fh], nb, write, bufs)
+            times[f]["ceiling"].append(time.perf_counter() - t0)
+            _backward(opt, params[f])
+
+    def step():
+        for f, opt in opts.items():
+            opt.step()
+            times[f]["update"].append(opt.stats["time_cpu_update"])
+
+    reports = {}
+    try:
+        benchmark.group = f"nvme state formats n={n:.0e}"
+        benchmark.pedantic(step, setup=setup, warmup_rounds=1, rounds=3, iterations=1)
+        reports = {f: opt.memory_report() for f, opt in opts.items()}
+    finally:
+        for f, (files, _, _) in ceilings.items():
+            for k, fh in enumerate(files):
+                fh.close()
+                os.unlink(os.path.join(root, f"ceiling-{f}-{k}.bin"))
+        for opt in opts.values():
+            opt.close()
+    best = {f: {k: min(v[1:] or v) for k, v in t.items()} for f, t in times.items()}
+    m = machine()
+    lines = [f"\nNVMe state formats, n={n:,} params, {aio.DEFAULT_BACKEND} engine; machine: {m['cpu']}, "
+             f"{m['cores']} cores; nvme_dir {root} on {filesystem(root)}",
+             f"  {'format':<6}{'B/param/step':>14}{'update s':>10}{'ceiling s':>11}{'of ceiling':>12}"
+             f"{'time vs fp32':>14}{'bytes vs fp32':>15}"]  # fmt: skip
+    for f in FORMATS:
+        moved = reports[f].nvme_read_per_step + reports[f].nvme_written_per_step
+        b, fp = best[f], best["fp32"]
+        ratio_t, ratio_b = b["update"] / fp["update"], moved / (2 * reports["fp32"].nvme_read_per_step)
+        lines.append(f"  {f:<6}{moved / n:>14.2f}{b['update']:>10.3f}{b['ceiling']:>11.3f}"
+                     f"{b['ceiling'] / b['update']:>12.0%}{ratio_t:>13.2f}x{ratio_b:>14.2f}x")  # fmt: skip
+        benchmark.extra_info.update({f"{f} bytes_per_step": moved, f"{f} update_s": b["update"],
+                                     f"{f} ceiling_s": b["ceiling"], f"ratio {f} time vs fp32": ratio_t,
+                                     f"ratio {f} of its ceiling": b["ceiling"] / b["update"]})  # fmt: skip
+    benchmark.extra_info.update(provider="zo_formats", numel=n)
+    print("\n".join(lines))
 
 
 _RSS_CHILD = textwrap.dedent(

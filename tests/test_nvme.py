@@ -182,6 +182,59 @@ def test_streamed_adam_equals_cpu_adam_step(tmp_path, n, backend):
         assert torch.equal(got, want), name
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+def test_compressed_moments_stream_as_in_memory(tmp_path, fmt):
+    """state_fmt: the moments live in the files in their format (bf16, or 8-bit codes + one scale per 256); a
+    streamed Adam over 3 tiles (the last one short) equals cpu_adam_step on in-memory moments of the format, tile by
+    tile (bf16's random bits depend on the call's first element), bit for bit; write_all stores fp32 values as the
+    format does (bf16: nearest even; 8-bit: each block's max maps to the top code)."""
+    n, tile = 2 * 1024 + 700, 1024
+    gen = torch.Generator().manual_seed(5)
+    p, m0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    v0 = m0.square()
+    if fmt == "bf16":
+        m, v = m0.bfloat16(), v0.bfloat16()
+        tiles = lambda: [(m[lo : lo + tile], v[lo : lo + tile]) for lo in range(0, n, tile)]  # noqa: E731
+    else:
+        m, v = (zk.Quantized8bit.empty(n, signed=s) for s in (True, False))
+        tiles = lambda: [(m.narrow(lo, min(tile, n - lo)), v.narrow(lo, min(tile, n - lo)))  # noqa: E731
+                         for lo in range(0, n, tile)]  # fmt: skip
+    with NvmeSwapper(n, str(tmp_path), tile_numel=tile, state_fmt=fmt) as s:
+        s.write_all(p.clone(), m0, v0)
+        out = [torch.empty(n) for _ in range(3)]
+        s.read_all(*out)
+        if fmt == "bf16":
+            assert torch.equal(out[1], m0.bfloat16().float()) and torch.equal(out[2], v0.bfloat16().float())
+            m.copy_(m0)
+            v.copy_(v0)
+        else:
+            for got, x, top in ((out[1], m0, 127), (out[2], v0.sqrt(), 255)):
+                blocks = x.split(256)
+                assert all(x_b.abs().max() > 0 for x_b in blocks)
+                r = got if top == 127 else got.sqrt()
+                err = (r - x).abs()
+                scale = torch.cat([b.abs().max().expand(len(b)) for b in blocks])
+                assert bool((err <= scale / top / 2 * 1.001).all())  # within half a code of each block's scale
+            for q, x in zip((m, v), (m0, v0)):
+                src = zk.Quantized8bit.from_float(x, signed=q.signed)
+                q.codes.copy_(src.codes)
+                q.scales.copy_(src.scales)
+        names = sorted(os.listdir(s.path))
+        assert len([f for f in names if f.endswith(".bin")]) == (3 if fmt == "bf16" else 5), names
+        mem_p = p.clone()
+        for step in (1, 2, 3):
+            g = torch.randn(n, generator=gen)
+            for (lo, hi), (tm, tv) in zip(s.tiles, tiles()):
+                zk.cpu_adam_step(mem_p[lo:hi], g[lo:hi], tm, tv, step=step, seed=lo, **HPARAMS)
+            s.stream(lambda lo, hi, P, M, V, g=g, step=step: zk.cpu_adam_step(P, g[lo:hi], M, V, step=step, seed=lo,
+                                                                               **HPARAMS))  # fmt: skip
+        s.read_all(*out)
+    want_m, want_v = (m.float(), v.float()) if fmt == "bf16" else (m.to_float(), v.to_float())
+    assert torch.equal(out[0], mem_p) and torch.equal(out[1], want_m) and torch.equal(out[2], want_v)
+    with pytest.raises(ValueError, match="state_fmt"):
+        NvmeSwapper(n, str(tmp_path), state_fmt="int4")
+
+
 def test_stream_pipeline_orders_reads_and_writes(tmp_path):
     # Many small tiles, and a callback whose result depends on the tile's previous value and position: a tile
     # read before its last write landed, or updated before its read did, shows up as a wrong value.

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import tempfile
 import traceback
 
 import pytest
@@ -109,6 +110,7 @@ class Case:
     stage: int = 2
     transport: str = "host"
     groups: bool = False
+    nvme: str | None = None  # "state": offload_optimizer="nvme"; "state+params": and offload_param="nvme" (stage 3)
 
     @property
     def id(self) -> str:
@@ -143,7 +145,15 @@ CASES = [
         dict(world=2, clip=True, scale="dynamic"),
         dict(world=2, dtype="bf16", stage=3, dpu=2, micro=2),
     )
-] + [Case("fp32", world=2, stage=1)]
+] + [Case("fp32", world=2, stage=1)] + [
+    # the moments in the NVMe files, in their format
+    Case("8bit", nvme="state", micro=2, clip=True, dpu=2),
+    Case("bf16", nvme="state", dtype="bf16", scale="dynamic", stage=1, groups=True),
+    Case("8bit", nvme="state+params", dtype="bf16", stage=3, micro=2),
+    Case("bf16", nvme="state", world=2, stage=3, dpu=2),
+    Case("8bit", nvme="state", world=2, dtype="bf16", clip=True, scale="dynamic"),
+    Case("8bit", nvme="state+params", world=2, dtype="bf16", stage=3),
+]
 
 
 def forward(model, batch) -> torch.Tensor:
@@ -157,6 +167,11 @@ def run_zo(case: Case, rank: int, group) -> dict:
     if case.stage == 3:
         extra["module"] = model
     transport = CopyEngineTransport(delay_s=0.002) if case.transport == "copy_engine" else None
+    nvme_dir = tempfile.mkdtemp() if case.nvme else None
+    if case.nvme:
+        extra.update(offload_optimizer="nvme", nvme_dir=nvme_dir)
+    if case.nvme == "state+params":
+        extra["offload_param"] = "nvme"
     opt = zk.ZeroOffloadAdamW(params, **ADAMW, dtype=DTYPES[case.dtype], state_dtype=FORMATS[case.fmt],
                               stage=case.stage, process_group=group, transport=transport, bucket_numel=1_000,
                               collective_timeout_s=60.0, **case.options(), **extra)  # fmt: skip
@@ -181,6 +196,9 @@ def run_zo(case: Case, rank: int, group) -> dict:
         opt.close()
         if transport is not None:
             transport.close()
+        if nvme_dir is not None:
+            assert os.listdir(nvme_dir) == [], "close() removes the scratch files"
+            os.rmdir(nvme_dir)
 
 
 def run_oracle(case: Case, dtype: torch.dtype, **perturb) -> dict:
@@ -266,7 +284,9 @@ def check(case: Case, zo: dict, want: dict, other: dict, plain: dict) -> list[st
 
 
 DEFAULT = {Case("bf16"), Case("8bit"), Case("8bit", dtype="bf16", micro=2, clip=True),
-           Case("bf16", scale="dynamic", dpu=2, transport="copy_engine"), Case("8bit", stage=3, micro=2, dpu=2)}
+           Case("bf16", scale="dynamic", dpu=2, transport="copy_engine"), Case("8bit", stage=3, micro=2, dpu=2),
+           Case("8bit", nvme="state", micro=2, clip=True, dpu=2), Case("8bit", nvme="state+params", dtype="bf16",
+                                                                      stage=3, micro=2)}  # fmt: skip
 # the rest (the 2-rank ones: one launch of two processes) in the slow run; a few seconds each on a quiet machine
 
 
@@ -448,11 +468,40 @@ def test_bad_state_dtype_is_refused_before_anything_changes(bad, error) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "8bit"])
-def test_nvme_with_a_compressed_format_is_refused_clearly(fmt: str, tmp_path) -> None:
-    model = FeatureNet(VOCAB, WIDTH)
-    with pytest.raises(ValueError, match="state_dtype.*nvme"):
-        zk.ZeroOffloadAdamW(model, state_dtype=FORMATS[fmt], offload_optimizer="nvme", nvme_dir=str(tmp_path))
-    assert list(tmp_path.iterdir()) == []
+def test_nvme_resume_is_bitwise_and_equals_memory(fmt: str, tmp_path) -> None:
+    """The moments in the NVMe files in their format: 3 + 3 steps through a checkpoint equal 6 steps bit for bit, and
+    the in-memory run of the format (one tile: bf16's kernel calls, hence its random bits, are the same)."""
+    nvme = dict(offload_optimizer="nvme", nvme_dir=str(tmp_path))
+    m_mem, o_mem = _train(fmt, 6)
+    m_all, o_all = _train(fmt, 6, **nvme)
+    _train(fmt, 3, ckpt_out=tmp_path / "c.pt", **nvme)[1].close()
+    m_res, o_res = _train(fmt, 3, ckpt_in=tmp_path / "c.pt", first=3, **nvme)
+    for a, b, c in zip(m_all.parameters(), m_res.parameters(), m_mem.parameters()):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    got, want, mem = _exact(o_res.state_dict()), _exact(o_all.state_dict()), _exact(o_mem.state_dict())
+    assert len(got) == len(want) == len(mem) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, mem))
+    for o in (o_all, o_res):
+        o.close()
+    assert [e.name for e in tmp_path.iterdir()] == ["c.pt"]
+
+
+def test_nvme_state_dict_converts_between_formats(tmp_path) -> None:
+    """An NVMe 8-bit run's state dict loads into an NVMe bf16 run and the reverse, as in memory (see
+    test_state_dict_converts_between_formats): rounded to nearest even, or quantized per parameter."""
+    nvme = dict(offload_optimizer="nvme", nvme_dir=str(tmp_path))
+    for src, dst in (("8bit", "bf16"), ("bf16", "8bit")):
+        _, o_src = _train(src, 3, **nvme)
+        saved = o_src.state_dict()
+        _, o_dst = _train(dst, 0, load=saved, **nvme)
+        got = o_dst.state_dict()
+        for i, st in saved["state"].items():
+            assert torch.equal(got["state"][i]["master"], st["master"]) and float(got["state"][i]["step"]) == 3
+            for key in ("exp_avg", "exp_avg_sq"):
+                want = st[key].bfloat16().float() if dst == "bf16" else round_8bit(st[key], signed=key == "exp_avg")
+                assert torch.equal(got["state"][i][key], want), (src, dst, i, key)
+        o_src.close()
+        o_dst.close()
 
 
 # ---------------------------------------------------------------------- the planner and the demo

@@ -3,7 +3,10 @@
 No first moment; a parameter of 2 or more dimensions keeps a factored second moment (row and column statistics of its
 last two dimensions), a vector a full one. The update runs with torch ops on the host (per parameter: it needs the
 whole parameter's RMS and row/column means), on the fp32 masters, then the new parameters go to the device as with
-AdamW. One rank only: the statistics belong to whole parameters, which a partition across ranks would split.
+AdamW. On several ranks the flat partition (the same as AdamW's) splits parameters: each rank sums its elements' share
+of the row/column sums of g^2 (a vector's g^2), of the parameter's and of the update's sum of squares, and two
+all-reduces per step combine them; every rank then keeps every parameter's statistics (rows + columns: small), so a
+checkpoint is world-size independent.
 """
 
 from __future__ import annotations
@@ -57,15 +60,21 @@ def adafactor_step(param: torch.Tensor, grad: torch.Tensor, stats: dict[str, tor
 
 
 class AdafactorUpdate(HostUpdate):
-    """The host update with Adafactor's rule: the fp32 masters and each parameter's statistics in host memory."""
+    """The host update with Adafactor's rule: the fp32 masters and each parameter's statistics in host memory.
+
+    `comm` (set by the optimizer): with world > 1, the statistics of parameters split across ranks are combined with
+    all-reduces (SplitAdafactor)."""
 
     HAS_MOMENTS = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         lay = self.layout
-        self.ranges = sorted((*lay.part_range(p), p) for p in lay.params)  # (partition start, end, param)
+        # (partition start, end, param): params this rank does not own have empty ranges, (0, 0) alike
+        self.ranges = sorted(((*lay.part_range(p), p) for p in lay.params), key=lambda r: r[:2])
         self.stats = {p: {k: torch.zeros(s) for k, s in _stats_shapes(lay.shape[p]).items()} for p in lay.params}
+        self.comm: Any = None
+        self._split: SplitAdafactor | None = None
 
     @property
     def host_state_bytes(self) -> int:
@@ -94,8 +103,11 @@ class AdafactorUpdate(HostUpdate):
         send = writeback and not self.staging_in_place
         events: list = []
         try:
+            if self.comm is not None and self.comm.world > 1:
+                self._split = self._split or SplitAdafactor(self)
+                self._split.step(grad, grad_scale, runs, hparams)
             for gi, a, b, step, factor in runs:
-                for pa, pb, p in self.ranges:
+                for pa, pb, p in self.ranges if self.comm is None or self.comm.world == 1 else ():
                     if a <= pa and pb <= b and pa < pb:
                         shape = self.layout.shape[p]
                         g = grad[pa:pb].float().mul(grad_scale * factor).view(shape)
@@ -111,6 +123,98 @@ class AdafactorUpdate(HostUpdate):
         return time.perf_counter() - t0
 
 
+class SplitAdafactor:
+    """One Adafactor step of every parameter on several ranks, each rank updating its elements of the partition.
+
+    torch.optim.Adafactor's update needs whole-parameter quantities: the row and column means of g^2 (a vector's g^2
+    itself), the parameter's RMS and the update's RMS. Each rank adds its elements' share of them into one buffer
+    laid out per parameter (rows, columns or elements, then the parameter's sum of squares and a "stepped" count),
+    an all-reduce sums it; every rank then updates every stepped parameter's statistics (so they are the same on
+    all ranks) and its own elements; a second all-reduce sums the update's squares. Sums of squares replace torch's
+    norm().square(): equal up to fp32 rounding.
+    """
+
+    def __init__(self, up: AdafactorUpdate) -> None:
+        self.up, lay = up, up.layout
+        self.slots: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (start in the buffer, statistics' length)
+        pos = 0
+        for p in lay.params:
+            shape = lay.shape[p]
+            n = shape[:-1].numel() + shape[:-2].numel() * shape[-1] if len(shape) >= 2 else shape.numel()
+            self.slots[p] = (pos, n)
+            pos += n + 2
+        self.numel = pos
+
+    def _reduce(self, buf: torch.Tensor, what: str) -> torch.Tensor:
+        comm = self.up.comm
+        t = buf.to(comm.device_of_collectives)
+        comm.collective(what, dist.all_reduce, t)
+        return t.cpu()
+
+    @torch.no_grad()
+    def step(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict]) -> None:
+        up, lay = self.up, self.up.layout
+        mine = []  # (param, its group, partition range, its first element's index in the param, fp32 gradient)
+        for gi, a, b, _, factor in runs:
+            for pa, pb, p in up.ranges:
+                if a <= pa and pb <= b and pa < pb:
+                    (x, _, _), = lay.owned(lay.offset[p], lay.offset[p] + lay.shape[p].numel(), lay.rank)
+                    g = grad[pa:pb].float().mul(grad_scale * factor)
+                    mine.append((p, gi, pa, pb, x - lay.offset[p], g.neg_() if hparams[gi]["maximize"] else g))
+        buf = torch.zeros(self.numel, dtype=torch.float64)
+        for p, _, pa, pb, x, g in mine:
+            start, n = self.slots[p]
+            shape, sq = lay.shape[p], g.double().square()
+            if len(shape) >= 2:
+                rows, cols, idx = shape[:-1].numel(), shape[-1], torch.arange(x, x + pb - pa)
+                buf[start : start + rows].index_add_(0, idx // cols, sq)
+                col = idx // (shape[-2] * cols) * cols + idx % cols
+                buf[start + rows : start + n].index_add_(0, col, sq)
+            else:
+                buf[start + x : start + x + pb - pa] = sq
+            buf[start + n] = up._master[pa:pb].double().square().sum()
+            buf[start + n + 1] = 1.0
+        total = self._reduce(buf, "Adafactor's statistics (all-reduce)")
+        for i, p in enumerate(lay.params):  # every rank: the same statistics
+            start, n = self.slots[p]
+            if total[start + n + 1] == 0:
+                continue
+            shape, st, omb2 = lay.shape[p], up.stats[p], up.steps[i] ** hparams[lay.pgroup[i]]["beta2_decay"]
+            if len(shape) >= 2:
+                rows = shape[:-1].numel()
+                st["row_var"].lerp_(total[start : start + rows].float().view(st["row_var"].shape) / shape[-1], omb2)
+                st["col_var"].lerp_(total[start + rows : start + n].float().view(st["col_var"].shape) / shape[-2],
+                                    omb2)  # fmt: skip
+            else:
+                st["variance"].lerp_(total[start : start + n].float().view(shape), omb2)
+        updates, sums = [], torch.zeros(len(lay.params), dtype=torch.float64)
+        for p, gi, pa, pb, x, g in mine:
+            i, hp, shape, st = lay.index[p], hparams[gi], lay.shape[p], up.stats[p]
+            start, n = self.slots[p]
+            eps1 = torch.finfo(torch.float32).eps if hp["eps"][0] is None else hp["eps"][0]
+            step = up.steps[i]
+            rho = min(hp["lr"], 1 / step**0.5)
+            alpha = max(hp["eps"][1], math.sqrt(float(total[start + n])) / shape.numel() ** 0.5) * rho
+            master = up._master[pa:pb]
+            if hp["weight_decay"] != 0:
+                master.mul_(1 - hp["lr"] * hp["weight_decay"])
+            idx = torch.arange(x, x + pb - pa)
+            if len(shape) >= 2:
+                cols, rc = shape[-1], shape[-2] * shape[-1]
+                row, col = st["row_var"].reshape(-1), st["col_var"].reshape(-1)
+                mean = st["row_var"].mean(dim=-2).reshape(-1).clamp(min=eps1)
+                var = (row[idx // cols] * col[idx // rc * cols + idx % cols]).div_(mean[idx // rc])
+            else:
+                var = st["variance"].reshape(-1)[x : x + pb - pa].clone()
+            update = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(g)
+            sums[i] = update.double().square().sum()
+            updates.append((master, update, alpha, hp["d"], shape.numel(), i))
+        sums = self._reduce(sums, "Adafactor's update norms (all-reduce)")
+        for master, update, alpha, d, numel, i in updates:
+            denom = max(1.0, math.sqrt(float(sums[i])) / (numel**0.5 * d))
+            master.add_(update, alpha=-alpha / denom)
+
+
 class ZeroOffloadAdafactor(ZeroOffloadAdamW):
     """Adafactor (torch.optim.Adafactor's update and defaults) with ZeroOffloadAdamW's offload machinery.
 
@@ -118,10 +222,13 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
     transports and checkpoints work as in ZeroOffloadAdamW (see its docstring); the update on the host is
     torch.optim.Adafactor's on the fp32 masters: no first moment, a factored second moment (row and column
     statistics, fp32) for parameters of 2 or more dimensions, a full one for vectors. Host state: 4 bytes per
-    parameter (masters) + 4 x (rows + columns) per matrix + 4 per vector element. One rank only (a parameter
-    split across ranks would need its row and column sums combined): world_size > 1 is refused, as are
-    offload_optimizer="nvme" and state_dtype. state_dict() has torch.optim.Adafactor's keys per parameter (step,
-    row_var, col_var or variance) plus `master`, and loads torch.optim.Adafactor's.
+    parameter (masters) + 4 x (rows + columns) per matrix + 4 per vector element. On several ranks the partition
+    is AdamW's (parameters split across ranks): two small all-reduces per step combine the split parameters'
+    row/column sums and norms (SplitAdafactor), every rank keeps every parameter's statistics; the delayed update
+    is then refused (its collectives would run in the background beside the gradients'). offload_optimizer="nvme"
+    and state_dtype are refused. state_dict() has torch.optim.Adafactor's keys per parameter (step, row_var,
+    col_var or variance) plus `master` (world-size independent; a collective on several ranks), and loads
+    torch.optim.Adafactor's.
 
     Args:
         params, lr, beta2_decay, eps, d, weight_decay, maximize: as torch.optim.Adafactor (eps = (eps1, eps2);
@@ -143,11 +250,12 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
         group = kwargs.get("process_group")
         world = (group.size() if group is not None else
                  dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)  # fmt: skip
-        if world > 1:
-            raise ValueError(f"ZeroOffloadAdafactor runs on one rank (world_size 1), got a process group of {world}: "
-                             "its factored statistics belong to whole parameters; pass a single-rank "
-                             "process_group")  # fmt: skip
+        if world > 1 and kwargs.get("delay_update_after") is not None:
+            raise ValueError(f"ZeroOffloadAdafactor on {world} ranks does not take delay_update_after: its "
+                             "statistics' all-reduces would run in the background update, beside the gradients' "
+                             "collectives")  # fmt: skip
         super().__init__(params, lr=lr, weight_decay=weight_decay, **kwargs)
+        self.update.comm = self.comm
 
     def _defaults(self, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> dict[str, Any]:
         return self._group_hparams(dict(self._ada))
@@ -179,19 +287,24 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
         """torch.optim.Adafactor's layout: per param step, row_var/col_var or variance, plus master (fp32, CPU)."""
         self._check_alive()
         self.update.finish_pending(write=False)
+        lay = self.layout
+        full = self.comm.gather(self.update.master, lay.part * self.world)  # (a collective on several ranks)
         state, groups, idx = {}, [], 0
         for group in self.param_groups:
             ids = []
             for p in group["params"]:
-                a, b = self.layout.part_range(p)
-                state[idx] = {"step": torch.tensor(float(self.update.steps[idx])),
-                              "master": self.update.master[a:b].clone().view(self.layout.shape[p]),
+                off, n = lay.offset[p], lay.shape[p].numel()
+                master = torch.empty(n)
+                for r in range(self.world):
+                    for a, b, pa in lay.owned(off, off + n, r):
+                        master[a - off : b - off] = full[r * lay.part + pa : r * lay.part + pa + b - a]
+                state[idx] = {"step": torch.tensor(float(self.update.steps[idx])), "master": master.view(lay.shape[p]),
                               **{k: v.clone() for k, v in self.update.stats[p].items()}}  # fmt: skip
                 ids.append(idx)
                 idx += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
         extra = {"loss_scale": self.scaler.scale, "dynamic": self.scaler.dynamic, "good_steps": self.scaler.good_steps,
-                 "iteration": self.grads.iteration, "world_size": 1, "staged": self.update.staged}  # fmt: skip
+                 "iteration": self.grads.iteration, "world_size": self.world, "staged": self.update.staged}  # fmt: skip
         return {"state": state, "param_groups": groups, "zero_offload": extra}
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> list[tuple[int, torch.Tensor, dict, int]]:
@@ -244,8 +357,9 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
             for k, t in self.update.stats[p].items():
                 t.copy_(st[k])
             if st.get("master") is not None:
-                a, b = self.layout.part_range(p)
-                self.update.master[a:b] = st["master"].reshape(-1).float()
+                off, n = self.layout.offset[p], self.layout.shape[p].numel()
+                for a, b, pa in self.layout.owned(off, off + n, self.rank):
+                    self.update.master[pa : pa + b - a] = st["master"].reshape(-1)[a - off : b - off].float()
         self._set_group_steps()
         if not plan or any(st.get("master") is None for _, _, st, _ in plan):
             self.update.refresh_stale_masters()

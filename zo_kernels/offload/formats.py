@@ -50,12 +50,15 @@ def bytes_per_element(fmt: str) -> float:
 class Moments:
     """exp_avg and exp_avg_sq of `numel` elements in format `fmt`, zero at first.
 
-    fp32/bf16: two tensors of that dtype. 8bit: two Quantized8bit (exp_avg signed, exp_avg_sq unsigned).
+    fp32/bf16: two tensors of that dtype. 8bit: two Quantized8bit (exp_avg signed, exp_avg_sq unsigned). `pair`:
+    these moments over existing ones (e.g. an NVMe tile's buffers) instead of new zeros.
     """
 
-    def __init__(self, fmt: str, numel: int) -> None:
+    def __init__(self, fmt: str, numel: int, pair: tuple[Any, Any] | None = None) -> None:
         self.fmt, self.numel, self.block = fmt, numel, block_of(fmt)
-        if fmt == "8bit":
+        if pair is not None:
+            self.pair = pair
+        elif fmt == "8bit":
             q = _quantized()
             self.pair = (q.empty(numel, signed=True, block=BLOCK_8BIT), q.empty(numel, signed=False, block=BLOCK_8BIT))
         else:

@@ -119,8 +119,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             (NCCL groups use their own watchdog, set by init_process_group's timeout).
         module: the model the params belong to: its other floating-point params and buffers follow `dtype`.
         offload_optimizer: where the fp32 master, exp_avg and exp_avg_sq live: "cpu" (host memory) or "nvme"
-            (scratch files in `nvme_dir`, streamed tile by tile through a bounded pool of aligned host buffers;
-            removed by close(), a killed run's reclaimed by the next start).
+            (scratch files in `nvme_dir`, the moments in their state_dtype, streamed tile by tile through a
+            bounded pool of aligned host buffers; removed by close(), a killed run's reclaimed by the next start).
         nvme_dir: an existing, writable directory (on an NVMe drive) for offload_optimizer="nvme".
         stage: the ZeRO stage. 1: every rank gets the whole reduced gradient (all-reduce), the optimizer state is
             partitioned. 2 (default): each rank receives only its partition's gradient (reduce). 3: the 16-bit
@@ -146,7 +146,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         state_dtype: the format of Adam's moments on the host (the masters stay fp32): torch.float32 (default),
             torch.bfloat16 (rounded to nearest even after each step), or "8bit" (blockwise: exp_avg signed and
             exp_avg_sq unsigned codes, one fp32 scale per 256 elements, zo_kernels.Quantized8bit; every parameter
-            then starts on a 256-element boundary of the flat buffer). 12, 8 or 6.03 bytes of state per parameter.
+            then starts on a 256-element boundary of the flat buffer). 12, 8 or 6.03 bytes of state per parameter,
+            in host memory or (offload_optimizer="nvme") in the files and per step read from and written to them.
             state_dict() still gives fp32 moments per parameter (dequantized) and loads any format's; the exact
             bits travel beside them (see state_dict), so a checkpoint resumes bitwise in the same format.
     """
@@ -213,9 +214,6 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if transport is not None and not isinstance(transport, Transport):
             raise TypeError(f"transport must be a zo_kernels Transport or None, got {type(transport).__name__}")
         nvme_dir = check_offload(offload_optimizer, nvme_dir)
-        if nvme_dir is not None and self.state_format != "fp32":
-            raise ValueError(f"state_dtype={state_dtype!r} with offload_optimizer='nvme' is not supported yet: "
-                             "the NVMe files hold fp32 moments (use state_dtype=torch.float32 there)")  # fmt: skip
         check_stage(stage, offload_param, module, nvme_dir, delay_update_after is not None, dtype)
         prefetch = check_int(prefetch, "prefetch", 0, required=True)
         for name, value in (("update_timeout_s", update_timeout_s), ("collective_timeout_s", collective_timeout_s)):

@@ -45,8 +45,10 @@ class MemoryReport:
             element: 12 with fp32 moments, 8 bf16, 6.03 8-bit; or the NVMe swapper's pool), the gradient landing
             buffers, the p16 staging buffer, the fp32 accumulation buffers (once gradients were accumulated), the
             stage-3 shard kept in host memory (offload_param="cpu").
-        nvme_bytes: the scratch files (offload_optimizer="nvme": p32, m, v, and the stage-3 shard with
-            offload_param="nvme").
+        nvme_bytes: the scratch files (offload_optimizer="nvme": p32, m, v in their format, and the stage-3 shard
+            with offload_param="nvme").
+        nvme_read_per_step, nvme_written_per_step: bytes a step's update reads from and writes to those files (one
+            pass over them: K bytes per element, the 16-bit shard's 2 included).
         formula_device, formula_host, formula_nvme: the same by the formulas. terms: every buffer, one Term each.
     """
 
@@ -63,6 +65,8 @@ class MemoryReport:
     host_shard: int = 0
     nvme_bytes: int = 0
     formula_nvme: int = 0
+    nvme_read_per_step: int = 0
+    nvme_written_per_step: int = 0
     terms: list[Term] = field(default_factory=list)
 
     @property
@@ -87,6 +91,9 @@ class MemoryReport:
                 continue
             lines.append(f"  {where + ':':<7} {measured:,} B ({measured / p:.2f} B/param); "
                          f"formula {self.formula(where)} = {by_formula:,} B")  # fmt: skip
+            if where == "nvme":
+                lines.append(f"  nvme I/O per step: {self.nvme_read_per_step:,} B read, "
+                             f"{self.nvme_written_per_step:,} B written")  # fmt: skip
         return "\n".join(lines)
 
 
@@ -109,12 +116,12 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
         big = max(b.hi - b.lo for b in layout.buckets)
         add("device", "two gradient buckets", f"2·{e}B", 2 * e * big, nbytes(grads.bucket_bufs))
     swapper = update.swapper
+    k = update.state_bytes_per_param  # K: the masters and the moments in their format
     if swapper is None:
-        k = update.state_bytes_per_param  # K: the masters and the moments in their format
         add("host", "p32, m, v", f"{k:g}P", round(k * part), update.host_state_bytes)
     else:
         extra = 2 if swapper.params_dtype is not None else 0  # a fourth, 16-bit file's buffers
-        add("host", "NVMe pool", f"3·{K_ADAM + extra}T", 3 * (K_ADAM + extra) * swapper.tile_numel,
+        add("host", "NVMe pool", f"3·{k + extra:g}T", round(3 * (k + extra) * swapper.tile_numel),
             update.host_state_bytes)  # fmt: skip
     slots = len(grads.landing)
     add("host", "gradient landing" + (" x2, DPU" if slots > 1 else ""), f"{slots}·{e}P" if slots > 1 else f"{e}P",
@@ -133,10 +140,11 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
     if swapper is not None:
         files = [f for f in os.scandir(swapper.path) if f.name.endswith(".bin")]
         size = {f.name: f.stat().st_size for f in files}
-        add("nvme", "p32, m, v files", f"{K_ADAM}P", 3 * round_up(4 * part),
-            sum(v for k, v in size.items() if k != "params.bin"))  # fmt: skip
+        shard_file = round_up(2 * part) if swapper.params_dtype is not None else 0
+        add("nvme", "p32, m, v files", f"{k:g}P", swapper.file_bytes - shard_file,
+            sum(v for name, v in size.items() if name != "params.bin"))  # fmt: skip
         if swapper.params_dtype is not None:
-            add("nvme", "parameter shard file", "2P", round_up(2 * part), size.get("params.bin", 0))
+            add("nvme", "parameter shard file", "2P", shard_file, size.get("params.bin", 0))
     total = lambda where, i: sum(t.formula_bytes if i else t.measured for t in terms if t.where == where)  # noqa: E731
     of = lambda where, *whats: sum(t.measured for t in terms if t.where == where and t.what.startswith(whats))  # noqa: E731
     return MemoryReport(
@@ -145,6 +153,8 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
         host_state=of("host", "p32", "NVMe"), host_landing=of("host", "gradient"), host_staging=of("host", "p16"),
         host_accumulator=of("host", "fp32"), host_shard=of("host", "parameter", "pinned"),
         nvme_bytes=total("nvme", False),
+        nvme_read_per_step=swapper.pass_bytes if swapper is not None else 0,
+        nvme_written_per_step=swapper.pass_bytes if swapper is not None else 0,
         formula_device=total("device", True), formula_host=total("host", True), formula_nvme=total("nvme", True),
         terms=terms,
     )  # fmt: skip

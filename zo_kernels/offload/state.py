@@ -67,7 +67,7 @@ def raw_moments(opt: ZeroOffloadAdamW) -> dict[int, dict[str, torch.Tensor]]:
     "exp_avg_sq_scales"}}; its blocks are its own (it starts on a block), whatever the world size. A collective."""
     lay, per = opt.layout, (1, BLOCK_8BIT, 1, BLOCK_8BIT)  # partition elements per entry of each tensor
     names = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
-    full = [opt.comm.gather(t, t.numel() * opt.world) for t in opt.update.moments.tensors()]
+    full = [opt.comm.gather(t, t.numel() * opt.world) for t in opt.update.raw_moments()]
     out = {}
     for i, p in enumerate(p for group in opt.param_groups for p in group["params"]):
         off, n = lay.offset[p], lay.shape[p].numel()
@@ -185,6 +185,7 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
     extra = state_dict.get("zero_offload", {})
     if _exact_moments(opt, extra):
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        pieces = []
         for _, p, _, _ in plan:
             i = ids[opt.layout.index[p]]
             raw = extra["moments"].get(i, extra["moments"].get(str(i)))
@@ -192,7 +193,8 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
             for a, b, pa in opt.layout.owned(off, off + n, opt.rank):  # a - off is on a block boundary
                 x, y = a - off, b - off
                 part = {k: v[x:y] if "codes" in k else v[x // BLOCK_8BIT : -(-y // BLOCK_8BIT)] for k, v in raw.items()}
-                opt.update.moments.set_raw(pa, pa + b - a, part)
+                pieces.append((pa, pa + b - a, part))
+        opt.update.set_raw(pieces)
     opt._set_group_steps()
     if no_masters and not opt.update.params_in_swapper:
         opt.update.refresh_stale_masters()

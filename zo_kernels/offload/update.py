@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from ..cpu_adam import cpu_adam_step
-from ..nvme import TILE_MULTIPLE, NvmeSwapper, UpdateFn
+from ..nvme import TILE_MULTIPLE, Moment, NvmeSwapper, UpdateFn, as_float, assign, narrow
 from ..transport import Staging, Transport, tiled_writeback
-from .formats import Moments, block_of, bytes_per_element
+from .formats import BLOCK_8BIT, Moments, block_of, bytes_per_element
 from .layout import FlatLayout, Run
 from .report import PhaseTimes
 
@@ -42,8 +42,8 @@ class HostUpdate:
         delayed: the delayed parameter update is on (staging is then a buffer of its own).
         timeout_s: the longest finish_pending() waits for the background update.
         times: the step's phase timings.
-        nvme_dir: keep master, exp_avg, exp_avg_sq in scratch files there (NvmeSwapper: host memory bounded by
-            its buffer pool; the update streams them tile by tile); None: in host memory.
+        nvme_dir: keep master, exp_avg, exp_avg_sq (in their format) in scratch files there (NvmeSwapper: host
+            memory bounded by its buffer pool; the update streams them tile by tile); None: in host memory.
         params_dtype: with `own` None (ZeRO-Infinity: the stage-3 shard on NVMe), the 16-bit parameters are a
             fourth file of the swapper, of this dtype, written by the same streamed update.
         state_fmt: the moments' format (formats.py): "fp32", "bf16" or "8bit" (then every run starts on a block).
@@ -84,9 +84,9 @@ class HostUpdate:
         self._master: torch.Tensor | None = None
         if nvme_dir is not None:
             multiple = TILE_MULTIPLE * (2 if self.params_in_swapper else 1)
-            tile = -(-tile_numel // multiple) * multiple  # the pool: 9 tiles of fp32 (+3 of 16 bits), by tile_numel
+            tile = -(-tile_numel // multiple) * multiple  # the pool: 3 tiles of state (+3 of 16 bits), by tile_numel
             try:
-                self.swapper = NvmeSwapper(layout.part, nvme_dir, tile_numel=tile,
+                self.swapper = NvmeSwapper(layout.part, nvme_dir, tile_numel=tile, state_fmt=state_fmt,
                                            params_dtype=params_dtype if self.params_in_swapper else None)
                 self.swapper.fill(self._fill_tile(fill_master))  # no full-size fp32 tensor: the pool's tiles only
             except BaseException:
@@ -114,10 +114,11 @@ class HostUpdate:
         """The swapper's fill of tile [lo, hi): the masters (zeros where no parameter lies), zero moments, and
         the masters' cast into staging (which always holds the current params, as in memory)."""
 
-        def fill(lo: int, hi: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+        def fill(lo: int, hi: int, master: torch.Tensor, exp_avg: Moment, exp_avg_sq: Moment,
                  params: torch.Tensor | None = None) -> None:  # fmt: skip
-            for t in (master, exp_avg, exp_avg_sq):
-                t.zero_()
+            master.zero_()
+            assign(exp_avg, None)
+            assign(exp_avg_sq, None)
             fill_master(lo, hi, master)
             if params is not None:  # the 16-bit shard on NVMe
                 params.copy_(master)
@@ -155,10 +156,12 @@ class HostUpdate:
         ranges = sorted((r for r in ranges if r[0] < r[1]), key=lambda r: r[0])
         first = 0  # the ranges before it end before the current tile (tiles come in order)
 
-        def copy_out(lo: int, hi: int, *tile: torch.Tensor) -> None:
+        def copy_out(lo: int, hi: int, *tile: Moment) -> None:
             nonlocal first
             while first < len(ranges) and ranges[first][1] <= lo:
                 first += 1
+            if first < len(ranges) and ranges[first][0] < hi:
+                tile = [as_float(t) for t in tile[:3]]  # (the moments dequantized once per tile)
             for a, b, outs in ranges[first:]:
                 if a >= hi:
                     break
@@ -182,12 +185,53 @@ class HostUpdate:
             self.moments.set(0, self.layout.part, exp_avg, exp_avg_sq)
 
     def save_master(self, master: torch.Tensor) -> None:
-        """Make `master` (state()'s first tensor, changed) the masters; the moments stay as they are."""
+        """Make `master` (state()'s first tensor, changed) the masters; the moments stay as they are (bit for bit)."""
         if self.swapper is not None:
-            _, exp_avg, exp_avg_sq = self.state()
-            self.swapper.write_all(master, exp_avg, exp_avg_sq)
+
+            def put(lo: int, hi: int, p: torch.Tensor, m: Moment, v: Moment,
+                    params: torch.Tensor | None = None) -> None:  # fmt: skip
+                p.copy_(master[lo:hi])
+                if params is not None:  # the 16-bit parameters: the masters' cast, as write_all
+                    params.copy_(p)
+
+            self.swapper.stream(put)
         elif master is not self._master:
             self._master.copy_(master)
+
+    def raw_moments(self) -> list[torch.Tensor]:
+        """The tensors holding the partition's moments bit for bit (Moments.tensors(); 8-bit: codes and scales): the
+        in-memory ones, or copies read from the NVMe files."""
+        if self.swapper is None:
+            return self.moments.tensors()
+        outs = Moments(self.fmt, self.layout.part).tensors()
+        per = [BLOCK_8BIT if t.numel() != self.layout.part else 1 for t in outs]  # partition elements per element
+
+        def copy_out(lo: int, hi: int, p: torch.Tensor, m: Moment, v: Moment, *params: torch.Tensor) -> None:
+            for out, src, k in zip(outs, Moments(self.fmt, hi - lo, pair=(m, v)).tensors(), per):
+                out[lo // k : lo // k + src.numel()].copy_(src)
+
+        self.swapper.read(copy_out)
+        return outs
+
+    def set_raw(self, pieces: list[tuple[int, int, dict[str, torch.Tensor]]]) -> None:
+        """Partition ranges [a, b) (each on a block boundary) of the moments from Moments.raw() bits: in memory, or
+        one pass over the NVMe files."""
+        if self.swapper is None:
+            for a, b, raw in pieces:
+                self.moments.set_raw(a, b, raw)
+            return
+        block = block_of(self.fmt)
+
+        def put(lo: int, hi: int, p: torch.Tensor, m: Moment, v: Moment, params: torch.Tensor | None = None) -> None:
+            tile = Moments(self.fmt, hi - lo, pair=(m, v))
+            for a, b, raw in pieces:
+                x, y = max(a, lo), min(b, hi)
+                if x < y:  # (x - a and x - lo are on block boundaries)
+                    cut = {k: t[(x - a) // block : -(-(y - a) // block)] if "scales" in k else t[x - a : y - a]
+                           for k, t in raw.items()}  # fmt: skip
+                    tile.set_raw(x - lo, y - lo, cut)
+
+        self.swapper.stream(put)
 
     @property
     def master(self) -> torch.Tensor:
@@ -301,7 +345,9 @@ class HostUpdate:
         """The update with the state in NVMe files: the swapper reads tile t+1 and writes tile t-1 while CPU Adam
         updates tile t (each run's part of it) into staging; with writeback, the tile's new params are then queued
         to the device at once (their copy overlaps the next tiles' update) and the compute stream waits for all of
-        them at the end. Elementwise, so equal bit for bit to the in-memory update."""
+        them at the end. Elementwise (8-bit: by blocks, and tiles start on blocks), so equal bit for bit to the
+        in-memory update; bf16's random bits are seeded by where each kernel call starts (_seed), so they are the
+        in-memory update's where the calls are the same (each run within one tile of both)."""
         # staging is full size: within this update each tile writes its own region, which no copy of this update
         # reads yet; only the last update's copies (or write_staging's) may still read it
         self.transport.wait(self._staging_read)
@@ -309,7 +355,7 @@ class HostUpdate:
         own = self.own
         events: list = []
 
-        def update(lo: int, hi: int, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+        def update(lo: int, hi: int, p: torch.Tensor, m: Moment, v: Moment,
                    params: torch.Tensor | None = None) -> None:  # fmt: skip
             first = last = None
             for gi, a, b, step, factor in runs:
@@ -317,9 +363,9 @@ class HostUpdate:
                 if x < y:
                     t0 = time.perf_counter()
                     out = params[x - lo : y - lo] if params is not None else self.staging_buf[x:y]
-                    cpu_adam_step(p[x - lo : y - lo], grad[x:y], m[x - lo : y - lo], v[x - lo : y - lo], step=step,
-                                  grad_scale=grad_scale * factor, threads=self.threads, param_out=out,
-                                  **hparams[gi])  # fmt: skip
+                    cpu_adam_step(p[x - lo : y - lo], grad[x:y], narrow(m, x - lo, y - lo), narrow(v, x - lo, y - lo),
+                                  step=step, grad_scale=grad_scale * factor, threads=self.threads, param_out=out,
+                                  seed=self._seed(x), **hparams[gi])  # fmt: skip
                     self.times.add("kernel", time.perf_counter() - t0)
                     first, last = x if first is None else first, y
             if send and first is not None:  # one copy per tile: a skipped param between runs holds its current value
