@@ -3,7 +3,7 @@
 from .buckets import Packed, cast, pack, unpack
 from .checkpoint import load_checkpoint, save_checkpoint
 from .cpu_adam import CPUAdam, available_isas, best_isa, cpu_adam_step, stream_pass, sum_squares
-from .offload import MemoryReport, ZeroOffloadAdafactor, ZeroOffloadAdamW
+from .offload import MemoryReport, ParamInit, ZeroOffloadAdafactor, ZeroOffloadAdamW
 from .param_views import MovedGrad
 from .planner import Plan, plan
 from .quant8 import Quantized8bit
@@ -15,6 +15,7 @@ __all__ = [
     "MemoryReport",
     "MovedGrad",
     "Packed",
+    "ParamInit",
     "Plan",
     "Quantized8bit",
     "ZeroOffloadAdafactor",
