@@ -15,7 +15,8 @@ every one with the delayed parameter update after the first step (DPU), bf16 par
   plan     the largest GPT (width a multiple of 128, layers = width / 128, then layers added while it fits) whose
            planner row fits: zo_kernels.planner.plan(gpu_mem = device memory, host_mem = MemAvailable less
            --host-reserve-gib, k = state_k(format), dpu=True, activations = activation_bytes(shape, tokens),
-           layer_params = the largest module's parameters (stage 3's gathered unit)), at most --max-params
+           layer_params = one block (stage 3 keeps a checkpointed block's units gathered until its backward ends),
+           prefetch_params = the next block's first LayerNorm), at most --max-params
   build    the model on the meta device, ZeroOffloadAdamW(model, init=ParamInit(fn, device)): one parameter's fp32
            values at a time, never a full fp32 copy
   train    --steps steps on synthetic tokens (skewed to small ids, so the loss can fall); each step synchronized
@@ -199,9 +200,18 @@ def gpt_params(c: GPTConfig) -> int:
     return c.vocab * h + c.context * h + c.layers * block + 2 * h + c.vocab * h
 
 
-def largest_unit(c: GPTConfig) -> int:
-    """Stage 3's largest gathered unit (one module's own parameters): the head or embedding, or the MLP's fc."""
-    return max(c.vocab * c.width, 4 * c.width * c.width + 4 * c.width)
+def gathered_layer(c: GPTConfig) -> int:
+    """Stage 3's largest set of parameters gathered at once: a checkpointed block keeps every unit (module) it
+    recomputed until their gradients arrive, so one block, or the final LayerNorm and the head (kept across the
+    loss chunks), or the token embedding."""
+    h = c.width
+    return max(12 * h * h + 13 * h, c.vocab * h + 2 * h, c.vocab * h)
+
+
+def prefetched_unit(c: GPTConfig) -> int:
+    """The unit gathered ahead of that layer (prefetch = 1, in the recorded order): the next block's first
+    LayerNorm."""
+    return 2 * c.width
 
 
 def activation_bytes(c: GPTConfig, tokens: int) -> int:
@@ -230,13 +240,18 @@ def plan_for(c: GPTConfig, setting: str, tokens: int, mach: dict, args: argparse
     host = max(0.0, mach["host_available"] - args.host_reserve_gib * GIB)
     p = plan(params, gpus=1, gpu_mem=mach["device_total"], host_mem=host, k=state_k(FORMAT[setting]),
              activations=acts, workspace=WORKSPACE if cuda else 0, reserve=0.05 if cuda else 0.0,
-             bucket_bytes=BUCKET_BYTES if cuda else 0, layer_params=largest_unit(c), prefetch=1,
+             bucket_bytes=BUCKET_BYTES if cuda else 0, layer_params=gathered_layer(c), prefetch=1,
+             prefetch_params=prefetched_unit(c),
              nvme=mach["disk_free"], dpu=True)  # fmt: skip
     row = p.row(STRATEGY[setting])
     device_bytes = row.gpu_total - (WORKSPACE if cuda else 0)
+    # the optimizer's own device buffers (its DeviceBytes counter): the states, stage 3's gathered units in flight
+    # (the working set less the layer's gradient, which is autograd's), the buckets
+    gathered = row.working_set - 2 * p.layer if row.working_set else 0.0
+    states = row.gpu_states + gathered + (BUCKET_BYTES if cuda else 0)
     figures = {"planner_params": row.max_params, "planner_strategy": row.strategy,
                "planner_activations_gib": acts / GIB,
-               "planner_peak_gib": device_bytes / GIB if cuda else None,
+               "planner_peak_gib": device_bytes / GIB if cuda else None, "planner_device_states_gib": states / GIB,
                "planner_host_gib": (row.host if cuda else row.host + device_bytes) / GIB}  # fmt: skip
     return row.fits and params <= args.max_params, figures
 
@@ -363,6 +378,7 @@ def run_setting(setting: str, args: argparse.Namespace, out_path: str) -> None:
         timed = times[2:] or times  # (the first two: the synchronous step and the first delayed one)
         step_s = sorted(timed)[len(timed) // 2]
         model_tflops = 6 * params * tokens / step_s / 1e12
+        row.update(device_states_gib=opt.device_bytes.peak / GIB)
         row.update(steps=len(times), step_times_s=times, losses=losses, peak_gib=None if peak is None else peak / GIB,
                    host_gib=host.peak_growth() / GIB, step_s=step_s, tokens_per_s=tokens / step_s,
                    tflops=model_tflops, mfu=model_tflops / tflops, loss_first=losses[0], loss_last=losses[-1],
@@ -432,6 +448,7 @@ def mismatches(row: dict) -> list[str]:
     capped = row.get("planner_params", 0) > row.get("max_params", math.inf)  # --max-params chose, not the planner
     pairs = (("params", None if capped else row.get("planner_params"), row.get("params")),
              ("peak_gib", row.get("planner_peak_gib"), row.get("peak_gib")),
+             ("device_states_gib", row.get("planner_device_states_gib"), row.get("device_states_gib")),
              ("host_gib", row.get("planner_host_gib"), row.get("host_gib")))  # fmt: skip
     for name, predicted, measured in pairs:
         if predicted is None or measured is None or not measured:
