@@ -1,9 +1,10 @@
 """The largest model this machine trains (issue 23), beside the planner's prediction: the "scale" rows of
 gpu_check.sh's summary.json.
 
-Per setting, each in a process of its own (its own peak host memory; one killed for memory leaves the others):
-  s2-fp32  ZeroOffloadAdamW(stage=2), fp32 moments
+Per setting, each in a process of its own (its own peak host memory; one killed for memory leaves the others), in
+this order, each given the budget the later ones leave (MIN_SHARE_S each):
   s2-8bit  ZeroOffloadAdamW(stage=2, state_dtype="8bit")
+  s2-fp32  ZeroOffloadAdamW(stage=2), fp32 moments
   s3-cpu   ZeroOffloadAdamW(stage=3, offload_param="cpu"), fp32 moments
 every one with the delayed parameter update after the first step (DPU), bf16 parameters, every block checkpointed
 (torch.utils.checkpoint) and the LM head + loss computed over chunks of tokens, each checkpointed.
@@ -27,7 +28,7 @@ every one with the delayed parameter update after the first step (DPU), bf16 par
            workspace; on the CPU the device is host memory: None), planner_host_gib (its host bytes; on the CPU plus
            that GPU total, which lives in host memory there); `mismatch` lists each figure more than 10% off.
 
-Usage: python bench/scale_check.py OUT.json [--settings s2-fp32,s2-8bit,s3-cpu] [--device cuda] [--budget-s 420]
+Usage: python bench/scale_check.py OUT.json [--settings s2-8bit,s2-fp32,s3-cpu] [--device cuda] [--budget-s 420]
        [--max-params 1e12] [--steps 5] [--context 2048] [--vocab 32000] [--tokens N] [--host-reserve-gib 10]
 Writes OUT.json (a list of rows) after every setting (a run cut short keeps what finished); prints progress lines.
 """
@@ -54,9 +55,9 @@ import zo_kernels as zk
 from zo_kernels.gpt import GPT, GPTConfig
 from zo_kernels.planner import plan, state_k
 
-SETTINGS = {
-    "s2-fp32": dict(stage=2, state_dtype=torch.float32),
+SETTINGS = {  # in the order they run: the headline (the largest model) first
     "s2-8bit": dict(stage=2, state_dtype="8bit"),
+    "s2-fp32": dict(stage=2, state_dtype=torch.float32),
     "s3-cpu": dict(stage=3, offload_param="cpu", state_dtype=torch.float32),
 }
 FORMAT = {"s2-fp32": "fp32", "s2-8bit": "8bit", "s3-cpu": "fp32"}
@@ -66,6 +67,7 @@ LOSS_CHUNK = 4096  # tokens per checkpointed LM-head + loss chunk: its fp32 logi
 WORKSPACE = 2**30  # the planner's per-GPU workspace (cuBLAS, the allocator's slack): left out of the comparison
 BUCKET_BYTES = 2 * zk.offload.DEFAULT_BUCKET_NUMEL * 2  # two bf16 gradient buckets on a GPU (none on one CPU rank)
 GIB = 2**30
+MIN_SHARE_S = 30  # a setting is started only with this many seconds of the budget left for it
 
 
 T0 = time.perf_counter()
@@ -379,6 +381,8 @@ def run_setting(setting: str, args: argparse.Namespace, out_path: str) -> None:
         step_s = sorted(timed)[len(timed) // 2]
         model_tflops = 6 * params * tokens / step_s / 1e12
         row.update(device_states_gib=opt.device_bytes.peak / GIB)
+        if peak is not None:  # the rest of the device's peak: activations, autograd's gradients, temporaries
+            row["activations_gib"] = (peak - opt.device_bytes.peak) / GIB
         row.update(steps=len(times), step_times_s=times, losses=losses, peak_gib=None if peak is None else peak / GIB,
                    host_gib=host.peak_growth() / GIB, step_s=step_s, tokens_per_s=tokens / step_s,
                    tflops=model_tflops, mfu=model_tflops / tflops, loss_first=losses[0], loss_last=losses[-1],
@@ -505,8 +509,8 @@ def main(argv: list[str]) -> int:
     start, rows = time.perf_counter(), []
     for i, s in enumerate(settings):
         left = args.budget_s - (time.perf_counter() - start)
-        share = left / (len(settings) - i)
-        if share < 20:
+        share = left - MIN_SHARE_S * (len(settings) - i - 1)  # what the later settings leave; each takes what it needs
+        if share < MIN_SHARE_S:
             rows.append({"setting": s, "error": f"NOT RUN: the {args.budget_s:.0f}s budget is spent"})
             continue
         part = f"{args.out}.{s}.part"

@@ -45,7 +45,7 @@ def test_every_setting_end_to_end_on_the_cpu(tmp_path):
         assert r["device_states_gib"] > 0 and r["planner_device_states_gib"] > 0  # flat buffer, or gathered units
         assert not r["mismatch"], r["mismatch"]  # host bytes and the optimizer's device buffers within 10%
         assert abs(r["planner_host_gib"] / r["host_gib"] - 1) <= scale_check.MISMATCH
-    fp32, q8, s3 = rows
+    q8, fp32, s3 = rows
     assert q8["planner_host_gib"] < fp32["planner_host_gib"] < s3["planner_host_gib"]  # 12.03, 18 (+2), 20 B/param
 
 
