@@ -46,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -356,6 +357,19 @@ def run_setting(setting: str, args: argparse.Namespace, out_path: str) -> None:
                  f"{figures['planner_host_gib']:.2f} GiB, device {figures['planner_peak_gib'] or 0:.2f} GiB"
                  )  # fmt: skip
 
+    try:
+        measure_setting(setting, args, device, c, tokens, mach, tflops, row, write, deadline)
+    except BaseException as e:  # the row says what failed (the parent adds how the process ended)
+        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        write()
+        raise
+
+
+def measure_setting(setting: str, args: argparse.Namespace, device: torch.device, c: GPTConfig, tokens: int,
+                    mach: dict, tflops: float, row: dict, write: Callable[[], None],
+                    deadline: float) -> None:  # fmt: skip
+    """Build the model of shape c on the meta device, train it, measure: into `row`, written after every step."""
+    params = gpt_params(c)
     warm_up(setting, device, args)
     gc_collect(device)
     fixed_mmap_threshold()
@@ -397,7 +411,20 @@ def run_setting(setting: str, args: argparse.Namespace, out_path: str) -> None:
                 break
             _sync(device)
             t0 = time.perf_counter()
-            losses.append(train_step(model, opt, c, tokens, gen, device))
+            try:
+                losses.append(train_step(model, opt, c, tokens, gen, device))
+            except torch.OutOfMemoryError:
+                # the activations outgrew their estimate: the first step retries with half the tokens (what the
+                # planner's figures are then for is recomputed), once the optimizer has dropped the gradients
+                if i or tokens <= c.context:
+                    raise
+                opt.zero_grad()
+                gc_collect(device)
+                tokens = max(c.context, tokens // 2 // c.context * c.context)
+                row.update(tokens_per_step=tokens, tokens_halved=row.get("tokens_halved", 0) + 1,
+                           **plan_for(c, setting, tokens, mach, args)[1])  # fmt: skip
+                say(setting, f"out of device memory in step 1: retrying with {tokens} tokens per step")
+                losses.append(train_step(model, opt, c, tokens, gen, device))
             _sync(device)
             times.append(time.perf_counter() - t0)
             say(setting, f"step {i + 1}: loss {losses[-1]:.4f}, {times[-1]:.2f}s")
@@ -537,8 +564,8 @@ def main(argv: list[str]) -> int:
             os.remove(part)
         except (OSError, ValueError):
             row = {"setting": s}
-        if error:
-            row["error"] = error
+        if error and not (args.in_process and row.get("error")):  # (in process: the row's own error is the same)
+            row["error"] = f"{error}: {row['error']}" if row.get("error") else error
         rows.append(row)
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

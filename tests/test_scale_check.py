@@ -75,6 +75,29 @@ def test_the_shape_search_takes_the_largest_gpt_the_planner_fits():
     assert scale_check.gpt_params(c8) > 1.4 * scale_check.gpt_params(c32)  # 12.03 against 18 host bytes per param
 
 
+def test_out_of_memory_halves_the_tokens_once_and_a_failure_is_a_row(tmp_path, monkeypatch):
+    """Step 1 out of device memory: retried with half the tokens (the planner's figures for those). A setting that
+    fails is a row with its error; the next one still runs."""
+    real, calls = scale_check.train_step, []
+
+    def flaky(model, opt, c, tokens, gen, device):
+        calls.append((opt.stage, tokens))
+        if opt.stage == 3:
+            raise RuntimeError("injected")
+        if len(calls) == 4:  # the warm-up's three steps, then step 1
+            raise torch.OutOfMemoryError("injected")
+        return real(model, opt, c, tokens, gen, device)
+
+    monkeypatch.setattr(scale_check, "train_step", flaky)
+    out = tmp_path / "scale.json"
+    args = [*CPU_ARGS, "--max-params", "2e6", "--settings", "s2-fp32,s3-cpu", "--budget-s", "300", "--in-process"]
+    assert scale_check.main([str(out), *args]) == 1
+    ok, failed = json.loads(out.read_text())
+    assert ok["tokens_halved"] == 1 and ok["tokens_per_step"] == 64 and ok["steps"] == 5 and "error" not in ok
+    assert [t for _, t in calls[3:5]] == [128, 64]
+    assert failed["setting"] == "s3-cpu" and "injected" in failed["error"] and "steps" not in failed
+
+
 @pytest.mark.slow
 def test_each_setting_in_a_process_of_its_own(tmp_path):
     out = tmp_path / "scale.json"
