@@ -229,6 +229,14 @@ def test_bad_init_is_refused_before_the_model_changes(tmp_path):
         zk.ZeroOffloadAdamW(model, init=good, offload_optimizer="nvme", nvme_dir=str(tmp_path))
     with pytest.raises(ValueError, match="pass init="):
         zk.ZeroOffloadAdamW(model)
+    ref = weakref.ref(model.blocks[1].qkv.weight)
+    with pytest.raises(ValueError, match="'blocks.1.qkv.weight' is referenced elsewhere"):
+        zk.ZeroOffloadAdamW(model, init=good)
+    del ref
+    view = model.ln.bias.view(-1)
+    with pytest.raises(ValueError, match="'ln.bias' is referenced elsewhere"):
+        zk.ZeroOffloadAdamW(model, init=good)
+    del view
     assert _still_meta(model) and not os.listdir(tmp_path)
     with pytest.raises(ValueError, match="meta device, but trainable param 0 is on cpu"):
         zk.ZeroOffloadAdamW(GPT(CONFIG), init=good)

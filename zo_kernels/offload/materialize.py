@@ -12,6 +12,7 @@ copy of the model exists anywhere, and the fp32 temporaries are one parameter's.
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,6 +100,10 @@ def check_init(init: Any, module: torch.nn.Module | None, trainable: list[torch.
                              f"{p.device}")  # fmt: skip
         if p not in names:
             raise ValueError(f"init=: trainable param {i} is not a parameter of the module, so it has no name")
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if t.is_meta and (weakref.getweakrefs(t) or t._use_count() > 1):  # what swap_tensors refuses
+            raise ValueError(f"init=: {name!r} is referenced elsewhere (a weakref or a view of it), so it cannot "
+                             "become its device tensor in place: build the optimizer before taking references")
     return names
 
 
