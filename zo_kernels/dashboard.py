@@ -259,7 +259,8 @@ STEP_KEYS = ["params", "mode", "batch", "zo_ms", "fwd_bwd_ms", "cpu_adam_ms", "d
              "zo_peak_gib", "torch_peak_gib", "orchestration_of_step"]  # fmt: skip
 ANCHOR_KEYS = ["system", "params", "ms", "tokens_per_s", "peak_gib", "host_gib", "note"]
 SCALE_KEYS = ["setting", "params", "planner_params", "tokens_per_s", "tflops", "mfu", "peak_gib", "planner_peak_gib",
-              "host_gib", "planner_host_gib", "loss_first", "loss_last", "mismatch", "error"]  # fmt: skip
+              "host_gib", "planner_host_gib", "loss_first", "loss_last", "adam_hidden", "mismatch",
+              "error"]  # fmt: skip
 
 
 def gpu_section(label: str, data: dict) -> str:
