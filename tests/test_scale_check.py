@@ -43,6 +43,7 @@ def test_every_setting_end_to_end_on_the_cpu(tmp_path):
         assert r["peak_gib"] is None and r["planner_peak_gib"] is None  # no device memory apart from the host's
         assert r["host_gib"] > 0 and r["planner_host_gib"] > 0
         assert r["device_states_gib"] > 0 and r["planner_device_states_gib"] > 0  # flat buffer, or gathered units
+        assert r["dpu_wait_s"] >= 0 and r["cpu_update_s"] > 0 and isinstance(r["adam_hidden"], bool)
         assert not r["mismatch"], r["mismatch"]  # host bytes and the optimizer's device buffers within 10%
         assert abs(r["planner_host_gib"] / r["host_gib"] - 1) <= scale_check.MISMATCH
     q8, fp32, s3 = rows
