@@ -571,6 +571,8 @@ def main(argv: list[str]) -> int:
                 error = None if rc == 0 else f"exited with {rc}" + (" (killed: out of memory?)" if rc == -9 else "")
             except subprocess.TimeoutExpired:
                 error = f"timed out after {share:.0f}s"
+            except KeyboardInterrupt:  # (gpu_check.sh's limit: SIGINT) the rows so far, this one's steps, are kept
+                error = "interrupted"
         try:
             with open(part) as f:
                 row = json.load(f)
@@ -583,6 +585,9 @@ def main(argv: list[str]) -> int:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
         say(s, summary_line(row))
+        if error == "interrupted":
+            rows += [{"setting": later, "error": "NOT RUN: interrupted"} for later in settings[i + 1 :]]
+            break
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     return 0 if all("error" not in r and r.get("steps") for r in rows) else 1
