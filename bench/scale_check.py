@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import math
 import os
@@ -79,6 +80,7 @@ T0 = time.perf_counter()
 
 
 def say(tag: str, text: str) -> None:
+    """One progress line: the setting and the seconds since start."""
     print(f"[scale {tag} {time.perf_counter() - T0:.0f}s] {text}", flush=True)
 
 
@@ -234,6 +236,7 @@ def activation_bytes(c: GPTConfig, tokens: int) -> int:
 
 
 def config_for(width: int, layers: int, args: argparse.Namespace) -> GPTConfig:
+    """A GPT of this width and depth, heads of 128 (32 below width 1024), --vocab and --context."""
     head_dim = 128 if width >= 1024 else 32
     return GPTConfig(vocab=args.vocab, context=args.context, layers=layers, width=width,
                      heads=max(1, width // head_dim))  # fmt: skip
@@ -303,6 +306,7 @@ def init_fn(name: str, out: torch.Tensor, gen: torch.Generator) -> None:
 
 
 def head_loss(model: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of one chunk of tokens: final LayerNorm, head, fp32 logits."""
     return F.cross_entropy(model.head(model.ln(x)).float(), y, reduction="sum")
 
 
@@ -409,6 +413,9 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
             median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
             row.update(dpu_wait_s=median(waits), cpu_update_s=median(updates) if updates else None,
                        adam_hidden=median(waits) < 0.05 * step_s)  # fmt: skip
+        if row["host_gib"] < 0.9 * row["host_buffers_gib"]:
+            row["host_note"] = ("the peak RSS is below the optimizer's own host buffers: this system does not count "
+                                "(all of) its pinned memory in the RSS; compare host_buffers_gib")  # fmt: skip
         row["mismatch"] = mismatches(row)
         write()
 
@@ -478,8 +485,7 @@ def warm_up(setting: str, device: torch.device, args: argparse.Namespace) -> Non
 
 
 def gc_collect(device: torch.device) -> None:
-    import gc
-
+    """Free what is unreachable, and the device allocator's cached blocks."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -504,23 +510,24 @@ def mismatches(row: dict) -> list[str]:
 
 
 def summary_line(row: dict) -> str:
-    if "error" in row:
-        return f"{row['setting']}: {row['error']}"
+    """One row as a line: the figures beside the planner's, the mismatches, the error."""
+    error = f"; ERROR {row['error']}" if row.get("error") else ""
     if "step_s" not in row:
-        return f"{row['setting']}: no step finished"
+        return f"{row['setting']}: no step finished{error}"
     peak = f"{row['peak_gib']:.1f}" if row.get("peak_gib") is not None else "-"
     planned = f"{row['planner_peak_gib']:.1f}" if row.get("planner_peak_gib") is not None else "-"
     return (f"{row['setting']}: {row['params'] / 1e9:.3f}B params (planner max {row['planner_params'] / 1e9:.3f}B), "
             f"{row['step_s']:.2f} s/step, {row['tokens_per_s']:.0f} tokens/s, {row['tflops']:.1f} TFLOPS = "
             f"{row['mfu']:.0%} of bf16 matmul; device peak {peak} GiB (planner {planned}), host {row['host_gib']:.2f}"
             f" GiB (planner {row['planner_host_gib']:.2f}); loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}; "
-            f"mismatch: {'; '.join(row['mismatch']) or 'none'}")  # fmt: skip
+            f"mismatch: {'; '.join(row['mismatch']) or 'none'}{error}")  # fmt: skip
 
 
 # ---------------------------------------------------------------------- the parent
 
 
 def main(argv: list[str]) -> int:
+    """Run the settings (each in its own process unless --in-process); 0 when every one trained."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--settings", default=",".join(SETTINGS))

@@ -210,6 +210,8 @@ def _still_meta(model: nn.Module) -> bool:
     (dict(device="meta"), ValueError, "device"),
     (dict(device="tpu"), ValueError, "device"),
     (dict(device=3.5), ValueError, "device"),
+    pytest.param(dict(device="cuda"), ValueError, "no CUDA device", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="CUDA is available here")),
 ])  # fmt: skip
 def test_param_init_refuses_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):

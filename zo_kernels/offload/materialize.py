@@ -56,8 +56,11 @@ class ParamInit:
             raise ValueError(f"ParamInit: device must be a CUDA device or the CPU, got {self.device!r}") from e
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"ParamInit: device must be a CUDA device or the CPU, got {self.device!r}")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"ParamInit: device {self.device!r}, but no CUDA device is available here")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
         object.__setattr__(self, "device", device)
 
     @torch.no_grad()
