@@ -223,16 +223,20 @@ def prefetched_unit(c: GPTConfig) -> int:
     return 2 * c.width
 
 
+BLOCK_TH = 30  # bytes per token x width of one block recomputed with its gradients (bf16): measured with device =
+# CPU (GPT widths 256-512, 4096-8192 tokens, peak RSS of forward + backward less the other terms) 22-28; Korthikanti et
+# al. 2022 count 34 saved per block with dropout masks, ~32 without; the GPU rows' activations_gib calibrate it
+
+
 def activation_bytes(c: GPTConfig, tokens: int) -> int:
     """Device bytes of activations at the peak of backward, every block checkpointed, the head in LOSS_CHUNK chunks
-    (bf16): each block's input kept (2 L T h), one block recomputed with its gradients (~50 T h, after Korthikanti
-    et al. 2022's 34 T h of a block's saved activations, no attention matrix with SDPA), the residual stream and its
-    gradients (8 T h), one chunk's logits in bf16 and fp32 with their gradient (14 chunk V), and autograd's bf16
-    gradients of one bucket before it is packed (2 min(params, bucket))."""
+    (bf16): each block's input kept (2 L T h), one block recomputed with its gradients (BLOCK_TH T h; no attention
+    matrix with SDPA), the residual stream and its gradients (8 T h), one chunk's logits in bf16 and fp32 with their
+    gradient (14 chunk V), and autograd's bf16 gradients of one bucket before it is packed (2 min(params, bucket))."""
     h, t = c.width, tokens
     chunk = min(LOSS_CHUNK, t)
     grads = 2 * min(gpt_params(c), zk.offload.DEFAULT_BUCKET_NUMEL)
-    return 2 * c.layers * t * h + 50 * t * h + 8 * t * h + 14 * chunk * c.vocab + grads
+    return 2 * c.layers * t * h + BLOCK_TH * t * h + 8 * t * h + 14 * chunk * c.vocab + grads
 
 
 def config_for(width: int, layers: int, args: argparse.Namespace) -> GPTConfig:
