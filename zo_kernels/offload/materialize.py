@@ -35,8 +35,8 @@ class ParamInit:
     """How ZeroOffloadAdamW materialises a model built on the meta device (`init=ParamInit(fn, device=...)`).
 
     Args:
-        fn: fn(name, out, generator) fills `out` (fp32, the tensor's shape, on `device`) in place and returns None;
-            called for every trainable parameter, and for every frozen parameter and buffer left on the meta device.
+        fn: fn(name, out, generator) fills `out` (fp32 zeros of the tensor's shape on `device`) in place and returns
+            None; called for every trainable parameter, and for every frozen parameter and buffer left on meta.
         device: where the model trains: "cuda", "cuda:0", "cpu" or a torch.device.
         seed: an int in [0, 2**31); tensor `name`'s generator is seeded with tensor_seed(seed, name).
     """
@@ -61,6 +61,9 @@ class ParamInit:
                 raise ValueError(f"ParamInit: device {self.device!r}, but no CUDA device is available here")
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
+            if device.index >= torch.cuda.device_count():
+                raise ValueError(f"ParamInit: device {self.device!r}, but this machine has "
+                                 f"{torch.cuda.device_count()} CUDA device(s)")  # fmt: skip
         object.__setattr__(self, "device", device)
 
     @torch.no_grad()
