@@ -26,12 +26,27 @@
 # (default 8 x 512). Every stage has a time limit and the whole run a deadline (ZO_CHECK_BUDGET_S, default 500 s)
 # so that it ends within 9 minutes on one H100; each stage prints its progress and seconds; a stage cut short is
 # reported FAILED (rc 124) and keeps the rows it finished.
+# Scale mode (issue 23), its own device command because the default check uses most of one:
+#   bash bench/gpu_check.sh OUTDIR scale  builds, then bench/scale_check.py: per setting (ZO_SCALE_SETTINGS, default
+#                                        s2-8bit,s2-fp32,s3-cpu, in that order) the largest GPT the planner fits,
+#                                        built on the meta device, 5 steps with DPU and checkpointing, beside the
+#                                        planner's figures -> OUTDIR/scale.json, folded into OUTDIR/summary.json's
+#                                        "scale" rows. Each setting takes the budget the later ones leave; one that
+#                                        runs out keeps the steps it finished. A ~10B model takes ~3 minutes (an
+#                                        estimate, never measured): run s2-8bit alone, then s2-fp32,s3-cpu.
+#   Without a GPU it runs the same script on the CPU at a few million parameters (what tests/test_scale_check.py
+#   runs) and says so.
 # NEVER RUN ON A GPU in this form: written without one; its no-GPU path runs in .ci/run.
 # Without a GPU it says so, runs the CPU-side compile checks (every Triton kernel to cubin for sm_80/sm_90,
 # cuda/*.cu with nvcc where present) and the benchmarks' collection (the CUDA ones skip, with the reason),
 # and exits with their status (0 when they pass).
 set -uo pipefail
-out="${1:?usage: bash bench/gpu_check.sh OUTDIR}"
+out="${1:?usage: bash bench/gpu_check.sh OUTDIR [scale]}"
+mode="${2:-default}"
+if [ "$mode" != default ] && [ "$mode" != scale ]; then
+  echo "usage: bash bench/gpu_check.sh OUTDIR [scale]  (unknown mode: $mode)" >&2
+  exit 2
+fi
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 cd "$(dirname "$0")/.."
@@ -71,6 +86,14 @@ say "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname); $("$py" --version 
 gpu="$("$py" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "")' 2>>"$log")"
 status=0
 export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
+scale_settings="${ZO_SCALE_SETTINGS:-s2-8bit,s2-fp32,s3-cpu}"
+if [ "$mode" = scale ] && [ -z "$gpu" ]; then
+  say "no CUDA GPU visible: scale mode runs bench/scale_check.py on the CPU at a few million parameters instead"
+  step "scale check on the CPU (tiny)" "$py" bench/scale_check.py "$out/scale.json" --device cpu --max-params 6e6 \
+    --context 32 --vocab 256 --tokens 128 --host-reserve-gib 0 --settings "$scale_settings" || status=1
+  ZO_DEVICE="CPU (no GPU)" "$py" bench/summary.py --summary-json "$out" 2>>"$log" | tee -a "$summary" || status=1
+  exit $status
+fi
 if [ -z "$gpu" ]; then
   say "no CUDA GPU visible: the GPU tests and benchmarks did NOT run; CPU-side compile checks only"
   step "triton kernels -> cubin sm_80/90" env -u TRITON_INTERPRET "$py" tests/triton_compile.py "$out/triton_compile.json" || status=1
@@ -86,6 +109,21 @@ if [ -z "$gpu" ]; then
 fi
 
 say "GPU: $gpu; torch $("$py" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
+commit="${ZO_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+device_tag="$(echo "$gpu" | grep -oE 'H100|H200|A100|L40S|B200|GH200' | head -1)"
+if [ "$mode" = scale ]; then
+  limited 150 240 "build (pip install -e .)" "$py" -m pip install --no-build-isolation --no-deps -e . || status=1
+  left=$((budget - ($(date +%s) - start) - 20))
+  limited "$left" 15 "scale: largest model per setting" "$py" bench/scale_check.py "$out/scale.json" \
+    --settings "$scale_settings" --budget-s "$((left - 10))" || status=1
+  grep -E "^\[scale .*(params|error|exited|timed out)" "$log" | tail -6 >>"$summary"
+  ZO_DEVICE="$gpu" ZO_COMMIT="$commit" "$py" bench/summary.py --summary-json "$out" 2>>"$log" | tee -a "$summary" \
+    && rm -f "$out/scale.json" || status=1
+  say "commit it as bench/results/gpu-$(date -u +%Y-%m-%d)-${device_tag:-GPU}-scale.json"
+  say "result: $([ $status = 0 ] && echo 'scale check passed' || echo 'scale check FAILED') on $gpu" \
+    "in $(($(date +%s) - start))s"
+  exit $status
+fi
 export ZO_BENCH_SIZES="${ZO_BENCH_SIZES:-1e7,1e8}" ZO_BENCH_COPY_MIB="${ZO_BENCH_COPY_MIB:-64,256,1024}"
 say "benchmark sizes: ZO_BENCH_SIZES=$ZO_BENCH_SIZES ZO_BENCH_COPY_MIB=$ZO_BENCH_COPY_MIB; budget ${budget}s"
 limited 150 330 "build (pip install -e .)" "$py" -m pip install --no-build-isolation --no-deps -e . || status=1
@@ -132,8 +170,6 @@ else
   say "pack rows: no bench-pack.json (the pack benchmark did not finish)"
   status=1
 fi
-commit="${ZO_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
-device_tag="$(echo "$gpu" | grep -oE 'H100|H200|A100|L40S|B200|GH200' | head -1)"
 ZO_DEVICE="$gpu" ZO_COMMIT="$commit" "$py" bench/summary.py --summary-json "$out" 2>>"$log" | tee -a "$summary" \
   && rm -f "$out/step.json" "$out/anchors.json" "$out/activations.json" || status=1
 say "commit it as bench/results/gpu-$(date -u +%Y-%m-%d)-${device_tag:-GPU}.json"

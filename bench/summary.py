@@ -2,8 +2,8 @@
 
 Usage: python bench/summary.py FILE.json...   (bench/gpu_check.sh writes its summary.txt with it)
        python bench/summary.py --summary-json OUTDIR   (OUTDIR/summary.json from OUTDIR's bench-pack.json,
-       step.json of bench/step_rows.py, anchors.json of bench/anchors.py and activations.json of
-       bench/activation_rows.py; see summary_json)
+       step.json of bench/step_rows.py, anchors.json of bench/anchors.py, activations.json of
+       bench/activation_rows.py and scale.json of bench/scale_check.py; see summary_json)
 Per provider: best time, GB/s of the bytes the op must move, time against the group's baseline, fraction of
 the group's ceiling (ceiling time / provider time). Also, where a group holds them: the hidden fraction of
 the tiled writeback, and the peak device memory of a training step. Needs only the standard library.
@@ -113,11 +113,25 @@ def activation_targets(rows: list[dict]) -> dict:
     return out
 
 
+def scale_line(r: dict) -> str:
+    """One scale row (bench/scale_check.py) as text: the figures beside the planner's, the mismatches."""
+    if r.get("tflops") is None:
+        return f"scale {r.get('setting')}: {r.get('error') or 'no step finished'}"
+    gib = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    return (f"scale {r['setting']}: {r['params'] / 1e9:.2f}B params (planner {r['planner_params'] / 1e9:.2f}B), "
+            f"{r['tokens_per_s']:.0f} tokens/s, {r['tflops']:.1f} TFLOPS = {r['mfu']:.0%} MFU, peak "
+            f"{gib(r['peak_gib'])} GiB (planner {gib(r.get('planner_peak_gib'))}), host {gib(r['host_gib'])} GiB "
+            f"(planner {gib(r.get('planner_host_gib'))}), loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}"
+            + (f"; MISMATCH {'; '.join(r['mismatch'])}" if r.get("mismatch") else "")
+            + (f"; {r['error']}" if r.get("error") else ""))  # fmt: skip
+
+
 def summary_json(outdir: str, device: str = "", commit: str = "", date: str = "") -> dict:
-    """summary.json: {"device", "date", "commit", "pack": [...], "step": [...], "anchors": [...], "targets": {...}}.
-    pack: bench/summary_pack.py's pack_rows over OUTDIR/bench-pack.json (and pack_host: the host time per call);
-    step: OUTDIR/step.json (bench/step_rows.py); anchors: OUTDIR/anchors.json (bench/anchors.py); activations:
-    OUTDIR/activations.json (bench/activation_rows.py), judged by activation_targets."""
+    """summary.json: {"device", "date", "commit", "pack": [...], "step": [...], "anchors": [...], "scale": [...],
+    "targets": {...}}. pack: bench/summary_pack.py's pack_rows over OUTDIR/bench-pack.json (and pack_host: the host
+    time per call); step: OUTDIR/step.json (bench/step_rows.py); anchors: OUTDIR/anchors.json (bench/anchors.py);
+    activations: OUTDIR/activations.json (bench/activation_rows.py), judged by activation_targets; scale:
+    OUTDIR/scale.json (bench/scale_check.py, gpu_check.sh's scale mode)."""
     import datetime
     import os
 
@@ -145,6 +159,7 @@ def summary_json(outdir: str, device: str = "", commit: str = "", date: str = ""
         "step": step,
         "anchors": read("anchors.json"),
         "activations": activations,
+        "scale": read("scale.json"),
         "targets": {"step": step_targets([r for r in step if "targets" in r]),
                     "activations": activation_targets(activations)},
     }
@@ -170,6 +185,8 @@ def main(paths: list[str]) -> int:
         for r in data["anchors"]:
             ms = f"{r['ms']:.1f} ms, peak {r['peak_gib']} GiB, host {r['host_gib']:.2f} GiB" if r.get("ms") else ""
             print(f"  anchor {r.get('system')}: {ms} {r.get('note', '')}"[:300])
+        for r in data["scale"]:
+            print("  " + scale_line(r))
         for name, t in data["targets"]["step"].items():
             print(f"  target {name}: worst {t['value']:.3f} (bar <= {t['bar']}): {'MET' if t['met'] else 'MISSED'}")
         for r in data["activations"]:
@@ -182,7 +199,8 @@ def main(paths: list[str]) -> int:
         for name, t in data["targets"]["activations"].items():
             print(f"  target activations {name}: {t['value']:.3f} (bar {t['bar']}): {'MET' if t['met'] else 'MISSED'}")
         print(f"{outdir}/summary.json: {len(data['pack'])} pack, {len(data['step'])} step, "
-              f"{len(data['anchors'])} anchor, {len(data['activations'])} activation rows")  # fmt: skip
+              f"{len(data['anchors'])} anchor, {len(data['activations'])} activation, "
+              f"{len(data['scale'])} scale rows")  # fmt: skip
         return 0
     if not paths:
         print(__doc__.strip().splitlines()[2])

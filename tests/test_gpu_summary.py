@@ -46,6 +46,31 @@ def test_summary_json_collects_the_rows_and_judges_the_targets(tmp_path):
 def test_summary_json_without_rows_is_empty_not_an_error(tmp_path):
     data = summary.summary_json(str(tmp_path))
     assert data["step"] == [] and data["anchors"] == [] and data["targets"] == {"step": {}, "activations": {}}
+    assert data["scale"] == []
+
+
+SCALE = {"params", "setting", "tokens_per_s", "tflops", "mfu", "peak_gib", "host_gib", "loss_first", "loss_last",
+         "planner_params"}  # fmt: skip (issue 23)
+
+
+def scale_row(setting: str, mismatch: list[str]) -> dict:
+    return {"setting": setting, "params": 9.1e9, "planner_params": 9.4e9, "tokens_per_s": 4000.0, "tflops": 250.0,
+            "mfu": 0.33, "peak_gib": 40.2, "planner_peak_gib": 41.0, "host_gib": 101.0, "planner_host_gib": 103.0,
+            "loss_first": 10.4, "loss_last": 8.9, "mismatch": mismatch}  # fmt: skip
+
+
+def test_scale_rows_reach_the_summary_its_text_and_the_dashboard(tmp_path, capsys):
+    rows = [scale_row("s2-8bit", []), scale_row("s3-cpu", ["host_gib: planner 80, measured 101 (-21%)"]),
+            {"setting": "s2-fp32", "error": "timed out after 200s"}]  # fmt: skip
+    (tmp_path / "scale.json").write_text(json.dumps(rows))
+    assert summary.main(["--summary-json", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data["scale"] == rows and all(SCALE <= r.keys() for r in rows[:2])
+    text = capsys.readouterr().out
+    assert "scale s2-8bit: 9.10B params (planner 9.40B)" in text and "33% MFU" in text
+    assert "MISMATCH host_gib" in text and "timed out after 200s" in text and "3 scale rows" in text
+    page = dashboard.render([tmp_path / "summary.json"])
+    assert "scale: the largest model per setting" in page and "s3-cpu" in page and "timed out" in page
 
 
 def test_committed_gpu_results_have_the_issue_keys():
@@ -58,6 +83,8 @@ def test_committed_gpu_results_have_the_issue_keys():
             assert STEP <= r.keys(), (p, sorted(STEP - r.keys()))
         for r in data["anchors"]:
             assert ANCHOR <= r.keys(), (p, sorted(ANCHOR - r.keys()))
+        for r in data.get("scale", []):
+            assert "error" in r or SCALE <= r.keys(), (p, sorted(SCALE - r.keys()))
         assert dashboard.is_gpu_summary(p)
 
 

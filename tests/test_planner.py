@@ -203,3 +203,49 @@ def test_headline_70b_row_with_checkpointing_and_offload(capsys):
 def test_activation_options_are_checked(capsys, argv, message):
     assert main(["plan", "--params", "70e9", *argv]) == 2
     assert message in capsys.readouterr().err
+def test_stage3_working_set_measured_is_one_checkpointed_block_and_the_prefetched_unit():
+    """ZeroOffloadAdamW(stage=3, prefetch=1) training a GPT whose blocks are checkpointed holds at its peak one block's
+    units (the recompute keeps them until their gradients arrive) and the unit prefetched next (the next block's
+    first LayerNorm), measured by its device-bytes counter. The planner with prefetch_params is within 10%; counting
+    (1 + prefetch) whole layers (the formula without it) it was 2x off (issue 23)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    import zo_kernels as zk
+    from zo_kernels.gpt import GPT, GPTConfig
+
+    c = GPTConfig(vocab=61, context=16, layers=3, width=64, heads=2)
+    torch.manual_seed(0)
+    model = GPT(c)
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-3, stage=3, offload_param="cpu", prefetch=1)
+    try:
+        x = torch.randint(0, c.vocab, (2, c.context + 1))
+        for _ in range(2):  # the first records the order; the second prefetches along it
+            opt.device_bytes.reset_peak()
+            h = model.tok(x[:, :-1]) + model.pos(torch.arange(c.context))
+            for block in model.blocks:
+                h = checkpoint(block, h, use_reentrant=False)
+            loss = torch.nn.functional.cross_entropy(model.head(model.ln(h)).float().flatten(0, 1), x[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+        measured = opt.device_bytes.peak  # one CPU rank: no buckets; the shard in host memory
+    finally:
+        opt.close()
+    block = 12 * c.width**2 + 13 * c.width
+    params = sum(p.numel() for p in model.parameters())
+    gathered = lambda row, layer: row.working_set - 2 * layer  # noqa: E731  (less the layer's gradient: autograd's)
+    new = plan(params, 1, "1GiB", "1GiB", layer_params=block, prefetch=1, prefetch_params=2 * c.width, bucket_bytes=0)
+    old = plan(params, 1, "1GiB", "1GiB", layer_params=block, prefetch=1, bucket_bytes=0)
+    assert measured >= 2 * block  # one whole block is gathered at once
+    assert gathered(new.row("ZeRO-3 + offload"), block) == pytest.approx(measured, rel=0.10)
+    assert gathered(old.row("ZeRO-3 + offload"), block) > 1.9 * measured
+    assert new.working_set == 4 * block + 2 * 2 * c.width and old.working_set == 6 * block
+
+
+def test_prefetch_params_is_checked():
+    with pytest.raises(ValueError, match="prefetch_params"):
+        plan(1e9, prefetch_params=2e9)
+    with pytest.raises(ValueError, match="prefetch_params"):
+        plan(1e9, prefetch_params="lots")
+    guessed = plan(64e9, prefetch=2, prefetch_params=1e6)  # no layer_params: params / 32 per layer, units fixed
+    assert guessed.working_set == 4 * 2e9 + 2 * 2 * 1e6

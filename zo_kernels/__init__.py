@@ -4,7 +4,7 @@ from .activations import ActivationBuffers, checkpoint
 from .buckets import Packed, cast, pack, unpack
 from .checkpoint_io import load_checkpoint, save_checkpoint
 from .cpu_adam import CPUAdam, available_isas, best_isa, cpu_adam_step, stream_pass, sum_squares
-from .offload import MemoryReport, ZeroOffloadAdafactor, ZeroOffloadAdamW
+from .offload import MemoryReport, ParamInit, ZeroOffloadAdafactor, ZeroOffloadAdamW
 from .param_views import MovedGrad
 from .planner import Plan, plan
 from .quant8 import Quantized8bit
@@ -17,6 +17,7 @@ __all__ = [
     "MemoryReport",
     "MovedGrad",
     "Packed",
+    "ParamInit",
     "Plan",
     "Quantized8bit",
     "ZeroOffloadAdafactor",

@@ -234,7 +234,7 @@ def is_gpu_summary(path: Path) -> bool:
 def load_gpu_summary(path: Path) -> dict:
     """A GPU summary, checked for the lists the dashboard reads."""
     data = json.loads(Path(path).read_text(encoding="utf-8"))
-    for key in ("pack", "step", "anchors"):
+    for key in ("pack", "step", "anchors", "scale"):
         rows = data.get(key, [])
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise ValueError(f"{path}: {key} must be a list of objects")
@@ -258,6 +258,9 @@ def _rows_table(rows: list[dict], keys: list[str]) -> str:
 STEP_KEYS = ["params", "mode", "batch", "zo_ms", "fwd_bwd_ms", "cpu_adam_ms", "d2h_ms", "torch_fused_ms",
              "zo_peak_gib", "torch_peak_gib", "orchestration_of_step"]  # fmt: skip
 ANCHOR_KEYS = ["system", "params", "ms", "tokens_per_s", "peak_gib", "host_gib", "note"]
+SCALE_KEYS = ["setting", "params", "planner_params", "tokens_per_s", "tflops", "mfu", "peak_gib", "planner_peak_gib",
+              "host_gib", "planner_host_gib", "loss_first", "loss_last", "adam_hidden", "mismatch",
+              "error"]  # fmt: skip
 
 
 def gpu_section(label: str, data: dict) -> str:
@@ -280,6 +283,10 @@ def gpu_section(label: str, data: dict) -> str:
             parts.append("<h3>targets</h3>" + _rows_table(targets, ["params", "mode", "target", "value", "bar", "met"]))
     if data.get("anchors"):
         parts.append("<h3>anchors (same model, batch, dtype)</h3>" + _rows_table(data["anchors"], ANCHOR_KEYS))
+    if data.get("scale"):
+        rows = [{**r, "mismatch": "; ".join(r.get("mismatch") or []) or None} for r in data["scale"]]
+        parts.append("<h3>scale: the largest model per setting, beside the planner</h3>"
+                     + _rows_table(rows, SCALE_KEYS))  # fmt: skip
     if data.get("pack"):
         keys = list(dict.fromkeys(k for r in data["pack"] for k in r))
         parts.append("<h3>pack</h3>" + _rows_table(data["pack"], keys))

@@ -11,8 +11,10 @@ checkpointing + offload (zo_kernels.checkpoint: the layer inputs in pinned host 
 
 Stage 3 rows also hold a working set on the GPU (`working_set`): the largest gathered layer's 16-bit
 parameters, (1 + prefetch) of them in flight, and that layer's 16-bit gradient before it is reduce-scattered,
-plus the gradient buckets. Modelled: model states, that working set, buckets, the NVMe rows' host I/O pool,
-and activations + workspace (per GPU). Not modelled: memory-centric tiling of a layer too large to gather, the
+plus the gradient buckets. ZeroOffloadAdamW prefetches units (a module's own parameters), not layers: with
+`prefetch_params` (the largest unit gathered ahead) the layer in flight is one and the prefetch is of units.
+Modelled: model states, that working set, buckets, the NVMe rows' host I/O pool, and activations + workspace (per
+GPU). Not modelled: memory-centric tiling of a layer too large to gather, the
 allocator's behaviour beyond a fixed reserve, pinned-memory limits and NVMe bandwidth (only capacity).
 """
 
@@ -161,7 +163,9 @@ class Plan:
 
     Args:
         layer_params: the largest gathered layer's parameters (stage 3); 0 means params / LAYERS_GUESS.
-        prefetch: layers gathered ahead of the one computing. io_pool: host I/O buffers per GPU (NVMe rows).
+        prefetch: layers (or units of prefetch_params) gathered ahead of the one computing. io_pool: host I/O
+            buffers per GPU (NVMe rows).
+        prefetch_params: the largest unit gathered ahead of the layer computing; 0 means a whole layer.
         nvme_mem: NVMe capacity per host (shared like host_mem by the GPUs of one host).
     """
 
@@ -179,10 +183,12 @@ class Plan:
     layer_params: float = 0.0
     prefetch: int = 1
     io_pool: float = 0.0
+    prefetch_params: float = 0.0
     strategies: list[StrategyPlan] = field(default_factory=list)
     shape: ActivationShape | None = None  # activations derived from it (else given)
     activation_mode: str = "checkpoint"
     activation_host: float = 0.0  # host bytes per GPU of offloaded checkpoints
+
     @property
     def usable_gpu(self) -> float:
         """GPU memory left after the fragmentation reserve, activations and workspace."""
@@ -192,6 +198,14 @@ class Plan:
     def layer(self) -> float:
         """The largest gathered layer's parameter count for this model (given, or params / LAYERS_GUESS)."""
         return self.layer_params or self.params / LAYERS_GUESS
+
+    @property
+    def working_set(self) -> float:
+        """Stage 3's GPU bytes of gathered parameters and the layer's gradient: working_set_per_layer_param x layer,
+        or with prefetch_params 2 + 2 B per layer parameter and 2 x prefetch B per prefetched unit parameter."""
+        if not self.prefetch_params:
+            return working_set_per_layer_param(self.prefetch) * self.layer
+        return 4.0 * self.layer + 2.0 * self.prefetch * self.prefetch_params
 
     def row(self, strategy: str) -> StrategyPlan:
         return next(s for s in self.strategies if s.strategy == strategy)
@@ -313,6 +327,7 @@ def plan(
     vocab: int = 0,
     attention: str = "flash",
     activation_mode: str = "checkpoint",
+    prefetch_params: float | str | None = None,
 ) -> Plan:
     """Bytes per device for each strategy, whether it fits, and the largest trainable model per strategy.
 
@@ -323,6 +338,9 @@ def plan(
     and `dpu` (the delayed parameter update) add the host buffers ZeroOffloadAdamW then holds (`_host_extra`).
     With `seq` (and `hidden`, `layers`) the activations are derived for `activation_mode` (`activation_bytes`)
     instead of given; "offload" adds the offloaded checkpoints to every row's host bytes.
+    `prefetch_params`: the largest unit prefetched while a layer computes (ZeroOffloadAdamW prefetches modules; in a
+    pre-norm transformer whose blocks are checkpointed the peak is one block, `layer_params`, and the next block's
+    first LayerNorm); None: whole layers, as the ZeRO-Infinity paper counts.
     """
     params = parse_count(params, "params")
     _int_at_least(gpus, "gpus", 1)
@@ -343,6 +361,9 @@ def plan(
     layer = 0.0 if layer_params is None else parse_count(layer_params, "layer_params")
     if layer > params:
         raise ValueError(f"layer_params must be <= params ({params:g}), got {layer_params!r}")
+    unit = 0.0 if prefetch_params is None else parse_count(prefetch_params, "prefetch_params")
+    if unit > params:
+        raise ValueError(f"prefetch_params must be <= params ({params:g}), got {prefetch_params!r}")
     p = Plan(
         params=params, gpus=gpus, gpu_mem=parse_bytes(gpu_mem, "gpu_mem"), host_mem=parse_bytes(host_mem, "host_mem"),
         k=float(k), activations=act_gpu if shape else parse_bytes("4GiB" if activations is None else activations,
@@ -351,21 +372,23 @@ def plan(
         reserve=float(reserve), bucket_bytes=parse_bytes(bucket_bytes, "bucket_bytes"),
         nvme_mem=parse_bytes(nvme, "nvme"), layer_params=layer, prefetch=prefetch,
         io_pool=parse_bytes(io_pool, "io_pool"), gpus_per_host=per_host, shape=shape,
-        activation_mode=activation_mode, activation_host=act_host,
+        activation_mode=activation_mode, activation_host=act_host, prefetch_params=unit,
     )  # fmt: skip
     if p.gpu_mem <= 0:
         raise ValueError(f"gpu_mem must be > 0, got {gpu_mem!r}")
     host_per_gpu, nvme_per_gpu = p.host_mem / per_host, p.nvme_mem / per_host
-    w = working_set_per_layer_param(prefetch)
+    # the working set per layer parameter and its fixed part (units of prefetch_params ahead)
+    w, w_fixed = (working_set_per_layer_param(prefetch), 0.0) if not unit else (4.0, 2.0 * prefetch * unit)
     for s in STRATEGIES:
         g, h, v = _per_param(s, p.k, gpus)
         h += _host_extra(s, gpus, accumulation, dpu)
-        ws = w * p.layer if s in STAGE3 else 0.0
+        ws = p.working_set if s in STAGE3 else 0.0
         fixed = p.bucket_bytes if s == "ZeRO-2 + offload" or s in STAGE3 else 0.0
         pool = (p.io_pool if s in NVME_ROWS else 0.0) + act_host
         gpu_total = g * params + ws + p.activations + p.workspace + fixed
         # max_params: a given layer stays fixed as the model grows; the guessed one grows with it
-        g_max, ws_fixed = (g, ws) if layer else (g + (w / LAYERS_GUESS if s in STAGE3 else 0.0), 0.0)
+        g_max, ws_fixed = (g, ws) if layer else (g + (w / LAYERS_GUESS if s in STAGE3 else 0.0),
+                                                 w_fixed if s in STAGE3 else 0.0)  # fmt: skip
         max_params = min(_largest(p.usable_gpu, g_max, ws_fixed + fixed), _largest(host_per_gpu, h, pool),
                          _largest(nvme_per_gpu, v, 0.0))  # fmt: skip
         row = StrategyPlan(s, g * params, gpu_total, h * params + pool, gpu_total <= p.gpu_mem * (1 - p.reserve),
@@ -430,14 +453,16 @@ def format_plan(p: Plan, show_max: bool = False, unit: str = "GB") -> str:
         raise ValueError(f"unit must be one of {', '.join(UNITS)}, got {unit!r}")
     small = "GiB" if unit.endswith("iB") else "GB"
     layer = f"{_fmt_count(p.layer)} params" + ("" if p.layer_params else f" (params / {LAYERS_GUESS})")
-    ws = working_set_per_layer_param(p.prefetch) * p.layer
+    ws = p.working_set
+    ws_formula = ("4 B per layer parameter + 2 prefetch B per unit parameter" if p.prefetch_params
+                  else "2 (1 + prefetch) + 2 B per layer parameter")  # fmt: skip
     lines = [f"model {_fmt_count(p.params)} params, {p.gpus} GPU(s) x {_fmt_bytes(p.gpu_mem)}, host "
              f"{_fmt_bytes(p.host_mem)}, NVMe {_fmt_bytes(p.nvme_mem)}, K = {p.k:g}",
              f"assumed per GPU: activations {_fmt_bytes(p.activations)}, workspace {_fmt_bytes(p.workspace)}, "
              f"{p.reserve:.0%} fragmentation reserve, buckets {_fmt_bytes(p.bucket_bytes)} "
              f"(usable for model states: {_fmt_bytes(max(0.0, p.usable_gpu))})",
              f"stage 3: largest gathered layer {layer}, prefetch {p.prefetch}: working set {_fmt_bytes(ws, small)} "
-             f"per GPU (2 (1 + prefetch) + 2 B per layer parameter); NVMe rows: host I/O pool "
+             f"per GPU ({ws_formula}); NVMe rows: host I/O pool "
              f"{_fmt_bytes(p.io_pool)} per GPU", ""]  # fmt: skip
     if p.shape is not None:
         used = f"per GPU: activations ({MODE_NAMES[p.activation_mode]})"

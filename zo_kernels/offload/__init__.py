@@ -9,6 +9,7 @@ One concept per module; the data of one step walks through them in order:
 - comm.py: the process group (bounded collectives, all-gather of the parameters, gather of the state).
 - state.py: state-dict conversion. report.py: MemoryReport. checks.py: argument checks.
 - formats.py: the moments' formats (state_dtype: fp32, bf16, 8-bit blockwise).
+- materialize.py: ParamInit, a model built on the meta device filled parameter by parameter (init=).
 - optimizer.py: ZeroOffloadAdamW, which composes them. adafactor.py: ZeroOffloadAdafactor (its own host update).
 """
 
@@ -16,6 +17,7 @@ from .adafactor import ZeroOffloadAdafactor
 from .checks import DTYPES, MAX_THREADS
 from .comm import COLLECTIVE_TIMEOUT_S, GATHER_CHUNK_NUMEL, backend_for_device
 from .layout import PARAM_ALIGN_BYTES
+from .materialize import ParamInit, tensor_seed
 from .optimizer import DEFAULT_BUCKET_NUMEL, ZeroOffloadAdamW
 from .report import K_ADAM, MemoryReport
 from .scaler import SCALE_BACKOFF, SCALE_GROWTH, SCALE_INIT, SCALE_INTERVAL
@@ -23,6 +25,6 @@ from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_S", "DEFAULT_BUCKET_NUMEL", "DEFAULT_TILE_NUMEL", "DTYPES", "GATHER_CHUNK_NUMEL", "K_ADAM",
-    "MAX_THREADS", "PARAM_ALIGN_BYTES", "SCALE_BACKOFF", "SCALE_GROWTH", "SCALE_INIT", "SCALE_INTERVAL",
-    "UPDATE_TIMEOUT_S", "MemoryReport", "ZeroOffloadAdafactor", "ZeroOffloadAdamW", "backend_for_device",
+    "MAX_THREADS", "PARAM_ALIGN_BYTES", "ParamInit", "SCALE_BACKOFF", "SCALE_GROWTH", "SCALE_INIT", "SCALE_INTERVAL",
+    "UPDATE_TIMEOUT_S", "MemoryReport", "ZeroOffloadAdafactor", "ZeroOffloadAdamW", "backend_for_device", "tensor_seed",
 ]

@@ -78,7 +78,7 @@ def check_trainable(groups: list[dict[str, Any]]) -> tuple[list[torch.Tensor], t
     for i, p in enumerate(trainable):
         if p.device != device:
             raise ValueError(f"all params must be on one device: param {i} is on {p.device}, param 0 on {device}")
-    if device.type not in ("cpu", "cuda"):
+    if device.type not in ("cpu", "cuda", "meta"):  # (meta: with init=, materialize.check_init)
         raise ValueError(f"params must be on a CUDA device or the CPU, got {device}")
     return trainable, device
 

@@ -32,6 +32,7 @@ from .comm import COLLECTIVE_TIMEOUT_S, Comm, pin_rank_threads
 from .formats import block_of, check_state_dtype
 from .grads import GradPath
 from .layout import FlatLayout
+from .materialize import ParamInit, check_init, materialise_followers, swap_in
 from .params import DeviceBytes, ParamShards, units_of
 from .report import MemoryReport, PhaseTimes
 from .scaler import LossScaler
@@ -150,6 +151,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             in host memory or (offload_optimizer="nvme") in the files and per step read from and written to them.
             state_dict() still gives fp32 moments per parameter (dequantized) and loads any format's; the exact
             bits travel beside them (see state_dict), so a checkpoint resumes bitwise in the same format.
+        init: a zo_kernels.ParamInit for a model built on the meta device (`with torch.device("meta"):`): each
+            parameter is made on init.device in fp32 from init.fn with a generator seeded per tensor name, one at a
+            time; this rank's part goes into the masters and the 16-bit flat buffer or shard, so no full fp32 copy
+            of the model exists (frozen params and buffers left on meta are made whole, in `dtype`). The values do
+            not depend on the world size. Needs the model; offload_optimizer="cpu".
     """
 
     def __init__(
@@ -184,6 +190,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
         state_dtype: torch.dtype | str = torch.float32,
+        init: ParamInit | None = None,
     ) -> None:
         # Every argument is checked before anything (the model included) is modified.
         if isinstance(params, torch.nn.Module):
@@ -225,6 +232,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         groups = check_params(params)
         _close_owners(groups)  # (a stage-3 one hands the parameters back whole: their shapes are checked next)
         trainable, device = check_trainable(groups)
+        names = check_init(init, module, trainable, offload_optimizer)
+        if init is not None:
+            device = init.device
         is_trainable = {id(p) for p in trainable}
         followers = [p for g in groups for p in g["params"] if id(p) not in is_trainable]
         if module is not None:
@@ -253,7 +263,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                  block=block_of(self.state_format))  # fmt: skip
         self.transport = transport if transport is not None else default_transport(device)
         self._own_transport = transport is None  # close() closes (returns the pinned memory of) what it made
-        self._allocate(trainable, nvme_dir, uses)  # (touches the model only once nothing else can fail)
+        # (touches the model only once nothing else can fail)
+        self._allocate(trainable, nvme_dir, uses, None if init is None else (init, names))
+        if init is not None:
+            materialise_followers(init, module, {id(p) for p in trainable}, dtype)
         self._cast_followers(followers)
         self._built = True
         self.stats: dict[str, Any] = {}
@@ -276,7 +289,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 t.data = t.data.to(self.dtype)
 
     @torch.no_grad()
-    def _allocate(self, trainable: list[torch.Tensor], nvme_dir: str | None, uses: Any) -> None:
+    def _allocate(self, trainable: list[torch.Tensor], nvme_dir: str | None, uses: Any,
+                  init: tuple[ParamInit, dict[torch.Tensor, str]] | None) -> None:  # fmt: skip
         pool_bytes = 8 * self.part * torch.empty((), dtype=self.dtype).element_size() + (1 << 20)
         self.transport.pool.max_bytes = max(self.transport.pool.max_bytes, pool_bytes)
         self.device_bytes = DeviceBytes()
@@ -293,7 +307,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.device_bytes.add(self.flat.numel() * self.flat.element_size())
         src = self.comm.global_rank(0)
         values_of = {}
-        for p in trainable:
+        for p in trainable if init is None else []:  # (init: _materialise fills the same buffers)
             if self.world > 1:
                 self.comm.collective("the initial broadcast of the parameters", dist.broadcast, p.data, src=src)
             off, n = self._offset[p], p.numel()
@@ -321,7 +335,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                     out[s - lo : e - lo] = values[s - x : e - x].float().cpu()
 
         self.grads = self.update = None
-        try:  # everything that can fail (memory, the NVMe files) before the model is touched
+        try:  # everything that can fail (memory, the NVMe files, init's fn) before the model is touched
+            if init is not None:
+                self._materialise(trainable, *init, master)
             self.grads = GradPath(self.layout, self.dtype, self.device, self.transport, self.comm, self.scaler,
                                   self._times, slots=2 if self.delay_update_after is not None else 1,
                                   threads=self.threads, guard=self._check_alive, connected=connected,
@@ -339,14 +355,34 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if shards is not None:
             shards.swapper = self.update.swapper
         for p in trainable:
-            values = values_of[p]
+            values = values_of.get(p)
+            if init is not None:  # (the values are in place already) the meta p becomes a tensor of the device
+                swap_in(p, torch.empty(0, dtype=self.dtype, device=self.device))
             if shards is not None:
                 shards.take(p, values)
+            elif values is None:
+                p.data = alias(self.flat, self._offset[p], self.layout.shape[p].numel(), self.layout.shape[p])
             else:
                 off, n = self._offset[p], p.numel()
                 self.flat[off : off + n].copy_(values)
                 p.data = alias(self.flat, off, n, p.shape)
             p.grad = None
+
+    @torch.no_grad()
+    def _materialise(self, trainable: list[torch.Tensor], init: ParamInit, names: dict[torch.Tensor, str],
+                     master: torch.Tensor) -> None:  # fmt: skip
+        """init= (a model on the meta device): each parameter's fp32 values made on the device, one at a time; this
+        rank's part into the masters, the 16-bit cast into the flat buffer (stages 1, 2) or this rank's shard."""
+        for p in trainable:
+            values = init.values(names[p], self.layout.shape[p]).reshape(-1)
+            off, n = self._offset[p], values.numel()
+            for a, b, pa in self.layout.owned(off, off + n, self.rank):
+                master[pa : pa + b - a].copy_(values[a - off : b - off])
+                if self.shards is not None and self.shards.shard is not None:
+                    self.shards.shard[pa : pa + b - a].copy_(values[a - off : b - off])
+            if self.shards is None:
+                self.flat[off : off + n].copy_(values)
+            del values
 
     def _release_transports(self) -> None:
         """The transports' host blocks back: those this optimizer took from a transport of the user's (which

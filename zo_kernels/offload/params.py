@@ -142,10 +142,11 @@ class ParamShards:
     # ------------------------------------------------------------------ construction
 
     @torch.no_grad()
-    def take(self, p: torch.Tensor, values: torch.Tensor) -> None:
-        """Store this rank's part of p's values (all of p, on this device) in the shard; p becomes empty."""
+    def take(self, p: torch.Tensor, values: torch.Tensor | None) -> None:
+        """Store this rank's part of p's values (all of p, on this device; None: stored already) in the shard; p
+        becomes empty."""
         off, n = self.layout.offset[p], p.numel()
-        for a, b, pa in self.layout.owned(off, off + n, self.comm.rank):
+        for a, b, pa in self.layout.owned(off, off + n, self.comm.rank) if values is not None else []:
             if self.shard is not None:  # (NVMe: the swapper's fill writes the masters' cast)
                 self.shard[pa : pa + b - a].copy_(values.reshape(-1)[a - off : b - off])
         p.data = self._empty

@@ -1,0 +1,608 @@
+"""The largest model this machine trains (issue 23), beside the planner's prediction: the "scale" rows of
+gpu_check.sh's summary.json.
+
+Per setting, each in a process of its own (its own peak host memory; one killed for memory leaves the others), in
+this order, each given the budget the later ones leave (MIN_SHARE_S each):
+  s2-8bit  ZeroOffloadAdamW(stage=2, state_dtype="8bit")
+  s2-fp32  ZeroOffloadAdamW(stage=2), fp32 moments
+  s3-cpu   ZeroOffloadAdamW(stage=3, offload_param="cpu"), fp32 moments
+every one with the delayed parameter update after the first step (DPU), bf16 parameters, every block checkpointed
+(torch.utils.checkpoint) and the LM head + loss computed over chunks of tokens, each checkpointed.
+  machine  device memory (torch.cuda.mem_get_info; on the CPU: host memory), host memory (/proc/meminfo
+           MemAvailable), disk (free space of the temporary directory), the bf16 matmul rate (measured here)
+  tokens   --tokens, or: CPU Adam's seconds per parameter in the setting's format (measured on a slice), scaled to the
+           model; tokens per step such that forward + backward (8 x params x tokens at half the matmul rate) take
+           1.25x that, so that under DPU forward + backward cover CPU Adam
+  plan     the largest GPT (width a multiple of 128, layers = width / 128, then layers added while it fits) whose
+           planner row fits: zo_kernels.planner.plan(gpu_mem = device memory, host_mem = MemAvailable less
+           --host-reserve-gib, k = state_k(format), dpu=True, activations = activation_bytes(shape, tokens),
+           layer_params = one block (stage 3 keeps a checkpointed block's units gathered until its backward ends),
+           prefetch_params = the next block's first LayerNorm), at most --max-params
+  build    the model on the meta device, ZeroOffloadAdamW(model, init=ParamInit(fn, device)): one parameter's fp32
+           values at a time, never a full fp32 copy
+  train    --steps steps on synthetic tokens (skewed to small ids, so the loss can fall); each step synchronized
+  measure  step time (median of the steps after the first two), tokens/s, model TFLOPS = 6 x params x tokens / step
+           time and its fraction of the matmul rate (mfu), step()'s wait for the background update (dpu_wait_s;
+           adam_hidden when it is under 5% of the step) and the update's own time (cpu_update_s), peak device
+           memory (torch.cuda.max_memory_allocated since the build began), the optimizer's own device buffers
+           (device_states_gib: its DeviceBytes peak) and the rest (activations_gib), peak host memory (VmHWM less
+           the RSS before the build, after a warm-up of the setting on a tiny GPT), first and last loss
+  compare  planner_params (the planner's max params for this shape), planner_peak_gib (its GPU total less the
+           workspace; on the CPU the device is host memory: None), planner_device_states_gib (its states, gathered
+           units and buckets), planner_host_gib (its host bytes; on the CPU plus that GPU total, which lives in host
+           memory there); `mismatch` lists each figure more than 10% off.
+
+Usage: python bench/scale_check.py OUT.json [--settings s2-8bit,s2-fp32,s3-cpu] [--device cuda] [--budget-s 420]
+       [--max-params 1e12] [--steps 5] [--context 2048] [--vocab 32000] [--tokens N] [--host-reserve-gib 10]
+Writes OUT.json (a list of rows) after every setting (a run cut short keeps what finished); prints progress lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import zo_kernels as zk
+from zo_kernels.gpt import GPT, GPTConfig
+from zo_kernels.planner import plan, state_k
+
+SETTINGS = {  # in the order they run: the headline (the largest model) first
+    "s2-8bit": dict(stage=2, state_dtype="8bit"),
+    "s2-fp32": dict(stage=2, state_dtype=torch.float32),
+    "s3-cpu": dict(stage=3, offload_param="cpu", state_dtype=torch.float32),
+}
+FORMAT = {"s2-fp32": "fp32", "s2-8bit": "8bit", "s3-cpu": "fp32"}
+STRATEGY = {"s2-fp32": "ZeRO-2 + offload", "s2-8bit": "ZeRO-2 + offload", "s3-cpu": "ZeRO-3 + offload"}
+MISMATCH = 0.10  # a planner figure more than 10% off the measured one is flagged (issue 23)
+LOSS_CHUNK = 4096  # tokens per checkpointed LM-head + loss chunk: its fp32 logits stay ~14 x 4096 x vocab bytes
+WORKSPACE = 2**30  # the planner's per-GPU workspace (cuBLAS, the allocator's slack): left out of the comparison
+BUCKET_BYTES = 2 * zk.offload.DEFAULT_BUCKET_NUMEL * 2  # two bf16 gradient buckets on a GPU (none on one CPU rank)
+GIB = 2**30
+MIN_SHARE_S = 30  # a setting is started only with this many seconds of the budget left for it
+
+
+T0 = time.perf_counter()
+
+
+def say(tag: str, text: str) -> None:
+    """One progress line: the setting and the seconds since start."""
+    print(f"[scale {tag} {time.perf_counter() - T0:.0f}s] {text}", flush=True)
+
+
+# ---------------------------------------------------------------------- the machine
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes."""
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            parts = value.split()
+            out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return out
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+class HostPeak:
+    """This process's peak resident memory since start(): the kernel's VmHWM, reset through /proc/self/clear_refs
+    where allowed, else the largest VmRSS a sampling thread saw (every 5 ms)."""
+
+    def __init__(self) -> None:
+        self.base = _status_bytes("VmRSS")
+        self.sampled = self.base
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.hwm = True
+        except OSError:
+            self.hwm = False
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.sampled = max(self.sampled, _status_bytes("VmRSS"))
+
+    def peak_growth(self) -> int:
+        """Peak RSS since start() less the RSS at start()."""
+        peak = _status_bytes("VmHWM") if self.hwm else max(self.sampled, _status_bytes("VmRSS"))
+        return peak - self.base
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def fixed_mmap_threshold(nbytes: int = 1 << 16) -> None:
+    """glibc's dynamic mmap threshold keeps freed blocks of up to 32 MiB resident, which the peak RSS would count as
+    the model's: a fixed threshold returns every block above it to the system when freed (mallopt; glibc only)."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def machine(device: torch.device) -> dict:
+    """Device memory, host memory, disk of this machine, in bytes."""
+    mem = meminfo()
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        name = torch.cuda.get_device_name(device)
+    else:
+        free = total = mem["MemAvailable"]
+        name = "CPU"
+    return {"device": name, "device_total": total, "device_free": free, "host_total": mem["MemTotal"],
+            "host_available": mem["MemAvailable"], "disk_free": shutil.disk_usage(tempfile.gettempdir()).free,
+            "cores": os.cpu_count()}  # fmt: skip
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_tflops(device: torch.device, n: int) -> float:
+    """The measured bf16 matmul rate (n x n x n, best of a few), TFLOP/s."""
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    best = math.inf
+    for i in range(6):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        _sync(device)
+        if i:  # the first is warm-up
+            best = min(best, (time.perf_counter() - t0) / 4)
+    return 2 * n**3 / best / 1e12
+
+
+def adam_seconds_per_param(fmt: str, n: int) -> float:
+    """Seconds per parameter of ZeroOffloadAdamW's CPU update (kernel + writeback) in format `fmt`, measured on one
+    n-element parameter on the CPU (the host is the same whatever the device)."""
+    p = torch.nn.Parameter(torch.zeros(n))
+    state = torch.float32 if fmt == "fp32" else fmt
+    opt = zk.ZeroOffloadAdamW([p], lr=1e-4, dtype=torch.bfloat16, state_dtype=state, delay_update_after=None)
+    try:
+        times = []
+        for _ in range(3):
+            p.float().sum().backward()
+            opt.step()
+            times.append(opt.stats.get("time_cpu_update") or opt.stats.get("time_kernel") or opt.stats["time_step"])
+        return min(times[1:]) / n
+    finally:
+        opt.close()
+
+
+# ---------------------------------------------------------------------- the model and its plan
+
+
+def gpt_params(c: GPTConfig) -> int:
+    """Parameters of zo_kernels.gpt.GPT(c): embeddings, blocks (LayerNorms, qkv, proj, fc, out with biases), the
+    final LayerNorm and the untied head."""
+    h = c.width
+    block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (4 * h * h + 4 * h) + (4 * h * h + h)
+    return c.vocab * h + c.context * h + c.layers * block + 2 * h + c.vocab * h
+
+
+def gathered_layer(c: GPTConfig) -> int:
+    """Stage 3's largest set of parameters gathered at once: a checkpointed block keeps every unit (module) it
+    recomputed until their gradients arrive, so one block, or the final LayerNorm and the head (kept across the
+    loss chunks), or the token embedding."""
+    h = c.width
+    return max(12 * h * h + 13 * h, c.vocab * h + 2 * h, c.vocab * h)
+
+
+def prefetched_unit(c: GPTConfig) -> int:
+    """The unit gathered ahead of that layer (prefetch = 1, in the recorded order): the next block's first
+    LayerNorm."""
+    return 2 * c.width
+
+
+BLOCK_TH = 30  # bytes per token x width of one block recomputed with its gradients (bf16): measured with device =
+# CPU (GPT widths 256-512, 4096-8192 tokens, peak RSS of forward + backward less the other terms) 22-28; Korthikanti et
+# al. 2022 count 34 saved per block with dropout masks, ~32 without; the GPU rows' activations_gib calibrate it
+
+
+def activation_bytes(c: GPTConfig, tokens: int) -> int:
+    """Device bytes of activations at the peak of backward, every block checkpointed, the head in LOSS_CHUNK chunks
+    (bf16): each block's input kept (2 L T h), one block recomputed with its gradients (BLOCK_TH T h; no attention
+    matrix with SDPA), the residual stream and its gradients (8 T h), one chunk's logits in bf16 and fp32 with their
+    gradient (14 chunk V), and autograd's bf16 gradients of one bucket before it is packed (2 min(params, bucket))."""
+    h, t = c.width, tokens
+    chunk = min(LOSS_CHUNK, t)
+    grads = 2 * min(gpt_params(c), zk.offload.DEFAULT_BUCKET_NUMEL)
+    return 2 * c.layers * t * h + BLOCK_TH * t * h + 8 * t * h + 14 * chunk * c.vocab + grads
+
+
+def config_for(width: int, layers: int, args: argparse.Namespace) -> GPTConfig:
+    """A GPT of this width and depth, heads of 128 (32 below width 1024), --vocab and --context."""
+    head_dim = 128 if width >= 1024 else 32
+    return GPTConfig(vocab=args.vocab, context=args.context, layers=layers, width=width,
+                     heads=max(1, width // head_dim))  # fmt: skip
+
+
+def plan_for(c: GPTConfig, setting: str, tokens: int, mach: dict, args: argparse.Namespace) -> tuple[bool, dict]:
+    """Whether the planner says shape `c` fits this machine for `setting`, and its figures for it."""
+    cuda = args.device.startswith("cuda")
+    params = gpt_params(c)
+    acts = activation_bytes(c, tokens)
+    host = max(0.0, mach["host_available"] - args.host_reserve_gib * GIB)
+    p = plan(params, gpus=1, gpu_mem=mach["device_total"], host_mem=host, k=state_k(FORMAT[setting]),
+             activations=acts, workspace=WORKSPACE if cuda else 0, reserve=0.05 if cuda else 0.0,
+             bucket_bytes=BUCKET_BYTES if cuda else 0, layer_params=gathered_layer(c), prefetch=1,
+             prefetch_params=prefetched_unit(c),
+             nvme=mach["disk_free"], dpu=True)  # fmt: skip
+    row = p.row(STRATEGY[setting])
+    device_bytes = row.gpu_total - (WORKSPACE if cuda else 0)
+    # the optimizer's own device buffers (its DeviceBytes counter): the states, stage 3's gathered units in flight
+    # (the working set less the layer's gradient, which is autograd's), the buckets
+    gathered = row.working_set - 2 * p.layer if row.working_set else 0.0
+    states = row.gpu_states + gathered + (BUCKET_BYTES if cuda else 0)
+    figures = {"planner_params": row.max_params, "planner_strategy": row.strategy,
+               "planner_activations_gib": acts / GIB,
+               "planner_peak_gib": device_bytes / GIB if cuda else None, "planner_device_states_gib": states / GIB,
+               "planner_host_gib": (row.host if cuda else row.host + device_bytes) / GIB}  # fmt: skip
+    return row.fits and params <= args.max_params, figures
+
+
+def choose_model(setting: str, mach: dict, adam_s_per_param: float, tflops: float,
+                 args: argparse.Namespace) -> tuple[GPTConfig, int, dict]:  # fmt: skip
+    """The largest GPT the planner fits (and its tokens per step and the planner's figures)."""
+    step = 128 if args.device.startswith("cuda") else 32
+
+    def tokens_for(c: GPTConfig) -> int:
+        if args.tokens:
+            return args.tokens
+        n = gpt_params(c)
+        # forward + backward with every block recomputed: 8 x params x tokens flops at half the matmul rate
+        want = 1.25 * adam_s_per_param * n * 0.5 * tflops * 1e12 / (8 * n)
+        return max(1, math.ceil(want / args.context)) * args.context
+
+    def fits(c: GPTConfig) -> bool:
+        return plan_for(c, setting, tokens_for(c), mach, args)[0]
+
+    best = None
+    width = step
+    while True:
+        c = config_for(width, max(2, round(width / 128)), args)
+        if not fits(c):
+            break
+        best, width = c, width + step
+    if best is None:
+        raise RuntimeError(f"the planner fits no GPT of width {step} on this machine for {setting}")
+    while fits(config_for(best.width, best.layers + 1, args)):
+        best = config_for(best.width, best.layers + 1, args)
+    tokens = tokens_for(best)
+    return best, tokens, plan_for(best, setting, tokens, mach, args)[1]
+
+
+def init_fn(name: str, out: torch.Tensor, gen: torch.Generator) -> None:
+    """GPT-2's initialization: weights N(0, 0.02), biases 0, LayerNorm weights 1."""
+    if out.dim() >= 2:
+        out.normal_(0.0, 0.02, generator=gen)
+    elif name.endswith("weight"):
+        out.fill_(1.0)
+
+
+def head_loss(model: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of one chunk of tokens: final LayerNorm, head, fp32 logits."""
+    return F.cross_entropy(model.head(model.ln(x)).float(), y, reduction="sum")
+
+
+def loss_of(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """GPT's forward with every block checkpointed and the head + loss over checkpointed chunks: the mean loss."""
+    x = model.tok(idx) + model.pos(torch.arange(idx.shape[1], device=idx.device))
+    for block in model.blocks:
+        x = checkpoint(block, x, use_reentrant=False)
+    x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+    total = None
+    for lo in range(0, x.shape[0], LOSS_CHUNK):
+        part = checkpoint(head_loss, model, x[lo : lo + LOSS_CHUNK], targets[lo : lo + LOSS_CHUNK], use_reentrant=False)
+        total = part if total is None else total + part
+    return total / x.shape[0]
+
+
+def tokens_batch(c: GPTConfig, tokens: int, gen: torch.Generator, device: torch.device) -> tuple:
+    """Synthetic tokens skewed to small ids (id = vocab * u^3): a distribution the model can learn in a few steps."""
+    u = torch.rand(tokens // c.context, c.context + 1, generator=gen)
+    ids = (u**3 * c.vocab).long().clamp_(max=c.vocab - 1).to(device)
+    return ids[:, :-1], ids[:, 1:]
+
+
+# ---------------------------------------------------------------------- one setting (a process of its own)
+
+
+def run_setting(setting: str, args: argparse.Namespace, out_path: str) -> None:
+    """Plan, build, train and measure one setting; its row written to out_path after each phase."""
+    device = torch.device(args.device)
+    t_start = time.perf_counter()
+    deadline = t_start + args.budget_s
+    row: dict = {"setting": setting, "device": None}
+
+    def write() -> None:
+        with open(out_path, "w") as f:
+            json.dump(row, f, indent=1)
+
+    mach = machine(device)
+    row["device"] = mach["device"]
+    row["machine"] = {k: v for k, v in mach.items() if k != "device"}
+    tflops = matmul_tflops(device, 8192 if device.type == "cuda" else 256)
+    adam = adam_seconds_per_param(FORMAT[setting], 1 << 25 if device.type == "cuda" else 1 << 18)  # (past the L3)
+    row.update(matmul_tflops=tflops, adam_ns_per_param=adam * 1e9)
+    say(setting, f"{mach['device']}: device {mach['device_total'] / GIB:.1f} GiB, host available "
+                 f"{mach['host_available'] / GIB:.1f} GiB of {mach['host_total'] / GIB:.1f}, disk "
+                 f"{mach['disk_free'] / GIB:.0f} GiB free; bf16 matmul {tflops:.1f} TFLOP/s; CPU Adam "
+                 f"{adam * 1e9:.2f} ns/param")  # fmt: skip
+    c, tokens, figures = choose_model(setting, mach, adam, tflops, args)
+    params = gpt_params(c)
+    row.update(params=params, max_params=args.max_params, layers=c.layers, width=c.width, heads=c.heads,
+               vocab=c.vocab, context=c.context, tokens_per_step=tokens, adam_s_est=adam * params,
+               **figures)  # fmt: skip
+    write()
+    say(setting, f"planner: largest GPT {params / 1e9:.3f}B params ({c.layers} layers x {c.width}), planner max "
+                 f"{figures['planner_params'] / 1e9:.3f}B; {tokens} tokens/step; predicted host "
+                 f"{figures['planner_host_gib']:.2f} GiB, device {figures['planner_peak_gib'] or 0:.2f} GiB"
+                 )  # fmt: skip
+
+    try:
+        measure_setting(setting, args, device, c, tokens, mach, tflops, row, write, deadline)
+    except BaseException as e:  # the row says what failed (the parent adds how the process ended)
+        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        write()
+        raise
+
+
+def measure_setting(setting: str, args: argparse.Namespace, device: torch.device, c: GPTConfig, tokens: int,
+                    mach: dict, tflops: float, row: dict, write: Callable[[], None],
+                    deadline: float) -> None:  # fmt: skip
+    """Build the model of shape c on the meta device, train it, measure: into `row`, written after every step."""
+    params = gpt_params(c)
+    warm_up(setting, device, args)
+    gc_collect(device)
+    fixed_mmap_threshold()
+    host = HostPeak()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = GPT(c)
+    opt = zk.ZeroOffloadAdamW(model, lr=args.lr, weight_decay=0.0, dtype=torch.bfloat16, delay_update_after=1,
+                              init=zk.ParamInit(init_fn, device=device, seed=0), **SETTINGS[setting])  # fmt: skip
+    _sync(device)
+    row["build_s"] = time.perf_counter() - t0
+    say(setting, f"built in {row['build_s']:.1f}s; host +{host.peak_growth() / GIB:.2f} GiB so far")
+    gen = torch.Generator().manual_seed(1)
+    losses, times, waits, updates = [], [], [], []  # (waits, updates: step()'s wait for the DPU update, its time)
+    report = opt.memory_report()
+    measured = dict(host_buffers_gib=report.host_bytes / GIB, device_buffers_gib=report.device_bytes / GIB)
+
+    def record() -> None:  # the row as of now, written: a run killed later keeps it
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        timed = times[2:] or times  # (the first two: the synchronous step and the first delayed one)
+        step_s = sorted(timed)[len(timed) // 2]
+        model_tflops = 6 * params * tokens / step_s / 1e12
+        row.update(device_states_gib=opt.device_bytes.peak / GIB)
+        if peak is not None:  # the rest of the device's peak: activations, autograd's gradients, temporaries
+            row["activations_gib"] = (peak - opt.device_bytes.peak) / GIB
+        row.update(steps=len(times), step_times_s=times, losses=losses, peak_gib=None if peak is None else peak / GIB,
+                   host_gib=host.peak_growth() / GIB, step_s=step_s, tokens_per_s=tokens / step_s,
+                   tflops=model_tflops, mfu=model_tflops / tflops, loss_first=losses[0], loss_last=losses[-1],
+                   loss_falls=losses[-1] < losses[0], **measured)  # fmt: skip
+        if waits:  # DPU hides CPU Adam when step() hardly waits for the background update
+            median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+            row.update(dpu_wait_s=median(waits), cpu_update_s=median(updates) if updates else None,
+                       adam_hidden=median(waits) < 0.05 * step_s)  # fmt: skip
+        if row["host_gib"] < 0.9 * row["host_buffers_gib"]:
+            row["host_note"] = ("the peak RSS is below the optimizer's own host buffers: this system does not count "
+                                "(all of) its pinned memory in the RSS; compare host_buffers_gib")  # fmt: skip
+        row["mismatch"] = mismatches(row)
+        write()
+
+    try:
+        for i in range(args.steps):
+            if i >= min(args.steps, 5) and time.perf_counter() + times[-1] > deadline:
+                row["cut_short"] = f"the {args.budget_s:.0f}s budget ended after {i} steps"
+                break
+            _sync(device)
+            t0 = time.perf_counter()
+            try:
+                losses.append(train_step(model, opt, c, tokens, gen, device))
+            except torch.OutOfMemoryError:
+                # the activations outgrew their estimate: the first step retries with half the tokens (what the
+                # planner's figures are then for is recomputed), once the optimizer has dropped the gradients
+                if i or tokens <= c.context:
+                    raise
+                opt.zero_grad()
+                gc_collect(device)
+                tokens = max(c.context, tokens // 2 // c.context * c.context)
+                row.update(tokens_per_step=tokens, tokens_halved=row.get("tokens_halved", 0) + 1,
+                           **plan_for(c, setting, tokens, mach, args)[1])  # fmt: skip
+                say(setting, f"out of device memory in step 1: retrying with {tokens} tokens per step")
+                losses.append(train_step(model, opt, c, tokens, gen, device))
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            if i >= 2:  # (steps 1, 2: synchronous, and the first delayed one, which waits for nothing)
+                waits.append(opt.stats.get("time_dpu_wait", 0.0))
+                if opt.stats.get("time_cpu_update") is not None:
+                    updates.append(opt.stats["time_cpu_update"])
+            say(setting, f"step {i + 1}: loss {losses[-1]:.4f}, {times[-1]:.2f}s, waited "
+                         f"{opt.stats.get('time_dpu_wait', 0.0):.2f}s for the DPU update")  # fmt: skip
+            record()
+        opt.synchronize()
+        _sync(device)
+        record()
+    finally:
+        host.stop()
+        opt.close()
+
+
+def train_step(model: GPT, opt: zk.ZeroOffloadAdamW, c: GPTConfig, tokens: int, gen: torch.Generator,
+               device: torch.device) -> float:  # fmt: skip
+    """One training step; its loss."""
+    x, y = tokens_batch(c, tokens, gen, device)
+    loss = loss_of(model, x, y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def warm_up(setting: str, device: torch.device, args: argparse.Namespace) -> None:
+    """Three steps of a tiny GPT in the setting, before the host baseline: the runtime's one-time host memory
+    (thread pools and their malloc arenas, CUDA's and the kernels' first-use state) is then not counted as the
+    model's."""
+    c = config_for(64, 2, args)
+    with torch.device("meta"):
+        model = GPT(c)
+    opt = zk.ZeroOffloadAdamW(model, lr=args.lr, dtype=torch.bfloat16, delay_update_after=1,
+                              init=zk.ParamInit(init_fn, device=device), **SETTINGS[setting])  # fmt: skip
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            train_step(model, opt, c, c.context, gen, device)
+    finally:
+        opt.close()
+
+
+def gc_collect(device: torch.device) -> None:
+    """Free what is unreachable, and the device allocator's cached blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def mismatches(row: dict) -> list[str]:
+    """Each planner figure more than MISMATCH off the measured one: params (the planner's max against the params
+    built), device and host bytes."""
+    out = []
+    capped = row.get("planner_params", 0) > row.get("max_params", math.inf)  # --max-params chose, not the planner
+    pairs = (("params", None if capped else row.get("planner_params"), row.get("params")),
+             ("peak_gib", row.get("planner_peak_gib"), row.get("peak_gib")),
+             ("device_states_gib", row.get("planner_device_states_gib"), row.get("device_states_gib")),
+             ("host_gib", row.get("planner_host_gib"), row.get("host_gib")))  # fmt: skip
+    for name, predicted, measured in pairs:
+        if predicted is None or measured is None or not measured:
+            continue
+        off = predicted / measured - 1
+        if abs(off) > MISMATCH:
+            out.append(f"{name}: planner {predicted:.4g}, measured {measured:.4g} ({off:+.0%})")
+    return out
+
+
+def summary_line(row: dict) -> str:
+    """One row as a line: the figures beside the planner's, the mismatches, the error."""
+    error = f"; ERROR {row['error']}" if row.get("error") else ""
+    if "step_s" not in row:
+        return f"{row['setting']}: no step finished{error}"
+    peak = f"{row['peak_gib']:.1f}" if row.get("peak_gib") is not None else "-"
+    planned = f"{row['planner_peak_gib']:.1f}" if row.get("planner_peak_gib") is not None else "-"
+    return (f"{row['setting']}: {row['params'] / 1e9:.3f}B params (planner max {row['planner_params'] / 1e9:.3f}B), "
+            f"{row['step_s']:.2f} s/step, {row['tokens_per_s']:.0f} tokens/s, {row['tflops']:.1f} TFLOPS = "
+            f"{row['mfu']:.0%} of bf16 matmul; device peak {peak} GiB (planner {planned}), host {row['host_gib']:.2f}"
+            f" GiB (planner {row['planner_host_gib']:.2f}); loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}; "
+            f"mismatch: {'; '.join(row['mismatch']) or 'none'}{error}")  # fmt: skip
+
+
+# ---------------------------------------------------------------------- the parent
+
+
+def main(argv: list[str]) -> int:
+    """Run the settings (each in its own process unless --in-process); 0 when every one trained."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--max-params", type=float, default=1e13)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--tokens", type=int, default=0, help="tokens per step (default: enough to cover CPU Adam)")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--host-reserve-gib", type=float, default=10.0)
+    ap.add_argument("--in-process", action="store_true",
+                    help="run the settings in this process (no isolation; for the CPU test)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    settings = args.settings.split(",")
+    for s in settings:
+        if s not in SETTINGS:
+            ap.error(f"--settings: unknown setting {s!r} (known: {', '.join(SETTINGS)})")
+    if args.steps < 1 or args.context < 1 or args.vocab < 2 or args.tokens < 0 or args.tokens % args.context:
+        ap.error("--steps >= 1, --context >= 1, --vocab >= 2, --tokens a multiple of --context")
+    if args.child:
+        run_setting(args.child, args, args.out)
+        return 0
+    start, rows = time.perf_counter(), []
+    for i, s in enumerate(settings):
+        left = args.budget_s - (time.perf_counter() - start)
+        share = left - MIN_SHARE_S * (len(settings) - i - 1)  # what the later settings leave; each takes what it needs
+        if share < MIN_SHARE_S:
+            rows.append({"setting": s, "error": f"NOT RUN: the {args.budget_s:.0f}s budget is spent"})
+            continue
+        part = f"{args.out}.{s}.part"
+        cmd = [sys.executable, os.path.abspath(__file__), part, "--child", s, "--device", args.device,
+               "--budget-s", f"{share * 0.75:.0f}", "--max-params", str(args.max_params), "--steps", str(args.steps),
+               "--context", str(args.context), "--vocab", str(args.vocab), "--tokens", str(args.tokens),
+               "--lr", str(args.lr), "--host-reserve-gib", str(args.host_reserve_gib)]  # fmt: skip
+        say(s, f"starting (budget {share:.0f}s)")
+        error = None
+        if args.in_process:
+            try:
+                run_setting(s, argparse.Namespace(**{**vars(args), "budget_s": share * 0.75}), part)
+            except Exception as e:  # the row says what failed; the next setting still runs
+                error = f"{type(e).__name__}: {e}"
+        else:
+            try:
+                rc = subprocess.run(cmd, timeout=share).returncode
+                error = None if rc == 0 else f"exited with {rc}" + (" (killed: out of memory?)" if rc == -9 else "")
+            except subprocess.TimeoutExpired:
+                error = f"timed out after {share:.0f}s"
+            except KeyboardInterrupt:  # (gpu_check.sh's limit: SIGINT) the rows so far, this one's steps, are kept
+                error = "interrupted"
+        try:
+            with open(part) as f:
+                row = json.load(f)
+            os.remove(part)
+        except (OSError, ValueError):
+            row = {"setting": s}
+        if error and not (args.in_process and row.get("error")):  # (in process: the row's own error is the same)
+            row["error"] = f"{error}: {row['error']}" if row.get("error") else error
+        rows.append(row)
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+        say(s, summary_line(row))
+        if error == "interrupted":
+            rows += [{"setting": later, "error": "NOT RUN: interrupted"} for later in settings[i + 1 :]]
+            break
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0 if all("error" not in r and r.get("steps") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

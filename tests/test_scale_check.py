@@ -1,0 +1,107 @@
+"""bench/scale_check.py end to end on the CPU (device = CPU, a few million parameters): every setting planned,
+built on the meta device, trained for 5 steps under DPU with checkpointing, measured and compared with the planner;
+the host bytes the planner predicts within 10% of the peak RSS the run measured."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, os.path.join(HERE, "..", "bench"))
+
+import scale_check  # noqa: E402  (bench/scale_check.py)
+
+from zo_kernels.gpt import GPT, num_params  # noqa: E402
+
+ROW = {"params", "setting", "tokens_per_s", "tflops", "mfu", "peak_gib", "host_gib", "loss_first", "loss_last",
+       "planner_params"}  # fmt: skip (issue 23's keys)
+CPU_ARGS = ["--device", "cpu", "--max-params", "6e6", "--context", "32", "--vocab", "256", "--tokens", "128",
+            "--steps", "5", "--host-reserve-gib", "0"]  # fmt: skip
+
+
+def test_every_setting_end_to_end_on_the_cpu(tmp_path):
+    out = tmp_path / "scale.json"
+    rc = scale_check.main([str(out), *CPU_ARGS, "--budget-s", "300", "--in-process"])
+    rows = json.loads(out.read_text())
+    assert [r["setting"] for r in rows] == list(scale_check.SETTINGS)
+    assert rc == 0, [r.get("error") for r in rows]
+    assert not [p for p in os.listdir(tmp_path) if p != "scale.json"]  # no part files left
+    for r in rows:
+        assert ROW <= r.keys(), sorted(ROW - r.keys())
+        assert r["steps"] == 5 and len(r["losses"]) == 5 and all(math.isfinite(x) for x in r["losses"])
+        assert r["loss_falls"] and r["loss_last"] < r["loss_first"]
+        assert 1e6 < r["params"] <= 6e6 < r["planner_params"]  # --max-params chose the size, not the planner
+        assert r["tflops"] == pytest.approx(6 * r["params"] * r["tokens_per_step"] / r["step_s"] / 1e12)
+        assert 0 < r["mfu"] == pytest.approx(r["tflops"] / r["matmul_tflops"])
+        assert r["peak_gib"] is None and r["planner_peak_gib"] is None  # no device memory apart from the host's
+        assert r["host_gib"] > 0 and r["planner_host_gib"] > 0
+        assert r["device_states_gib"] > 0 and r["planner_device_states_gib"] > 0  # flat buffer, or gathered units
+        assert r["dpu_wait_s"] >= 0 and r["cpu_update_s"] > 0 and isinstance(r["adam_hidden"], bool)
+        assert not r["mismatch"], r["mismatch"]  # host bytes and the optimizer's device buffers within 10%
+        assert abs(r["planner_host_gib"] / r["host_gib"] - 1) <= scale_check.MISMATCH
+    q8, fp32, s3 = rows
+    assert q8["planner_host_gib"] < fp32["planner_host_gib"] < s3["planner_host_gib"]  # 12.03, 18 (+2), 20 B/param
+
+
+def test_mismatches_flag_each_figure_beyond_ten_percent():
+    row = {"params": 100, "planner_params": 125, "max_params": 1e12, "peak_gib": 10.0, "planner_peak_gib": 10.9,
+           "host_gib": 50.0, "planner_host_gib": 40.0}  # fmt: skip
+    got = scale_check.mismatches(row)
+    assert [m.split(":")[0] for m in got] == ["params", "host_gib"]
+    assert "+25%" in got[0] and "-20%" in got[1]
+    assert scale_check.mismatches({**row, "max_params": 110}) == got[1:]  # capped: params not the planner's choice
+
+
+def test_the_shape_search_takes_the_largest_gpt_the_planner_fits():
+    args = argparse.Namespace(device="cuda", vocab=32000, context=2048, tokens=8192, max_params=1e13,
+                              host_reserve_gib=10.0)  # fmt: skip
+    mach = {"device_total": 80 * 2**30, "host_available": 120 * 2**30, "disk_free": 60 * 2**30}
+    for setting in scale_check.SETTINGS:
+        c, tokens, figures = scale_check.choose_model(setting, mach, 1e-9, 700.0, args)
+        n = scale_check.gpt_params(c)
+        assert tokens == 8192 and n <= figures["planner_params"] < n * 1.1, (setting, n, figures)
+        bigger = scale_check.config_for(c.width + 128, c.layers, args)
+        assert not scale_check.plan_for(bigger, setting, tokens, mach, args)[0]
+    with torch.device("meta"):
+        assert scale_check.gpt_params(c) == num_params(GPT(c))
+    c8 = scale_check.choose_model("s2-8bit", mach, 1e-9, 700.0, args)[0]
+    c32 = scale_check.choose_model("s2-fp32", mach, 1e-9, 700.0, args)[0]
+    assert scale_check.gpt_params(c8) > 1.4 * scale_check.gpt_params(c32)  # 12.03 against 18 host bytes per param
+
+
+def test_out_of_memory_halves_the_tokens_once_and_a_failure_is_a_row(tmp_path, monkeypatch):
+    """Step 1 out of device memory: retried with half the tokens (the planner's figures for those). A setting that
+    fails is a row with its error; the next one still runs."""
+    real, calls = scale_check.train_step, []
+
+    def flaky(model, opt, c, tokens, gen, device):
+        calls.append((opt.stage, tokens))
+        if opt.stage == 3:
+            raise RuntimeError("injected")
+        if len(calls) == 4:  # the warm-up's three steps, then step 1
+            raise torch.OutOfMemoryError("injected")
+        return real(model, opt, c, tokens, gen, device)
+
+    monkeypatch.setattr(scale_check, "train_step", flaky)
+    out = tmp_path / "scale.json"
+    args = [*CPU_ARGS, "--max-params", "2e6", "--settings", "s2-fp32,s3-cpu", "--budget-s", "300", "--in-process"]
+    assert scale_check.main([str(out), *args]) == 1
+    ok, failed = json.loads(out.read_text())
+    assert ok["tokens_halved"] == 1 and ok["tokens_per_step"] == 64 and ok["steps"] == 5 and "error" not in ok
+    assert [t for _, t in calls[3:5]] == [128, 64]
+    assert failed["setting"] == "s3-cpu" and "injected" in failed["error"] and "steps" not in failed
+
+
+@pytest.mark.slow
+def test_each_setting_in_a_process_of_its_own(tmp_path):
+    out = tmp_path / "scale.json"
+    assert scale_check.main([str(out), *CPU_ARGS, "--budget-s", "600", "--settings", "s3-cpu"]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["setting"] == "s3-cpu" and row["steps"] == 5 and not row["mismatch"]
