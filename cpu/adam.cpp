@@ -555,8 +555,8 @@ inline void store16(void* base, int64_t i, int dt, __m512 x, __mmask16 k) {
 
 // param_out is write-only: on a long range whose vectors are aligned the kernels store it non-temporally (no read
 // for ownership: 2 bytes per element less traffic with a 16-bit param_out), then fence once. A short range keeps
-// cached stores, so a tensor stepped while it sits in L2 stays there. Measured (50M, one thread, bf16 out): the
-// fp32-state update 6% faster, bf16 5%, 8-bit 3% (with the prefetch below), their streaming ceilings 10-13%.
+// cached stores, so a tensor stepped while it sits in L2 stays there. Measured (50M, one thread, bf16 out, under
+// load): the fp32-state update 6% faster, bf16 5-8%, 8-bit 2-5% (with the prefetch below), the ceilings 10-14%.
 constexpr int64_t kNtMinBytes = 1 << 20;
 inline bool nt_out(const void* out, int64_t lo, int64_t hi, int dt) {
   return out != nullptr && (hi - lo) * dsize(dt) >= kNtMinBytes &&
