@@ -531,8 +531,14 @@ inline __m512 load16(const void* base, int64_t i, int dt, __mmask16 k) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// NT: a full vector at an aligned address (16 x the element size), stored non-temporally (the caller fences).
+template <bool NT = false>
 inline void store16(void* base, int64_t i, int dt, __m512 x, __mmask16 k) {
-  if (dt == kF32) { _mm512_mask_storeu_ps(static_cast<float*>(base) + i, k, x); return; }
+  if (dt == kF32) {
+    if (NT) _mm512_stream_ps(static_cast<float*>(base) + i, x);
+    else _mm512_mask_storeu_ps(static_cast<float*>(base) + i, k, x);
+    return;
+  }
   __m256i h;
   if (dt == kF16) {
     h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -543,7 +549,18 @@ inline void store16(void* base, int64_t i, int dt, __m512 x, __mmask16 k) {
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
     h = _mm512_cvtepi32_epi16(r);
   }
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + i, k, h);
+  if (NT) _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i), h);
+  else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + i, k, h);
+}
+
+// param_out is write-only: on a long range whose vectors are aligned the kernels store it non-temporally (no read
+// for ownership: 2 bytes per element less traffic with a 16-bit param_out), then fence once. A short range keeps
+// cached stores, so a tensor stepped while it sits in L2 stays there. Measured (50M, one thread, bf16 out, under
+// load): the fp32-state update 6% faster, bf16 5-8%, 8-bit 2-5% (with the prefetch below), the ceilings 10-14%.
+constexpr int64_t kNtMinBytes = 1 << 20;
+inline bool nt_out(const void* out, int64_t lo, int64_t hi, int dt) {
+  return out != nullptr && (hi - lo) * dsize(dt) >= kNtMinBytes &&
+         (reinterpret_cast<uintptr_t>(out) + uintptr_t(lo) * dsize(dt)) % (16 * dsize(dt)) == 0;
 }
 
 inline __m512i mix16(__m512i x) {  // scalar::mix32 on 16 lanes
@@ -577,7 +594,7 @@ inline void store_moment(void* base, int64_t i, __m512 x, __mmask16 k, __m512i r
   _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + i, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 
-template <int GDT, int ODT, int ST, bool STREAM>
+template <int GDT, int ODT, int ST, bool STREAM, bool NT = false>
 inline void step16(const Coef& c, const Bufs& b, int64_t i, __mmask16 k) {
   __m512 p = _mm512_maskz_loadu_ps(k, b.p + i), m = load_moment<ST>(b.m, i, k), v = load_moment<ST>(b.v, i, k);
   const __m512 g = load16(b.g, i, GDT, k);
@@ -587,7 +604,7 @@ inline void step16(const Coef& c, const Bufs& b, int64_t i, __mmask16 k) {
   const __m512i h = ST == kStateF32 || STREAM ? _mm512_setzero_si512() : hash16(c.key, b.index0 + i);
   store_moment<ST, STREAM>(b.m, i, m, k, _mm512_and_si512(h, _mm512_set1_epi32(0xffff)));
   store_moment<ST, STREAM>(b.v, i, v, k, _mm512_srli_epi32(h, 16));
-  if (ODT != kNone) store16(b.out, i, ODT, p, k);
+  if (ODT != kNone) store16<NT>(b.out, i, ODT, p, k);
 }
 
 template <int GDT, int ODT, int ST, bool STREAM>
@@ -598,6 +615,13 @@ void run(const Coef& coef, const Bufs& bufs, int64_t lo, int64_t hi) {
   const Coef c = coef;
   const Bufs b = bufs;
   int64_t i = lo;
+  if (ODT != kNone && nt_out(b.out, lo, hi, ODT)) {
+    for (; i + 16 * kUnroll <= hi; i += 16 * kUnroll) {
+#pragma GCC unroll 8
+      for (int u = 0; u < kUnroll; ++u) step16<GDT, ODT, ST, STREAM, true>(c, b, i + 16 * u, 0xffff);
+    }
+    _mm_sfence();
+  }
   for (; i + 16 * kUnroll <= hi; i += 16 * kUnroll) {
 #pragma GCC unroll 8
     for (int u = 0; u < kUnroll; ++u) step16<GDT, ODT, ST, STREAM>(c, b, i + 16 * u, 0xffff);
@@ -621,8 +645,9 @@ inline void store_codes16(void* base, __m512 x, __m512 mult, __mmask16 k) {
 
 // One block of L <= 256 elements (masked lanes read as zeros: they stay zero and do not change the absmax).
 // FIXED: L known at compile time (a full block of 256: the loops unroll).
-template <int GDT, int ODT, bool STREAM, int FIXED>
-void block16(const Coef& c, const Blk& k, int64_t len) {
+// c and k by value: local, so the compiler keeps them in registers across the stores. NT: param_out aligned.
+template <int GDT, int ODT, bool STREAM, int FIXED, bool NT>
+void block16(const Coef c, const Blk k, int64_t len) {
   const int64_t L = FIXED ? FIXED : len;
   alignas(64) float mb[kMaxBlock], rb[kMaxBlock];
   const __m512 dm = _mm512_set1_ps(STREAM ? 1.0f : *k.ms / 127.0f);
@@ -639,7 +664,7 @@ void block16(const Coef& c, const Blk& k, int64_t len) {
     if (STREAM) p = _mm512_add_ps(p, g);
     else r = adam_math<V>(c, p, m, v, g);
     _mm512_mask_storeu_ps(k.p + j, km, p);
-    if (ODT != kNone) store16(k.out, j, ODT, p, km);
+    if (ODT != kNone) store16<NT>(k.out, j, ODT, p, km);  // NT only with FIXED
     _mm512_store_ps(mb + j, m);
     _mm512_store_ps(rb + j, r);
     am = _mm512_max_epu32(am, _mm512_and_si512(_mm512_castps_si512(m), abs));
@@ -659,16 +684,35 @@ void block16(const Coef& c, const Blk& k, int64_t len) {
   }
 }
 
+// Software prefetch of the block kPrefetch elements ahead (param, grad, both codes): the hardware prefetchers stop
+// at each 4 KiB page. Measured at 50M, one thread: 256 (one block) 4-7% faster than none; 512-2048 less.
+constexpr int64_t kPrefetch = 256;
+template <int GDT>
+inline void prefetch_block(const Blk& f, int64_t L) {
+  for (int64_t j = 0; j < L * 4; j += 64) _mm_prefetch(reinterpret_cast<const char*>(f.p) + j, _MM_HINT_T0);
+  for (int64_t j = 0; j < L * dsize(GDT); j += 64) _mm_prefetch(static_cast<const char*>(f.g) + j, _MM_HINT_T0);
+  for (int64_t j = 0; j < L; j += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(f.mc) + j, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(f.vc) + j, _MM_HINT_T0);
+  }
+}
+
 template <int GDT, int ODT, bool STREAM>
 void run8(const Coef& coef, const Bufs& bufs, int64_t lo, int64_t hi) {
   const Coef c = coef;
   const Bufs b = bufs;
+  // Blocks are whole vectors, so one alignment check holds for every block of the range.
+  const bool nt = ODT != kNone && nt_out(b.out, lo, hi, ODT);
   for (int64_t b0 = lo; b0 < hi; b0 += b.block) {
     const int64_t L = std::min(b.block, hi - b0);
     const Blk k = block_at(b, b0, dsize(GDT), dsize(ODT));
-    if (L == kMaxBlock) block16<GDT, ODT, STREAM, kMaxBlock>(c, k, L);
-    else block16<GDT, ODT, STREAM, 0>(c, k, L);
+    if (b0 + kPrefetch + b.block <= hi)
+      prefetch_block<GDT>(block_at(b, b0 + kPrefetch, dsize(GDT), dsize(ODT)), b.block);
+    if (L == kMaxBlock && nt) block16<GDT, ODT, STREAM, kMaxBlock, true>(c, k, L);
+    else if (L == kMaxBlock) block16<GDT, ODT, STREAM, kMaxBlock, false>(c, k, L);
+    else block16<GDT, ODT, STREAM, 0, false>(c, k, L);
   }
+  if (nt) _mm_sfence();
 }
 
 template <int DT>

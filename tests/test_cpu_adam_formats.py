@@ -296,6 +296,31 @@ def test_isas_threads_tiles_bit_identical(fmt, out_dtype, grad_dtype):
     assert seen[-1] == (256 * 37 * 7, n)
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_long_param_out_bit_identical(fmt, out_dtype):
+    """A range long enough for the non-temporal param_out stores (>= 1 MiB of param_out per thread): every ISA and
+    thread count, param_out aligned (streamed) or one element off (cached), equals the scalar single-thread run."""
+    n = (1 << 20) + 300
+    p0, _ = make(n, seed=5)
+    grads = [make(n, torch.bfloat16, seed=20 + i)[1] for i in range(2)]
+
+    def run(offset, **kw):
+        p = p0.clone()
+        m, v = (torch.zeros(n), torch.zeros(n)) if fmt == "fp32" else moments(fmt, n)
+        out = torch.full((n + offset,), 7.0, dtype=out_dtype)[offset:]
+        for i, g in enumerate(grads, 1):
+            cpu_adam_step(p, g, m, v, step=i, param_out=out, seed=7, **HP, **kw)
+        return [p, *moment_bits(m), *moment_bits(v), out]
+
+    ref = run(0, isa="scalar", threads=1)
+    assert torch.equal(ref[-1], ref[0].to(out_dtype))
+    for kw in [dict(isa=isa, threads=t, offset=o) for isa in ISAS for t in (1, 2) for o in (0, 1)]:
+        got = run(**kw)
+        for i, (a, b) in enumerate(zip(got, ref)):
+            assert torch.equal(a, b), f"{fmt} {kw}: tensor {i} differs from the scalar single-thread run"
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "8bit"])
 def test_c_tile_sink(fmt):
     n = 10_000
