@@ -224,6 +224,7 @@ def plan(
     io_pool: float | str = "1GiB",
     accumulation: bool = False,
     dpu: bool = False,
+    gpu_fraction: float = 0.0,
 ) -> Plan:
     """Bytes per device for each strategy, whether it fits, and the largest trainable model per strategy.
 
@@ -232,6 +233,8 @@ def plan(
     gathered layer params / 32 unless `layer_params` gives it (then `max_params` keeps that layer); one layer
     prefetched; a 1 GiB host I/O pool per GPU for the NVMe rows. `accumulation` (several backward passes per step)
     and `dpu` (the delayed parameter update) add the host buffers ZeroOffloadAdamW then holds (`_host_extra`).
+    `gpu_fraction` (ZeroOffloadAdamW's Twin-Flow) moves that fraction of the offload rows' partition state and
+    gradients (K + 2 bytes per element, and the same fraction of `_host_extra`) from the host to the GPU.
     """
     params = parse_count(params, "params")
     _int_at_least(gpus, "gpus", 1)
@@ -245,6 +248,8 @@ def plan(
     if not (isinstance(reserve, (int, float)) and 0 <= reserve < 1):
         raise ValueError(f"reserve must be a fraction in [0, 1), got {reserve!r}")
     _int_at_least(prefetch, "prefetch", 0)
+    if isinstance(gpu_fraction, bool) or not isinstance(gpu_fraction, (int, float)) or not 0 <= gpu_fraction <= 1:
+        raise ValueError(f"gpu_fraction must be a number in [0, 1], got {gpu_fraction!r}")
     layer = 0.0 if layer_params is None else parse_count(layer_params, "layer_params")
     if layer > params:
         raise ValueError(f"layer_params must be <= params ({params:g}), got {layer_params!r}")
@@ -261,7 +266,13 @@ def plan(
     w = working_set_per_layer_param(prefetch)
     for s in STRATEGIES:
         g, h, v = _per_param(s, p.k, gpus)
-        h += _host_extra(s, gpus, accumulation, dpu)
+        extra = _host_extra(s, gpus, accumulation, dpu)
+        if s in ("ZeRO-2 + offload", "ZeRO-3 + offload"):  # gpu_fraction: the tail's p32, m, v and g16 on the GPU,
+            # its host staging gone (the GPU casts its masters straight into the parameters)
+            f, staging = gpu_fraction, (2 / gpus if s == "ZeRO-2 + offload" else 0.0)
+            g, h = g + f * ((p.k + 2) / gpus + extra), h - f * ((p.k + 2) / gpus + staging) + (1 - f) * extra
+        else:
+            h += extra
         ws = w * p.layer if s in STAGE3 else 0.0
         fixed = p.bucket_bytes if s == "ZeRO-2 + offload" or s in STAGE3 else 0.0
         pool = p.io_pool if s in NVME_ROWS else 0.0
