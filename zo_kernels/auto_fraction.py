@@ -78,3 +78,24 @@ def measure_cpu_adam_rate(numel: int = 1 << 22, repeats: int = 3, threads: int |
         if step > 1:
             best = min(best, time.perf_counter() - t0)
     return numel / best
+
+
+def measure_device_adam_rate(device: torch.device, numel: int | None = None, repeats: int = 3) -> float:
+    """torch's fused AdamW rate on `device`, params/s (fp32 state and gradient, as gpu_fraction's tail runs it): the
+    best of `repeats` steps over `numel` elements (default 2**24 on a GPU, 2**20 on the CPU)."""
+    device = torch.device(device)
+    numel = numel or (1 << 24 if device.type == "cuda" else 1 << 20)
+    p, g, m, v = (torch.rand(numel, device=device) for _ in range(4))
+    best = math.inf
+    for i in range(repeats + 1):  # (the first warms up)
+        step = torch.full((), float(i + 1), device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.0,
+                            eps=1e-8, amsgrad=False, maximize=False)  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return numel / best
