@@ -417,8 +417,9 @@ class GradPath:
             nonfinite = False
         else:
             sum_sq, nonfinite = sum_squares(grad, threads=self.threads) if grad.numel() else (0.0, False)
-            if device_grad is not None:  # fp64: finite exactly when every element is
-                sum_sq += device_grad.double().square().sum().item()
+            if device_grad is not None:  # fp64 (finite exactly when every element is), 2**24 elements at a time
+                parts = [c.double().square().sum() for c in device_grad.split(1 << 24)]
+                sum_sq += torch.stack(parts).sum().item() if parts else 0.0
             flagged = self._found_inf.item()
         found = bool(flagged) or nonfinite or not math.isfinite(sum_sq)
         got = list(self._got)

@@ -27,6 +27,10 @@ import torch
 from .layout import FlatLayout, Run
 from .update import HostUpdate, MasterFill
 
+# Elements per fused AdamW call on the tail: its fp32 scaled gradient is a copy of this many elements (64 MiB of device
+# workspace, whatever the tail's size; a 1.3B model's tail would otherwise need a copy of gigabytes).
+CHUNK_NUMEL = 1 << 24
+
 
 def check_gpu_fraction(x: Any) -> float:
     """gpu_fraction: a real number in [0, 1] (not a bool, a string or None)."""
@@ -259,12 +263,14 @@ class TwinUpdate:
         def job() -> None:
             for gi, a, b, step, factor in runs:
                 h = hparams[gi]
-                g = grad[a:b].float() * (grad_scale * factor)  # (a copy: the landing buffer keeps the gradient)
                 steps = torch.full((), float(step), dtype=torch.float32, device=master.device)
-                torch._fused_adamw_([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [steps],
-                                    lr=float(h["lr"]), beta1=float(h["betas"][0]), beta2=float(h["betas"][1]),
-                                    weight_decay=float(h["weight_decay"]), eps=float(h["eps"]), amsgrad=False,
-                                    maximize=bool(h["maximize"]))  # fmt: skip
+                for x in range(a, b, CHUNK_NUMEL):
+                    y = min(b, x + CHUNK_NUMEL)
+                    g = grad[x:y].float() * (grad_scale * factor)  # (a copy: the landing buffer keeps the gradient)
+                    torch._fused_adamw_([master[x:y]], [g], [exp_avg[x:y]], [exp_avg_sq[x:y]], [], [steps],
+                                        lr=float(h["lr"]), beta1=float(h["betas"][0]), beta2=float(h["betas"][1]),
+                                        weight_decay=float(h["weight_decay"]), eps=float(h["eps"]), amsgrad=False,
+                                        maximize=bool(h["maximize"]))  # fmt: skip
 
         self.stream.launch(job)
 
