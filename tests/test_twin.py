@@ -125,6 +125,7 @@ def test_the_tails_gradients_never_reach_the_host():
     opt.step()
     report = opt.memory_report()
     assert report.device_state == 12 * (opt.part - opt.split)
+    assert opt.device_bytes.now == report.device_bytes, "the device counter misses the tail"
     opt.close()
     tr.close()
 

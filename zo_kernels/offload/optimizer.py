@@ -364,6 +364,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         except BaseException:
             self._release_transports()
             raise
+        if twin:  # the tail's p32, m, v and gradient landing (its fp32 accumulators, made later: memory_report)
+            tail_grads = sum(t.numel() * t.element_size() for t in self.grads.device_landing)
+            self.device_bytes.add(self.update.device_state_bytes + tail_grads)
         if shards is not None:
             shards.swapper = self.update.swapper
         for p in trainable:
