@@ -267,10 +267,13 @@ def plan(
     for s in STRATEGIES:
         g, h, v = _per_param(s, p.k, gpus)
         extra = _host_extra(s, gpus, accumulation, dpu)
-        if s in ("ZeRO-2 + offload", "ZeRO-3 + offload"):  # gpu_fraction: the tail's p32, m, v and g16 on the GPU,
-            # its host staging gone (the GPU casts its masters straight into the parameters)
-            f, staging = gpu_fraction, (2 / gpus if s == "ZeRO-2 + offload" else 0.0)
-            g, h = g + f * ((p.k + 2) / gpus + extra), h - f * ((p.k + 2) / gpus + staging) + (1 - f) * extra
+        if s in ("ZeRO-2 + offload", "ZeRO-3 + offload"):  # gpu_fraction moves f of the partition's host buffers
+            # to the GPU (p32, m, v, g16 landing and accumulators) except the stage-3 shard, which stays whole, and the
+            # p16 staging, which the tail does not need (the GPU casts its masters straight into the parameters)
+            shard = 2 / gpus if s == "ZeRO-3 + offload" else 0.0
+            staging = 2 / gpus if s == "ZeRO-2 + offload" or dpu else 0.0
+            scaled = h + extra - shard
+            g, h = g + gpu_fraction * (scaled - staging), shard + (1 - gpu_fraction) * scaled
         else:
             h += extra
         ws = w * p.layer if s in STAGE3 else 0.0

@@ -142,7 +142,8 @@ class TwinUpdate:
         self._staged = False  # DPU: the tail's last update is in its masters, not yet in the parameters
         self.host: HostUpdate | None = None
         if split:
-            head_master = master[:split] if isinstance(master, torch.Tensor) else master
+            # (a copy: a view would keep the whole partition's fp32 masters alive, the tail's 4 bytes per element too)
+            head_master = master[:split].clone() if isinstance(master, torch.Tensor) else master
             self.host = HostUpdate(layout, own[:split], head_master, transport, self._publish, delayed=delayed,
                                    timeout_s=timeout_s, numel=split, **host_kwargs)  # fmt: skip
 
