@@ -84,3 +84,13 @@ def test_cli_bad_values_one_line_exit_2(capsys, argv, message):
     assert main(["plan", "--params", "95e6", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu-fraction", "2"], "--gpu-fraction must be in [0, 1]"),
+    (["--gpu-fraction", "0.5", "--state-dtype", "8bit"], "--gpu-fraction needs --state-dtype fp32"),
+])  # fmt: skip
+def test_demo_gpu_fraction_bad_values_one_line_exit_2(capsys, argv, message):
+    assert main(["demo", "--steps", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err

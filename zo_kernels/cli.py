@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage 3: keep the parameter shards in host memory")  # fmt: skip
     d.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
                    help="format of ZeroOffloadAdamW's Adam moments on the host (the fp32 masters stay)")
+    d.add_argument("--gpu-fraction", default="0", metavar="FRACTION",
+                   help="ZeroOffloadAdamW's gpu_fraction: that part of the optimizer state stays on the device "
+                        "(Twin-Flow; with --state-dtype fp32)")  # fmt: skip
     d.add_argument("--seed", type=_int_in("--seed", 0, 2**63 - 1), default=0, help="model and data seed")
     d.add_argument("--batch", type=_positive_int("--batch", MAX_BATCH), default=16, metavar="SEQUENCES",
                    help="sequences per step")  # fmt: skip
@@ -305,6 +308,13 @@ def cmd_demo(a: argparse.Namespace) -> int:
         raise UsageError(f"--offload-param {a.offload_param} needs --stage 3 (parameters are partitioned only there)")
     if not (a.lr > 0 and a.lr < 1):
         raise UsageError(f"--lr must be in (0, 1), got {a.lr}")
+    try:
+        a.gpu_fraction = _fraction_in("--gpu-fraction")(a.gpu_fraction)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(str(e)) from None
+    if a.gpu_fraction and a.state_dtype != "fp32":
+        raise UsageError(f"--gpu-fraction needs --state-dtype fp32 (the device part keeps fp32 moments), got "
+                         f"--state-dtype {a.state_dtype}")  # fmt: skip
     if a.plot:
         _check_output_dir(Path(a.plot), "--plot")
         try:
