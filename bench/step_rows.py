@@ -14,9 +14,14 @@ Orchestration = the optimizer's time outside kernels and copies: (offload + redu
 [- pack alone, device = CPU]) / step (orchestration_ms); the earlier measure, every optimizer phase but the kernel
 (packing and the end-of-backward wait included), is optimizer_outside_kernel_of_step.
 Peak memory: torch.cuda.max_memory_allocated, reset after construction (None on CPU).
+gpu_fraction (Twin-Flow): each mode runs once per --gpu-fractions entry: a number, or "auto" (zo_kernels.auto_fraction's
+pick from this run's fraction-0 row: its forward+backward time and CPU Adam kernel rate, torch's fused AdamW rate
+measured on the device, the device memory that row left); those rows add gpu_fraction, tokens_per_s, tokens_vs_torch
+and, for "auto", the pick's reasons. NEVER RUN ON A GPU so far: every figure of a gpu_fraction row in this repository
+comes from device = CPU (bench/test_bench_step.py); the GPU's are NOT MEASURED.
 
 Usage: python bench/step_rows.py OUT.json [--sizes 95M,1.3B] [--modes sync,dpu] [--device cuda]
-       [--batch 8] [--context 512] [--budget-s 200]
+       [--batch 8] [--context 512] [--budget-s 200] [--gpu-fractions 0,auto]
 Writes OUT.json after every row (a run cut short keeps what finished); prints one line per row.
 """
 
@@ -33,7 +38,9 @@ from collections.abc import Callable
 import torch
 
 import zo_kernels as zk
+from zo_kernels.auto_fraction import FractionPick, measure_device_adam_rate, pick_fraction
 from zo_kernels.gpt import GPT, GPTConfig, num_params
+from zo_kernels.offload.twin import split_runs
 
 # 1.3B: 26 layers of width 2048 (12 * 26 * 2048^2 = 1.31e9); torch's fused AdamW on fp32 masters with a bf16
 # working copy holds ~20 B/param = 26 GB + activations: it fits an 80 GB GPU without offload.
@@ -148,6 +155,10 @@ def cpu_adam_alone(opt: zk.ZeroOffloadAdamW, rounds: int) -> tuple[float, float]
     median seconds of the bare kernel over the partition, untiled, no copies). Moves the optimizer's state."""
     u, n = opt.update, len(opt.layout.params)
     runs = opt.layout.runs([True] * n, u.steps, [1.0] * n)
+    if opt.split < opt.part:  # gpu_fraction: the host's part alone
+        u, runs = u.host, split_runs(runs, opt.split)[0]
+        if u is None:
+            return 0.0, 0.0
     hparams = [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
                for g in opt.param_groups]  # fmt: skip
     grad = opt.grads.landing[0]
@@ -172,6 +183,8 @@ def d2h_alone(opt: zk.ZeroOffloadAdamW, rounds: int) -> float:
     """Median seconds of copying every bucket's bytes from the device to the pinned landing buffer (the copies
     the backward pass makes), nothing else."""
     device, tr, dst = opt.flat.device, opt.transport, opt.grads.landing[0]
+    if not dst.numel():  # gpu_fraction 1: nothing lands on the host
+        return 0.0
     src = torch.randn(opt.flat_numel, device=device).to(opt.dtype)
     buckets = [(b.lo, min(b.hi, dst.numel())) for b in opt.layout.buckets]
 
@@ -210,7 +223,7 @@ def orchestration_ms(phases: dict, pack_ms: float, device: torch.device) -> floa
     return outside - (pack_ms if device.type == "cpu" else 0.0)
 
 
-def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int) -> dict:
+def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fraction: float = 0.0) -> dict:
     """fwd_bwd alone, then ZeroOffloadAdamW (sync or DPU steady state): step, phases, peak; CPU Adam alone, D2H
     alone on the same optimizer's buffers."""
     device = x.device
@@ -219,7 +232,9 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int) -> dict:
     row: dict = {"params": params, "mode": mode, "config": cfg.__dict__, "tokens": x[:, :-1].numel()}
     row["fwd_bwd_ms"] = fwd_bwd(model, x, rounds) * 1e3
     _free(device)
-    opt = zk.ZeroOffloadAdamW(model, lr=1e-4, delay_update_after=0 if mode == "dpu" else None)
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-4, delay_update_after=0 if mode == "dpu" else None,
+                              gpu_fraction=gpu_fraction)  # fmt: skip
+    row["gpu_fraction"], row["partition"] = gpu_fraction, opt.part
     try:
         phases: list[dict] = []
 
@@ -234,6 +249,7 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int) -> dict:
         phases = phases[-rounds:]
         zo_s = _median(times)
         row["zo_ms"] = zo_s * 1e3
+        row["tokens_per_s"] = row["tokens"] / zo_s
         row["phases"] = {k: _median([p.get(k, 0.0) for p in phases]) * 1e3 for k in PHASES}
         opt.synchronize()
         _sync(device)
@@ -260,6 +276,9 @@ TARGETS = {  # name: (value of a row, bar, "<=")
     "dpu_vs_max_fwd_bwd_adam": 1.15,
     "orchestration_of_step": 0.05,
     "peak_vs_torch": 0.25,
+    # issue 20, gpu_fraction rows: >= 0.8x torch fused AdamW's tokens/s (its step time <= 1.25x) at <= 0.35x its peak
+    "twin_time_vs_torch": 1.25,
+    "twin_peak_vs_torch": 0.35,
 }
 
 
@@ -273,21 +292,47 @@ def targets(row: dict) -> dict:
     out["orchestration_of_step"] = row["orchestration_of_step"]
     if row.get("zo_peak_gib") and row.get("torch_peak_gib"):
         out["peak_vs_torch"] = row["zo_peak_gib"] / row["torch_peak_gib"]
+    if row.get("gpu_fraction_choice", "0") != "0":
+        out["twin_time_vs_torch"] = row["zo_ms"] / row["torch_fused_ms"]
+        if "peak_vs_torch" in out:
+            out["twin_peak_vs_torch"] = out["peak_vs_torch"]
     return {k: {"value": v, "bar": TARGETS[k], "met": bool(v <= TARGETS[k])} for k, v in out.items()}
 
 
-def measure(size: str, modes: list[str], device: torch.device, batch: int, context: int, rounds: int) -> list[dict]:
-    """The rows of one size: the torch reference once, then one row per mode."""
+def auto_pick(row: dict, device: torch.device) -> FractionPick:
+    """gpu_fraction "auto" from a fraction-0 row: its forward+backward time and CPU Adam kernel rate, torch's fused
+    AdamW rate measured on the device, the device memory that row's peak left (unbounded on the CPU)."""
+    cpu_rate = row["partition"] / (row["cpu_adam_kernel_ms"] / 1e3)
+    free = 1e18
+    if device.type == "cuda":
+        usable = torch.cuda.get_device_properties(device).total_memory * 0.95
+        free = usable - row["zo_peak_gib"] * 2**30
+    return pick_fraction(row["partition"], cpu_rate, measure_device_adam_rate(device), row["fwd_bwd_ms"] / 1e3, free)
+
+
+def measure(size: str, modes: list[str], device: torch.device, batch: int, context: int, rounds: int,
+            fractions: tuple[str, ...] = ("0",)) -> list[dict]:  # fmt: skip
+    """The rows of one size: the torch reference once, then one row per mode and gpu_fraction (a number or "auto")."""
     cfg = config(size, context)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab, (batch, context + 1), generator=g).to(device)
     ref = torch_fused(cfg, x, rounds)
     rows = []
     for mode in modes:
-        row = zo_step(cfg, x, mode, rounds)
-        row.update(ref, size=size, device=str(device), batch=[batch, context])
-        row["targets"] = targets(row)
-        rows.append(row)
+        plain = None  # this mode's fraction-0 row: what "auto" picks from
+        for choice in fractions:
+            pick = None
+            if choice == "auto":
+                plain = plain or zo_step(cfg, x, mode, rounds)
+                pick = auto_pick(plain, device)
+            row = zo_step(cfg, x, mode, rounds, gpu_fraction=pick.fraction if pick else float(choice))
+            plain = row if choice != "auto" and float(choice) == 0.0 else plain
+            row.update(ref, size=size, device=str(device), batch=[batch, context], gpu_fraction_choice=choice)
+            row["tokens_vs_torch"] = ref["torch_fused_ms"] / row["zo_ms"]
+            if pick is not None:
+                row["gpu_fraction_pick"] = pick.explain()
+            row["targets"] = targets(row)
+            rows.append(row)
     return rows
 
 
@@ -296,7 +341,8 @@ def line(row: dict) -> str:
     peak = f", peak {row['zo_peak_gib']:.2f} GiB vs {row['torch_peak_gib']:.2f}" if row.get("zo_peak_gib") else ""
     t = ", ".join(f"{k} {v['value']:.3f} ({'MET' if v['met'] else 'MISSED'} <= {v['bar']})"
                   for k, v in row["targets"].items())  # fmt: skip
-    return (f"{row['size']:>5} {row['params'] / 1e6:8.1f}M {row['mode']:<4}: zo {row['zo_ms']:8.2f} ms, fwd+bwd "
+    twin = f" gpu_fraction {row['gpu_fraction']:.3f} ({row['gpu_fraction_choice']})" if row.get("gpu_fraction") else ""
+    return (f"{row['size']:>5} {row['params'] / 1e6:8.1f}M {row['mode']:<4}{twin}: zo {row['zo_ms']:8.2f} ms, fwd+bwd "
             f"{row['fwd_bwd_ms']:7.2f}, cpu adam {row['cpu_adam_ms']:7.2f} (kernel {row['cpu_adam_kernel_ms']:.2f}), "
             f"d2h {row['d2h_ms']:.2f}, pack {row['pack_ms']:.2f}, orchestration {row['orchestration_ms']:.2f}, "
             f"torch fused {row['torch_fused_ms']:.2f}{peak}; {t}")  # fmt: skip
@@ -312,7 +358,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=math.inf, help="start no new size past this many seconds")
+    ap.add_argument("--gpu-fractions", default="0", help="gpu_fraction per row: numbers in [0, 1] and/or auto")
     a = ap.parse_args(argv)
+    fractions = tuple(a.gpu_fractions.split(","))
+    for f in fractions:
+        if f != "auto" and not (f.replace(".", "", 1).isdigit() and 0.0 <= float(f) <= 1.0):
+            ap.error(f"--gpu-fractions: numbers in [0, 1] and/or auto, got {a.gpu_fractions}")
     device = torch.device(a.device)
     modes = a.modes.split(",")
     if set(modes) - {"sync", "dpu"}:
@@ -325,7 +376,7 @@ def main(argv: list[str]) -> int:
             status = 1
             continue
         try:
-            new = measure(size, modes, device, a.batch, a.context, a.rounds)
+            new = measure(size, modes, device, a.batch, a.context, a.rounds, fractions)
         except Exception as e:  # e.g. out of memory: the row says why, the other sizes still run
             print(f"{size}: FAILED {type(e).__name__}: {e}", flush=True)
             rows.append({"size": size, "error": f"{type(e).__name__}: {e}"[:500]})

@@ -179,7 +179,8 @@ def main(paths: list[str]) -> int:
                 print(f"  step {r.get('size')}: {r.get('error') or r.get('skipped')}")
                 continue
             peak = f", peak {r['zo_peak_gib']:.2f} vs {r['torch_peak_gib']:.2f} GiB" if r.get("zo_peak_gib") else ""
-            print(f"  step {r['params'] / 1e6:.0f}M {r['mode']}: zo {r['zo_ms']:.1f} ms, "
+            twin = f" gpu_fraction {r['gpu_fraction']:.3f}" if r.get("gpu_fraction") else ""
+            print(f"  step {r['params'] / 1e6:.0f}M {r['mode']}{twin}: zo {r['zo_ms']:.1f} ms, "
                   f"fwd+bwd {r['fwd_bwd_ms']:.1f}, CPU Adam {r['cpu_adam_ms']:.1f}, D2H {r.get('d2h_ms', 0):.1f}, "
                   f"torch fused {r['torch_fused_ms']:.1f}{peak}")  # fmt: skip
         for r in data["anchors"]:

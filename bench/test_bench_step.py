@@ -255,3 +255,21 @@ def test_step_in_parts(device, tmp_path):
         for key in ("params", "zo_ms", "fwd_bwd_ms", "cpu_adam_ms", "d2h_ms", "torch_fused_ms", "phases"):
             assert r[key], key
         assert (r["zo_peak_gib"] is None) == (device == "cpu")
+
+
+def test_step_rows_gpu_fraction_on_the_cpu(tmp_path):
+    """Issue 20's "step" rows, gpu_fraction 0, 0.5 and auto, on device = CPU (the tail's "device" is the CPU too: this
+    checks the rows and the pick, it measures no GPU; the GPU's rows are NOT MEASURED): tokens/s, the ratio to torch's
+    fused AdamW, the pick's reasons. (On a CPU forward+backward outlasts CPU Adam: auto picks 0 there.)"""
+    out = tmp_path / "step.json"
+    argv = ["--sizes", os.environ.get("ZO_STEP_CPU_SIZE", "1e6"), "--device", "cpu", "--batch", "4", "--context", "64",
+            "--rounds", "3", "--modes", "sync", "--gpu-fractions", "0,0.5,auto"]  # fmt: skip
+    assert step_rows.main([str(out), *argv]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["gpu_fraction_choice"] for r in rows] == ["0", "0.5", "auto"]
+    assert abs(rows[1]["gpu_fraction"] - 0.5) < 1e-9 and rows[1]["cpu_adam_kernel_ms"] > 0
+    for r in rows:
+        print("\n" + step_rows.line(r) + (f"\n  {r['gpu_fraction_pick']}" if "gpu_fraction_pick" in r else ""))
+        assert r["tokens_per_s"] > 0 and r["tokens_vs_torch"] > 0 and 0.0 <= r["gpu_fraction"] <= 1.0
+        assert ("twin_time_vs_torch" in r["targets"]) == (r["gpu_fraction_choice"] != "0")
+    assert all("gpu_fraction" in r["gpu_fraction_pick"] for r in rows if r["gpu_fraction_choice"] == "auto")

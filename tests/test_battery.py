@@ -957,6 +957,15 @@ for _name, _kw, _exc, _arg, _owner in [
     ("amsgrad", dict(amsgrad=True), ValueError, "amsgrad", None),
     ("fused", dict(fused=True), ValueError, "fused", None),
     ("maximize-str", dict(maximize="yes"), TypeError, "maximize", None),
+    ("gpu-fraction-neg", dict(gpu_fraction=-0.1), ValueError, "gpu_fraction", None),
+    ("gpu-fraction-above-1", dict(gpu_fraction=1.5), ValueError, "gpu_fraction", None),
+    ("gpu-fraction-nan", dict(gpu_fraction=float("nan")), ValueError, "gpu_fraction", None),
+    ("gpu-fraction-inf", dict(gpu_fraction=float("inf")), ValueError, "gpu_fraction", None),
+    ("gpu-fraction-str", dict(gpu_fraction="0.3"), TypeError, "gpu_fraction", None),
+    ("gpu-fraction-bool", dict(gpu_fraction=True), TypeError, "gpu_fraction", None),
+    ("gpu-fraction-none", dict(gpu_fraction=None), TypeError, "gpu_fraction", None),
+    ("gpu-fraction-bf16-state", dict(gpu_fraction=0.5, state_dtype=torch.bfloat16), ValueError, "gpu_fraction",
+     None),
 ]:
 
     @case(f"zo-{_name}", _exc, _arg, _owner)

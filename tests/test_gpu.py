@@ -254,3 +254,51 @@ def test_pinned_memory_flat_over_100_constructions():
         once()
     grown = _rss() - before
     assert grown < 64 << 20, f"resident memory grew by {grown:,} B over 100 constructions (32 MiB pinned each)"
+
+
+def _twin_run(delay_cycles: int, dpu: int | None) -> tuple[list[float], torch.Tensor]:
+    """gpu_fraction 0.5 on the GPU, the tail's side stream held `delay_cycles` before each update (torch.cuda._sleep):
+    the losses and the masters."""
+    from zo_kernels.offload.twin import DeviceStream
+
+    launch = DeviceStream.launch
+
+    def late(self, job):
+        launch(self, lambda: (torch.cuda._sleep(delay_cycles), job()))
+
+    DeviceStream.launch = late
+    try:
+        model = make_model(seed=0).to(DEV)
+        opt = zk.ZeroOffloadAdamW(model, lr=2e-3, weight_decay=0.01, bucket_numel=100_000, gpu_fraction=0.5,
+                                  delay_update_after=dpu)  # fmt: skip
+        losses = []
+        for step in make_data(4, batch=4, seed=2):
+            x = step[0].to(DEV)
+            loss = model(x[:, :-1], x[:, 1:])
+            losses.append(loss.item())
+            opt.backward(loss)
+            opt.step()
+        sd = opt.state_dict()
+        opt.close()
+    finally:
+        DeviceStream.launch = launch
+    return losses, torch.cat([sd["state"][i]["master"].reshape(-1) for i in range(len(sd["state"]))])
+
+
+@pytest.mark.parametrize("dpu", [None, 1])
+def test_gpu_fraction_waits_for_its_side_stream(dpu, monkeypatch):
+    """issue 20 (NEVER RUN on a GPU): the tail's update held on its side stream ~0.1 s changes nothing, bit for bit;
+    with the compute stream's wait for it removed, the forward reads the tail's old parameters and the losses
+    differ."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    want = _twin_run(0, dpu)
+    losses, masters = _twin_run(SLEEP_CYCLES, dpu)
+    assert losses == want[0] and torch.equal(masters, want[1]), "a late side stream changed the run"
+    from zo_kernels.offload.twin import TwinUpdate
+
+    def no_wait(self):  # _write_tail without self._wait_device()
+        self.own[self.split :].copy_(self.device_state[0])
+
+    monkeypatch.setattr(TwinUpdate, "_write_tail", no_wait)
+    broken = _twin_run(SLEEP_CYCLES, dpu)
+    assert broken[0] != want[0], "a missing wait on the side stream went unnoticed"

@@ -177,19 +177,26 @@ def test_device_bytes_prints_readably():
 @pytest.mark.parametrize("stage, row", [(2, "ZeRO-2 + offload"), (3, "ZeRO-3 + offload")])
 @pytest.mark.parametrize("accumulation", [False, True])
 @pytest.mark.parametrize("dpu", [False, True])
-def test_the_planner_counts_what_the_optimizer_holds_on_a_gpu(stage, row, accumulation, dpu):
+@pytest.mark.parametrize("gpu_fraction", [0.0, 0.5])
+def test_the_planner_counts_what_the_optimizer_holds_on_a_gpu(stage, row, accumulation, dpu, gpu_fraction):
     """The planner's offload rows (one GPU) equal the host formula of the optimizer in the GPU-shaped mode, with
-    and without accumulation and DPU (before: the planner printed 16 B/param whatever the setting)."""
+    and without accumulation and DPU (before: the planner printed 16 B/param whatever the setting); with
+    gpu_fraction, the tail's bytes on the device too."""
     from zo_kernels.planner import plan
 
     model = make_model()
     transport = CopyEngineTransport()
     kw = dict(stage=3, offload_param="cpu") if stage == 3 else {}
-    opt = zk.ZeroOffloadAdamW(model, transport=transport, delay_update_after=1 if dpu else None, **kw, **LR)
+    opt = zk.ZeroOffloadAdamW(model, transport=transport, delay_update_after=1 if dpu else None,
+                              gpu_fraction=gpu_fraction, **kw, **LR)  # fmt: skip
     train(opt, model, 3 if dpu else 1, 2 if accumulation else 1)
     p = opt.part
-    expected = plan(p, 1, "80GiB", "1TiB", accumulation=accumulation, dpu=dpu).row(row).host
-    assert opt.memory_report().formula_host == pytest.approx(expected, rel=1e-12), str(opt.memory_report())
-    assert held_bytes(opt) - opt.memory_report().device_bytes == pytest.approx(expected, rel=1e-12)
+    f = (p - opt.split) / p  # the fraction the layout kept (the tail is cut on a 16-byte boundary)
+    planned = plan(p, 1, "80GiB", "1TiB", accumulation=accumulation, dpu=dpu, gpu_fraction=f).row(row)
+    rep = opt.memory_report()
+    assert rep.formula_host == pytest.approx(planned.host, rel=1e-12), str(rep)
+    assert held_bytes(opt) - rep.device_bytes == pytest.approx(planned.host, rel=1e-12)
+    tail = rep.device_state + rep.device_grads  # what the planner adds to the GPU: its states beyond the p16 ones
+    assert tail == pytest.approx(planned.gpu_states - (2 * p if stage == 2 else 0), rel=1e-12, abs=1e-6), str(rep)
     opt.close()
     transport.close()

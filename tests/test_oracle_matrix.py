@@ -87,6 +87,9 @@ FACTORS = {
     "stage": ("2", "1", "3", "3+cpu"),
     # where the optimizer state lives: host memory, or NVMe files streamed tile by tile through the update
     "offload": ("cpu", "nvme"),
+    # gpu_fraction (Twin-Flow): the tail of each partition kept and updated on the device by torch's fused AdamW
+    # (half of it; all of it, the host holding none)
+    "gpu_fraction": (0.0, 0.5, 1.0),
 }
 # Stronger than pairs where the bugs were: accumulation by dtype and ranks; the overflow path by dtype and loss
 # scale; a skipped step under DPU on 1 and 2 ranks; params without a gradient on some micro-batches/ranks; the
@@ -156,12 +159,13 @@ class Case:
     transport: str
     stage: str
     offload: str = "cpu"
+    gpu_fraction: float = 0.0
     seed: int | None = None  # of the data (None: the index); variants of a case keep the case's data
 
     @property
     def id(self) -> str:
         on = [k for k in ("frozen", "tied", "unused", "buffers") if getattr(self, k)]
-        valued = [f"{k}={getattr(self, k)}" for k in ("clip", "groups", "inf") if getattr(self, k)]
+        valued = [f"{k}={getattr(self, k)}" for k in ("clip", "groups", "inf", "gpu_fraction") if getattr(self, k)]
         return "-".join([f"c{self.index:02d}", self.dtype, f"m{self.micro}", f"w{self.world}", f"scale={self.scale}",
                          f"dpu={self.dpu}", self.transport, f"zero{self.stage}", f"state={self.offload}", *valued,
                          *on])  # fmt: skip
@@ -219,7 +223,7 @@ def run_zo(case: Case, rank: int, group, stage: str | None = None) -> dict:
     opt = zk.ZeroOffloadAdamW(params, **ADAMW, dtype=DTYPES[case.dtype], loss_scale=case.loss_scale(),
                               max_grad_norm=MAX_GRAD_NORM if case.clip == "norm" else None, delay_update_after=case.dpu,
                               bucket_numel=BUCKET_NUMEL, process_group=group, collective_timeout_s=TIMEOUT_S,
-                              transport=transport, **extra)  # fmt: skip
+                              transport=transport, gpu_fraction=case.gpu_fraction, **extra)  # fmt: skip
     try:
         losses, skipped, scales = [], [], []
         for step in case.batches():

@@ -58,7 +58,9 @@ def assert_same_run(got: dict, want: dict, what: str, exact: bool = True) -> Non
 
 
 # The first 8 one-rank cases (the matrix had 8 before it grew to 18; each runs here at 4 more stages).
-ONE_RANK = [c for c in CASES if c.world == 1][:8]
+# (gpu_fraction 0: the device's tail starts elsewhere in stage 3's layout, so its elements are updated by the other
+# kernel; the matrix judges gpu_fraction at every stage against the oracle)
+ONE_RANK = [dataclasses.replace(c, gpu_fraction=0.0) for c in CASES if c.world == 1][:8]
 
 
 @pytest.mark.parametrize("case", ONE_RANK, ids=[c.id for c in ONE_RANK])
@@ -73,7 +75,7 @@ def test_one_rank_stages_are_bitwise_equal(case: Case) -> None:
 
 
 # Two ranks: the cases without a branch on one rank only (at stage 3 every rank must run the same modules).
-TWO_RANK = [c for c in CASES if c.world == 2 and not c.unused][:3]
+TWO_RANK = [dataclasses.replace(c, gpu_fraction=0.0) for c in CASES if c.world == 2 and not c.unused][:3]
 
 
 def test_two_ranks_stages_agree(tmp_path) -> None:

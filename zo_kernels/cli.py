@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import re
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .auto_fraction import DEFAULT_DEVICE_ADAM_RATE, measure_cpu_adam_rate, pick_fraction
 from .planner import MAX_GPUS, STATE_DTYPES, UNITS, format_plan, parse_count, plan, state_k
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -100,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage 3: keep the parameter shards in host memory")  # fmt: skip
     d.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
                    help="format of ZeroOffloadAdamW's Adam moments on the host (the fp32 masters stay)")
+    d.add_argument("--gpu-fraction", default="0", metavar="FRACTION",
+                   help="ZeroOffloadAdamW's gpu_fraction: that part of the optimizer state stays on the device "
+                        "(Twin-Flow; with --state-dtype fp32)")  # fmt: skip
     d.add_argument("--seed", type=_int_in("--seed", 0, 2**63 - 1), default=0, help="model and data seed")
     d.add_argument("--batch", type=_positive_int("--batch", MAX_BATCH), default=16, metavar="SEQUENCES",
                    help="sequences per step")  # fmt: skip
@@ -161,6 +166,18 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--dpu", action="store_true",
                     help="the delayed parameter update: a second gradient landing buffer on the host (2 B/param / N)")
     pl.add_argument("--max", action="store_true", help="also print the largest model each strategy can train")
+    pl.add_argument("--gpu-fraction", default="0", metavar="FRACTION",
+                    help="ZeroOffloadAdamW's gpu_fraction: that part of the offload rows' optimizer state (and its "
+                         "gradients) on the GPU")  # fmt: skip
+    pl.add_argument("--auto", action="store_true",
+                    help="pick --gpu-fraction: the smallest whose CPU Adam part takes no longer than forward+backward "
+                         "(--fwd-bwd-ms), within the GPU memory the ZeRO-2 + offload row leaves")  # fmt: skip
+    pl.add_argument("--fwd-bwd-ms", default=None, metavar="MS", help="--auto: forward+backward time per step")
+    pl.add_argument("--cpu-adam-rate", default=None, metavar="PARAMS/S",
+                    help="--auto: CPU Adam's rate per rank (default: measured here, ~1 s)")  # fmt: skip
+    pl.add_argument("--device-adam-rate", default=f"{DEFAULT_DEVICE_ADAM_RATE:g}", metavar="PARAMS/S",
+                    help="--auto: the GPU's fused AdamW rate (default: H100, 3.35 TB/s x 0.6 / 40 B per param; "
+                         "not measured)")  # fmt: skip
 
     b = sub.add_parser("bench", help="run the pytest-benchmark suites and write their JSON", **fmt)
     b.add_argument("--suite", choices=sorted(SUITES), action="append",
@@ -196,18 +213,57 @@ def cmd_plan(a: argparse.Namespace) -> int:
         reserve = _float("--reserve")(a.reserve)
         shape = {name: None if getattr(a, name) is None else _int_in(f"--{name}", 0, 2**40)(getattr(a, name))
                  for name in ("seq", "batch", "hidden", "layers", "heads", "vocab")}  # fmt: skip
+        fraction = _fraction_in("--gpu-fraction")(a.gpu_fraction)
+        auto = _auto_rates(a) if a.auto else None
     except argparse.ArgumentTypeError as e:
         raise UsageError(str(e)) from None
+    kw = dict(k=k, activations=a.activations, workspace=a.workspace, reserve=reserve, bucket_bytes=a.buckets,
+              gpus_per_host=per_host, nvme=a.nvme, layer_params=a.layer_params, prefetch=prefetch, io_pool=a.io_pool,
+              accumulation=a.accumulation, dpu=a.dpu, attention=a.attention, **shape,
+              activation_mode="offload" if a.activation_offload else "none" if a.no_checkpointing else "checkpoint")
     try:
-        p = plan(a.params, gpus, a.gpu_mem, a.host_mem, k=k, activations=a.activations, workspace=a.workspace,
-                 reserve=reserve, bucket_bytes=a.buckets, gpus_per_host=per_host, nvme=a.nvme,
-                 layer_params=a.layer_params, prefetch=prefetch, io_pool=a.io_pool, accumulation=a.accumulation,
-                 dpu=a.dpu, attention=a.attention, **shape,
-                 activation_mode="offload" if a.activation_offload else "none" if a.no_checkpointing else "checkpoint")
+        p = plan(a.params, gpus, a.gpu_mem, a.host_mem, gpu_fraction=fraction, **kw)
+        pick = None
+        if auto is not None:
+            fwd_bwd_s, cpu_rate, device_rate = auto
+            row = plan(a.params, gpus, a.gpu_mem, a.host_mem, **kw).row("ZeRO-2 + offload")
+            free = p.gpu_mem * (1 - p.reserve) - row.gpu_total
+            pick = pick_fraction(p.params / gpus, cpu_rate, device_rate, fwd_bwd_s, free)
+            p = plan(a.params, gpus, a.gpu_mem, a.host_mem, gpu_fraction=pick.fraction, **kw)
     except ValueError as e:
         raise UsageError(re.sub(r"^\w+", lambda m: PLAN_OPTIONS.get(m[0], m[0]), str(e))) from None
     print(format_plan(p, show_max=a.max, unit=a.units))
+    if pick is not None:
+        print(f"\n--auto: CPU Adam {cpu_rate:.3g} params/s{' (measured here)' if a.cpu_adam_rate is None else ''}, "
+              f"device AdamW {device_rate:.3g} params/s; {pick.explain()}")  # fmt: skip
+    elif fraction:
+        print(f"\ngpu_fraction {fraction:g}: the offload rows keep that part of p32, m, v and the gradients on the GPU")
     return 0
+
+
+def _fraction_in(name: str):
+    def parse(text: str) -> float:
+        value = _float(name)(text)
+        if not 0.0 <= value <= 1.0:
+            raise argparse.ArgumentTypeError(f"{name} must be in [0, 1], got {text!r}")
+        return value
+
+    return parse
+
+
+def _auto_rates(a: argparse.Namespace) -> tuple[float, float, float]:
+    """--auto's (forward+backward seconds, CPU Adam params/s, device AdamW params/s)."""
+    if a.fwd_bwd_ms is None:
+        raise argparse.ArgumentTypeError("--auto needs --fwd-bwd-ms (forward+backward time per step, measured)")
+    rates = []
+    for name, text in (("--fwd-bwd-ms", a.fwd_bwd_ms), ("--cpu-adam-rate", a.cpu_adam_rate),
+                       ("--device-adam-rate", a.device_adam_rate)):  # fmt: skip
+        value = None if text is None else _float(name)(text)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{name} must be a number > 0, got {text!r}")
+        rates.append(value)
+    fwd_bwd_ms, cpu_rate, device_rate = rates
+    return fwd_bwd_ms / 1e3, cpu_rate if cpu_rate is not None else measure_cpu_adam_rate(), device_rate
 
 
 def bench_dir() -> Path:
@@ -274,6 +330,13 @@ def cmd_demo(a: argparse.Namespace) -> int:
         raise UsageError(f"--offload-param {a.offload_param} needs --stage 3 (parameters are partitioned only there)")
     if not (a.lr > 0 and a.lr < 1):
         raise UsageError(f"--lr must be in (0, 1), got {a.lr}")
+    try:
+        a.gpu_fraction = _fraction_in("--gpu-fraction")(a.gpu_fraction)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(str(e)) from None
+    if a.gpu_fraction and a.state_dtype != "fp32":
+        raise UsageError(f"--gpu-fraction needs --state-dtype fp32 (the device part keeps fp32 moments), got "
+                         f"--state-dtype {a.state_dtype}")  # fmt: skip
     if a.plot:
         _check_output_dir(Path(a.plot), "--plot")
         try:

@@ -131,7 +131,8 @@ def train_zo(model: GPT, data: list[torch.Tensor], device: torch.device, args: A
                            loss_scale="dynamic" if args.dtype == torch.float16 else None,
                            delay_update_after=args.delay_update_after, max_grad_norm=1.0, stage=stage,
                            offload_param=None if offload == "none" else offload,
-                           state_dtype=STATE_DTYPE[getattr(args, "state_dtype", "fp32")])  # fmt: skip
+                           state_dtype=STATE_DTYPE[getattr(args, "state_dtype", "fp32")],
+                           gpu_fraction=getattr(args, "gpu_fraction", 0.0))  # fmt: skip
     bar = Progress("zo", len(data)) if progress else None
     t0 = time.perf_counter()
     for i, xb in enumerate(data, 1):
@@ -240,7 +241,7 @@ def report(out: TextIO, zo: Run, ref: Run, phi: int, args: Any) -> None:
     for k, ms in phase_ms(zo).items():
         out.write(f"  {k:<26}{ms:8.2f} ms  {ms / step_ms:6.1%}\n")
     p = plan(phi, 1, "80GiB", "768GiB", bucket_bytes=0, dpu=args.delay_update_after is not None,
-             k=state_k(getattr(args, "state_dtype", "fp32")))
+             k=state_k(getattr(args, "state_dtype", "fp32")), gpu_fraction=getattr(args, "gpu_fraction", 0.0))
     stage, offload = getattr(args, "stage", 2), getattr(args, "offload_param", "none")
     row = "ZeRO-3 + offload" if stage == 3 else "ZeRO-2 + offload"
     off, ddp = p.row(row), p.row("DDP")
@@ -252,7 +253,7 @@ def report(out: TextIO, zo: Run, ref: Run, phi: int, args: Any) -> None:
     out.write("\nmemory per parameter (measured from the optimizer's buffers = the formula of each; docs/design.md):\n"
               f"  zo     device {zo.device_bytes / phi:6.2f} B = {per('device')}\n"
               f"           host {zo.host_bytes / phi:6.2f} B = {per('host')}\n"
-              f"         planner, {row} on a GPU: device {off.gpu_states / phi:.0f}{shard} + buckets, host "
+              f"         planner, {row} on a GPU: device {off.gpu_states / phi:.4g}{shard} + buckets, host "
               f"{off.host / phi:.4g} (16-bit params, with p16 staging{'; this run: fp32, 4 B' if e == 4 else ''})\n"
               f"  torch  device {ref.device_bytes / phi:6.2f} B (planner DDP {ddp.gpu_states / phi:.0f}: "
               f"fp32 training here is 4+4+8 = 16 too)\n")  # fmt: skip

@@ -328,6 +328,7 @@ def plan(
     attention: str = "flash",
     activation_mode: str = "checkpoint",
     prefetch_params: float | str | None = None,
+    gpu_fraction: float = 0.0,
 ) -> Plan:
     """Bytes per device for each strategy, whether it fits, and the largest trainable model per strategy.
 
@@ -341,6 +342,8 @@ def plan(
     `prefetch_params`: the largest unit prefetched while a layer computes (ZeroOffloadAdamW prefetches modules; in a
     pre-norm transformer whose blocks are checkpointed the peak is one block, `layer_params`, and the next block's
     first LayerNorm); None: whole layers, as the ZeRO-Infinity paper counts.
+    `gpu_fraction` (ZeroOffloadAdamW's Twin-Flow) moves that fraction of the offload rows' partition state and
+    gradients (K + 2 bytes per element, and the same fraction of `_host_extra`) from the host to the GPU.
     """
     params = parse_count(params, "params")
     _int_at_least(gpus, "gpus", 1)
@@ -358,6 +361,8 @@ def plan(
     if activation_mode not in ACTIVATION_MODES:
         raise ValueError(f"activation_mode must be one of {ACTIVATION_MODES}, got {activation_mode!r}")
     act_gpu, act_host = activation_bytes(shape, activation_mode) if shape else (None, 0.0)
+    if isinstance(gpu_fraction, bool) or not isinstance(gpu_fraction, (int, float)) or not 0 <= gpu_fraction <= 1:
+        raise ValueError(f"gpu_fraction must be a number in [0, 1], got {gpu_fraction!r}")
     layer = 0.0 if layer_params is None else parse_count(layer_params, "layer_params")
     if layer > params:
         raise ValueError(f"layer_params must be <= params ({params:g}), got {layer_params!r}")
@@ -381,7 +386,16 @@ def plan(
     w, w_fixed = (working_set_per_layer_param(prefetch), 0.0) if not unit else (4.0, 2.0 * prefetch * unit)
     for s in STRATEGIES:
         g, h, v = _per_param(s, p.k, gpus)
-        h += _host_extra(s, gpus, accumulation, dpu)
+        extra = _host_extra(s, gpus, accumulation, dpu)
+        if s in ("ZeRO-2 + offload", "ZeRO-3 + offload"):  # gpu_fraction moves f of the partition's host buffers
+            # to the GPU (p32, m, v, g16 landing and accumulators) except the stage-3 shard, which stays whole, and the
+            # p16 staging, which the tail does not need (the GPU casts its masters straight into the parameters)
+            shard = 2 / gpus if s == "ZeRO-3 + offload" else 0.0
+            staging = 2 / gpus if s == "ZeRO-2 + offload" or dpu else 0.0
+            scaled = h + extra - shard
+            g, h = g + gpu_fraction * (scaled - staging), shard + (1 - gpu_fraction) * scaled
+        else:
+            h += extra
         ws = p.working_set if s in STAGE3 else 0.0
         fixed = p.bucket_bytes if s == "ZeRO-2 + offload" or s in STAGE3 else 0.0
         pool = (p.io_pool if s in NVME_ROWS else 0.0) + act_host

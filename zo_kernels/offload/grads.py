@@ -36,6 +36,7 @@ class Gradients(NamedTuple):
     got: list[bool]  # which params got a gradient on some rank
     n_backward: int  # completed backward passes (stats["micro_batches"])
     factor: list[float]  # per param: p.grad.mul_(f) not yet applied to grad (the update applies it)
+    device_grad: torch.Tensor | None = None  # gpu_fraction: the partition's tail [split, part), kept on the device
 
 
 class GradPath:
@@ -54,24 +55,31 @@ class GradPath:
         all_reduce: every rank gets every reduced bucket (ZeRO-1), not only its own part (ZeRO-2/3).
         on_grad, on_pass_end: told when a param's gradient arrives and when a backward pass (final=True) or a
             part of one ends (ZeRO-3 frees the gathered parameters).
+        split: gpu_fraction (twin.py): only the partition's head [0, split) lands on the host; the tail's gradients
+            never leave the device (`device_landing`, partition offset - split). None: all of it lands.
     """
 
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, transport: Transport, comm: Comm,
                  scaler: LossScaler, times: PhaseTimes, *, slots: int, threads: int, guard: Callable[[], None],
                  connected: Callable[[torch.Tensor], bool], all_reduce: bool = False,
                  on_grad: Callable[[torch.Tensor], None] | None = None,
-                 on_pass_end: Callable[[bool], None] | None = None) -> None:  # fmt: skip
+                 on_pass_end: Callable[[bool], None] | None = None, split: int | None = None) -> None:  # fmt: skip
         self.layout, self.dtype, self.device, self.transport, self.comm = layout, dtype, device, transport, comm
         self.scaler, self.times, self.threads, self.guard = scaler, times, threads, guard
         self.connected, self.all_reduce = connected, all_reduce
         self.predivide = 1.0 / comm.world  # the reduction sums averages (as DDP does): no overflow the mean has not
         self.on_grad, self.on_pass_end = on_grad, on_pass_end
-        self.landing = [transport.pool.take(layout.part, dtype) for _ in range(slots)]
+        self.split = split = layout.part if split is None else split
+        self.landing = [transport.pool.take(split, dtype) if split else torch.zeros(0, dtype=dtype)
+                        for _ in range(slots)]  # fmt: skip
+        self.device_landing = [torch.zeros(layout.part - split, dtype=dtype, device=device)
+                               for _ in range(slots if split < layout.part else 0)]  # fmt: skip
         for buf in self.landing:
             buf.zero_()
         self.accum: list[torch.Tensor | None] = [None] * slots
+        self.device_accum: list[torch.Tensor | None] = [None] * slots
         # One rank whose device memory is host memory needs no bucket: gradients pack into the landing buffer.
-        self.direct_landing = comm.world == 1 and not transport.needs_staging
+        self.direct_landing = comm.world == 1 and not transport.needs_staging and split == layout.part
         buf_numel = 0 if self.direct_landing else max(b.hi - b.lo for b in layout.buckets)
         self.bucket_bufs = [torch.empty(buf_numel, dtype=dtype, device=device) for _ in range(2)]
         self.buf_busy: list[list[Any]] = [[], []]  # per buffer: reduce works and copy events still using it
@@ -158,6 +166,8 @@ class GradPath:
             for buf in (self.landing[s], self.accum[s] if self.n_micro > 1 else None):
                 if buf is not None and a < b:
                     buf[a:b].zero_()  # out of the norm too
+            for buf in (self._dev(self.landing, s), self._dev(self.accum, s) if self.n_micro > 1 else None):
+                self._tail(buf, a, b).zero_()
             self._sum_sq_stale = True
 
     # ------------------------------------------------------------------ gradients leave during backward
@@ -233,9 +243,17 @@ class GradPath:
             self.accum[s].copy_(self.landing[s])
         else:
             self.accum[s].add_(self.landing[s])
+        if self.device_landing:  # the device's tail accumulates on the device
+            if self.device_accum[s] is None:
+                self.device_accum[s] = self.device_landing[s].to(torch.float32, copy=True)
+            elif self.n_micro == 1:
+                self.device_accum[s].copy_(self.device_landing[s])
+            else:
+                self.device_accum[s].add_(self.device_landing[s])
         for i, f in enumerate(self.factor):  # p.grad.mul_(f) so far applies to the sum so far, not to what follows
             if f != 1.0:
                 a, b = self.layout.part_range(self.layout.params[i])
+                self._tail(self._dev(self.accum, s), a, b).mul_(f)
                 self.accum[s][a:b] *= f
                 self.factor[i] = 1.0
         for b in self.layout.buckets:
@@ -292,8 +310,12 @@ class GradPath:
         t2 = time.perf_counter()
         if not self.direct_landing:
             for a, c, pa in lay.owned(b.lo, b.hi, comm.rank):
-                dst = self.landing[self.slot][pa : pa + c - a]
-                busy.append(self.transport.d2h(dst, buf[a - b.lo : c - b.lo]))
+                src = buf[a - b.lo : c - b.lo]
+                head = min(max(self.split - pa, 0), c - a)  # elements of the piece that land on the host
+                if head:
+                    busy.append(self.transport.d2h(self.landing[self.slot][pa : pa + head], src[:head]))
+                if head < c - a:  # gpu_fraction: on the compute stream, after the reduce; never to the host
+                    self._tail(self.device_landing[self.slot], pa, pa + c - a).copy_(src[head:])
         self.times.add("reduce", t2 - t1)
         self.times.add("offload", (t1 - t0) + (time.perf_counter() - t2))
 
@@ -366,12 +388,14 @@ class GradPath:
         starts afresh. A step whose gradients overflowed does not count as an iteration."""
         s = self.slot
         self.iteration += 1
-        grad = self.landing[s]
+        grad, device_grad = self.landing[s], self._dev(self.landing, s)
         if self.n_micro > 1:
             grad = self.accum[s].add_(self.landing[s])
-        found_inf, sum_sq, got = self._global_checks(grad)
+            if device_grad is not None:
+                device_grad = self.device_accum[s].add_(device_grad)
+        found_inf, sum_sq, got = self._global_checks(grad, device_grad)
         self.last_got = got
-        out = Gradients(grad, found_inf, sum_sq, got, self.n_backward, self.factor)
+        out = Gradients(grad, found_inf, sum_sq, got, self.n_backward, self.factor, device_grad)
         for p in self._moved.values():
             p.grad = None
         self.reset()
@@ -379,7 +403,8 @@ class GradPath:
             self.iteration -= 1
         return out
 
-    def _global_checks(self, grad: torch.Tensor) -> tuple[bool, float, list[bool]]:
+    def _global_checks(self, grad: torch.Tensor, device_grad: torch.Tensor | None = None,
+                       ) -> tuple[bool, float, list[bool]]:  # fmt: skip
         """found_inf, the sum of squares of the reduced (summed over ranks) gradient, and which params got a
         gradient on some rank: all-reduced."""
         t0 = time.perf_counter()
@@ -391,7 +416,10 @@ class GradPath:
                 sum_sq, flagged = self._sum_sq.item(), self._found_inf.item()
             nonfinite = False
         else:
-            sum_sq, nonfinite = sum_squares(grad, threads=self.threads)
+            sum_sq, nonfinite = sum_squares(grad, threads=self.threads) if grad.numel() else (0.0, False)
+            if device_grad is not None:  # fp64 (finite exactly when every element is), 2**24 elements at a time
+                parts = [c.double().square().sum() for c in device_grad.split(1 << 24)]
+                sum_sq += torch.stack(parts).sum().item() if parts else 0.0
             flagged = self._found_inf.item()
         found = bool(flagged) or nonfinite or not math.isfinite(sum_sq)
         got = list(self._got)
@@ -420,12 +448,26 @@ class GradPath:
         self.reset()
         if kept:  # zero gradients: the landing buffer holds zeros until the next backward overwrites it
             self.landing[self.slot].zero_()
+            if self.device_landing:
+                self.device_landing[self.slot].zero_()
             for i, p in kept.items():
                 self._place_moved_grad(p)
                 self._got[i] = True
             self.n_micro = self.n_backward = 1
 
     # ------------------------------------------------------------------ p.grad placeholders (MovedGrad)
+
+    def _dev(self, bufs: list[torch.Tensor | None], s: int) -> torch.Tensor | None:
+        """The device tail's buffer beside host buffer list `bufs` (landing or accum) at slot s (gpu_fraction)."""
+        tails = self.device_landing if bufs is self.landing else self.device_accum
+        return tails[s] if len(tails) > s else None
+
+    def _tail(self, dev: torch.Tensor | None, a: int, b: int) -> torch.Tensor:
+        """Partition range [a, b)'s part in the device tail `dev` (empty where none); the host head's part is
+        host[a:b] (a slice stops at split)."""
+        if dev is None:
+            return torch.empty(0)
+        return dev[max(a - self.split, 0) : max(b - self.split, 0)]
 
     def _host_gradient(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(last micro-batch's reduced gradient, sum of the earlier ones or None) of this rank's partition."""
@@ -446,11 +488,17 @@ class GradPath:
         world = self.comm.world
         if ord not in self._norm_cache:
             last, earlier = self._host_gradient()
+            s = self.slot
+            last_dev = self._dev(self.landing, s)
+            earlier_dev = self._dev(self.accum, s) if earlier is not None else None
             part = torch.zeros(len(self.layout.params), dtype=torch.float64)
             for i, p in enumerate(self.layout.params):
                 a, b = self.layout.part_range(p)
                 if a < b:
-                    g = (last[a:b].double() + (earlier[a:b].double() if earlier is not None else 0.0)).abs()
+                    g = torch.cat([last[a:b].double(), self._tail(last_dev, a, b).double().cpu()])
+                    if earlier is not None:
+                        g += torch.cat([earlier[a:b].double(), self._tail(earlier_dev, a, b).double().cpu()])
+                    g = g.abs()
                     part[i] = g.max() if ord == math.inf else g.pow(ord).sum()
             if world > 1:
                 op = dist.ReduceOp.MAX if ord == math.inf else dist.ReduceOp.SUM
@@ -470,11 +518,14 @@ class GradPath:
             self.zero_grad(set_to_none=False)
             return
         last, earlier = self._host_gradient()
+        s = self.slot
+        tails = (self._dev(self.landing, s), self._dev(self.accum, s) if earlier is not None else None)
         for i in indices:
             a, b = self.layout.part_range(self.layout.params[i])
-            for buf in (last, earlier):
+            for buf, dev in zip((last, earlier), tails):
                 if buf is not None and a < b:
                     buf[a:b].zero_()
+                    self._tail(dev, a, b).zero_()
         self._sum_sq_stale = True
         self._norm_cache.clear()
 

@@ -36,6 +36,7 @@ from .materialize import ParamInit, check_init, materialise_followers, swap_in
 from .params import DeviceBytes, ParamShards, units_of
 from .report import MemoryReport, PhaseTimes
 from .scaler import LossScaler
+from .twin import TwinUpdate, check_gpu_fraction, device_split
 from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S, HostUpdate
 
 DEFAULT_BUCKET_NUMEL = 1 << 24  # 32 MiB of bf16 gradients per bucket (two buckets live on the device)
@@ -156,6 +157,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             time; this rank's part goes into the masters and the 16-bit flat buffer or shard, so no full fp32 copy
             of the model exists (frozen params and buffers left on meta are made whole, in `dtype`). The values do
             not depend on the world size. Needs the model; offload_optimizer="cpu".
+        gpu_fraction: Twin-Flow (ZeRO-Offload++): this fraction of each rank's partition (its tail) keeps its fp32
+            master and moments on the device (12 bytes per parameter there, that much less on the host) and is
+            updated there by torch's fused AdamW on a device stream while CPU Adam updates the rest; its gradients
+            never go to the host. The same AdamW step (one clipping norm, overflow flag and loss scale over both
+            parts; the same delay under DPU); checkpoints do not depend on it. 0.0 (default): all on the host.
+            Needs fp32 moments (state_dtype=torch.float32) and the 16-bit shard not on NVMe.
     """
 
     def __init__(
@@ -191,6 +198,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         differentiable: bool = False,
         state_dtype: torch.dtype | str = torch.float32,
         init: ParamInit | None = None,
+        gpu_fraction: float = 0.0,
     ) -> None:
         # Every argument is checked before anything (the model included) is modified.
         if isinstance(params, torch.nn.Module):
@@ -222,6 +230,18 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             raise TypeError(f"transport must be a zo_kernels Transport or None, got {type(transport).__name__}")
         nvme_dir = check_offload(offload_optimizer, nvme_dir)
         check_stage(stage, offload_param, module, nvme_dir, delay_update_after is not None, dtype)
+        self.gpu_fraction = check_gpu_fraction(gpu_fraction)
+        if self.gpu_fraction:
+            if self._update_class is not HostUpdate:
+                raise ValueError(f"gpu_fraction is AdamW's: {type(self).__name__} keeps its whole state on the host "
+                                 "(use gpu_fraction=0.0)")  # fmt: skip
+            if self.state_format != "fp32":
+                raise ValueError(f"gpu_fraction={gpu_fraction} with state_dtype={state_dtype!r} is not supported: the "
+                                 "device part keeps fp32 moments, and a checkpoint must not depend on the fraction "
+                                 "(use state_dtype=torch.float32)")  # fmt: skip
+            if offload_param == "nvme":
+                raise ValueError(f"gpu_fraction={gpu_fraction} with offload_param='nvme' is not supported: the "
+                                 "16-bit shard's file is written by the host update alone")  # fmt: skip
         prefetch = check_int(prefetch, "prefetch", 0, required=True)
         for name, value in (("update_timeout_s", update_timeout_s), ("collective_timeout_s", collective_timeout_s)):
             if _real(value, name) <= 0:
@@ -334,6 +354,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 if s < e:
                     out[s - lo : e - lo] = values[s - x : e - x].float().cpu()
 
+        # gpu_fraction: the partition's tail [split, part) stays on the device (twin.py)
+        self.split = device_split(self.part, self.gpu_fraction, self.align) if self.gpu_fraction else self.part
+        update_class, twin = self._update_class, {}
+        if self.split < self.part:
+            update_class, twin = TwinUpdate, dict(split=self.split, device=self.device)
         self.grads = self.update = None
         try:  # everything that can fail (memory, the NVMe files, init's fn) before the model is touched
             if init is not None:
@@ -342,16 +367,20 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                   self._times, slots=2 if self.delay_update_after is not None else 1,
                                   threads=self.threads, guard=self._check_alive, connected=connected,
                                   all_reduce=self.stage == 1, on_grad=shards and shards.on_grad,
-                                  on_pass_end=shards and shards.on_pass_end)  # fmt: skip
+                                  on_pass_end=shards and shards.on_pass_end, split=self.split)  # fmt: skip
             self.device_bytes.add(sum(b.numel() * b.element_size() for b in self.grads.bucket_bufs))
-            self.update = self._update_class(self.layout, own, fill_master if master is None else master,
+            self.update = update_class(self.layout, own, fill_master if master is None else master,
                                              update_transport, publish, threads=self.threads,
                                              tile_numel=self.tile_numel, delayed=self.delay_update_after is not None,
                                              timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir,
-                                             params_dtype=self.dtype, state_fmt=self.state_format)  # fmt: skip
+                                             params_dtype=self.dtype, state_fmt=self.state_format,
+                                             **twin)  # fmt: skip
         except BaseException:
             self._release_transports()
             raise
+        if twin:  # the tail's p32, m, v and gradient landing (its fp32 accumulators, made later: memory_report)
+            tail_grads = sum(t.numel() * t.element_size() for t in self.grads.device_landing)
+            self.device_bytes.add(self.update.device_state_bytes + tail_grads)
         if shards is not None:
             shards.swapper = self.update.swapper
         for p in trainable:
@@ -568,10 +597,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._set_group_steps()
         # the hyper-parameters as they are now: a scheduler may change them before a background update runs
         hparams = [self._group_hparams(g) for g in self.param_groups]
+        tail = {} if c.device_grad is None else {"device_grad": c.device_grad}  # gpu_fraction's (twin.py)
         if delayed:
-            self.update.start(c.grad, grad_scale, runs, hparams)
+            self.update.start(c.grad, grad_scale, runs, hparams, **tail)
         else:
-            self.update.run(c.grad, grad_scale, runs, hparams)
+            self.update.run(c.grad, grad_scale, runs, hparams, **tail)
         self.scaler.update(found_inf=False)
         self._record_stats(t_step, skip_reason=None, grad_norm=norm, clip=clip, micro_batches=n_micro,
                            delayed=delayed, skipped_params=len(got) - sum(got))  # fmt: skip

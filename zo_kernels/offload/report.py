@@ -35,7 +35,8 @@ class MemoryReport:
 
     The formulas are those of docs/design.md, "Memory model", in its symbols: Φ trainable parameters, N ranks,
     F the flat buffer's elements (Φ padded), P this rank's partition (F/N), e the bytes of `dtype`, B the largest
-    gradient bucket's elements, T the NVMe swapper's tile elements.
+    gradient bucket's elements, T the NVMe swapper's tile elements, D the partition's tail kept on the device
+    (gpu_fraction · P, 0 by default: the host terms in P are then in P - D).
 
     Args:
         params: trainable parameters (Φ). world_size: data-parallel ranks (N).
@@ -49,6 +50,8 @@ class MemoryReport:
             with offload_param="nvme").
         nvme_read_per_step, nvme_written_per_step: bytes a step's update reads from and writes to those files (one
             pass over them: K bytes per element, the 16-bit shard's 2 included).
+        device_state, device_grads: gpu_fraction's tail on the device: its p32, m, v (12 bytes per element), and its
+            gradient landing buffers (+ fp32 accumulation once gradients were accumulated).
         formula_device, formula_host, formula_nvme: the same by the formulas. terms: every buffer, one Term each.
     """
 
@@ -67,11 +70,13 @@ class MemoryReport:
     formula_nvme: int = 0
     nvme_read_per_step: int = 0
     nvme_written_per_step: int = 0
+    device_state: int = 0
+    device_grads: int = 0
     terms: list[Term] = field(default_factory=list)
 
     @property
     def device_bytes(self) -> int:
-        return self.device_params + self.device_buckets
+        return self.device_params + self.device_buckets + self.device_state + self.device_grads
 
     @property
     def host_bytes(self) -> int:
@@ -103,13 +108,16 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
     layout, grads, update, shards = opt.layout, opt.grads, opt.update, opt.shards
     e = torch.empty((), dtype=opt.dtype).element_size()
-    part, flat_numel = layout.part, layout.flat_numel
+    whole, flat_numel = layout.part, layout.flat_numel
+    tail = whole - grads.split  # D: gpu_fraction's tail, on the device
+    part = whole - tail  # what the host's state and gradient terms count: P - D
+    p_ = "(P-D)" if tail else "P"
     terms: list[Term] = []
     add = lambda *a: terms.append(Term(*a))  # noqa: E731
     if shards is None:
         add("device", "parameters, flat", f"{e}F", e * flat_numel, nbytes([opt.flat]))
     elif not shards.offload:
-        add("device", "parameter shard", f"{e}P", e * part, nbytes([shards.shard]))
+        add("device", "parameter shard", f"{e}P", e * whole, nbytes([shards.shard]))
     if grads.direct_landing:  # one CPU rank: gradients pack into the landing buffer, no bucket is allocated
         add("device", "buckets: none, one CPU rank", "0", 0, nbytes(grads.bucket_bufs))
     else:
@@ -118,30 +126,38 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
     swapper = update.swapper
     k = update.state_bytes_per_param  # K: the masters and the moments in their format
     if swapper is None:
-        add("host", "p32, m, v", f"{k:g}P", round(k * part), update.host_state_bytes)
+        add("host", "p32, m, v", f"{k:g}{p_}", round(k * part), update.host_state_bytes)
     else:
         extra = 2 if swapper.params_dtype is not None else 0  # a fourth, 16-bit file's buffers
         add("host", "NVMe pool", f"3·{k + extra:g}T", round(3 * (k + extra) * swapper.tile_numel),
             update.host_state_bytes)  # fmt: skip
     slots = len(grads.landing)
-    add("host", "gradient landing" + (" x2, DPU" if slots > 1 else ""), f"{slots}·{e}P" if slots > 1 else f"{e}P",
+    add("host", "gradient landing" + (" x2, DPU" if slots > 1 else ""), f"{slots}·{e}{p_}" if slots > 1 else f"{e}{p_}",
         slots * e * part, nbytes(grads.landing))  # fmt: skip
     if not update.staging_in_place:
-        add("host", "p16 staging", f"{e}P", e * part, nbytes([update.staging_buf]))
+        add("host", "p16 staging", f"{e}{p_}", e * part, nbytes([update.staging_buf]))
     if shards is not None and shards.offload == "cpu":
-        add("host", "parameter shard", f"{e}P", e * part, nbytes([shards.shard]))
+        add("host", "parameter shard", f"{e}P", e * whole, nbytes([shards.shard]))
     if shards is not None and shards.offload == "nvme":  # blocks the gathers read shards into, kept for reuse
         kept = opt.transport.pool.free_bytes  # one per distinct size of a unit's piece: run-time, at most 2P
         add("host", "pinned blocks of the shards read, kept", "≤ 2P", kept, kept)
     n_accum = sum(a is not None for a in grads.accum)
     if n_accum:  # made by the first accumulation into a landing buffer, kept after
         add("host", "fp32 accumulation" + (f" x{n_accum}" if n_accum > 1 else ""),
-            f"{n_accum}·4P" if n_accum > 1 else "4P", 4 * n_accum * part, nbytes(grads.accum))  # fmt: skip
+            f"{n_accum}·4{p_}" if n_accum > 1 else f"4{p_}", 4 * n_accum * part, nbytes(grads.accum))  # fmt: skip
+    if tail:  # gpu_fraction: the tail's state and gradients stay on the device
+        add("device", "p32, m, v of the tail", "12D", 12 * tail, update.device_state_bytes)
+        add("device", "tail gradient landing" + (" x2, DPU" if slots > 1 else ""),
+            f"{slots}·{e}D" if slots > 1 else f"{e}D", slots * e * tail, nbytes(grads.device_landing))  # fmt: skip
+        n_dev = sum(a is not None for a in grads.device_accum)
+        if n_dev:
+            add("device", "tail fp32 accumulation" + (f" x{n_dev}" if n_dev > 1 else ""),
+                f"{n_dev}·4D" if n_dev > 1 else "4D", 4 * n_dev * tail, nbytes(grads.device_accum))  # fmt: skip
     if swapper is not None:
         files = [f for f in os.scandir(swapper.path) if f.name.endswith(".bin")]
         size = {f.name: f.stat().st_size for f in files}
         shard_file = round_up(2 * part) if swapper.params_dtype is not None else 0
-        add("nvme", "p32, m, v files", f"{k:g}P", swapper.file_bytes - shard_file,
+        add("nvme", "p32, m, v files", f"{k:g}{p_}", swapper.file_bytes - shard_file,
             sum(v for name, v in size.items() if name != "params.bin"))  # fmt: skip
         if swapper.params_dtype is not None:
             add("nvme", "parameter shard file", "2P", shard_file, size.get("params.bin", 0))
@@ -152,6 +168,7 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
         device_params=of("device", "parameter"), device_buckets=of("device", "two", "buckets"),
         host_state=of("host", "p32", "NVMe"), host_landing=of("host", "gradient"), host_staging=of("host", "p16"),
         host_accumulator=of("host", "fp32"), host_shard=of("host", "parameter", "pinned"),
+        device_state=of("device", "p32"), device_grads=of("device", "tail"),
         nvme_bytes=total("nvme", False),
         nvme_read_per_step=swapper.pass_bytes if swapper is not None else 0,
         nvme_written_per_step=swapper.pass_bytes if swapper is not None else 0,

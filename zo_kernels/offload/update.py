@@ -47,6 +47,8 @@ class HostUpdate:
         params_dtype: with `own` None (ZeRO-Infinity: the stage-3 shard on NVMe), the 16-bit parameters are a
             fourth file of the swapper, of this dtype, written by the same streamed update.
         state_fmt: the moments' format (formats.py): "fp32", "bf16" or "8bit" (then every run starts on a block).
+        numel: the elements of the partition it holds, [0, numel) (default all; gpu_fraction keeps the rest on the
+            device: twin.py).
     """
 
     HAS_MOMENTS = True  # Adam's two moments (a subclass with another rule keeps its own state)
@@ -54,8 +56,13 @@ class HostUpdate:
     def __init__(self, layout: FlatLayout, own: torch.Tensor | None, master: torch.Tensor | MasterFill,
                  transport: Transport, publish: Callable[[], None], *, threads: int, tile_numel: int, delayed: bool,
                  timeout_s: float, times: PhaseTimes, nvme_dir: str | None = None,
-                 params_dtype: torch.dtype | None = None, state_fmt: str = "fp32") -> None:  # fmt: skip
+                 params_dtype: torch.dtype | None = None, state_fmt: str = "fp32",
+                 numel: int | None = None) -> None:  # fmt: skip
         self.fmt = state_fmt
+        self.numel = numel = layout.part if numel is None else numel
+        # each group's range of [0, numel) if it is one range there, else None
+        self.group_ranges = [(r[0], min(r[1], numel)) if r is not None and r[0] < numel else None
+                             for r in layout.group_ranges]  # fmt: skip
         block = block_of(state_fmt)
         tile_numel = -(-tile_numel // block) * block  # (8-bit) tiles start on block boundaries
         self.layout, self.own, self.transport, self.publish, self.times = layout, own, transport, publish, times
@@ -75,7 +82,7 @@ class HostUpdate:
         self.params_in_swapper = own is None  # (then nvme_dir and params_dtype are given, and no DPU)
         self.staging_in_place = self.params_in_swapper or not (transport.needs_staging or delayed)
         if not self.staging_in_place:
-            self.staging_buf = transport.pool.take(layout.part, own.dtype)
+            self.staging_buf = transport.pool.take(numel, own.dtype)
         else:  # host memory is the device: the update writes the parameters in place (no forward runs meanwhile)
             self.staging_buf = own
         self.swapper: NvmeSwapper | None = None
@@ -86,7 +93,7 @@ class HostUpdate:
             multiple = TILE_MULTIPLE * (2 if self.params_in_swapper else 1)
             tile = -(-tile_numel // multiple) * multiple  # the pool: 3 tiles of state (+3 of 16 bits), by tile_numel
             try:
-                self.swapper = NvmeSwapper(layout.part, nvme_dir, tile_numel=tile, state_fmt=state_fmt,
+                self.swapper = NvmeSwapper(numel, nvme_dir, tile_numel=tile, state_fmt=state_fmt,
                                            params_dtype=params_dtype if self.params_in_swapper else None)
                 self.swapper.fill(self._fill_tile(fill_master))  # no full-size fp32 tensor: the pool's tiles only
             except BaseException:
@@ -97,10 +104,10 @@ class HostUpdate:
                 raise
         else:
             if not isinstance(master, torch.Tensor):
-                master = torch.zeros(layout.part, dtype=torch.float32)
-                fill_master(0, layout.part, master)
+                master = torch.zeros(numel, dtype=torch.float32)
+                fill_master(0, numel, master)
             self._master = master
-            self.moments = Moments(state_fmt, layout.part) if self.HAS_MOMENTS else None
+            self.moments = Moments(state_fmt, numel) if self.HAS_MOMENTS else None
             if state_fmt == "fp32" and self.HAS_MOMENTS:  # the kernel's fp32 path, the tensors themselves
                 self._state = (master, *self.moments.pair)
             if not self.staging_in_place:
@@ -108,7 +115,7 @@ class HostUpdate:
                 # range as is, and the padding past the last parameter is sent to the device as zeros
                 self.staging_buf.copy_(master)
         self._staging = [Staging(self.staging_buf[r[0] : r[1]], tile_numel) if r and own is not None else None
-                         for r in layout.group_ranges]  # fmt: skip
+                         for r in self.group_ranges]  # fmt: skip
 
     def _fill_tile(self, fill_master: MasterFill) -> UpdateFn:
         """The swapper's fill of tile [lo, hi): the masters (zeros where no parameter lies), zero moments, and
@@ -133,8 +140,8 @@ class HostUpdate:
         if self._state is not None:
             return self._state
         if self.moments is not None:
-            return (self._master, *self.moments.get(0, self.layout.part))
-        out = tuple(torch.empty(self.layout.part, dtype=torch.float32) for _ in range(3))
+            return (self._master, *self.moments.get(0, self.numel))
+        out = tuple(torch.empty(self.numel, dtype=torch.float32) for _ in range(3))
         self.swapper.read_all(*out)
         return out
 
@@ -182,7 +189,7 @@ class HostUpdate:
         else:
             if master is not self._master:
                 self._master.copy_(master)
-            self.moments.set(0, self.layout.part, exp_avg, exp_avg_sq)
+            self.moments.set(0, self.numel, exp_avg, exp_avg_sq)
 
     def save_master(self, master: torch.Tensor) -> None:
         """Make `master` (state()'s first tensor, changed) the masters; the moments stay as they are (bit for bit)."""
@@ -203,8 +210,8 @@ class HostUpdate:
         in-memory ones, or copies read from the NVMe files."""
         if self.swapper is None:
             return self.moments.tensors()
-        outs = Moments(self.fmt, self.layout.part).tensors()
-        per = [BLOCK_8BIT if t.numel() != self.layout.part else 1 for t in outs]  # partition elements per element
+        outs = Moments(self.fmt, self.numel).tensors()
+        per = [BLOCK_8BIT if t.numel() != self.numel else 1 for t in outs]  # partition elements per element
 
         def copy_out(lo: int, hi: int, p: torch.Tensor, m: Moment, v: Moment, *params: torch.Tensor) -> None:
             for out, src, k in zip(outs, Moments(self.fmt, hi - lo, pair=(m, v)).tensors(), per):
@@ -291,7 +298,7 @@ class HostUpdate:
         for gi, a, b, step, factor in runs:
             staging = self._staging[gi]
             adam = dict(step=step, grad_scale=grad_scale * factor, threads=self.threads, **hparams[gi])
-            if (a, b) != self.layout.group_ranges[gi]:  # part of a group (a param was skipped; ZeRO-3: a group in
+            if (a, b) != self.group_ranges[gi]:  # part of a group (a param was skipped; ZeRO-3: a group in
                 # several units): a staging of its own, once the group's earlier copies are done
                 for ev in staging.events.values() if staging is not None else ():
                     self.transport.wait(ev)

@@ -1,0 +1,101 @@
+"""gpu_fraction chosen by the planner (`zo-kernels plan --auto`): from the CPU-Adam rate, the device AdamW rate, the
+forward+backward time and the device memory left.
+
+The rule. Per rank, P = params / N elements are updated per step; with gpu_fraction f, CPU Adam updates (1 - f) P at
+`cpu_rate` params/s while the device updates f P at `device_rate` after the backward. The CPU part is hidden when it
+takes no longer than forward+backward (the delayed update overlaps it with the next forward and backward; without it,
+that is where the step's floor lies), so the smallest such f is f_time = 1 - T_fb * cpu_rate / P, clamped to [0, 1];
+more would only add device time. The device must also hold 12 + 2 bytes per element of the tail (fp32 master, moments
+and the 16-bit gradient landing: `DEVICE_BYTES_PER_ELEMENT`): f_mem = free device bytes / (14 P). The pick is
+min(f_time, f_mem).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+# Bytes the device moves per element of the tail per step: torch's fused AdamW reads p32, m, v and the fp32 gradient
+# (16) and writes p32, m, v (12); the gradient's fp32 scaled copy (2 read + 4 written) and the cast into the 16-bit
+# parameters (4 + 2): 40 bytes.
+DEVICE_STEP_BYTES = 40
+# H100 SXM: 3.35e12 B/s of HBM3, of which an elementwise kernel reaches about 60%: 3.35e12 * 0.6 / 40 = 5e10 params/s.
+# A default, not a measurement (no GPU measured it here): pass --device-adam-rate measured on yours.
+DEFAULT_DEVICE_ADAM_RATE = 5e10
+DEVICE_BYTES_PER_ELEMENT = 14  # on the device per element of the tail: p32, m, v (12) + the 16-bit gradient landing
+
+
+@dataclass
+class FractionPick:
+    """What `pick_fraction` chose and why (all times per step, per rank)."""
+
+    fraction: float
+    by_time: float  # the smallest fraction whose CPU part takes no longer than forward+backward
+    by_memory: float  # the largest fraction whose state fits the device memory left
+    cpu_s: float  # CPU Adam's time on the host part at the pick
+    device_s: float  # the device update's time at the pick
+    fwd_bwd_s: float
+
+    def explain(self) -> str:
+        """One paragraph: the pick, its two bounds, the times."""
+        limit = "the device memory left" if self.by_memory < self.by_time else "forward+backward's time"
+        return (f"gpu_fraction {self.fraction:.3f} (bounded by {limit}): the CPU part must take <= "
+                f"forward+backward {self.fwd_bwd_s * 1e3:.1f} ms -> fraction >= {self.by_time:.3f}; the device memory "
+                f"left holds at most {self.by_memory:.3f}. At {self.fraction:.3f}: CPU Adam {self.cpu_s * 1e3:.1f} ms, "
+                f"device AdamW {self.device_s * 1e3:.2f} ms per step")  # fmt: skip
+
+
+def pick_fraction(params_per_rank: float, cpu_rate: float, device_rate: float, fwd_bwd_s: float,
+                  free_device_bytes: float) -> FractionPick:  # fmt: skip
+    """The fraction by the module's rule (all arguments > 0 except free_device_bytes >= 0)."""
+    for name, v in (("params_per_rank", params_per_rank), ("cpu_rate", cpu_rate), ("device_rate", device_rate),
+                    ("fwd_bwd_s", fwd_bwd_s)):  # fmt: skip
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+    if not (isinstance(free_device_bytes, (int, float)) and math.isfinite(free_device_bytes)):
+        raise ValueError(f"free_device_bytes must be a finite number, got {free_device_bytes!r}")
+    by_time = min(1.0, max(0.0, 1.0 - fwd_bwd_s * cpu_rate / params_per_rank))
+    by_memory = min(1.0, max(0.0, free_device_bytes / (DEVICE_BYTES_PER_ELEMENT * params_per_rank)))
+    f = min(by_time, by_memory)
+    return FractionPick(f, by_time, by_memory, (1 - f) * params_per_rank / cpu_rate, f * params_per_rank / device_rate,
+                        fwd_bwd_s)  # fmt: skip
+
+
+def measure_cpu_adam_rate(numel: int = 1 << 22, repeats: int = 3, threads: int | None = None) -> float:
+    """CPU Adam's rate on this host, params/s: the best of `repeats` fp32 steps over `numel` elements."""
+    from .cpu_adam import cpu_adam_step
+
+    p, g = torch.randn(numel), torch.randn(numel) * 1e-3
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    kw = {} if threads is None else {"threads": threads}
+    best = math.inf
+    for step in range(1, repeats + 2):  # (the first warms the pages up)
+        t0 = time.perf_counter()
+        cpu_adam_step(p, g, m, v, step=step, lr=1e-3, **kw)
+        if step > 1:
+            best = min(best, time.perf_counter() - t0)
+    return numel / best
+
+
+def measure_device_adam_rate(device: torch.device, numel: int | None = None, repeats: int = 3) -> float:
+    """torch's fused AdamW rate on `device`, params/s (fp32 state and gradient, as gpu_fraction's tail runs it): the
+    best of `repeats` steps over `numel` elements (default 2**24 on a GPU, 2**20 on the CPU)."""
+    device = torch.device(device)
+    numel = numel or (1 << 24 if device.type == "cuda" else 1 << 20)
+    p, g, m, v = (torch.rand(numel, device=device) for _ in range(4))
+    best = math.inf
+    for i in range(repeats + 1):  # (the first warms up)
+        step = torch.full((), float(i + 1), device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.0,
+                            eps=1e-8, amsgrad=False, maximize=False)  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return numel / best

@@ -1,0 +1,354 @@
+"""gpu_fraction (Twin-Flow, ZeRO-Offload++): the tail of this rank's partition keeps its fp32 master and Adam's moments
+on the device and is updated there by torch's fused AdamW, on a device stream, while CPU Adam updates the head.
+
+The partition [0, part) is cut at `split`: the head [0, split) is an ordinary HostUpdate (host memory or NVMe), the
+tail [split, part) three fp32 device tensors. Its gradients never leave the device (GradPath's `device_landing`).
+The step is the same AdamW step as the host's: one overflow flag, one clipping norm and one loss scale over the whole
+partition (grads.py sums both parts), each parameter's own step count; only the rounding of the kernel differs.
+
+Delayed parameter update: the tail follows the head's one-step delay. Update i of the tail runs at step i (on the device
+stream) into the device masters; its 16-bit parameters reach the model together with the head's, when update i's
+writeback runs (the next step's start, or synchronize()). So forward i uses P_{i-2} for every parameter, as the oracle
+(tests/oracle.py) defines it, and one rule describes the whole model; the tail needs no staging buffer: at the writeback
+its masters still hold P_i (update i+1 is launched after it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .layout import FlatLayout, Run
+from .update import HostUpdate, MasterFill
+
+# Elements per fused AdamW call on the tail: its fp32 scaled gradient is a copy of this many elements (64 MiB of device
+# workspace, whatever the tail's size; a 1.3B model's tail would otherwise need a copy of gigabytes).
+CHUNK_NUMEL = 1 << 24
+
+
+def check_gpu_fraction(x: Any) -> float:
+    """gpu_fraction: a real number in [0, 1] (not a bool, a string or None)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"gpu_fraction must be a number in [0, 1], got {type(x).__name__}")
+    x = float(x)
+    if not (math.isfinite(x) and 0.0 <= x <= 1.0):
+        raise ValueError(f"gpu_fraction must be in [0, 1], got {x}")
+    return x
+
+
+def device_split(part: int, fraction: float, align: int) -> int:
+    """Where the device's tail starts in the partition: its last round(fraction * part) elements, cut on `align`
+    (part is a multiple of it)."""
+    return part - min(part, round(fraction * part / align) * align)
+
+
+def split_runs(runs: list[Run], split: int) -> tuple[list[Run], list[Run]]:
+    """Runs of the partition -> (the head's, the tail's in tail coordinates: partition offset - split)."""
+    head = [(g, a, min(b, split), s, f) for g, a, b, s, f in runs if a < split]
+    tail = [(g, max(a, split) - split, b - split, s, f) for g, a, b, s, f in runs if b > split]
+    return head, tail
+
+
+class DeviceStream:
+    """Where the tail's update runs, beside the host's CPU Adam: a CUDA side stream; on the CPU a worker thread (the
+    stand-in for a stream: it runs later, after `delay_s`, so a missing wait reads stale values, as on a GPU).
+
+    Args:
+        device: the parameters' device.
+        timeout_s: the longest `wait` blocks on the CPU stand-in.
+    """
+
+    def __init__(self, device: torch.device, timeout_s: float) -> None:
+        self.device, self.timeout_s = device, timeout_s
+        self.delay_s = 0.0  # tests: the stand-in runs each job this late
+        self._cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if self._cuda else None
+        self._event: Any = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._future: Future | None = None
+
+    def launch(self, job: Callable[[], None]) -> None:
+        """Run job() after the work queued so far on the compute stream (the reduce and the copies to the landing)."""
+        if self._cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                job()
+            self._event = self._stream.record_event()
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-twin")
+        self._future = self._executor.submit(self._run, job)
+
+    def _run(self, job: Callable[[], None]) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        with torch.no_grad():
+            job()
+
+    def wait(self) -> None:
+        """The compute stream (on the CPU: the host) waits for the last job; the job's exception is raised here."""
+        if self._cuda:
+            if self._event is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._event)
+            return
+        fut, self._future = self._future, None
+        if fut is not None:
+            fut.result(timeout=self.timeout_s)
+
+    def close(self) -> None:
+        """Wait for the last job (its failure was raised by wait) and stop the worker."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+class TwinUpdate:
+    """HostUpdate's interface over the whole partition: the head [0, split) a HostUpdate, the tail on the device.
+
+    Args:
+        layout, own, master, transport, publish: as HostUpdate's (own and master over the whole partition).
+        split: where the tail starts (device_split).
+        device: the device of the tail's state.
+        delayed: the delayed parameter update is on (the tail's parameters are then written with the head's).
+        timeout_s: the longest the host waits for the tail's update.
+        host_kwargs: HostUpdate's other keyword arguments.
+    """
+
+    HAS_MOMENTS = True
+
+    def __init__(self, layout: FlatLayout, own: torch.Tensor, master: torch.Tensor | MasterFill, transport: Any,
+                 publish: Callable[[], None], *, split: int, device: torch.device, delayed: bool, timeout_s: float,
+                 **host_kwargs: Any) -> None:  # fmt: skip
+        self.layout, self.own, self.split, self.delayed = layout, own, split, delayed
+        self._publish_all = publish
+        tail = layout.part - split
+        values = torch.zeros(tail, dtype=torch.float32)
+        if isinstance(master, torch.Tensor):
+            values.copy_(master[split:])
+        else:
+            master(split, layout.part, values)
+        # the device tail's fp32 master, exp_avg, exp_avg_sq (12 bytes per element of the tail)
+        self.device_state = (values.to(device), *(torch.zeros(tail, dtype=torch.float32, device=device)
+                                                  for _ in range(2)))  # fmt: skip
+        self.stream = DeviceStream(device, timeout_s)
+        self.steps = [0] * len(layout.params)
+        self._failed: BaseException | None = None
+        self._staged = False  # DPU: the tail's last update is in its masters, not yet in the parameters
+        self.host: HostUpdate | None = None
+        if split:
+            # (a copy: a view would keep the whole partition's fp32 masters alive, the tail's 4 bytes per element too)
+            head_master = master[:split].clone() if isinstance(master, torch.Tensor) else master
+            self.host = HostUpdate(layout, own[:split], head_master, transport, self._publish, delayed=delayed,
+                                   timeout_s=timeout_s, numel=split, **host_kwargs)  # fmt: skip
+
+    # ------------------------------------------------------------------ what the other parts read
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self._failed or (self.host.failed if self.host is not None else None)
+
+    @property
+    def staged(self) -> bool:
+        return self._staged
+
+    fmt = "fp32"
+    params_in_swapper = False
+    moments = None
+
+    @property
+    def swapper(self) -> Any:
+        return self.host.swapper if self.host is not None else None
+
+    @property
+    def staging_in_place(self) -> bool:
+        return self.host is None or self.host.staging_in_place
+
+    @property
+    def staging_buf(self) -> torch.Tensor | None:
+        return self.host.staging_buf if self.host is not None else None
+
+    @property
+    def host_state_bytes(self) -> int:
+        return self.host.host_state_bytes if self.host is not None else 0
+
+    state_bytes_per_param = 12.0  # K of the head (fp32 moments: gpu_fraction refuses the other formats)
+
+    @property
+    def device_state_bytes(self) -> int:
+        """Device bytes of the tail's state: fp32 master, exp_avg, exp_avg_sq."""
+        return sum(t.numel() * t.element_size() for t in self.device_state)
+
+    # ------------------------------------------------------------------ state over the whole partition
+
+    def state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(master, exp_avg, exp_avg_sq) of the whole partition: copies (write changes back with save_state)."""
+        self._wait_device()
+        head = self.host.state() if self.host is not None else (torch.empty(0),) * 3
+        return tuple(torch.cat([h[: self.split], d.cpu()]) for h, d in zip(head, self.device_state))
+
+    def copy_state(self, ranges: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]) -> None:
+        """HostUpdate.copy_state over the whole partition: the head's pieces from the host, the tail's from the
+        device."""
+        self._wait_device()
+        s = self.split
+        if self.host is not None:
+            self.host.copy_state([(a, min(b, s), tuple(o[: max(0, min(b, s) - a)] for o in outs))
+                                  for a, b, outs in ranges if a < s])  # fmt: skip
+        for a, b, outs in ranges:
+            if b > s and b > a:
+                x = max(a, s)
+                for out, src in zip(outs, self.device_state):
+                    out[x - a :].copy_(src[x - s : b - s])
+
+    def save_state(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Make these (whole partition) the state."""
+        self._wait_device()
+        if self.host is not None:
+            self.host.save_state(*(t[: self.split] for t in (master, exp_avg, exp_avg_sq)))
+        for mine, new in zip(self.device_state, (master, exp_avg, exp_avg_sq)):
+            mine.copy_(new[self.split :])
+
+    def save_master(self, master: torch.Tensor) -> None:
+        """Make `master` (whole partition) the masters; the moments stay."""
+        self._wait_device()
+        if self.host is not None:
+            self.host.save_master(master[: self.split])
+        self.device_state[0].copy_(master[self.split :])
+
+    @property
+    def master(self) -> torch.Tensor:
+        return self.state()[0]
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self.state()[1]
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self.state()[2]
+
+    # ------------------------------------------------------------------ the update
+
+    def run(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
+            device_grad: torch.Tensor | None = None) -> None:  # fmt: skip
+        """The synchronous update: the tail's launched on the device stream, the head's CPU Adam meanwhile; the new
+        parameters of both, then the all-gather."""
+        head, tail = split_runs(runs, self.split)
+        self._launch(device_grad, grad_scale, tail, hparams)
+        if self.host is not None:
+            self.host.run(grad, grad_scale, head, hparams)  # (its publish writes the tail's parameters first)
+        else:
+            self._publish()
+
+    def start(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
+              device_grad: torch.Tensor | None = None) -> None:  # fmt: skip
+        """The delayed update: the tail's on the device stream, the head's in the background thread; the parameters
+        of both reach the model at the next writeback."""
+        head, tail = split_runs(runs, self.split)
+        self._launch(device_grad, grad_scale, tail, hparams)
+        if self.host is not None:
+            self.host.start(grad, grad_scale, head, hparams)
+        self._staged = True
+
+    def _launch(self, grad: torch.Tensor | None, grad_scale: float, runs: list[Run], hparams: list[dict]) -> None:
+        if not runs:
+            return
+        master, exp_avg, exp_avg_sq = self.device_state
+
+        def job() -> None:
+            for gi, a, b, step, factor in runs:
+                h = hparams[gi]
+                steps = torch.full((), float(step), dtype=torch.float32, device=master.device)
+                for x in range(a, b, CHUNK_NUMEL):
+                    y = min(b, x + CHUNK_NUMEL)
+                    g = grad[x:y].float() * (grad_scale * factor)  # (a copy: the landing buffer keeps the gradient)
+                    torch._fused_adamw_([master[x:y]], [g], [exp_avg[x:y]], [exp_avg_sq[x:y]], [], [steps],
+                                        lr=float(h["lr"]), beta1=float(h["betas"][0]), beta2=float(h["betas"][1]),
+                                        weight_decay=float(h["weight_decay"]), eps=float(h["eps"]), amsgrad=False,
+                                        maximize=bool(h["maximize"]))  # fmt: skip
+
+        self.stream.launch(job)
+
+    def _wait_device(self) -> None:
+        """The tail's launched update done (ordered on the compute stream); its failure makes the optimizer unusable."""
+        try:
+            self.stream.wait()
+        except BaseException as e:
+            self._failed = e
+            raise
+
+    def _write_tail(self) -> None:
+        """The tail's masters, cast, into its parameters."""
+        self._wait_device()
+        self.own[self.split :].copy_(self.device_state[0])
+
+    def _publish(self) -> None:
+        """The head's new parameters are in `own`: the tail's too, then the all-gather."""
+        self._write_tail()
+        self._staged = False
+        self._publish_all()
+
+    def finish_pending(self, write: bool) -> None:
+        """Wait for both updates; with write, their parameters to the device."""
+        self._wait_device()
+        if self.host is not None:
+            self.host.finish_pending(write)  # (a flush publishes: the tail's parameters too)
+        if write and self._staged:
+            self._publish()
+
+    def flush_staged(self) -> None:
+        """Send the parameters of the last (delayed) update to the device, if not sent yet."""
+        if self.host is not None:
+            self.host.flush_staged()
+        if self._staged:
+            self._publish()
+
+    def write_staging(self) -> None:
+        """The parameters of the last update of both parts to the device."""
+        if self.host is not None:
+            self.host.write_staging()
+        else:
+            self._publish()
+
+    @torch.no_grad()
+    def resume(self, staged: bool) -> None:
+        """After a state was loaded: the device params now, or (saved between a delayed update and its writeback) by
+        the next step()."""
+        if self.host is not None:
+            self.host.resume(staged)
+            self._staged = self.host.staged
+        elif staged and self.delayed:
+            self._staged = True
+        else:
+            self._publish()
+
+    @torch.no_grad()
+    def refresh_stale_masters(self) -> None:
+        """Keep the fp32 masters if the device params are still their cast; else take them from the model."""
+        master = self.state()[0]
+        if not torch.equal(master.to(self.own.dtype), self.own.cpu()):
+            warnings.warn("the model's parameters changed since the optimizer took its fp32 masters (e.g. "
+                          "model.load_state_dict after construction): masters refreshed from the model, losing "
+                          "the bits below its dtype", stacklevel=5)  # fmt: skip
+            self.refresh_from_model()
+
+    @torch.no_grad()
+    def refresh_from_model(self) -> None:
+        """Take the fp32 masters from the model's current (device) parameters."""
+        self.finish_pending(write=False)
+        if self.host is not None:
+            self.host.refresh_from_model()
+        self.device_state[0].copy_(self.own[self.split :])
+        self._staged = False
+
+    def close(self) -> None:
+        """Stop the device stream's worker and the host update."""
+        self.stream.close()
+        if self.host is not None:
+            self.host.close()
