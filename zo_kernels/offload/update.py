@@ -15,7 +15,8 @@ import torch
 
 from ..cpu_adam import cpu_adam_step
 from ..nvme import TILE_MULTIPLE, NvmeSwapper, UpdateFn
-from ..transport import Staging, Transport, tiled_writeback
+from ..transport import Event, Staging, Transport, tiled_writeback
+from .fence import TileFence
 from .formats import Moments, block_of, bytes_per_element
 from .layout import FlatLayout, Run
 from .report import PhaseTimes
@@ -71,6 +72,9 @@ class HostUpdate:
         self.staged = False  # DPU: staging holds the last update's params, not yet on the device
         self._staging_read: Any = None  # event of the last copy out of staging (the next update writes after it)
         self._pending: Future | None = None
+        # DPU: None, the writeback is waited for as a whole; a TileFence, its tiles are waited for by their readers
+        # (the next forward's modules, ZeRO-3's gathers), which the optimizer then hooks up
+        self.fence: TileFence | None = None
         self._executor: ThreadPoolExecutor | None = None
         self.params_in_swapper = own is None  # (then nvme_dir and params_dtype are given, and no DPU)
         self.staging_in_place = self.params_in_swapper or not (transport.needs_staging or delayed)
@@ -367,11 +371,32 @@ class HostUpdate:
         t0 = time.perf_counter()
         own = self.own
         if not self.staging_in_place:
-            # the compute stream waits for the copy; the next update waits for it before writing staging
-            self._staging_read = self.transport.h2d(own, self.staging_buf)
-            self.transport.device_wait(self._staging_read)
+            if self.fence is None:  # the compute stream waits for the copy
+                self._staging_read = self.transport.h2d(own, self.staging_buf)
+                self.transport.device_wait(self._staging_read)
+            else:
+                self._staging_read = self._write_tiles()
+            # (the next update waits for the copies before writing staging)
         self.times.add("writeback", time.perf_counter() - t0)
         self.publish()
+
+    def _write_tiles(self) -> Event:
+        """Staging -> the device tile by tile, each copy's event in the fence, nothing waited for here: the next
+        forward's readers wait for the tiles they use. Returns the last copy's event (it covers them all)."""
+        fence, own, n = self.fence, self.own, self.layout.part
+        fence.reset()
+        event = None
+        for x in range(0, n, self.tile_numel):
+            y = min(n, x + self.tile_numel)
+            event = self.transport.h2d(own[x:y], self.staging_buf[x:y])
+            fence.add(x, y, event)
+        return event
+
+    def wait_written(self) -> None:
+        """The compute stream waits for every tile of the last writeback (a read of the device parameters outside
+        the readers the fence serves)."""
+        if self.fence is not None:
+            self.fence.wait_all()
 
     @torch.no_grad()
     def resume(self, staged: bool) -> None:
@@ -391,6 +416,7 @@ class HostUpdate:
         if self.params_in_swapper:  # the parameters' file holds the masters' cast, unless new weights were stored
             self._refresh_stale_masters_in_swapper()
             return
+        self.wait_written()
         device_part = self.own.cpu()
         master = self.state()[0]
         if not torch.equal(master.to(self.own.dtype), device_part):
@@ -430,6 +456,7 @@ class HostUpdate:
             self.swapper.stream(take)
             return
         own = self.own
+        self.wait_written()
         master = self.state()[0]
         master.copy_(own.float().cpu())
         self.save_master(master)

@@ -1,0 +1,240 @@
+"""The delayed update's writeback tiled under the next forward (offload/fence.py), on the GPU's data flow without a
+GPU: CopyEngineTransport queues every copy to a thread that runs it later, after a delay, so a reader that does not
+wait for its tiles reads the old parameters. The reference is the same run on the plain CPU transport (whose copies
+are synchronous), itself judged against tests/oracle.py by the oracle matrix's DPU cases."""
+
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from offload_ref import make_data, make_model
+
+import zo_kernels as zk
+from zo_kernels.offload.fence import ForwardWaits, TileFence
+from zo_kernels.transport import CopyEngineTransport, HostTransport
+
+TILE = 4096
+STEPS = 4
+
+
+class LoggingTransport(CopyEngineTransport):
+    """CopyEngineTransport that logs each copy into `watched` (the device's flat buffer) as it lands."""
+
+    def __init__(self, log: list, delay_s: float) -> None:
+        super().__init__(delay_s=lambda dst, src: delay_s if self._in_watched(dst) else 0.0)
+        self.log, self.watched = log, None
+
+    def _in_watched(self, dst: torch.Tensor) -> bool:
+        w = self.watched
+        return w is not None and w.data_ptr() <= dst.data_ptr() < w.data_ptr() + w.nbytes
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        super()._copy(dst, src)
+        if self._in_watched(dst):
+            lo = (dst.data_ptr() - self.watched.data_ptr()) // dst.element_size()
+            self.log.append(("landed", lo, lo + dst.numel()))
+
+
+def train(transport, steps=STEPS, stage=2, on_forward=None, **kw):
+    """Losses, final state and device parameters of a DPU run (delayed from the first step)."""
+    model = make_model(seed=0)
+    opt = zk.ZeroOffloadAdamW(model, lr=2e-3, weight_decay=0.01, bucket_numel=50_000, tile_numel=TILE,
+                              transport=transport, delay_update_after=0, stage=stage, **kw)  # fmt: skip
+    if on_forward is not None:
+        on_forward(model, opt)
+    losses = []
+    for step in make_data(steps, batch=4, seed=3):
+        loss = model(step[0][:, :-1], step[0][:, 1:])
+        losses.append(loss.item())
+        opt.backward(loss)
+        opt.step()
+    opt.synchronize()
+    state = opt.state_dict()["state"]
+    with opt.gathered():
+        params = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    opt.close()
+    return losses, state, params
+
+
+def assert_same_run(a, b):
+    assert a[0] == b[0], "losses differ"
+    assert torch.equal(a[2], b[2]), "device params differ"
+    for i in a[1]:
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a[1][i][key], b[1][i][key]), f"param {i} {key} differs"
+
+
+def ordered_run(delay_s: float = 0.004):
+    """A DPU run on LoggingTransport with each module's forward logged (after the optimizer's wait): the log, the
+    model's modules and their own parameters' flat ranges."""
+    log: list = []
+    tr = LoggingTransport(log, delay_s)
+    ranges = {}
+
+    def on_forward(model, opt):
+        tr.watched = opt.flat
+        for name, m in model.named_modules():
+            own = [p for p in m.parameters(recurse=False)]
+            if own:
+                ranges[name] = [(opt._offset[p], opt._offset[p] + p.numel()) for p in own]
+                m.register_forward_pre_hook(lambda m, a, name=name: log.append(("forward", name)))
+        step = opt.step
+
+        def logged_step():
+            log.append(("step",))
+            step()
+
+        opt.step = logged_step
+
+    train(tr, on_forward=on_forward)
+    tr.close()
+    return log, ranges
+
+
+def cycles(log: list) -> list[list]:
+    """The log cut at each step(): what happened from one step() to the next (its writeback, the next forward)."""
+    out: list[list] = [[]]
+    for e in log:
+        if e[0] == "step":
+            out.append([])
+        else:
+            out[-1].append(e)
+    return out
+
+
+def late_reads(cycle: list, ranges: dict) -> list[str]:
+    """Forwards of a module that began before a tile covering its parameters had landed."""
+    landed: list[tuple[int, int]] = []
+    tiles = [e[1:] for e in cycle if e[0] == "landed"]
+    bad = []
+    for e in cycle:
+        if e[0] == "landed":
+            landed.append(e[1:])
+        elif e[0] == "forward":
+            for a, b in ranges[e[1]]:
+                if any(lo < b and a < hi and (lo, hi) not in landed for lo, hi in tiles):
+                    bad.append(e[1])
+    return bad
+
+
+def test_forward_starts_before_the_last_tile_landed_and_after_its_own():
+    """The ordering log of the writeback of each DPU step and the next forward: the first module's forward runs
+    while later tiles are still being copied, and no module's forward runs before its own tiles have landed."""
+    log, ranges = ordered_run()
+    checked = 0
+    for cycle in cycles(log)[2:]:  # after the first delayed step (the first writeback happens at the second)
+        landed = [i for i, e in enumerate(cycle) if e[0] == "landed"]
+        forwards = [i for i, e in enumerate(cycle) if e[0] == "forward"]
+        if not landed or not forwards:
+            continue
+        assert len(landed) > 10, "the writeback was not tiled"
+        assert forwards[0] < landed[-1], "forward waited for the whole writeback"
+        assert not late_reads(cycle, ranges), f"modules read before their tiles landed: {late_reads(cycle, ranges)}"
+        checked += 1
+    assert checked == STEPS - 2  # the writebacks of steps 2..STEPS-1, each followed by a forward
+
+
+def test_a_missing_forward_wait_is_caught(monkeypatch):
+    """With the per-module wait removed, forward reads tiles that have not landed: the ordering check and the
+    comparison with the CPU run both fail (the end of forward still waits for every tile)."""
+    monkeypatch.setattr(ForwardWaits, "_wait", lambda self, ranges: None)
+    log, ranges = ordered_run()
+    assert any(late_reads(c, ranges) for c in cycles(log)[2:]), "a module read its tiles before they landed"
+    tr = CopyEngineTransport(delay_s=0.004)
+    got = train(tr)
+    tr.close()
+    with pytest.raises(AssertionError, match="differ"):
+        assert_same_run(got, train(HostTransport()))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_tiled_dpu_run_is_bit_identical_to_the_cpu_run(stage):
+    tr = CopyEngineTransport(delay_s=0.001)
+    fences = []
+    got = train(tr, stage=stage, on_forward=lambda model, opt: fences.append(opt.update.fence))
+    tr.close()
+    assert isinstance(fences[0], TileFence), "the writeback was not tiled"
+    assert_same_run(got, train(HostTransport(), stage=stage))
+
+
+def test_a_missing_gather_wait_is_caught(monkeypatch):
+    """Stage 3: a unit's gather that does not wait for its tiles of the writeback copies the old shard."""
+    monkeypatch.setattr(TileFence, "wait", lambda self, ranges: None)
+    tr = CopyEngineTransport(delay_s=0.004)
+    got = train(tr, stage=3)
+    tr.close()
+    with pytest.raises(AssertionError, match="differ"):
+        assert_same_run(got, train(HostTransport(), stage=3))
+
+
+def test_reads_outside_forward_wait_for_every_tile():
+    """model.state_dict(), opt.synchronize(), gathered() and close() after a step see the new parameters."""
+    tr = CopyEngineTransport(delay_s=0.003)
+    model = make_model(seed=0)
+    opt = zk.ZeroOffloadAdamW(model, lr=2e-3, tile_numel=TILE, transport=tr, delay_update_after=0)
+    data = make_data(3, batch=2, seed=3)
+    for step in data:
+        opt.backward(model(step[0][:, :-1], step[0][:, 1:]))
+        opt.step()
+    # the third step wrote the second update's parameters: they are the staging buffer's
+    staged = opt.staging_buf[: opt.numel].clone()
+    assert opt.update.fence.pending > 0
+    sd = model.state_dict()
+    assert opt.update.fence.pending == 0
+    flat = torch.cat([t.reshape(-1) for t in sd.values()])
+    assert torch.equal(opt.flat[: opt.numel], staged) and flat.numel() == sum(p.numel() for p in model.parameters())
+    opt.close()
+    tr.close()
+
+
+# ---------------------------------------------------------------- the host syncs left on the critical path
+
+
+def _caller(depth: int = 2) -> tuple[str, str]:
+    f = sys._getframe(depth)
+    return f.f_globals.get("__name__", ""), f.f_code.co_name
+
+
+def test_the_steps_host_syncs_are_the_listed_ones(monkeypatch):
+    """In a steady-state DPU iteration (forward, backward, step) at stage 2 on the GPU's data flow, the main thread
+    blocks on the device only where the list below says (each is a sync on CUDA): a new `.item()`, `.tolist()`,
+    `torch.cuda.synchronize` or host wait on a copy in the library fails this test.
+      - end of backward (GradPath._end_micro): the copies of the last two buckets (_wait_buffer), then every copy
+        (transport.synchronize): step() reads the gradients on the host;
+      - step() (GradPath._global_checks): the sum of squares and the overflow flag (on CUDA one `.tolist()` of both).
+    Not host syncs: the forward's waits for its tiles (device_wait: a stream wait on CUDA), the background update's
+    wait for the copies out of staging (its own thread), step()'s wait for the background update (host work)."""
+    import threading
+
+    calls: Counter = Counter()
+    main = threading.main_thread()
+
+    def counting(name, fn):
+        def wrapper(*a, **kw):
+            mod, func = _caller()
+            if mod.startswith("zo_kernels") and mod != "zo_kernels.transport" and threading.current_thread() is main:
+                calls[(func, name)] += 1
+            return fn(*a, **kw)
+
+        return wrapper
+
+    for name in ("item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch.cuda, "synchronize", counting("cuda.synchronize", torch.cuda.synchronize))
+    tr = CopyEngineTransport(delay_s=0.001)
+    for name in ("wait", "synchronize"):
+        monkeypatch.setattr(tr, name, counting(name, getattr(tr, name)))
+    model = make_model(seed=0)
+    opt = zk.ZeroOffloadAdamW(model, lr=2e-3, tile_numel=TILE, transport=tr, delay_update_after=0,
+                              bucket_numel=50_000)  # fmt: skip
+    per_step = []
+    for step in make_data(4, batch=2, seed=3):
+        calls.clear()
+        opt.backward(model(step[0][:, :-1], step[0][:, 1:]))
+        opt.step()
+        per_step.append(dict(calls))
+    opt.close()
+    tr.close()
+    expected = {("_wait_buffer", "wait"): 2, ("_end_micro", "synchronize"): 1, ("_global_checks", "item"): 2}
+    assert per_step[2:] == [expected] * 2
