@@ -11,6 +11,7 @@ import torch
 from offload_ref import make_data, make_model
 
 import zo_kernels as zk
+from zo_kernels.offload import update as update_module
 from zo_kernels.offload.fence import ForwardWaits, TileFence
 from zo_kernels.transport import CopyEngineTransport, HostTransport
 
@@ -23,7 +24,7 @@ class LoggingTransport(CopyEngineTransport):
 
     def __init__(self, log: list, delay_s: float) -> None:
         super().__init__(delay_s=lambda dst, src: delay_s if self._in_watched(dst) else 0.0)
-        self.log, self.watched = log, None
+        self.log, self.watched, self.staging = log, None, None
 
     def _in_watched(self, dst: torch.Tensor) -> bool:
         w = self.watched
@@ -65,27 +66,38 @@ def assert_same_run(a, b):
             assert torch.equal(a[1][i][key], b[1][i][key]), f"param {i} {key} differs"
 
 
-def ordered_run(delay_s: float = 0.004):
-    """A DPU run on LoggingTransport with each module's forward logged (after the optimizer's wait): the log, the
-    model's modules and their own parameters' flat ranges."""
+def ordered_run(monkeypatch, delay_s: float = 0.004):
+    """A DPU run on LoggingTransport with each writeback's start, each module's forward (after the optimizer's
+    wait) and each span of the background update's kernel logged: the log, the model's modules and their own
+    parameters' flat ranges (one rank: flat = partition coordinates)."""
     log: list = []
     tr = LoggingTransport(log, delay_s)
     ranges = {}
+    kernel = update_module.cpu_adam_step
+
+    def logged_kernel(*args, param_out, **kw):
+        staging = tr.staging
+        if staging is not None and staging.data_ptr() <= param_out.data_ptr() < staging.data_ptr() + staging.nbytes:
+            lo = (param_out.data_ptr() - staging.data_ptr()) // param_out.element_size()
+            log.append(("adam", lo, lo + param_out.numel()))
+        return kernel(*args, param_out=param_out, **kw)
+
+    monkeypatch.setattr(update_module, "cpu_adam_step", logged_kernel)
 
     def on_forward(model, opt):
-        tr.watched = opt.flat
+        tr.watched, tr.staging = opt.flat, opt.staging_buf
         for name, m in model.named_modules():
             own = [p for p in m.parameters(recurse=False)]
             if own:
                 ranges[name] = [(opt._offset[p], opt._offset[p] + p.numel()) for p in own]
                 m.register_forward_pre_hook(lambda m, a, name=name: log.append(("forward", name)))
-        step = opt.step
+        write_tiles = opt.update._write_tiles
 
-        def logged_step():
-            log.append(("step",))
-            step()
+        def logged_write_tiles():
+            log.append(("writeback",))
+            return write_tiles()
 
-        opt.step = logged_step
+        opt.update._write_tiles = logged_write_tiles
 
     train(tr, on_forward=on_forward)
     tr.close()
@@ -93,54 +105,59 @@ def ordered_run(delay_s: float = 0.004):
 
 
 def cycles(log: list) -> list[list]:
-    """The log cut at each step(): what happened from one step() to the next (its writeback, the next forward)."""
+    """The log cut at each writeback: what happened until the next one (its tiles landing, the next forward, the
+    next update into staging)."""
     out: list[list] = [[]]
     for e in log:
-        if e[0] == "step":
+        if e[0] == "writeback":
             out.append([])
         else:
             out[-1].append(e)
     return out
 
 
-def late_reads(cycle: list, ranges: dict) -> list[str]:
-    """Forwards of a module that began before a tile covering its parameters had landed."""
+def early(cycle: list, kind: str, ranges: dict | None = None) -> list:
+    """Forwards of a module ("forward") or spans of the update into staging ("adam") that began before a tile
+    covering their range had landed (read the old parameters; overwrote staging under its copy)."""
     landed: list[tuple[int, int]] = []
     tiles = [e[1:] for e in cycle if e[0] == "landed"]
     bad = []
     for e in cycle:
         if e[0] == "landed":
             landed.append(e[1:])
-        elif e[0] == "forward":
-            for a, b in ranges[e[1]]:
+        elif e[0] == kind:
+            for a, b in ranges[e[1]] if kind == "forward" else [e[1:]]:
                 if any(lo < b and a < hi and (lo, hi) not in landed for lo, hi in tiles):
-                    bad.append(e[1])
+                    bad.append(e[1:])
     return bad
 
 
-def test_forward_starts_before_the_last_tile_landed_and_after_its_own():
-    """The ordering log of the writeback of each DPU step and the next forward: the first module's forward runs
-    while later tiles are still being copied, and no module's forward runs before its own tiles have landed."""
-    log, ranges = ordered_run()
-    checked = 0
-    for cycle in cycles(log)[2:]:  # after the first delayed step (the first writeback happens at the second)
+def test_forward_and_update_start_before_the_last_tile_landed_and_after_their_own(monkeypatch):
+    """The ordering log of each DPU writeback: the next forward's first module runs, and the next update starts
+    writing staging, while later tiles are still being copied; no module's forward runs and no span of staging is
+    written before the tiles covering it have landed."""
+    log, ranges = ordered_run(monkeypatch)
+    assert len(cycles(log)) == STEPS + 1  # a writeback at steps 2..STEPS and at synchronize()
+    forwards = updates = 0
+    for cycle in cycles(log)[1:]:
         landed = [i for i, e in enumerate(cycle) if e[0] == "landed"]
-        forwards = [i for i, e in enumerate(cycle) if e[0] == "forward"]
-        if not landed or not forwards:
-            continue
         assert len(landed) > 10, "the writeback was not tiled"
-        assert forwards[0] < landed[-1], "forward waited for the whole writeback"
-        assert not late_reads(cycle, ranges), f"modules read before their tiles landed: {late_reads(cycle, ranges)}"
-        checked += 1
-    assert checked == STEPS - 2  # the writebacks of steps 2..STEPS-1, each followed by a forward
+        for kind in ("forward", "adam"):
+            seen = [i for i, e in enumerate(cycle) if e[0] == kind]
+            if seen:
+                assert seen[0] < landed[-1], f"{kind} waited for the whole writeback"
+                assert not early(cycle, kind, ranges), f"{kind} before its tiles landed: {early(cycle, kind, ranges)}"
+        forwards += any(e[0] == "forward" for e in cycle)
+        updates += any(e[0] == "adam" for e in cycle)
+    assert forwards == STEPS - 2 and updates == STEPS - 1  # the writebacks of steps 2..STEPS-1 / 2..STEPS
 
 
 def test_a_missing_forward_wait_is_caught(monkeypatch):
     """With the per-module wait removed, forward reads tiles that have not landed: the ordering check and the
     comparison with the CPU run both fail (the end of forward still waits for every tile)."""
     monkeypatch.setattr(ForwardWaits, "_wait", lambda self, ranges: None)
-    log, ranges = ordered_run()
-    assert any(late_reads(c, ranges) for c in cycles(log)[2:]), "a module read its tiles before they landed"
+    log, ranges = ordered_run(monkeypatch)
+    assert any(early(c, "forward", ranges) for c in cycles(log)), "a module read its tiles before they landed"
     tr = CopyEngineTransport(delay_s=0.004)
     got = train(tr)
     tr.close()
@@ -158,6 +175,16 @@ def test_tiled_dpu_run_is_bit_identical_to_the_cpu_run(stage):
     assert_same_run(got, train(HostTransport(), stage=stage))
 
 
+def test_an_update_that_does_not_wait_for_the_copies_out_of_staging_is_caught(monkeypatch):
+    """The next update overwriting staging before its tiles were copied sends it early: the comparison fails."""
+    monkeypatch.setattr(TileFence, "landed", lambda self, a, b: iter([(a, b)]))
+    tr = CopyEngineTransport(delay_s=0.004)
+    got = train(tr)
+    tr.close()
+    with pytest.raises(AssertionError, match="differ"):
+        assert_same_run(got, train(HostTransport()))
+
+
 def test_a_missing_gather_wait_is_caught(monkeypatch):
     """Stage 3: a unit's gather that does not wait for its tiles of the writeback copies the old shard."""
     monkeypatch.setattr(TileFence, "wait", lambda self, ranges: None)
@@ -169,23 +196,33 @@ def test_a_missing_gather_wait_is_caught(monkeypatch):
 
 
 def test_reads_outside_forward_wait_for_every_tile():
-    """model.state_dict(), opt.synchronize(), gathered() and close() after a step see the new parameters."""
+    """model.state_dict() right after a step, then opt.synchronize(), see the new parameters (as on the CPU
+    transport, whose copies are synchronous)."""
+
+    def run(transport):
+        model = make_model(seed=0)
+        opt = zk.ZeroOffloadAdamW(model, lr=2e-3, tile_numel=TILE, transport=transport, delay_update_after=0)
+        for step in make_data(3, batch=2, seed=3):
+            opt.backward(model(step[0][:, :-1], step[0][:, 1:]))
+            opt.step()
+        fence = opt.update.fence
+        pending = fence.pending if fence is not None else None
+        after_step = {k: v.clone() for k, v in model.state_dict().items()}
+        assert fence is None or fence.pending == 0
+        opt.synchronize()
+        assert fence is None or fence.pending == 0
+        after_sync = {k: v.clone() for k, v in model.state_dict().items()}
+        opt.close()
+        return pending, after_step, after_sync
+
     tr = CopyEngineTransport(delay_s=0.003)
-    model = make_model(seed=0)
-    opt = zk.ZeroOffloadAdamW(model, lr=2e-3, tile_numel=TILE, transport=tr, delay_update_after=0)
-    data = make_data(3, batch=2, seed=3)
-    for step in data:
-        opt.backward(model(step[0][:, :-1], step[0][:, 1:]))
-        opt.step()
-    # the third step wrote the second update's parameters: they are the staging buffer's
-    staged = opt.staging_buf[: opt.numel].clone()
-    assert opt.update.fence.pending > 0
-    sd = model.state_dict()
-    assert opt.update.fence.pending == 0
-    flat = torch.cat([t.reshape(-1) for t in sd.values()])
-    assert torch.equal(opt.flat[: opt.numel], staged) and flat.numel() == sum(p.numel() for p in model.parameters())
-    opt.close()
+    pending, got_step, got_sync = run(tr)
     tr.close()
+    _, ref_step, ref_sync = run(HostTransport())
+    assert pending > 0, "every tile had landed before the read: nothing was tested"
+    for got, ref in ((got_step, ref_step), (got_sync, ref_sync)):
+        for k in ref:
+            assert torch.equal(got[k], ref[k]), k
 
 
 # ---------------------------------------------------------------- the host syncs left on the critical path
@@ -200,8 +237,8 @@ def test_the_steps_host_syncs_are_the_listed_ones(monkeypatch):
     """In a steady-state DPU iteration (forward, backward, step) at stage 2 on the GPU's data flow, the main thread
     blocks on the device only where the list below says (each is a sync on CUDA): a new `.item()`, `.tolist()`,
     `torch.cuda.synchronize` or host wait on a copy in the library fails this test.
-      - end of backward (GradPath._end_micro): the copies of the last two buckets (_wait_buffer), then every copy
-        (transport.synchronize): step() reads the gradients on the host;
+      - end of backward (GradPath._end_micro): every copy (transport.synchronize): step() reads the gradients on the
+        host (it waited for the last two buckets' copies one by one before too: 2 more, removed);
       - step() (GradPath._global_checks): the sum of squares and the overflow flag (on CUDA one `.tolist()` of both).
     Not host syncs: the forward's waits for its tiles (device_wait: a stream wait on CUDA), the background update's
     wait for the copies out of staging (its own thread), step()'s wait for the background update (host work)."""
@@ -236,5 +273,5 @@ def test_the_steps_host_syncs_are_the_listed_ones(monkeypatch):
         per_step.append(dict(calls))
     opt.close()
     tr.close()
-    expected = {("_wait_buffer", "wait"): 2, ("_end_micro", "synchronize"): 1, ("_global_checks", "item"): 2}
+    expected = {("_end_micro", "synchronize"): 1, ("_global_checks", "item"): 2}
     assert per_step[2:] == [expected] * 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -74,6 +75,25 @@ class TileFence:
             self._first = last + 1
         self.times.add("forward_writeback_wait", time.perf_counter() - t0)
 
+    def landed(self, a: int, b: int) -> Iterator[tuple[int, int]]:
+        """[a, b) in spans whose copies have finished, each given once the host has seen them finish: a writer of
+        the copies' source (the next update, into staging) goes as far as they let it, waiting for one tile only
+        when none ahead has finished. Host waits: for the background update's thread."""
+        x = a
+        while x < b:
+            k = bisect.bisect_right(self._lo, x) - 1  # the tile holding x
+            if k < 0 or self._hi[k] <= x:  # no copy reads x (no tile holds it)
+                nxt = k + 1
+                y = min(b, self._lo[nxt]) if nxt < len(self._lo) else b
+            else:
+                self.transport.wait(self._events[k])
+                j = k + 1
+                while j < len(self._events) and self._lo[j] < b and self._events[j].done():
+                    j += 1
+                y = min(b, self._hi[j - 1])
+            yield x, y
+            x = y
+
     def wait_all(self) -> None:
         """The compute stream waits for every tile (a reader outside forward: state_dict, close, a collective)."""
         if self._first < len(self._events):
@@ -110,7 +130,12 @@ class ForwardWaits:
             self.ranges[module] += new  # (in place: the hook holds the list)
             return
         self.ranges[module] = ranges = new
-        self.hooks.append(module.register_forward_pre_hook(_Hook(lambda m, a: self._wait(ranges))))
+        self.hooks.append(module.register_forward_pre_hook(_Hook(lambda m, a: self._pre_forward(ranges))))
+
+    def _pre_forward(self, ranges: Ranges) -> None:
+        # eagerly, nothing pending costs one comparison (a compiler.disable call costs ~5 us per module)
+        if torch.compiler.is_compiling() or self.fence.pending:
+            self._wait(ranges)
 
     @torch.compiler.disable  # the wait is an event on the copy stream: run eagerly
     def _wait(self, ranges: Ranges) -> None:

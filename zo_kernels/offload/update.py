@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -260,13 +260,22 @@ class HostUpdate:
                 dst = self.own[a:b]
                 events += tiled_writeback(self.transport, master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b],
                                           dst=dst, staging=staging, timings=self.times, **adam)  # fmt: skip
-            else:
-                self.transport.wait(self._staging_read)  # the copy of the last update may still read staging
-                cpu_adam_step(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b],
-                              param_out=self.staging_buf[a:b], **adam)  # fmt: skip
+            else:  # staging as far as the copies of the last writeback have read it (the kernel is elementwise)
+                for x, y in self._staging_free(a, b):
+                    cpu_adam_step(master[x:y], grad[x:y], exp_avg[x:y], exp_avg_sq[x:y],
+                                  param_out=self.staging_buf[x:y], **adam)  # fmt: skip
         for ev in events:
             self.transport.device_wait(ev)
         return time.perf_counter() - t0
+
+    def _staging_free(self, a: int, b: int) -> Iterator[tuple[int, int]]:
+        """Range [a, b) of staging in spans that no copy of the last writeback reads any more: tile by tile as they
+        land with a fence (the update starts under the writeback), else once the whole copy is done."""
+        if self.fence is not None and self.fence.tiles:
+            yield from self.fence.landed(a, b)
+        else:
+            self.transport.wait(self._staging_read)
+            yield a, b
 
     def _tile_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
                      writeback: bool) -> None:  # fmt: skip
