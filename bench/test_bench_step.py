@@ -255,3 +255,17 @@ def test_step_in_parts(device, tmp_path):
         for key in ("params", "zo_ms", "fwd_bwd_ms", "cpu_adam_ms", "d2h_ms", "torch_fused_ms", "phases"):
             assert r[key], key
         assert (r["zo_peak_gib"] is None) == (device == "cpu")
+
+
+def test_dpu_writeback_overlaps_the_next_forward(tmp_path):
+    """The DPU row on the GPU's data flow (CopyEngineTransport, copies delayed as over a 1 GB/s link): the writeback
+    goes in tiles, the forward starts before the last one landed, and the row records how long it waited for them."""
+    out = tmp_path / "step.json"
+    argv = ["--sizes", "2e6", "--device", "cpu", "--batch", "2", "--context", "32", "--rounds", "3", "--modes", "dpu",
+            "--copy-engine-gbps", "1", "--tile-numel", "65536"]  # fmt: skip
+    assert step_rows.main([str(out), *argv]) == 0
+    (row,) = json.loads(out.read_text())
+    print("\n" + step_rows.line(row))
+    assert row["writeback_tiles"] > 10 and row["writeback_in_flight_at_forward"] > 0
+    assert "forward_writeback_wait" in row["phases"]
+
