@@ -3,6 +3,7 @@ GPU: CopyEngineTransport queues every copy to a thread that runs it later, after
 wait for its tiles reads the old parameters. The reference is the same run on the plain CPU transport (whose copies
 are synchronous), itself judged against tests/oracle.py by the oracle matrix's DPU cases."""
 
+import copy
 import sys
 from collections import Counter
 
@@ -275,3 +276,35 @@ def test_the_steps_host_syncs_are_the_listed_ones(monkeypatch):
     tr.close()
     expected = {("_end_micro", "synchronize"): 1, ("_global_checks", "item"): 2}
     assert per_step[2:] == [expected] * 2
+
+
+def test_a_load_under_the_writeback_does_not_change_what_its_copies_send():
+    """A state saved between a delayed update and its writeback (staged), loaded while the tiles of a later writeback
+    are still being copied (a step that wrote update 2 and then overflowed: no update runs after it): resume()
+    rewrites staging only after those copies have read it, so the device holds what that writeback sent, as on the
+    CPU transport."""
+
+    def run(transport):
+        model = make_model(seed=0)
+        opt = zk.ZeroOffloadAdamW(model, lr=2e-3, tile_numel=TILE, transport=transport, delay_update_after=0)
+        saved = None
+        for i, step in enumerate(make_data(3, batch=2, seed=3)):
+            loss = model(step[0][:, :-1], step[0][:, 1:])
+            opt.backward(loss * float("inf") if i == 2 else loss)  # the third step writes update 2, then overflows
+            opt.step()
+            if i == 0:
+                saved = copy.deepcopy(opt.state_dict())  # update 1 done, not yet written: staged
+        assert saved["zero_offload"]["staged"] and opt.stats["skip_reason"] == "overflow"
+        pending = opt.update.fence.pending if opt.update.fence is not None else None
+        opt.load_state_dict(saved)
+        device = {k: v.clone() for k, v in model.state_dict().items()}
+        opt.close()
+        return pending, device
+
+    tr = CopyEngineTransport(delay_s=0.003)
+    pending, got = run(tr)
+    tr.close()
+    _, ref = run(HostTransport())
+    assert pending > 0, "every tile had landed before the load: nothing was tested"
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), f"{k} differs"

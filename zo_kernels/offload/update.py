@@ -412,6 +412,7 @@ class HostUpdate:
         """After a state was loaded: the device params from the masters now, or (a state saved between a delayed
         update and its writeback) by the next step(), as if never stopped."""
         if not self.params_in_swapper:  # (else save_state wrote the masters' cast into the parameters' file)
+            self.transport.wait(self._staging_read)  # a copy of the last writeback may still read staging
             self.staging_buf.copy_(self.state()[0])
         if staged and not self.staging_in_place:
             self.staged = True
@@ -470,6 +471,7 @@ class HostUpdate:
         master.copy_(own.float().cpu())
         self.save_master(master)
         if not self.staging_in_place:  # staging holds the params a skipped range keeps
+            self.transport.wait(self._staging_read)
             self.staging_buf.copy_(own.cpu())
         self.staged = False  # the device parameters are the truth now
 
