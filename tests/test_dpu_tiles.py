@@ -4,6 +4,7 @@ wait for its tiles reads the old parameters. The reference is the same run on th
 are synchronous), itself judged against tests/oracle.py by the oracle matrix's DPU cases."""
 
 import copy
+import functools
 import sys
 from collections import Counter
 
@@ -57,6 +58,12 @@ def train(transport, steps=STEPS, stage=2, on_forward=None, **kw):
         params = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
     opt.close()
     return losses, state, params
+
+
+@functools.cache
+def reference(stage: int):
+    """train() on the plain CPU transport (synchronous copies), once per stage."""
+    return train(HostTransport(), stage=stage)
 
 
 def assert_same_run(a, b):
@@ -163,7 +170,7 @@ def test_a_missing_forward_wait_is_caught(monkeypatch):
     got = train(tr)
     tr.close()
     with pytest.raises(AssertionError, match="differ"):
-        assert_same_run(got, train(HostTransport()))
+        assert_same_run(got, reference(2))
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -173,7 +180,7 @@ def test_tiled_dpu_run_is_bit_identical_to_the_cpu_run(stage):
     got = train(tr, stage=stage, on_forward=lambda model, opt: fences.append(opt.update.fence))
     tr.close()
     assert isinstance(fences[0], TileFence), "the writeback was not tiled"
-    assert_same_run(got, train(HostTransport(), stage=stage))
+    assert_same_run(got, reference(stage))
 
 
 def test_an_update_that_does_not_wait_for_the_copies_out_of_staging_is_caught(monkeypatch):
@@ -183,7 +190,7 @@ def test_an_update_that_does_not_wait_for_the_copies_out_of_staging_is_caught(mo
     got = train(tr)
     tr.close()
     with pytest.raises(AssertionError, match="differ"):
-        assert_same_run(got, train(HostTransport()))
+        assert_same_run(got, reference(2))
 
 
 def test_a_missing_gather_wait_is_caught(monkeypatch):
@@ -193,7 +200,7 @@ def test_a_missing_gather_wait_is_caught(monkeypatch):
     got = train(tr, stage=3)
     tr.close()
     with pytest.raises(AssertionError, match="differ"):
-        assert_same_run(got, train(HostTransport(), stage=3))
+        assert_same_run(got, reference(3))
 
 
 def test_reads_outside_forward_wait_for_every_tile():
