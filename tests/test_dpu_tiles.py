@@ -61,9 +61,9 @@ def train(transport, steps=STEPS, stage=2, on_forward=None, **kw):
 
 
 @functools.cache
-def reference(stage: int):
-    """train() on the plain CPU transport (synchronous copies), once per stage."""
-    return train(HostTransport(), stage=stage)
+def reference(stage: int, state_dtype: torch.dtype = torch.float32):
+    """train() on the plain CPU transport (synchronous copies), once per stage and moments' format."""
+    return train(HostTransport(), stage=stage, state_dtype=state_dtype)
 
 
 def assert_same_run(a, b):
@@ -173,14 +173,16 @@ def test_a_missing_forward_wait_is_caught(monkeypatch):
         assert_same_run(got, reference(2))
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_tiled_dpu_run_is_bit_identical_to_the_cpu_run(stage):
+@pytest.mark.parametrize("stage, state_dtype", [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16)],
+                         ids=["stage2", "stage3", "stage2-bf16-moments"])  # fmt: skip
+def test_tiled_dpu_run_is_bit_identical_to_the_cpu_run(stage, state_dtype):
     tr = CopyEngineTransport(delay_s=0.001)
     fences = []
-    got = train(tr, stage=stage, on_forward=lambda model, opt: fences.append(opt.update.fence))
+    got = train(tr, stage=stage, state_dtype=state_dtype,
+                on_forward=lambda model, opt: fences.append(opt.update.fence))  # fmt: skip
     tr.close()
     assert isinstance(fences[0], TileFence), "the writeback was not tiled"
-    assert_same_run(got, reference(stage))
+    assert_same_run(got, reference(stage, state_dtype))
 
 
 def test_an_update_that_does_not_wait_for_the_copies_out_of_staging_is_caught(monkeypatch):

@@ -282,13 +282,14 @@ class HostUpdate:
         """The update of bf16 / 8-bit moments in memory: each run tile by tile (tiles start on blocks), the new
         params into staging; with writeback each tile's copy to the device is queued at once (it overlaps the next
         tile's update) and the compute stream waits for all of them at the end, as in the NVMe update."""
-        self.transport.wait(self._staging_read)  # the last update's copies out of staging
         send = writeback and not self.staging_in_place
         events: list = []
         try:
             for gi, a, b, step, factor in runs:
                 for x in range(a, b, self.tile_numel):
                     y = min(b, x + self.tile_numel)
+                    for _ in self._staging_free(x, y):  # the last update's copies out of staging [x, y)
+                        pass
                     t0 = time.perf_counter()
                     cpu_adam_step(self._master[x:y], grad[x:y], *self.moments.view(x, y), step=step,
                                            grad_scale=grad_scale * factor, threads=self.threads,
