@@ -14,6 +14,13 @@ Orchestration = the optimizer's time outside kernels and copies: (offload + redu
 [- pack alone, device = CPU]) / step (orchestration_ms); the earlier measure, every optimizer phase but the kernel
 (packing and the end-of-backward wait included), is optimizer_outside_kernel_of_step.
 Peak memory: torch.cuda.max_memory_allocated, reset after construction (None on CPU).
+DPU rows show the overlap of the tiled writeback with the next forward (offload/fence.py): the phase
+forward_writeback_wait (host seconds the forward's modules waited for their tiles: the wait itself on the CPU, only
+the queueing of stream waits on CUDA), writeback_tiles (tiles per writeback) and writeback_in_flight_at_forward
+(tiles not yet landed when the forward's first module came: > 0 means forward started before the last tile landed).
+On the CPU, --copy-engine-gbps runs the GPU's data flow (CopyEngineTransport: copies on a thread, each delayed as if
+it crossed a link of that many GB/s): the only way the writeback overlaps anything there.
+
 gpu_fraction (Twin-Flow): each mode runs once per --gpu-fractions entry: a number, or "auto" (zo_kernels.auto_fraction's
 pick from this run's fraction-0 row: its forward+backward time and CPU Adam kernel rate, torch's fused AdamW rate
 measured on the device, the device memory that row left); those rows add gpu_fraction, tokens_per_s, tokens_vs_torch
@@ -22,6 +29,7 @@ comes from device = CPU (bench/test_bench_step.py); the GPU's are NOT MEASURED.
 
 Usage: python bench/step_rows.py OUT.json [--sizes 95M,1.3B] [--modes sync,dpu] [--device cuda]
        [--batch 8] [--context 512] [--budget-s 200] [--gpu-fractions 0,auto]
+       [--copy-engine-gbps 25] [--tile-numel 2097152]
 Writes OUT.json after every row (a run cut short keeps what finished); prints one line per row.
 """
 
@@ -41,6 +49,7 @@ import zo_kernels as zk
 from zo_kernels.auto_fraction import FractionPick, measure_device_adam_rate, pick_fraction
 from zo_kernels.gpt import GPT, GPTConfig, num_params
 from zo_kernels.offload.twin import split_runs
+from zo_kernels.transport import CopyEngineTransport, Transport
 
 # 1.3B: 26 layers of width 2048 (12 * 26 * 2048^2 = 1.31e9); torch's fused AdamW on fp32 masters with a bf16
 # working copy holds ~20 B/param = 26 GB + activations: it fits an 80 GB GPU without offload.
@@ -50,7 +59,7 @@ CONFIGS = {
 }
 VOCAB = 256
 PHASES = ("offload", "reduce", "backward_offload_wait", "step", "kernel", "cpu_update", "writeback", "dpu_wait",
-          "all_gather")  # fmt: skip
+          "all_gather", "forward_writeback_wait")  # fmt: skip
 
 
 def config(size: str, context: int) -> GPTConfig:
@@ -223,23 +232,38 @@ def orchestration_ms(phases: dict, pack_ms: float, device: torch.device) -> floa
     return outside - (pack_ms if device.type == "cpu" else 0.0)
 
 
-def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fraction: float = 0.0) -> dict:
+def copy_engine(gbps: float | None) -> Transport | None:
+    """The GPU's data flow on the CPU: copies on a thread, each delayed as if it crossed a link of `gbps` GB/s."""
+    if gbps is None:
+        return None
+    return CopyEngineTransport(delay_s=lambda dst, src: dst.numel() * dst.element_size() / (gbps * 1e9))
+
+
+def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fraction: float = 0.0,
+            gbps: float | None = None, tile_numel: int | None = None) -> dict:  # fmt: skip
     """fwd_bwd alone, then ZeroOffloadAdamW (sync or DPU steady state): step, phases, peak; CPU Adam alone, D2H
-    alone on the same optimizer's buffers."""
+    alone on the same optimizer's buffers. `gbps`: on the CPU, the GPU's data flow (copy_engine); `tile_numel`: the
+    optimizer's (None: its default)."""
     device = x.device
     model = _model(cfg, device).to(torch.bfloat16)
     params = num_params(model)
     row: dict = {"params": params, "mode": mode, "config": cfg.__dict__, "tokens": x[:, :-1].numel()}
     row["fwd_bwd_ms"] = fwd_bwd(model, x, rounds) * 1e3
     _free(device)
-    opt = zk.ZeroOffloadAdamW(model, lr=1e-4, delay_update_after=0 if mode == "dpu" else None,
-                              gpu_fraction=gpu_fraction)  # fmt: skip
+    transport = copy_engine(gbps)
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-4, delay_update_after=0 if mode == "dpu" else None, transport=transport,
+                              tile_numel=tile_numel, gpu_fraction=gpu_fraction)  # fmt: skip
     row["gpu_fraction"], row["partition"] = gpu_fraction, opt.part
+    fence = opt.update.fence  # DPU with real copies: the tiled writeback (None: waited for whole)
     try:
         phases: list[dict] = []
+        tiles: list[tuple[int, int]] = []  # (tiles, in flight when the forward's first module came) per step
 
         def step() -> None:
-            opt.backward(model(x[:, :-1], x[:, 1:]))
+            loss = model(x[:, :-1], x[:, 1:])
+            if fence is not None and fence.in_flight is not None:
+                tiles.append((fence.tiles, fence.in_flight))
+            opt.backward(loss)
             opt.step()
             phases.append({k[5:]: v for k, v in opt.stats.items() if k.startswith("time_")})
 
@@ -251,6 +275,10 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
         row["zo_ms"] = zo_s * 1e3
         row["tokens_per_s"] = row["tokens"] / zo_s
         row["phases"] = {k: _median([p.get(k, 0.0) for p in phases]) * 1e3 for k in PHASES}
+        tiles = tiles[-rounds:]
+        row["writeback_tiles"] = _median([t for t, _ in tiles]) if tiles else None
+        row["writeback_in_flight_at_forward"] = _median([f for _, f in tiles]) if tiles else None
+        row["copy_engine_gbps"] = gbps
         opt.synchronize()
         _sync(device)
         adam, bare = cpu_adam_alone(opt, max(2, rounds // 2))
@@ -266,6 +294,8 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
         row["threads"] = opt.threads
     finally:
         opt.close()
+        if transport is not None:
+            transport.close()
         opt = model = None  # freed before the next model is built
         _free(device)
     return row
@@ -311,7 +341,8 @@ def auto_pick(row: dict, device: torch.device) -> FractionPick:
 
 
 def measure(size: str, modes: list[str], device: torch.device, batch: int, context: int, rounds: int,
-            fractions: tuple[str, ...] = ("0",)) -> list[dict]:  # fmt: skip
+            fractions: tuple[str, ...] = ("0",), gbps: float | None = None,
+            tile_numel: int | None = None) -> list[dict]:  # fmt: skip
     """The rows of one size: the torch reference once, then one row per mode and gpu_fraction (a number or "auto")."""
     cfg = config(size, context)
     g = torch.Generator().manual_seed(1)
@@ -323,9 +354,9 @@ def measure(size: str, modes: list[str], device: torch.device, batch: int, conte
         for choice in fractions:
             pick = None
             if choice == "auto":
-                plain = plain or zo_step(cfg, x, mode, rounds)
+                plain = plain or zo_step(cfg, x, mode, rounds, 0.0, gbps, tile_numel)
                 pick = auto_pick(plain, device)
-            row = zo_step(cfg, x, mode, rounds, gpu_fraction=pick.fraction if pick else float(choice))
+            row = zo_step(cfg, x, mode, rounds, pick.fraction if pick else float(choice), gbps, tile_numel)
             plain = row if choice != "auto" and float(choice) == 0.0 else plain
             row.update(ref, size=size, device=str(device), batch=[batch, context], gpu_fraction_choice=choice)
             row["tokens_vs_torch"] = ref["torch_fused_ms"] / row["zo_ms"]
@@ -341,6 +372,9 @@ def line(row: dict) -> str:
     peak = f", peak {row['zo_peak_gib']:.2f} GiB vs {row['torch_peak_gib']:.2f}" if row.get("zo_peak_gib") else ""
     t = ", ".join(f"{k} {v['value']:.3f} ({'MET' if v['met'] else 'MISSED'} <= {v['bar']})"
                   for k, v in row["targets"].items())  # fmt: skip
+    if row.get("writeback_tiles"):
+        t += (f"; writeback {row['writeback_tiles']} tiles, {row['writeback_in_flight_at_forward']} in flight at "
+              f"forward, forward waited {row['phases']['forward_writeback_wait']:.2f} ms")  # fmt: skip
     twin = f" gpu_fraction {row['gpu_fraction']:.3f} ({row['gpu_fraction_choice']})" if row.get("gpu_fraction") else ""
     return (f"{row['size']:>5} {row['params'] / 1e6:8.1f}M {row['mode']:<4}{twin}: zo {row['zo_ms']:8.2f} ms, fwd+bwd "
             f"{row['fwd_bwd_ms']:7.2f}, cpu adam {row['cpu_adam_ms']:7.2f} (kernel {row['cpu_adam_kernel_ms']:.2f}), "
@@ -359,12 +393,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=math.inf, help="start no new size past this many seconds")
     ap.add_argument("--gpu-fractions", default="0", help="gpu_fraction per row: numbers in [0, 1] and/or auto")
+    ap.add_argument("--copy-engine-gbps", type=float, default=None,
+                    help="device cpu: the GPU's data flow, copies delayed as over a link of this many GB/s")
+    ap.add_argument("--tile-numel", type=int, default=None, help="the optimizer's tile_numel (default: its own)")
     a = ap.parse_args(argv)
     fractions = tuple(a.gpu_fractions.split(","))
     for f in fractions:
         if f != "auto" and not (f.replace(".", "", 1).isdigit() and 0.0 <= float(f) <= 1.0):
             ap.error(f"--gpu-fractions: numbers in [0, 1] and/or auto, got {a.gpu_fractions}")
     device = torch.device(a.device)
+    if a.copy_engine_gbps is not None and (device.type != "cpu" or not a.copy_engine_gbps > 0):
+        ap.error("--copy-engine-gbps: a positive rate, with --device cpu")
     modes = a.modes.split(",")
     if set(modes) - {"sync", "dpu"}:
         ap.error(f"--modes: sync and/or dpu, got {a.modes}")
@@ -376,7 +415,8 @@ def main(argv: list[str]) -> int:
             status = 1
             continue
         try:
-            new = measure(size, modes, device, a.batch, a.context, a.rounds, fractions)
+            new = measure(size, modes, device, a.batch, a.context, a.rounds, fractions, a.copy_engine_gbps,
+                          a.tile_numel)
         except Exception as e:  # e.g. out of memory: the row says why, the other sizes still run
             print(f"{size}: FAILED {type(e).__name__}: {e}", flush=True)
             rows.append({"size": size, "error": f"{type(e).__name__}: {e}"[:500]})

@@ -273,3 +273,17 @@ def test_step_rows_gpu_fraction_on_the_cpu(tmp_path):
         assert r["tokens_per_s"] > 0 and r["tokens_vs_torch"] > 0 and 0.0 <= r["gpu_fraction"] <= 1.0
         assert ("twin_time_vs_torch" in r["targets"]) == (r["gpu_fraction_choice"] != "0")
     assert all("gpu_fraction" in r["gpu_fraction_pick"] for r in rows if r["gpu_fraction_choice"] == "auto")
+
+
+def test_dpu_writeback_overlaps_the_next_forward(tmp_path):
+    """The DPU row on the GPU's data flow (CopyEngineTransport, copies delayed as over a 1 GB/s link): the writeback
+    goes in tiles, the forward starts before the last one landed, and the row records how long it waited for them."""
+    out = tmp_path / "step.json"
+    argv = ["--sizes", "2e6", "--device", "cpu", "--batch", "2", "--context", "32", "--rounds", "3", "--modes", "dpu",
+            "--copy-engine-gbps", "1", "--tile-numel", "65536"]  # fmt: skip
+    assert step_rows.main([str(out), *argv]) == 0
+    (row,) = json.loads(out.read_text())
+    print("\n" + step_rows.line(row))
+    assert row["writeback_tiles"] > 10 and row["writeback_in_flight_at_forward"] > 0
+    assert "forward_writeback_wait" in row["phases"]
+

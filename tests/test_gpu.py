@@ -233,6 +233,45 @@ def test_stages_on_cuda_bitwise_equal_stage_2(stage):
     assert torch.equal(results[stage][1], results["2"][1]), "masters differ"
 
 
+def test_tiled_dpu_writeback_on_cuda_equals_the_whole_one():
+    """DPU with the model known (the writeback in tiles, each module's forward or unit gather waiting for its own
+    tiles: stages 2 and 3) against the same run waited whole (stage 2 given only the parameters: no module to hook),
+    the H2D stream put to sleep before each step so that a missing wait reads old parameters: losses and masters
+    bit for bit; the forward started before the last tile landed (tiles in flight when its first module came)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    results = {}
+    for name, stage in (("whole", 2), ("tiled", 2), ("tiled", 3)):
+        model = make_model(seed=0).to(DEV)
+        tr = CudaTransport()
+        opt = zk.ZeroOffloadAdamW(model.parameters() if name == "whole" else model, lr=2e-3, weight_decay=0.01,
+                                  bucket_numel=100_000, tile_numel=1 << 14, delay_update_after=0, stage=stage,
+                                  transport=tr)  # fmt: skip
+        assert (opt.update.fence is None) == (name == "whole")
+        losses, in_flight = [], []
+        for step in make_data(5, batch=4, seed=2):
+            x = step[0].to(DEV)
+            loss = model(x[:, :-1], x[:, 1:])
+            fence = opt.update.fence
+            if fence is not None and fence.in_flight is not None:  # of the writeback this forward waited for
+                in_flight.append(fence.in_flight)
+            losses.append(loss.item())
+            opt.backward(loss)
+            with torch.cuda.stream(tr.h2d_stream):
+                torch.cuda._sleep(SLEEP_CYCLES)
+            opt.step()
+        opt.synchronize()
+        sd = opt.state_dict()
+        masters = torch.cat([sd["state"][i]["master"].reshape(-1) for i in range(len(sd["state"]))])
+        results[name, stage] = (losses, masters)
+        opt.close()
+        tr.close()
+        if name == "tiled":
+            assert in_flight and max(in_flight) > 0, "the forward never started before the last tile landed"
+    for key in (("tiled", 2), ("tiled", 3)):
+        assert results[key][0] == results["whole", 2][0], f"{key}: losses differ"
+        assert torch.equal(results[key][1], results["whole", 2][1]), f"{key}: masters differ"
+
+
 def _rss() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))

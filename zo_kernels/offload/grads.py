@@ -354,9 +354,9 @@ class GradPath:
         wait for the copies."""
         t0 = time.perf_counter()
         self._launch_ready(flush=True)
+        self.transport.synchronize()  # every copy: step() reads the landing buffer on the host (the one host wait)
         for k in range(2):
-            self._wait_buffer(k)
-        self.transport.synchronize()
+            self._wait_buffer(k, host=False)  # the reduces still using the buffers (their copies are done)
         if self.comm.world > 1:  # a param with a gradient on some rank has one on every rank (DDP averages them)
             got = torch.tensor(self._got, dtype=torch.uint8).to(self.comm.device_of_collectives)
             self.comm.collective("the all-reduce of which params got a gradient", dist.all_reduce, got,

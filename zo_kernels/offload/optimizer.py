@@ -29,6 +29,7 @@ from ..transport import HostTransport, Transport, default_transport
 from . import report, state
 from .checks import DTYPES, MAX_THREADS, check_int, check_offload, check_params, check_stage, check_trainable
 from .comm import COLLECTIVE_TIMEOUT_S, Comm, pin_rank_threads
+from .fence import ForwardWaits, TileFence
 from .formats import block_of, check_state_dtype
 from .grads import GradPath
 from .layout import FlatLayout
@@ -274,6 +275,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
         self._built = False  # add_param_group is refused once the flat layout exists
         self._closed = False
+        self._forward_waits: ForwardWaits | None = None
         self.stage, self.offload_param, self.prefetch = stage, offload_param, prefetch
         units = uses = None
         if stage == 3:
@@ -295,6 +297,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         else:  # autograd's accumulators record their param's shape when made: make them while gathered
             self.grads.attach(self.shards.accumulators())
             self.shards.attach(module)
+        self._forward_waits = self._attach_tile_waits(module)
         for p in trainable:
             p._zo_owner = weakref.ref(self)
         self._group_params = [list(g["params"]) for g in self.param_groups]  # what the layout was built from
@@ -431,6 +434,21 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.transport.synchronize()
             self.transport.close()
 
+    def _attach_tile_waits(self, module: torch.nn.Module | None) -> ForwardWaits | None:
+        """DPU with real copies: the writeback is tiled and each reader waits only for its tiles (fence.py): ZeRO-3's
+        gathers, or (ZeRO-1/2, one rank, the model known) each module's forward. Else it is waited for whole (with
+        N ranks at ZeRO-1/2 the all-gather of the partitions reads all of it at once)."""
+        u = self.update
+        if self.delay_update_after is None or u.staging_in_place or not self._update_transport.needs_staging:
+            return None
+        if self.shards is not None:
+            u.fence = self.shards.fence = TileFence(self._update_transport, self._times)
+            return None
+        if self.world > 1 or module is None:
+            return None
+        u.fence = TileFence(self.transport, self._times)
+        return ForwardWaits(u.fence, self.layout, module)
+
     _update_class = HostUpdate  # the host update's rule (ZeroOffloadAdafactor: its own)
 
     def _defaults(self, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> dict[str, Any]:
@@ -455,6 +473,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._check_alive()
         if self.shards is not None:
             self.shards.use(module, [self.shards.unit_of[param]])
+        elif self._forward_waits is not None:  # its forward waits for param's tiles of the writeback too
+            self._forward_waits.add(module, [param])
 
     def _publish_flat(self) -> None:
         """ZeRO-1/2: every rank's partition to every rank; autograd must refuse graphs that saved the old values."""
@@ -469,6 +489,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         to make it the fp32 masters too. A no-op at stages 1 and 2 (the parameters are always whole)."""
         self._check_alive()
         if self.shards is None:
+            self.update.wait_written()
             yield
             return
         if write:  # a pending (delayed) update must not overwrite what the block writes
@@ -659,6 +680,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Finish a pending delayed update and send its parameters to the device (e.g. before evaluation)."""
         self.update.finish_pending(write=True)
+        self.update.wait_written()
 
     # ------------------------------------------------------------------ state
 
@@ -705,6 +727,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self._closed:
             return
         self.update.finish_pending(write=True)
+        self.update.wait_written()
+        if self._forward_waits is not None:
+            self._forward_waits.detach()
         self.grads.detach()
         if self.shards is not None:
             self.shards.detach()

@@ -121,6 +121,7 @@ class ParamShards:
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.shard: torch.Tensor | None = None
         self.swapper: Any = None  # offload="nvme": the NvmeSwapper whose parameters' file holds the shard
+        self.fence: Any = None  # DPU: the TileFence of the shard's tiled writeback (a gather waits for its tiles)
         if offload is None:
             self.shard = torch.zeros(layout.part, dtype=dtype, device=device)
             counter.add(layout.part * self.elem)
@@ -221,6 +222,8 @@ class ParamShards:
         a, b, pa = u.piece
         mine = buf[a - u.lo : b - u.lo]
         event = bounce = None
+        if self.fence is not None:  # this rank's piece of the unit, as the step's writeback left it
+            self.fence.wait([(pa, pa + b - a)])
         if self.offload == "nvme":  # read into a pinned block, then copy it up
             bounce = self.transport.pool.take(b - a, self.dtype)
             self.swapper.read_params(pa, pa + b - a, bounce)
@@ -361,6 +364,8 @@ class ParamShards:
     def write_back(self) -> None:
         """Each rank's piece of the whole units (every rank holds the same values) into its shard; then the one
         invalidation path: gathered copies of the old values are dropped."""
+        if self.fence is not None:  # a tile of the step's writeback must not land over what is written here
+            self.fence.wait_all()
         whole = [u for u in self.units if u.whole is not None]
         if self.offload == "nvme":
             self.swapper.stream(self._put_params)

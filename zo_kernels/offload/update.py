@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -15,7 +15,8 @@ import torch
 
 from ..cpu_adam import cpu_adam_step
 from ..nvme import TILE_MULTIPLE, Moment, NvmeSwapper, UpdateFn, as_float, assign, narrow
-from ..transport import Staging, Transport, tiled_writeback
+from ..transport import Event, Staging, Transport, tiled_writeback
+from .fence import TileFence
 from .formats import BLOCK_8BIT, Moments, block_of, bytes_per_element
 from .layout import FlatLayout, Run
 from .report import PhaseTimes
@@ -78,6 +79,9 @@ class HostUpdate:
         self.staged = False  # DPU: staging holds the last update's params, not yet on the device
         self._staging_read: Any = None  # event of the last copy out of staging (the next update writes after it)
         self._pending: Future | None = None
+        # DPU: None, the writeback is waited for as a whole; a TileFence, its tiles are waited for by their readers
+        # (the next forward's modules, ZeRO-3's gathers), which the optimizer then hooks up
+        self.fence: TileFence | None = None
         self._executor: ThreadPoolExecutor | None = None
         self.params_in_swapper = own is None  # (then nvme_dir and params_dtype are given, and no DPU)
         self.staging_in_place = self.params_in_swapper or not (transport.needs_staging or delayed)
@@ -307,26 +311,36 @@ class HostUpdate:
                 dst = self.own[a:b]
                 events += tiled_writeback(self.transport, master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b],
                                           dst=dst, staging=staging, timings=self.times, **adam)  # fmt: skip
-            else:
-                self.transport.wait(self._staging_read)  # the copy of the last update may still read staging
-                cpu_adam_step(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b],
-                              param_out=self.staging_buf[a:b], **adam)  # fmt: skip
+            else:  # staging as far as the copies of the last writeback have read it (the kernel is elementwise)
+                for x, y in self._staging_free(a, b):
+                    cpu_adam_step(master[x:y], grad[x:y], exp_avg[x:y], exp_avg_sq[x:y],
+                                  param_out=self.staging_buf[x:y], **adam)  # fmt: skip
         for ev in events:
             self.transport.device_wait(ev)
         return time.perf_counter() - t0
+
+    def _staging_free(self, a: int, b: int) -> Iterator[tuple[int, int]]:
+        """Range [a, b) of staging in spans that no copy of the last writeback reads any more: tile by tile as they
+        land with a fence (the update starts under the writeback), else once the whole copy is done."""
+        if self.fence is not None and self.fence.tiles:
+            yield from self.fence.landed(a, b)
+        else:
+            self.transport.wait(self._staging_read)
+            yield a, b
 
     def _tile_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
                      writeback: bool) -> None:  # fmt: skip
         """The update of bf16 / 8-bit moments in memory: each run tile by tile (tiles start on blocks), the new
         params into staging; with writeback each tile's copy to the device is queued at once (it overlaps the next
         tile's update) and the compute stream waits for all of them at the end, as in the NVMe update."""
-        self.transport.wait(self._staging_read)  # the last update's copies out of staging
         send = writeback and not self.staging_in_place
         events: list = []
         try:
             for gi, a, b, step, factor in runs:
                 for x in range(a, b, self.tile_numel):
                     y = min(b, x + self.tile_numel)
+                    for _ in self._staging_free(x, y):  # the last update's copies out of staging [x, y)
+                        pass
                     t0 = time.perf_counter()
                     cpu_adam_step(self._master[x:y], grad[x:y], *self.moments.view(x, y), step=step,
                                            grad_scale=grad_scale * factor, threads=self.threads,
@@ -420,17 +434,39 @@ class HostUpdate:
         t0 = time.perf_counter()
         own = self.own
         if not self.staging_in_place:
-            # the compute stream waits for the copy; the next update waits for it before writing staging
-            self._staging_read = self.transport.h2d(own, self.staging_buf)
-            self.transport.device_wait(self._staging_read)
+            if self.fence is None:  # the compute stream waits for the copy
+                self._staging_read = self.transport.h2d(own, self.staging_buf)
+                self.transport.device_wait(self._staging_read)
+            else:
+                self._staging_read = self._write_tiles()
+            # (the next update waits for the copies before writing staging)
         self.times.add("writeback", time.perf_counter() - t0)
         self.publish()
+
+    def _write_tiles(self) -> Event:
+        """Staging -> the device tile by tile, each copy's event in the fence, nothing waited for here: the next
+        forward's readers wait for the tiles they use. Returns the last copy's event (it covers them all)."""
+        fence, own, n = self.fence, self.own, self.layout.part
+        fence.reset()
+        event = None
+        for x in range(0, n, self.tile_numel):
+            y = min(n, x + self.tile_numel)
+            event = self.transport.h2d(own[x:y], self.staging_buf[x:y])
+            fence.add(x, y, event)
+        return event
+
+    def wait_written(self) -> None:
+        """The compute stream waits for every tile of the last writeback (a read of the device parameters outside
+        the readers the fence serves)."""
+        if self.fence is not None:
+            self.fence.wait_all()
 
     @torch.no_grad()
     def resume(self, staged: bool) -> None:
         """After a state was loaded: the device params from the masters now, or (a state saved between a delayed
         update and its writeback) by the next step(), as if never stopped."""
         if not self.params_in_swapper:  # (else save_state wrote the masters' cast into the parameters' file)
+            self.transport.wait(self._staging_read)  # a copy of the last writeback may still read staging
             self.staging_buf.copy_(self.state()[0])
         if staged and not self.staging_in_place:
             self.staged = True
@@ -444,6 +480,7 @@ class HostUpdate:
         if self.params_in_swapper:  # the parameters' file holds the masters' cast, unless new weights were stored
             self._refresh_stale_masters_in_swapper()
             return
+        self.wait_written()
         device_part = self.own.cpu()
         master = self.state()[0]
         if not torch.equal(master.to(self.own.dtype), device_part):
@@ -483,10 +520,12 @@ class HostUpdate:
             self.swapper.stream(take)
             return
         own = self.own
+        self.wait_written()
         master = self.state()[0]
         master.copy_(own.float().cpu())
         self.save_master(master)
         if not self.staging_in_place:  # staging holds the params a skipped range keeps
+            self.transport.wait(self._staging_read)
             self.staging_buf.copy_(own.cpu())
         self.staged = False  # the device parameters are the truth now
 
