@@ -251,8 +251,10 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
     row["fwd_bwd_ms"] = fwd_bwd(model, x, rounds) * 1e3
     _free(device)
     transport = copy_engine(gbps)
-    opt = zk.ZeroOffloadAdamW(model, lr=1e-4, delay_update_after=0 if mode == "dpu" else None, transport=transport,
-                              tile_numel=tile_numel, gpu_fraction=gpu_fraction)  # fmt: skip
+    dpu = mode == "dpu"  # the DPU rows tile the writeback under the next forward (dpu_writeback="per_module")
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-4, delay_update_after=0 if dpu else None, transport=transport,
+                              tile_numel=tile_numel, gpu_fraction=gpu_fraction,
+                              dpu_writeback="per_module" if dpu else "whole")  # fmt: skip
     row["gpu_fraction"], row["partition"] = gpu_fraction, opt.part
     fence = opt.update.fence  # DPU with real copies: the tiled writeback (None: waited for whole)
     try:

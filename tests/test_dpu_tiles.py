@@ -43,7 +43,8 @@ def train(transport, steps=STEPS, stage=2, on_forward=None, **kw):
     """Losses, final state and device parameters of a DPU run (delayed from the first step)."""
     model = make_model(seed=0)
     opt = zk.ZeroOffloadAdamW(model, lr=2e-3, weight_decay=0.01, bucket_numel=50_000, tile_numel=TILE,
-                              transport=transport, delay_update_after=0, stage=stage, **kw)  # fmt: skip
+                              transport=transport, delay_update_after=0, stage=stage, dpu_writeback="per_module",
+                              **kw)  # fmt: skip
     if on_forward is not None:
         on_forward(model, opt)
     losses = []
@@ -211,7 +212,8 @@ def test_reads_outside_forward_wait_for_every_tile():
 
     def run(transport):
         model = make_model(seed=0)
-        opt = zk.ZeroOffloadAdamW(model, lr=2e-3, tile_numel=TILE, transport=transport, delay_update_after=0)
+        opt = zk.ZeroOffloadAdamW(model, lr=2e-3, tile_numel=TILE, transport=transport, delay_update_after=0,
+                                  dpu_writeback="per_module")  # fmt: skip
         for step in make_data(3, batch=2, seed=3):
             opt.backward(model(step[0][:, :-1], step[0][:, 1:]))
             opt.step()
@@ -233,6 +235,44 @@ def test_reads_outside_forward_wait_for_every_tile():
     for got, ref in ((got_step, ref_step), (got_sync, ref_sync)):
         for k in ref:
             assert torch.equal(got[k], ref[k]), k
+
+
+def test_by_default_a_read_right_after_step_sees_the_whole_writeback():
+    """dpu_writeback="whole" (the default) at stage 2: a direct read of every parameter right after step() (an EMA
+    would do this, bypassing the modules' forward) sees the new values, with copies delayed as over a slow link;
+    with "per_module" the same read may find tiles still in flight (the documented contract: synchronize first)."""
+
+    def run(transport, mode):
+        model = make_model(seed=0)
+        opt = zk.ZeroOffloadAdamW(model, lr=2e-3, tile_numel=TILE, transport=transport, delay_update_after=0,
+                                  dpu_writeback=mode)  # fmt: skip
+        for step in make_data(3, batch=2, seed=3):
+            opt.backward(model(step[0][:, :-1], step[0][:, 1:]))
+            opt.step()
+        read = [p.detach().clone() for p in model.parameters()]  # no synchronize, no module forward
+        fence = opt.update.fence
+        pending = fence.pending if fence is not None else 0
+        opt.close()
+        return read, pending
+
+    ref, _ = run(HostTransport(), "whole")
+    tr = CopyEngineTransport(delay_s=0.003)
+    got, pending = run(tr, "whole")
+    _, pending_tiled = run(tr, "per_module")
+    tr.close()
+    assert pending == 0 and pending_tiled > 0, (pending, pending_tiled)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+@pytest.mark.parametrize("value", ["tiles", "", None, 1, "WHOLE"])
+def test_bad_dpu_writeback_is_refused_before_the_model_is_touched(value):
+    model = make_model(seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="dpu_writeback"):
+        zk.ZeroOffloadAdamW(model, lr=1e-3, delay_update_after=0, dpu_writeback=value)
+    with pytest.raises(ValueError, match="dpu_writeback='per_module' needs the delayed"):
+        zk.ZeroOffloadAdamW(model, lr=1e-3, dpu_writeback="per_module")
+    assert all(p.dtype == b.dtype and torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 # ---------------------------------------------------------------- the host syncs left on the critical path
@@ -274,6 +314,7 @@ def test_the_steps_host_syncs_are_the_listed_ones(monkeypatch):
         monkeypatch.setattr(tr, name, counting(name, getattr(tr, name)))
     model = make_model(seed=0)
     opt = zk.ZeroOffloadAdamW(model, lr=2e-3, tile_numel=TILE, transport=tr, delay_update_after=0,
+                              dpu_writeback="per_module",
                               bucket_numel=50_000)  # fmt: skip
     per_step = []
     for step in make_data(4, batch=2, seed=3):
@@ -295,7 +336,8 @@ def test_a_load_under_the_writeback_does_not_change_what_its_copies_send():
 
     def run(transport):
         model = make_model(seed=0)
-        opt = zk.ZeroOffloadAdamW(model, lr=2e-3, tile_numel=TILE, transport=transport, delay_update_after=0)
+        opt = zk.ZeroOffloadAdamW(model, lr=2e-3, tile_numel=TILE, transport=transport, delay_update_after=0,
+                                  dpu_writeback="per_module")  # fmt: skip
         saved = None
         for i, step in enumerate(make_data(3, batch=2, seed=3)):
             loss = model(step[0][:, :-1], step[0][:, 1:])

@@ -245,7 +245,7 @@ def test_tiled_dpu_writeback_on_cuda_equals_the_whole_one():
         tr = CudaTransport()
         opt = zk.ZeroOffloadAdamW(model.parameters() if name == "whole" else model, lr=2e-3, weight_decay=0.01,
                                   bucket_numel=100_000, tile_numel=1 << 14, delay_update_after=0, stage=stage,
-                                  transport=tr)  # fmt: skip
+                                  transport=tr, dpu_writeback="per_module")  # fmt: skip
         assert (opt.update.fence is None) == (name == "whole")
         losses, in_flight = [], []
         for step in make_data(5, batch=4, seed=2):

@@ -164,6 +164,14 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             never go to the host. The same AdamW step (one clipping norm, overflow flag and loss scale over both
             parts; the same delay under DPU); checkpoints do not depend on it. 0.0 (default): all on the host.
             Needs fp32 moments (state_dtype=torch.float32) and the 16-bit shard not on NVMe.
+        dpu_writeback: under the delayed parameter update, how the next forward waits for the new parameters'
+            copies to the device. "whole" (default): step() makes the device wait for the whole writeback, so any
+            read of the parameters after step() (an EMA, a norm, a logger) sees the new values. "per_module"
+            (stages 1/2 on one rank, the model passed): the writeback goes in tiles and each module's forward waits
+            only for its own tiles, so the forward starts while later tiles are still copied; then a read of the
+            parameters between step() and the end of the next forward, other than through the modules' forward,
+            model.state_dict() or gathered(), must call opt.synchronize() first. At stage 3 the gathers always wait
+            per unit (the parameters are read only through forward or gathered()).
     """
 
     def __init__(
@@ -200,6 +208,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         state_dtype: torch.dtype | str = torch.float32,
         init: ParamInit | None = None,
         gpu_fraction: float = 0.0,
+        dpu_writeback: str = "whole",
     ) -> None:
         # Every argument is checked before anything (the model included) is modified.
         if isinstance(params, torch.nn.Module):
@@ -232,6 +241,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         nvme_dir = check_offload(offload_optimizer, nvme_dir)
         check_stage(stage, offload_param, module, nvme_dir, delay_update_after is not None, dtype)
         self.gpu_fraction = check_gpu_fraction(gpu_fraction)
+        if not isinstance(dpu_writeback, str) or dpu_writeback not in ("whole", "per_module"):
+            raise ValueError(f"dpu_writeback must be 'whole' or 'per_module', got {dpu_writeback!r}")
+        if dpu_writeback == "per_module" and delay_update_after is None:
+            raise ValueError("dpu_writeback='per_module' needs the delayed parameter update (delay_update_after)")
+        self.dpu_writeback = dpu_writeback
         if self.gpu_fraction:
             if self._update_class is not HostUpdate:
                 raise ValueError(f"gpu_fraction is AdamW's: {type(self).__name__} keeps its whole state on the host "
@@ -436,15 +450,17 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     def _attach_tile_waits(self, module: torch.nn.Module | None) -> ForwardWaits | None:
         """DPU with real copies: the writeback is tiled and each reader waits only for its tiles (fence.py): ZeRO-3's
-        gathers, or (ZeRO-1/2, one rank, the model known) each module's forward. Else it is waited for whole (with
-        N ranks at ZeRO-1/2 the all-gather of the partitions reads all of it at once)."""
+        gathers, or (ZeRO-1/2, one rank, the model known, dpu_writeback="per_module") each module's forward. Else it
+        is waited for whole (with N ranks at ZeRO-1/2 the all-gather of the partitions reads all of it at once; with
+        gpu_fraction the tail is written by the device update)."""
         u = self.update
-        if self.delay_update_after is None or u.staging_in_place or not self._update_transport.needs_staging:
+        if (self.delay_update_after is None or not isinstance(u, HostUpdate) or u.staging_in_place
+                or not self._update_transport.needs_staging):  # fmt: skip
             return None
         if self.shards is not None:
             u.fence = self.shards.fence = TileFence(self._update_transport, self._times)
             return None
-        if self.world > 1 or module is None:
+        if self.world > 1 or module is None or self.dpu_writeback == "whole":
             return None
         u.fence = TileFence(self.transport, self._times)
         return ForwardWaits(u.fence, self.layout, module)

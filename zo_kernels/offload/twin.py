@@ -214,6 +214,11 @@ class TwinUpdate:
         for mine, new in zip(self.device_state, (master, exp_avg, exp_avg_sq)):
             mine.copy_(new[self.split :])
 
+    def wait_written(self) -> None:
+        """The head's writeback (the tail is written by the device update, on the compute stream's order)."""
+        if self.host is not None:
+            self.host.wait_written()
+
     def save_master(self, master: torch.Tensor) -> None:
         """Make `master` (whole partition) the masters; the moments stay."""
         self._wait_device()

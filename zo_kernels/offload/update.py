@@ -446,7 +446,7 @@ class HostUpdate:
     def _write_tiles(self) -> Event:
         """Staging -> the device tile by tile, each copy's event in the fence, nothing waited for here: the next
         forward's readers wait for the tiles they use. Returns the last copy's event (it covers them all)."""
-        fence, own, n = self.fence, self.own, self.layout.part
+        fence, own, n = self.fence, self.own, self.numel
         fence.reset()
         event = None
         for x in range(0, n, self.tile_numel):
