@@ -35,6 +35,7 @@ from .layout import FlatLayout
 from .params import DeviceBytes, ParamShards, units_of
 from .report import MemoryReport, PhaseTimes
 from .scaler import LossScaler
+from .selective import SelectiveUpdate, check_selective
 from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S, HostUpdate
 
 DEFAULT_BUCKET_NUMEL = 1 << 24  # 32 MiB of bf16 gradients per bucket (two buckets live on the device)
@@ -149,6 +150,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             then starts on a 256-element boundary of the flat buffer). 12, 8 or 6.03 bytes of state per parameter.
             state_dict() still gives fp32 moments per parameter (dequantized) and loads any format's; the exact
             bits travel beside them (see state_dict), so a checkpoint resumes bitwise in the same format.
+        selective: None (exact AdamW), or ZenFlow's importance-selective update, an approximation of AdamW (see
+            zo_kernels/offload/selective.py): {"fraction": 0.1, "select_every": 100, "apply_every": 4}, any key
+            left out taking that default. Per step the top `fraction` of each parameter's columns by gradient norm
+            (0-/1-D parameters: all of them) are updated on the device from fp32 state held there; the other
+            columns' gradients are summed on the host and applied by CPU Adam in the background every
+            `apply_every` steps; the columns are chosen again every `select_every` steps. Stages 1 and 2, fp32
+            moments in host memory, no delay_update_after. fraction=1.0 is exact AdamW.
     """
 
     def __init__(
@@ -183,6 +191,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
         state_dtype: torch.dtype | str = torch.float32,
+        selective: dict[str, Any] | None = None,
     ) -> None:
         # Every argument is checked before anything (the model included) is modified.
         if isinstance(params, torch.nn.Module):
@@ -218,6 +227,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                              "the NVMe files hold fp32 moments (use state_dtype=torch.float32 there)")  # fmt: skip
         check_stage(stage, offload_param, module, nvme_dir, delay_update_after is not None, dtype)
         prefetch = check_int(prefetch, "prefetch", 0, required=True)
+        self.selective = check_selective(selective, stage=stage, offload_optimizer=offload_optimizer,
+                                         state_format=self.state_format, delayed=delay_update_after is not None,
+                                         rule=self._update_class)  # fmt: skip
         for name, value in (("update_timeout_s", update_timeout_s), ("collective_timeout_s", collective_timeout_s)):
             if _real(value, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -330,11 +342,14 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                   all_reduce=self.stage == 1, on_grad=shards and shards.on_grad,
                                   on_pass_end=shards and shards.on_pass_end)  # fmt: skip
             self.device_bytes.add(sum(b.numel() * b.element_size() for b in self.grads.bucket_bufs))
-            self.update = self._update_class(self.layout, own, fill_master if master is None else master,
-                                             update_transport, publish, threads=self.threads,
-                                             tile_numel=self.tile_numel, delayed=self.delay_update_after is not None,
-                                             timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir,
-                                             params_dtype=self.dtype, state_fmt=self.state_format)  # fmt: skip
+            rule, extra = self._update_class, {}
+            if self.selective is not None:  # (staging of its own: the rest is updated during forward/backward)
+                rule, extra = SelectiveUpdate, dict(selective=self.selective, device=self.device)
+            self.update = rule(self.layout, own, fill_master if master is None else master,
+                               update_transport, publish, threads=self.threads, tile_numel=self.tile_numel,
+                               delayed=self.delay_update_after is not None or self.selective is not None,
+                               timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir,
+                               params_dtype=self.dtype, state_fmt=self.state_format, **extra)  # fmt: skip
         except BaseException:
             self._release_transports()
             raise
@@ -536,6 +551,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         hparams = [self._group_hparams(g) for g in self.param_groups]
         if delayed:
             self.update.start(c.grad, grad_scale, runs, hparams)
+        elif self.selective is not None:
+            self.update.selective_step(c.grad, grad_scale, runs, hparams, got)
         else:
             self.update.run(c.grad, grad_scale, runs, hparams)
         self.scaler.update(found_inf=False)
