@@ -73,13 +73,13 @@ def test_fraction_one_is_adamw(dtype):
 class SelectiveReference:
     """The scheme of zo_kernels/offload/selective.py, one rank, fp32, per parameter, with plain torch."""
 
-    def __init__(self, model, fraction, select_every, apply_every, lr, betas, eps, weight_decay):
+    def __init__(self, model, fraction, select_every, apply_every, lr, betas, eps, weight_decay, warmup=0):
         self.model = copy.deepcopy(model)
         self.params = list(self.model.parameters())
         self.master = [p.detach().clone() for p in self.params]
         self.m = [torch.zeros_like(p) for p in self.params]
         self.v = [torch.zeros_like(p) for p in self.params]
-        self.f, self.k_sel, self.k_apply = fraction, select_every, apply_every
+        self.f, self.k_sel, self.k_apply, self.warmup = fraction, select_every, apply_every, warmup
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.mask = None  # per param: True where selected
         self.since = 0
@@ -147,6 +147,11 @@ class SelectiveReference:
         loss.backward()
         grads = [p.grad.detach().clone() for p in self.params]
         self.t += 1
+        if self.t <= self.warmup:  # plain AdamW on every element
+            for p, m, v, g in zip(self.master, self.m, self.v, grads):
+                self._adam(p, m, v, g, self.t, self.lr, *self.betas, self.eps)
+            self._set_device(self.master)
+            return loss.item()
         if self.mask is None or self.since >= self.k_sel:
             if self.mask is not None:
                 self._drain()
@@ -172,12 +177,13 @@ class SelectiveReference:
         return self.master, self.m, self.v
 
 
-@pytest.mark.parametrize("fraction, select_every, apply_every", [(0.25, 3, 2), (0.1, 8, 2), (0.5, 6, 3)])
-def test_the_scheme_against_a_plain_reference(fraction, select_every, apply_every):
+@pytest.mark.parametrize("fraction, select_every, apply_every, warmup",
+                         [(0.25, 3, 2, 0), (0.1, 8, 2, 0), (0.5, 6, 3, 2)])  # fmt: skip
+def test_the_scheme_against_a_plain_reference(fraction, select_every, apply_every, warmup):
     steps = 9
-    cfg = {"fraction": fraction, "select_every": select_every, "apply_every": apply_every}
+    cfg = {"fraction": fraction, "select_every": select_every, "apply_every": apply_every, "warmup": warmup}
     losses, state, params, _ = train_zo(cfg, steps)
-    ref = SelectiveReference(make_model(seed=0), fraction, select_every, apply_every, **HP)
+    ref = SelectiveReference(make_model(seed=0), fraction, select_every, apply_every, warmup=warmup, **HP)
     data = make_data(steps, batch=4, seed=3)
     want_losses = [ref.step(data[s][0]) for s in range(steps)]
     master, m, v = ref.final_state()
@@ -306,6 +312,8 @@ BAD = [
     ({"select_every": 2.5}, TypeError, r"selective\['select_every'\]"),
     ({"apply_every": True}, TypeError, r"selective\['apply_every'\]"),
     ({"apply_every": -1}, ValueError, r"selective\['apply_every'\]"),
+    ({"warmup": -1}, ValueError, r"selective\['warmup'\] must be an int >= 0"),
+    ({"warmup": 1.0}, TypeError, r"selective\['warmup'\]"),
 ]
 
 

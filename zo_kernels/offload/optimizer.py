@@ -151,12 +151,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             state_dict() still gives fp32 moments per parameter (dequantized) and loads any format's; the exact
             bits travel beside them (see state_dict), so a checkpoint resumes bitwise in the same format.
         selective: None (exact AdamW), or ZenFlow's importance-selective update, an approximation of AdamW (see
-            zo_kernels/offload/selective.py): {"fraction": 0.1, "select_every": 100, "apply_every": 4}, any key
-            left out taking that default. Per step the top `fraction` of each parameter's columns by gradient norm
-            (0-/1-D parameters: all of them) are updated on the device from fp32 state held there; the other
-            columns' gradients are summed on the host and applied by CPU Adam in the background every
-            `apply_every` steps; the columns are chosen again every `select_every` steps. Stages 1 and 2, fp32
-            moments in host memory, no delay_update_after. fraction=1.0 is exact AdamW.
+            zo_kernels/offload/selective.py): {"fraction": 0.1, "select_every": 100, "apply_every": 4,
+            "warmup": 0}, any key left out taking that default. Per step the top `fraction` of each parameter's
+            columns by gradient norm (0-/1-D parameters: all of them) are updated on the device from fp32 state held
+            there; the other columns' gradients are summed on the host and applied by CPU Adam in the background
+            every `apply_every` steps; the columns are chosen again every `select_every` steps; the first `warmup`
+            steps are plain ZeRO-Offload steps. Stages 1 and 2, fp32 moments in host memory, no
+            delay_update_after. fraction=1.0 is exact AdamW.
     """
 
     def __init__(

@@ -17,6 +17,9 @@ with b2^w and ḡ^2), and the step is w AdamW steps' worth (w * lr, weight decay
 of the parameter's step count t. So both halves' moments always carry t steps of history, and a column keeps its
 moments, unchanged, when it moves. With fraction 1.0 every column is selected: exact AdamW (tests/test_selective.py).
 
+Warm-up: the first `warmup` steps are plain synchronous ZeRO-Offload steps (exact AdamW), as ZenFlow's full warm-up
+rounds; the scheme starts at the step after (a resumed run counts from the checkpoint's step counts).
+
 Synchronisation points (the rest of the open window applied at once, every column's state back on the host, the
 next step selects again): a re-selection, state_dict(), opt.state[p], load_state_dict(), synchronize(), close().
 A run that saves a checkpoint and a run resumed from it therefore continue identically.
@@ -35,7 +38,7 @@ from ..cpu_adam import cpu_adam_step
 from .layout import Run
 from .update import HostUpdate
 
-KEYS = ("fraction", "select_every", "apply_every")
+KEYS = ("fraction", "select_every", "apply_every", "warmup")
 
 
 class Selective(NamedTuple):
@@ -47,11 +50,14 @@ class Selective(NamedTuple):
         select_every: steps between two choices of the columns (default 100).
         apply_every: steps of gradient summed on the host before CPU Adam applies them to the other columns
             (default 4); the update runs in the background during the next window.
+        warmup: the first steps are exact ZeRO-Offload steps (CPU Adam over every column, synchronously) before the
+            scheme starts (default 0; ZenFlow's full_warm_up_rounds).
     """
 
     fraction: float = 0.1
     select_every: int = 100
     apply_every: int = 4
+    warmup: int = 0
 
 
 def check_selective(selective: Any, *, stage: int, offload_optimizer: str, state_format: str, delayed: bool,
@@ -70,12 +76,12 @@ def check_selective(selective: Any, *, stage: int, offload_optimizer: str, state
         raise TypeError(f"selective['fraction'] must be a number in (0, 1], got {type(f).__name__}")
     if not (0.0 < f <= 1.0):  # (NaN fails this too)
         raise ValueError(f"selective['fraction'] must be in (0, 1], got {f}")
-    for key in ("select_every", "apply_every"):
+    for key, least in (("select_every", 1), ("apply_every", 1), ("warmup", 0)):
         v = getattr(out, key)
         if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"selective[{key!r}] must be an int >= 1, got {type(v).__name__}")
-        if v < 1:
-            raise ValueError(f"selective[{key!r}] must be an int >= 1, got {v}")
+            raise TypeError(f"selective[{key!r}] must be an int >= {least}, got {type(v).__name__}")
+        if v < least:
+            raise ValueError(f"selective[{key!r}] must be an int >= {least}, got {v}")
     refusals = [
         (stage not in (1, 2), f"stage={stage} (stages 1 and 2 only)"),
         (offload_optimizer != "cpu", f"offload_optimizer={offload_optimizer!r} (the state in host memory only)"),
@@ -125,6 +131,9 @@ class SelectiveUpdate(HostUpdate):
                        got: list[bool]) -> None:  # fmt: skip
         """The step's gradient: the selected columns updated on the device now, the rest summed; at a window's end
         the last window's update lands on the device and this one's starts in the background."""
+        if max(self.steps, default=0) <= self.cfg.warmup:  # (steps counts this step already)
+            self.run(grad, grad_scale, runs, hparams)
+            return
         t0 = time.perf_counter()
         if self.sel is None or self.since_select >= self.cfg.select_every:
             self.drain()
