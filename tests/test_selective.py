@@ -268,28 +268,30 @@ def test_a_missing_device_wait_is_caught():
 # ---------------------------------------------------------------- two ranks
 
 
-def _rank(rank, world, cfg, out):
-    model = make_model(seed=0)
-    opt = zk.ZeroOffloadAdamW(model.parameters(), bucket_numel=7_000, selective=cfg, dtype=torch.float32, **HP)
-    data = make_data(6, batch=4, seed=3)
-    per = 4 // world
-    for s in range(6):
-        x = data[s][0][rank * per : (rank + 1) * per]
-        opt.backward(model(*_xy(x)))
-        opt.step()
-    sd = opt.state_dict()
-    torch.save({"state": sd, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-                "part": opt.part, "sel": opt.update.sel}, f"{out}.{rank}")  # fmt: skip
-    opt.close()
+def _rank(rank, world, cfgs, out):
+    for tag, cfg in cfgs.items():
+        model = make_model(seed=0)
+        opt = zk.ZeroOffloadAdamW(model.parameters(), bucket_numel=7_000, selective=cfg, dtype=torch.float32, **HP)
+        data = make_data(6, batch=4, seed=3)
+        per = 4 // world
+        for s in range(6):
+            x = data[s][0][rank * per : (rank + 1) * per]
+            opt.backward(model(*_xy(x)))
+            opt.step()
+        sd = opt.state_dict()
+        torch.save({"state": sd, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])},
+                   f"{out}.{tag}.{rank}")  # fmt: skip
+        opt.close()
 
 
-def _run(world, cfg, tmp_path, tag):
-    out = str(tmp_path / tag)
+def _run(world, cfgs, tmp_path):
+    """{tag: [each rank's result]} of 6 steps with each selective configuration, one process per rank."""
+    out = str(tmp_path / f"w{world}")
     if world == 1:
-        _rank(0, 1, cfg, out)
+        _rank(0, 1, cfgs, out)
     else:
-        spawn_ranks(_rank, world, tmp_path, cfg, out)
-    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+        spawn_ranks(_rank, world, tmp_path, cfgs, out)
+    return {tag: [torch.load(f"{out}.{tag}.{r}", weights_only=False) for r in range(world)] for tag in cfgs}
 
 
 def _masters(result):
@@ -299,12 +301,12 @@ def _masters(result):
 def test_two_ranks(tmp_path):
     """fraction 1.0 on two ranks trains like one (reduction order only); fraction 0.25: each rank selects within
     its own partition, the all-gather gives both ranks the same parameters, the gathered state is the same."""
-    one = _run(1, {"fraction": 1.0}, tmp_path, "one")[0]
-    two = _run(2, {"fraction": 1.0}, tmp_path, "two")
+    one = _run(1, {"exact": {"fraction": 1.0}}, tmp_path)["exact"][0]
+    runs = _run(2, {"exact": {"fraction": 1.0}, "sel": SEL}, tmp_path)
+    two, sel = runs["exact"], runs["sel"]
     m1, m2 = _masters(one), _masters(two[0])
     init = torch.cat([p.detach().reshape(-1) for p in make_model(seed=0).parameters()])
     assert (m1 - m2).norm() <= 1e-3 * (m1 - init).norm()
-    sel = _run(2, SEL, tmp_path, "sel")
     assert torch.equal(sel[0]["params"], sel[1]["params"])
     assert torch.equal(_masters(sel[0]), _masters(sel[1]))
     assert torch.equal(sel[0]["params"], _masters(sel[0])), "after the state dict's drain: params are the masters"
