@@ -108,7 +108,8 @@ class SelectiveReference:
         p.sub_(lr / c1 * m / (v.sqrt() / math.sqrt(c2) + eps))
 
     def _apply_window(self):
-        """The rest's update with the window's mean gradient, as w steps; returns the new masters."""
+        """The rest's update: moments as w steps of the window's mean gradient, one AdamW step; returns the new
+        masters."""
         b1, b2 = self.betas
         w = self.w
         for i, (p, m, v) in enumerate(zip(self.master, self.m, self.v)):
@@ -116,11 +117,11 @@ class SelectiveReference:
                 continue
             keep = (p.clone(), m.clone(), v.clone())
             g = self.acc[i] / w
-            p.mul_(1 - w * self.lr * self.wd)
+            p.mul_(1 - self.lr * self.wd)
             m.mul_(b1**w).add_((1 - b1**w) * g)
             v.mul_(b2**w).add_((1 - b2**w) * g * g)
             c1, c2 = 1 - b1**self.t, 1 - b2**self.t
-            p.sub_(w * self.lr / c1 * m / (v.sqrt() / math.sqrt(c2) + self.eps))
+            p.sub_(self.lr / c1 * m / (v.sqrt() / math.sqrt(c2) + self.eps))
             for new, old in zip((p, m, v), keep):  # the selected elements' state lives on the device
                 new[self.mask[i]] = old[self.mask[i]]
             self.acc[i].zero_()
