@@ -103,7 +103,8 @@ bench 60 200 "bench: pack, cast vs copy" bench-pack.json bench/test_bench_bucket
 bench 45 160 "bench: H2D/D2H, writeback hidden" bench-transport.json bench/test_bench_transport.py -k cuda || status=1
 step_args=(--batch "${ZO_STEP_BATCH:-8}" --context "${ZO_STEP_CONTEXT:-512}")
 limited 130 110 "bench: step in parts (step_rows)" "$py" bench/step_rows.py "$out/step.json" \
-  --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --budget-s 60 "${step_args[@]}" || status=1
+  --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes "${ZO_STEP_MODES:-sync,dpu,selective}" --budget-s 60 \
+  "${step_args[@]}" || status=1
 site=/tmp/zo-anchor-site
 if ls .whl/*.whl >/dev/null 2>&1; then
   step "anchor wheels (.whl/)" timeout 60 "$py" -m pip install -q --no-index --no-deps --no-compile \

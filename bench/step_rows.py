@@ -310,7 +310,7 @@ def selective_targets(row: dict) -> dict:
     out = {"tokens_per_s_vs_torch": (row["torch_fused_ms"] / row["zo_ms"], 0.8, True)}
     if row.get("zo_peak_gib") and row.get("torch_peak_gib"):
         out["peak_vs_torch_selective"] = (row["zo_peak_gib"] / row["torch_peak_gib"], 0.35, False)
-    return {k: {"value": v, "bar": bar, "met": bool(v >= bar if at_least else v <= bar)}
+    return {k: {"value": v, "bar": bar, "met": bool(v >= bar if at_least else v <= bar), "at_least": at_least}
             for k, (v, bar, at_least) in out.items()}  # fmt: skip
 
 
@@ -345,7 +345,7 @@ def measure(size: str, modes: list[str], device: torch.device, batch: int, conte
 def selective_line(row: dict) -> str:
     """The printed line of a selective row."""
     peak = f", peak {row['zo_peak_gib']:.2f} GiB vs {row['torch_peak_gib']:.2f}" if row.get("zo_peak_gib") else ""
-    t = ", ".join(f"{k} {v['value']:.3f} ({'MET' if v['met'] else 'MISSED'} {'>=' if 'tokens' in k else '<='} "
+    t = ", ".join(f"{k} {v['value']:.3f} ({'MET' if v['met'] else 'MISSED'} {'>=' if v['at_least'] else '<='} "
                   f"{v['bar']})" for k, v in row["targets"].items())  # fmt: skip
     return (f"{row['size']:>5} {row['params'] / 1e6:8.1f}M selective {row['selective']}: zo {row['zo_ms']:8.2f} ms "
             f"(mean over windows; median {row['zo_ms_median']:.2f}), fwd+bwd {row['fwd_bwd_ms']:7.2f}, torch fused "
