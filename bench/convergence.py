@@ -25,7 +25,9 @@ from zo_kernels import ZeroOffloadAdamW
 from zo_kernels.demo import batches, load_corpus
 from zo_kernels.gpt import GPT, GPTConfig, num_params
 
-SELECTIVE = {"fraction": 0.1, "select_every": 100, "apply_every": 4}  # selective='s defaults
+# the configuration measured within 2% of exact AdamW on both workloads (selective='s defaults, 0.1 / 100 / 4 / 0,
+# ended ~10% worse: README); --selective '{}' runs the defaults
+SELECTIVE = {"fraction": 0.5, "select_every": 100, "apply_every": 1, "warmup": 100}
 VARIANTS = {"fp32": dict(state_dtype=torch.float32), "bf16": dict(state_dtype=torch.bfloat16),
             "8bit": dict(state_dtype="8bit"), "selective": dict(selective=SELECTIVE)}  # fmt: skip
 TARGET = {"bf16": 0.01, "8bit": 0.02, "selective": 0.02}

@@ -267,7 +267,9 @@ TARGETS = {  # name: (value of a row, bar, "<=")
 }
 
 
-SELECTIVE = {"fraction": 0.1, "select_every": 100, "apply_every": 4}  # selective='s defaults
+# the steady state of the configuration bench/convergence.py measured within 2% of exact AdamW (its 100 warm-up steps
+# are plain ZeRO-Offload steps, not timed here)
+SELECTIVE = {"fraction": 0.5, "select_every": 100, "apply_every": 1}
 
 
 def selective_row(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
