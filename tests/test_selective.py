@@ -79,6 +79,26 @@ def test_fraction_one_is_adamw(dtype):
     assert torch.equal(params, torch.cat([p.detach().reshape(-1).float() for p in oracle.work.parameters()]))
 
 
+def test_fraction_one_with_clipping_and_loss_scale_is_adamw():
+    """The clip coefficient and the loss-scale inverse reach the device update (one multiplication there, two in the
+    oracle: fp32 rounding apart)."""
+    steps, kw = 5, dict(max_grad_norm=0.05, loss_scale=1024.0)
+    model = make_model(seed=0)
+    opt = zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.float32, selective={"fraction": 1.0}, **kw, **HP)
+    oracle = Oracle(make_model(seed=0), torch.float32, **kw, **HP)
+    data = make_data(steps, batch=4, seed=3)
+    for s in range(steps):
+        opt.backward(model(*_xy(data[s][0])))
+        opt.step()
+        assert opt.stats["clip"] < 1.0, "the clipping must act"
+        oracle.step([[data[s][0]]], lambda m, b: m(*_xy(b)))
+    got = torch.cat([v["master"].reshape(-1) for _, v in sorted(opt.state_dict()["state"].items())])
+    want = torch.cat([oracle.state(n)["master"].reshape(-1) for n, _ in make_model(seed=0).named_parameters()])
+    init = torch.cat([p.detach().reshape(-1) for p in make_model(seed=0).parameters()])
+    assert (got - want).norm() <= 1e-4 * (want - init).norm()
+    opt.close()
+
+
 # ---------------------------------------------------------------- the approximate scheme, written plainly
 
 
