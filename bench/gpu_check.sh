@@ -146,7 +146,8 @@ bench 45 160 "bench: H2D/D2H, writeback hidden" bench-transport.json bench/test_
 step_args=(--batch "${ZO_STEP_BATCH:-8}" --context "${ZO_STEP_CONTEXT:-512}")
 # gpu_fraction 0 and auto (issue 20's Twin-Flow rows; never run on a GPU before: their cap is a guess)
 limited 130 110 "bench: step in parts (step_rows)" "$py" bench/step_rows.py "$out/step.json" \
-  --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --budget-s 60 --gpu-fractions "${ZO_STEP_FRACTIONS:-0,auto}" \
+  --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes "${ZO_STEP_MODES:-sync,dpu,selective}" --budget-s 60 \
+  --gpu-fractions "${ZO_STEP_FRACTIONS:-0,auto}" \
   "${step_args[@]}" || status=1
 site=/tmp/zo-anchor-site
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -38,6 +38,7 @@ from .params import DeviceBytes, ParamShards, units_of
 from .report import MemoryReport, PhaseTimes
 from .scaler import LossScaler
 from .twin import TwinUpdate, check_gpu_fraction, device_split
+from .selective import SelectiveUpdate, check_selective
 from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S, HostUpdate
 
 DEFAULT_BUCKET_NUMEL = 1 << 24  # 32 MiB of bf16 gradients per bucket (two buckets live on the device)
@@ -172,6 +173,14 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             parameters between step() and the end of the next forward, other than through the modules' forward,
             model.state_dict() or gathered(), must call opt.synchronize() first. At stage 3 the gathers always wait
             per unit (the parameters are read only through forward or gathered()).
+        selective: None (exact AdamW), or ZenFlow's importance-selective update, an approximation of AdamW (see
+            zo_kernels/offload/selective.py): {"fraction": 0.1, "select_every": 100, "apply_every": 4,
+            "warmup": 0}, any key left out taking that default. Per step the top `fraction` of each parameter's
+            columns by gradient norm (0-/1-D parameters: all of them) are updated on the device from fp32 state held
+            there; the other columns' gradients are summed on the host and applied by CPU Adam in the background
+            every `apply_every` steps; the columns are chosen again every `select_every` steps; the first `warmup`
+            steps are plain ZeRO-Offload steps. Stages 1 and 2, fp32 moments in host memory, no
+            delay_update_after. fraction=1.0 is exact AdamW.
     """
 
     def __init__(
@@ -209,6 +218,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         init: ParamInit | None = None,
         gpu_fraction: float = 0.0,
         dpu_writeback: str = "whole",
+        selective: dict[str, Any] | None = None,
     ) -> None:
         # Every argument is checked before anything (the model included) is modified.
         if isinstance(params, torch.nn.Module):
@@ -258,6 +268,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 raise ValueError(f"gpu_fraction={gpu_fraction} with offload_param='nvme' is not supported: the "
                                  "16-bit shard's file is written by the host update alone")  # fmt: skip
         prefetch = check_int(prefetch, "prefetch", 0, required=True)
+        self.selective = check_selective(selective, stage=stage, offload_optimizer=offload_optimizer,
+                                         state_format=self.state_format, delayed=delay_update_after is not None,
+                                         rule=self._update_class, gpu_fraction=self.gpu_fraction)  # fmt: skip
         for name, value in (("update_timeout_s", update_timeout_s), ("collective_timeout_s", collective_timeout_s)):
             if _real(value, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -386,12 +399,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                   all_reduce=self.stage == 1, on_grad=shards and shards.on_grad,
                                   on_pass_end=shards and shards.on_pass_end, split=self.split)  # fmt: skip
             self.device_bytes.add(sum(b.numel() * b.element_size() for b in self.grads.bucket_bufs))
+            if self.selective is not None:  # (staging of its own: the rest is updated during forward/backward)
+                update_class, twin = SelectiveUpdate, dict(selective=self.selective, device=self.device)
             self.update = update_class(self.layout, own, fill_master if master is None else master,
-                                             update_transport, publish, threads=self.threads,
-                                             tile_numel=self.tile_numel, delayed=self.delay_update_after is not None,
-                                             timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir,
-                                             params_dtype=self.dtype, state_fmt=self.state_format,
-                                             **twin)  # fmt: skip
+                                       update_transport, publish, threads=self.threads, tile_numel=self.tile_numel,
+                                       delayed=self.delay_update_after is not None or self.selective is not None,
+                                       timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir,
+                                       params_dtype=self.dtype, state_fmt=self.state_format, **twin)  # fmt: skip
         except BaseException:
             self._release_transports()
             raise
@@ -637,6 +651,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         tail = {} if c.device_grad is None else {"device_grad": c.device_grad}  # gpu_fraction's (twin.py)
         if delayed:
             self.update.start(c.grad, grad_scale, runs, hparams, **tail)
+        elif self.selective is not None:
+            self.update.selective_step(c.grad, grad_scale, runs, hparams, got)
         else:
             self.update.run(c.grad, grad_scale, runs, hparams, **tail)
         self.scaler.update(found_inf=False)

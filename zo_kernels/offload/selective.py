@@ -1,0 +1,311 @@
+"""The importance-selective update (ZenFlow's scheme, `selective=`): an approximation of AdamW.
+
+Per step, the columns of each parameter with the largest gradient norm (the "selected" fraction) are updated on the
+device at once, from fp32 masters and moments held there while they are selected. The rest's gradients are summed
+on the host over a window of `apply_every` steps and applied by CPU Adam in the background while the next window's
+forward/backward run; their new values reach the device at the end of that next window. Every `select_every` steps
+the columns are chosen again from that step's gradient: the host first applies the rest of the open window at once
+(no overlap on that step), then the state of the columns moves between host and device.
+
+Columns: a parameter of 2 or more dims is viewed as (shape[0], numel // shape[0]) (nn.Linear's weight: one column per
+input feature); its rank-local piece selects ceil(fraction * its columns). A parameter of 0 or 1 dim (biases, norms)
+is always selected, as in ZenFlow: small, updated every step on the device.
+
+Time of the moments: the selected columns' moments are updated every step; the rest's once per window of w steps,
+with the window's mean gradient ḡ as if ḡ had arrived at each of its w steps (m <- b1^w m + (1 - b1^w) ḡ, the same
+for v with b2^w and ḡ^2), followed by one AdamW step (lr, weight decay lr * wd) with the bias correction of the
+parameter's step count t. So both halves' moments always carry t steps of history, and a column keeps its moments,
+unchanged, when it moves. (A step of w * lr, "w steps' worth", was measured worse: bench/convergence.py's demo GPT
+ended at 1.19x exact AdamW's validation loss with loss spikes, against 1.11x with one step of lr; see the README.)
+With fraction 1.0 every column is selected: exact AdamW (tests/test_selective.py).
+
+Warm-up: the first `warmup` steps are plain synchronous ZeRO-Offload steps (exact AdamW), as ZenFlow's full warm-up
+rounds; the scheme starts at the step after (a resumed run counts from the checkpoint's step counts).
+
+Synchronisation points (the rest of the open window applied at once, every column's state back on the host, the
+next step selects again): a re-selection, state_dict(), opt.state[p], load_state_dict(), synchronize(), close().
+A run that saves a checkpoint and a run resumed from it therefore continue identically.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import torch
+
+from ..cpu_adam import cpu_adam_step
+from .layout import Run
+from .update import HostUpdate
+
+KEYS = ("fraction", "select_every", "apply_every", "warmup")
+
+
+class Selective(NamedTuple):
+    """The checked `selective=` dict.
+
+    Args:
+        fraction: the share of each parameter's columns updated on the device every step, in (0, 1] (default 0.1,
+            ZenFlow's topk_ratio).
+        select_every: steps between two choices of the columns (default 100).
+        apply_every: steps of gradient summed on the host before CPU Adam applies them to the other columns
+            (default 4); the update runs in the background during the next window.
+        warmup: the first steps are exact ZeRO-Offload steps (CPU Adam over every column, synchronously) before the
+            scheme starts (default 0; ZenFlow's full_warm_up_rounds).
+    """
+
+    fraction: float = 0.1
+    select_every: int = 100
+    apply_every: int = 4
+    warmup: int = 0
+
+
+def check_selective(selective: Any, *, stage: int, offload_optimizer: str, state_format: str, delayed: bool,
+                    rule: type, gpu_fraction: float = 0.0) -> Selective | None:  # fmt: skip
+    """`selective` as a Selective (None: off); every key and every unsupported combination is refused naming it."""
+    if selective is None:
+        return None
+    if not isinstance(selective, dict):
+        raise TypeError(f"selective must be a dict (keys {', '.join(KEYS)}) or None, got {type(selective).__name__}")
+    unknown = sorted(str(k) for k in selective if k not in KEYS)
+    if unknown:
+        raise ValueError(f"selective has unknown key(s) {unknown}: the keys are {', '.join(KEYS)}")
+    out = Selective(**selective)
+    f = out.fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)):
+        raise TypeError(f"selective['fraction'] must be a number in (0, 1], got {type(f).__name__}")
+    if not (0.0 < f <= 1.0):  # (NaN fails this too)
+        raise ValueError(f"selective['fraction'] must be in (0, 1], got {f}")
+    for key, least in (("select_every", 1), ("apply_every", 1), ("warmup", 0)):
+        v = getattr(out, key)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"selective[{key!r}] must be an int >= {least}, got {type(v).__name__}")
+        if v < least:
+            raise ValueError(f"selective[{key!r}] must be an int >= {least}, got {v}")
+    refusals = [
+        (stage not in (1, 2), f"stage={stage} (stages 1 and 2 only)"),
+        (offload_optimizer != "cpu", f"offload_optimizer={offload_optimizer!r} (the state in host memory only)"),
+        (state_format != "fp32", f"state_dtype {state_format!r} (fp32 moments only)"),
+        (delayed, "delay_update_after (the rest is already applied in the background)"),
+        (rule is not HostUpdate, "another update rule than AdamW's"),
+        (gpu_fraction != 0.0, "gpu_fraction > 0"),
+    ]  # fmt: skip
+    for refused, what in refusals:
+        if refused:
+            raise ValueError(f"selective is not supported with {what}")
+    return out._replace(fraction=float(f))
+
+
+class SelectiveUpdate(HostUpdate):
+    """HostUpdate with the selective scheme: the selected columns' state on the device, the rest's gradient summed.
+
+    Args (beyond HostUpdate's): selective: the checked configuration. device: the parameters' device.
+    """
+
+    def __init__(self, *args: Any, selective: Selective, device: torch.device, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        assert not self.staging_in_place and self._state is not None, "built with delayed=True, fp32, in memory"
+        self.cfg, self.device = selective, device
+        self._publish_all = self.publish
+        self.publish = self._publish  # (write_staging publishes through it)
+        self.transport.pool.max_bytes += 16 * self.layout.part + (1 << 20)  # the shuttles below, at fraction 1
+        part = self.layout.part
+        self.acc = [torch.zeros(part, dtype=torch.float32) for _ in range(2)]  # a window's sum, and the last one's
+        self.window = [[0] * len(self.layout.params) for _ in range(2)]  # steps summed per param, per buffer
+        self.cur = 0  # the buffer of the open window
+        self.in_window = 0  # steps in the open window
+        self.since_select = 0
+        # the selection: partition indices (sorted), their fp32 state on the device (master, exp_avg, exp_avg_sq)
+        self.sel: torch.Tensor | None = None
+        self.sel_device: torch.Tensor | None = None
+        self.state_device: torch.Tensor | None = None
+        self._grad_host: torch.Tensor | None = None  # pinned: the selected gradient on its way to the device
+        self._move_host: torch.Tensor | None = None  # pinned: the selected state on its way between host and device
+        self._grad_event: Any = None
+        self._hparams: list[dict] = []
+        self.full = [False] * len(self.layout.params)  # every element of this rank's piece of param i is selected
+
+    # ------------------------------------------------------------------ one step
+
+    def selective_step(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
+                       got: list[bool]) -> None:  # fmt: skip
+        """The step's gradient: the selected columns updated on the device now, the rest summed; at a window's end
+        the last window's update lands on the device and this one's starts in the background."""
+        if max(self.steps, default=0) <= self.cfg.warmup:  # (steps counts this step already)
+            self.run(grad, grad_scale, runs, hparams)
+            return
+        t0 = time.perf_counter()
+        if self.sel is None or self.since_select >= self.cfg.select_every:
+            self.drain()
+            self._select(grad)
+        self._hparams = hparams  # (a drain applies the open window with the hyper-parameters of its last step)
+        self._device_update(grad, grad_scale, runs, hparams)
+        acc, window = self.acc[self.cur], self.window[self.cur]
+        for _, a, b, _, factor in runs:
+            acc[a:b].add_(grad[a:b], alpha=grad_scale * factor)
+        for i, g in enumerate(got):
+            window[i] += g
+        self.since_select += 1
+        self.in_window += 1
+        if self.in_window == self.cfg.apply_every:
+            super().finish_pending(write=False)  # the last window's update: its parameters go down now
+            self._send_staging()
+            self._start_apply(hparams)
+        # (the background update's own time is "cpu_update", added when it is waited for)
+        self.times.add("selective", time.perf_counter() - t0)
+        self.publish()
+
+    def _select(self, grad: torch.Tensor) -> None:
+        """Choose the columns from this gradient and move their state to the device."""
+        lay, pieces = self.layout, []
+        self.full = [False] * len(lay.params)
+        for i, p in enumerate(lay.params):
+            a, b = lay.part_range(p)
+            if a >= b:
+                continue
+            shape = lay.shape[p]
+            if len(shape) < 2:
+                pieces.append(torch.arange(a, b))
+                self.full[i] = True
+                continue
+            cols = shape.numel() // shape[0]
+            first = a + lay.part_lo - lay.offset[p]  # p's element at partition index a
+            col = torch.arange(first, first + b - a) % cols
+            norms = torch.zeros(cols, dtype=torch.float64).index_add_(0, col, grad[a:b].double().square())
+            present = torch.zeros(cols, dtype=torch.bool)
+            present[col] = True
+            n_present = int(present.sum())
+            k = math.ceil(self.cfg.fraction * n_present)
+            self.full[i] = k == n_present
+            top = torch.topk(norms.masked_fill(~present, -1.0), k).indices
+            pieces.append(a + torch.nonzero(torch.isin(col, top)).view(-1))
+        self.sel = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+        n = self.sel.numel()
+        pool = self.transport.pool
+        self._grad_host, self._move_host = pool.take(max(n, 1), torch.float32), pool.take(max(3 * n, 1), torch.float32)
+        master, exp_avg, exp_avg_sq = self._state
+        for j, t in enumerate((master, exp_avg, exp_avg_sq)):
+            torch.index_select(t, 0, self.sel, out=self._move_host[j * n : (j + 1) * n])
+        self.state_device = torch.empty(3 * n, dtype=torch.float32, device=self.device)
+        self.sel_device = self.sel.to(self.device)
+        ev = self.transport.h2d(self.state_device, self._move_host[: 3 * n])
+        self.transport.device_wait(ev)
+        self.transport.wait(ev)  # (the shuttle is read by the copy: reused only after it)
+        self.since_select = 0
+
+    def _device_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict]) -> None:
+        """AdamW on the device over the selected elements of the runs (torch's single-tensor AdamW arithmetic)."""
+        n = self.sel.numel()
+        if n == 0:
+            return
+        self.transport.wait(self._grad_event)  # the last step's copy has read the shuttle
+        g_host = self._grad_host[:n]
+        g_host.copy_(grad[self.sel])
+        g = torch.empty(n, dtype=torch.float32, device=self.device)
+        self._grad_event = self.transport.h2d(g, g_host)
+        self.transport.device_wait(self._grad_event)
+        master, exp_avg, exp_avg_sq = self.state_device.view(3, n)
+        bounds = torch.tensor([x for _, a, b, _, _ in runs for x in (a, b)], dtype=torch.int64)
+        cuts = torch.searchsorted(self.sel, bounds).tolist()
+        for k, (gi, _, _, step, factor) in enumerate(runs):
+            s0, s1 = cuts[2 * k], cuts[2 * k + 1]
+            if s0 == s1:
+                continue
+            h = hparams[gi]
+            lr, (b1, b2), eps, wd = h["lr"], h["betas"], h["eps"], h["weight_decay"]
+            gk = g[s0:s1].mul_(-grad_scale * factor if h["maximize"] else grad_scale * factor)
+            p, m, v = master[s0:s1], exp_avg[s0:s1], exp_avg_sq[s0:s1]
+            p.mul_(1 - lr * wd)
+            m.lerp_(gk, 1 - b1)
+            v.mul_(b2).addcmul_(gk, gk, value=1 - b2)
+            denom = (v.sqrt() / math.sqrt(1 - b2**step)).add_(eps)
+            p.addcdiv_(m, denom, value=-lr / (1 - b1**step))
+
+    def _publish(self) -> None:
+        """The selected elements' parameters from their device masters (staging holds stale ones), then publish."""
+        if self.sel is not None and self.sel.numel():
+            n = self.sel.numel()
+            self.own.index_copy_(0, self.sel_device, self.state_device[:n].to(self.own.dtype))
+        self._publish_all()
+
+    # ------------------------------------------------------------------ the rest, on the host
+
+    def _apply_runs(self, buf: int) -> list[Run]:
+        """The runs of window buffer `buf`: (group, a, b, step t, steps summed w) of the params it holds."""
+        w = [0 if full else x for x, full in zip(self.window[buf], self.full)]  # (those are on the device only)
+        # layout.runs cuts where the group, steps[i] + 1 or factor[i] changes: t and w are passed as those two
+        return self.layout.runs([x > 0 for x in w], [s - 1 for s in self.steps], [float(x) for x in w])
+
+    def _apply(self, buf: int, runs: list[Run], hparams: list[dict]) -> float:
+        """CPU Adam over the rest with the window's mean gradient (moments as w steps, one step: see the module
+        docstring), into staging; the window's buffer is zeroed for reuse. Returns its wall time."""
+        t0 = time.perf_counter()
+        self.transport.wait(self._staging_read)  # the last copy out of staging has read it
+        master, exp_avg, exp_avg_sq = self._state
+        acc = self.acc[buf]
+        for gi, a, b, t, w in runs:
+            h, w = hparams[gi], int(w)
+            (b1, b2), c1 = h["betas"], 1.0 - h["betas"][0] ** t
+            c2 = math.sqrt(1.0 - b2**t)
+            # the kernel without bias correction: p *= 1 - lr' wd'; p -= lr' m / (sqrt(v) + eps')
+            cpu_adam_step(master[a:b], acc[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=1, bias_correction=False,
+                          lr=h["lr"] * c2 / c1, betas=(b1**w, b2**w), eps=h["eps"] * c2,
+                          weight_decay=h["weight_decay"] * c1 / c2, grad_scale=1.0 / w, maximize=h["maximize"],
+                          param_out=self.staging_buf[a:b], threads=self.threads)  # fmt: skip
+        acc.zero_()
+        return time.perf_counter() - t0
+
+    def _start_apply(self, hparams: list[dict]) -> None:
+        """The open window's update starts in the background; the next window sums into the other buffer."""
+        buf = self.cur
+        runs = self._apply_runs(buf)
+        self.window[buf] = [0] * len(self.layout.params)
+        self.cur, self.in_window = 1 - buf, 0
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-selective")
+        self._pending = self._executor.submit(self._apply, buf, runs, hparams)
+
+    def _send_staging(self) -> None:
+        """Staging (the last update's parameters) -> this rank's device parameters; published by the caller."""
+        if self.staged:
+            self._staging_read = self.transport.h2d(self.own, self.staging_buf)
+            self.transport.device_wait(self._staging_read)
+            self.staged = False
+
+    def drain(self) -> None:
+        """The synchronisation point: the background update waited for, the open window applied at once, the
+        selected state back on the host, the selection dropped (the next step selects), the parameters sent."""
+        super().finish_pending(write=False)
+        applied = self.staged
+        if any(self.window[self.cur]):
+            hparams = self._hparams
+            runs = self._apply_runs(self.cur)
+            self.window[self.cur] = [0] * len(self.layout.params)
+            self.times.add("cpu_update", self._apply(self.cur, runs, hparams))
+            applied = True
+        self.in_window = 0
+        if self.sel is not None:
+            n = self.sel.numel()
+            if n:
+                ev = self.transport.d2h(self._move_host[: 3 * n], self.state_device)
+                self.transport.wait(ev)
+                for j, t in enumerate(self._state):
+                    t.index_copy_(0, self.sel, self._move_host[j * n : (j + 1) * n])
+                self.staging_buf.index_copy_(0, self.sel, self._state[0][self.sel].to(self.staging_buf.dtype))
+            self.transport.wait(self._grad_event)
+            self.transport.pool.give(self._grad_host)
+            self.transport.pool.give(self._move_host)
+            self.sel = self.sel_device = self.state_device = self._grad_host = self._move_host = None
+            self._grad_event = None
+            applied = True
+        if applied:
+            self.staged = True
+            self.write_staging()
+            self.staged = False
+
+    def finish_pending(self, write: bool) -> None:
+        """Every reader and writer of the state (state_dict, opt.state, load, synchronize, close) drains first."""
+        self.drain()
+
