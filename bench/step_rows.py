@@ -260,7 +260,7 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
                               tile_numel=tile_numel, gpu_fraction=gpu_fraction,
                               dpu_writeback="per_module" if dpu else "whole")  # fmt: skip
     row["gpu_fraction"], row["partition"] = gpu_fraction, opt.part
-    fence = opt.update.fence  # DPU with real copies: the tiled writeback (None: waited for whole)
+    fence = getattr(opt.update, "fence", None)  # DPU with real copies: the tiled writeback (None: waited for whole)
     try:
         phases: list[dict] = []
         tiles: list[tuple[int, int]] = []  # (tiles, in flight when the forward's first module came) per step

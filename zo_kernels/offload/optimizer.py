@@ -37,8 +37,8 @@ from .materialize import ParamInit, check_init, materialise_followers, swap_in
 from .params import DeviceBytes, ParamShards, units_of
 from .report import MemoryReport, PhaseTimes
 from .scaler import LossScaler
-from .twin import TwinUpdate, check_gpu_fraction, device_split
 from .selective import SelectiveUpdate, check_selective
+from .twin import TwinUpdate, check_gpu_fraction, device_split
 from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S, HostUpdate
 
 DEFAULT_BUCKET_NUMEL = 1 << 24  # 32 MiB of bf16 gradients per bucket (two buckets live on the device)
@@ -409,7 +409,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         except BaseException:
             self._release_transports()
             raise
-        if twin:  # the tail's p32, m, v and gradient landing (its fp32 accumulators, made later: memory_report)
+        if self.split < self.part:  # the tail's p32, m, v, gradient landing (its fp32 accumulators: memory_report)
             tail_grads = sum(t.numel() * t.element_size() for t in self.grads.device_landing)
             self.device_bytes.add(self.update.device_state_bytes + tail_grads)
         if shards is not None:
