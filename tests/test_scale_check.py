@@ -27,8 +27,11 @@ CPU_ARGS = ["--device", "cpu", "--max-params", "6e6", "--context", "32", "--voca
 
 
 def test_every_setting_end_to_end_on_the_cpu(tmp_path):
+    """Each setting in a process of its own, as gpu_check.sh runs them: the host figure is the process's peak RSS
+    growth, which inside a long-lived process (this test run's) reuses memory freed by earlier tests and reads low
+    (it read 0.08 GiB against 0.12 in a full run, in process)."""
     out = tmp_path / "scale.json"
-    rc = scale_check.main([str(out), *CPU_ARGS, "--budget-s", "300", "--in-process"])
+    rc = scale_check.main([str(out), *CPU_ARGS, "--budget-s", "300"])
     rows = json.loads(out.read_text())
     assert [r["setting"] for r in rows] == list(scale_check.SETTINGS)
     assert rc == 0, [r.get("error") for r in rows]
@@ -97,11 +100,3 @@ def test_out_of_memory_halves_the_tokens_once_and_a_failure_is_a_row(tmp_path, m
     assert ok["tokens_halved"] == 1 and ok["tokens_per_step"] == 64 and ok["steps"] == 5 and "error" not in ok
     assert [t for _, t in calls[3:5]] == [128, 64]
     assert failed["setting"] == "s3-cpu" and "injected" in failed["error"] and "steps" not in failed
-
-
-@pytest.mark.slow
-def test_each_setting_in_a_process_of_its_own(tmp_path):
-    out = tmp_path / "scale.json"
-    assert scale_check.main([str(out), *CPU_ARGS, "--budget-s", "600", "--settings", "s3-cpu"]) == 0
-    (row,) = json.loads(out.read_text())
-    assert row["setting"] == "s3-cpu" and row["steps"] == 5 and not row["mismatch"]
