@@ -12,6 +12,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import traceback
 
@@ -355,3 +358,33 @@ def test_dpu_on_two_ranks_resumes_bitwise_and_closes_cleanly(tmp_path) -> None:
         for res in (whole, resumed):
             counts = (res["groups_made"], res["threads"], res["groups_left"])
             assert counts == (1, [], 0), counts
+
+
+EXIT_SCRIPT = """
+    import sys
+    import torch
+    import torch.distributed as dist
+    import zo_kernels as zk
+    from zo_kernels.transport import CopyEngineTransport
+    rank, store = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    opt = zk.ZeroOffloadAdafactor(model, dtype=torch.float32, delay_update_after=0, bucket_numel=4096,
+                                  transport=CopyEngineTransport(delay_s=0.001))
+    for _ in range(3):
+        opt.backward(model(torch.randn(8, 64)).square().mean())
+        opt.step()
+    opt.close()
+"""
+
+
+@pytest.mark.slow  # (two fresh interpreters)
+def test_two_ranks_under_dpu_exit_cleanly_after_close(tmp_path) -> None:
+    """Two processes train under DPU, close() the optimizer and exit through the interpreter's finalization without
+    destroy_process_group (tests/test_exit.py's pattern): no abort from a group or thread of the optimizer's."""
+    script, store = textwrap.dedent(EXIT_SCRIPT), str(tmp_path / "store")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), store], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0 and "terminate called" not in err, (p.returncode, err[-2000:])
