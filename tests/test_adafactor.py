@@ -388,3 +388,27 @@ def test_two_ranks_under_dpu_exit_cleanly_after_close(tmp_path) -> None:
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0 and "terminate called" not in err, (p.returncode, err[-2000:])
+
+
+def _subgroup_ranks(rank: int, world: int, tmp: str) -> None:
+    group = dist.new_group(ranks=[0, 1], backend="gloo")  # (every rank of the default group makes it)
+    if rank < 2:
+        model = FeatureNet(VOCAB, WIDTH)
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            zk.ZeroOffloadAdafactor(model, delay_update_after=1, process_group=group)
+            msg = "accepted"
+        except ValueError as e:
+            msg = str(e)
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        torch.save({"msg": msg, "unchanged": unchanged}, os.path.join(tmp, f"sub.{rank}.pt"))
+
+
+@pytest.mark.slow  # (one 3-process launch)
+def test_dpu_on_a_subgroup_is_refused_clearly(tmp_path) -> None:
+    """DPU on several ranks needs a group of the update's own, which every rank of the default group makes: on a
+    process group of 2 of 3 ranks it is refused (ValueError naming delay_update_after), the model untouched."""
+    spawn_ranks(_subgroup_ranks, 3, tmp_path, str(tmp_path))
+    for r in range(2):
+        got = torch.load(tmp_path / f"sub.{r}.pt", weights_only=False)
+        assert "delay_update_after" in got["msg"] and got["unchanged"], got
