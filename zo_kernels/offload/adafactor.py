@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ..cpu_adam import _real
 from ..optim_contract import check_state_dict_layout
 from .checks import check_int
+from .comm import Comm
 from .layout import Run
 from .optimizer import ZeroOffloadAdamW
 from .update import HostUpdate
@@ -224,8 +225,9 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
     statistics, fp32) for parameters of 2 or more dimensions, a full one for vectors. Host state: 4 bytes per
     parameter (masters) + 4 x (rows + columns) per matrix + 4 per vector element. On several ranks the partition
     is AdamW's (parameters split across ranks): two small all-reduces per step combine the split parameters'
-    row/column sums and norms (SplitAdafactor), every rank keeps every parameter's statistics; the delayed update
-    is then refused (its collectives would run in the background beside the gradients'). offload_optimizer="nvme"
+    row/column sums and norms (SplitAdafactor), every rank keeps every parameter's statistics; with the delayed
+    update they run on a gloo group of the update's own (made at construction by every rank of the default
+    group, destroyed by close()), never beside the gradients' on one group. offload_optimizer="nvme"
     and state_dtype are refused. state_dict() has torch.optim.Adafactor's keys per parameter (step, row_var,
     col_var or variance) plus `master` (world-size independent; a collective on several ranks), and loads
     torch.optim.Adafactor's.
@@ -250,12 +252,30 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
         group = kwargs.get("process_group")
         world = (group.size() if group is not None else
                  dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)  # fmt: skip
-        if world > 1 and kwargs.get("delay_update_after") is not None:
-            raise ValueError(f"ZeroOffloadAdafactor on {world} ranks does not take delay_update_after: its "
-                             "statistics' all-reduces would run in the background update, beside the gradients' "
-                             "collectives")  # fmt: skip
+        delayed = world > 1 and kwargs.get("delay_update_after") is not None
+        if delayed and world != dist.get_world_size():
+            raise ValueError(f"ZeroOffloadAdafactor with delay_update_after on a process group of {world} of the "
+                             f"{dist.get_world_size()} ranks is not supported: the background update's own group "
+                             "is made by every rank of the default group")  # fmt: skip
         super().__init__(params, lr=lr, weight_decay=weight_decay, **kwargs)
         self.update.comm = self.comm
+        if delayed:
+            # The statistics' all-reduces run on the update's thread, beside the main thread's gradient collectives:
+            # never two threads on one group. A gloo group of its own (host tensors: the statistics live there),
+            # made here on every rank in the same order; destroyed by close().
+            self.update.comm = Comm(dist.new_group(backend="gloo"), torch.device("cpu"), self.collective_timeout_s,
+                                    self._times)  # fmt: skip
+
+    def close(self) -> None:
+        """ZeroOffloadAdamW.close(), then the background update's own process group (if any) is destroyed."""
+        super().close()  # (raises, keeping the group, while the update may still run on it)
+        comm = self.update.comm
+        if comm is not self.comm and comm.group is not None:
+            group, comm.group = comm.group, None
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # the default group was destroyed first, and this one with it
+                pass
 
     def _defaults(self, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> dict[str, Any]:
         return self._group_hparams(dict(self._ada))
