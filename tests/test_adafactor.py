@@ -21,8 +21,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from dist_worker import free_port, spawn_ranks
+from dist_worker import spawn_ranks
 from oracle import FeatureNet, Oracle
 
 import zo_kernels as zk
@@ -131,18 +130,13 @@ def top(t: torch.Tensor) -> float:
     return t.abs().max().item() if t.numel() else 0.0
 
 
-def _rank_entry(rank: int, port: int, cases: list[Case], out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        for i, case in enumerate(cases):
-            try:
-                result = run_zo(case, rank, dist.new_group(backend="gloo"))
-            except Exception:
-                result = {"error": traceback.format_exc(limit=6)}
-            torch.save(result, os.path.join(out, f"{i}.{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_entry(rank: int, world: int, cases: list[Case], out: str) -> None:
+    for i, case in enumerate(cases):
+        try:
+            result = run_zo(case, rank, dist.new_group(backend="gloo"))
+        except Exception:
+            result = {"error": traceback.format_exc(limit=6)}
+        torch.save(result, os.path.join(out, f"{i}.{rank}.pt"))
 
 
 _RESULTS: dict[Case, dict] = {}
@@ -155,7 +149,7 @@ def zo_result(case: Case, tmp_dir: str) -> dict:
         return run_zo(case)
     if case not in _RESULTS:
         two = [c for c in CASES if c.world == 2]
-        mp.spawn(_rank_entry, args=(free_port(), two, tmp_dir), nprocs=2, join=True)
+        spawn_ranks(_rank_entry, 2, tmp_dir, two, tmp_dir)
         for i, c in enumerate(two):
             ranks = [torch.load(os.path.join(tmp_dir, f"{i}.{r}.pt"), weights_only=False) for r in range(2)]
             errors = [res["error"] for res in ranks if "error" in res]
@@ -164,7 +158,8 @@ def zo_result(case: Case, tmp_dir: str) -> dict:
     return _RESULTS[case]
 
 
-DEFAULT = {Case(), Case(dtype="bf16", micro=2, clip=True), Case(scale="dynamic", dpu=2, transport="copy_engine")}
+DEFAULT = {Case(), Case(dtype="bf16", micro=2, clip=True), Case(scale="dynamic", dpu=2, transport="copy_engine"),
+           Case(world=2, dpu=1, clip=True, transport="copy_engine")}  # (one 2-process launch runs every 2-rank case)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=() if c in DEFAULT else pytest.mark.slow)
@@ -262,29 +257,24 @@ def test_bad_arguments_are_refused_before_anything_changes(kw: dict, name: str) 
     assert all(torch.equal(before[k], v) and before[k].dtype == v.dtype for k, v in model.state_dict().items())
 
 
-def _ranks_entry(rank: int, port: int, ckpt_in, ckpt_out: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        model = FeatureNet(VOCAB, WIDTH, seed=2)
-        opt = zk.ZeroOffloadAdafactor(model, **ADAFACTOR, dtype=torch.float32, bucket_numel=1_000,
-                                      collective_timeout_s=60.0)  # fmt: skip
-        if ckpt_in is not None:
-            zk.load_checkpoint(ckpt_in, model, opt)
-        loaded = opt.state_dict()
-        g = torch.Generator().manual_seed(3)
-        data = torch.randint(0, VOCAB, (2, 2, 2 * BATCH, SEQ), generator=g)
-        for s in range(2):
-            x, y = (data[s, k, rank * BATCH : (rank + 1) * BATCH] for k in (0, 1))
-            opt.backward(model(x, y))
-            opt.step()
-        zk.save_checkpoint(ckpt_out, model, opt)
-        saved = opt.state_dict()  # (a collective)
-        if rank == 0:
-            torch.save({"loaded": loaded, "saved": saved}, out)
-        opt.close()
-    finally:
-        dist.destroy_process_group()
+def _ranks_entry(rank: int, world: int, ckpt_in, ckpt_out: str, out: str) -> None:
+    model = FeatureNet(VOCAB, WIDTH, seed=2)
+    opt = zk.ZeroOffloadAdafactor(model, **ADAFACTOR, dtype=torch.float32, bucket_numel=1_000,
+                                  collective_timeout_s=60.0)  # fmt: skip
+    if ckpt_in is not None:
+        zk.load_checkpoint(ckpt_in, model, opt)
+    loaded = opt.state_dict()
+    g = torch.Generator().manual_seed(3)
+    data = torch.randint(0, VOCAB, (2, 2, 2 * BATCH, SEQ), generator=g)
+    for s in range(2):
+        x, y = (data[s, k, rank * BATCH : (rank + 1) * BATCH] for k in (0, 1))
+        opt.backward(model(x, y))
+        opt.step()
+    zk.save_checkpoint(ckpt_out, model, opt)
+    saved = opt.state_dict()  # (a collective)
+    if rank == 0:
+        torch.save({"loaded": loaded, "saved": saved}, out)
+    opt.close()
 
 
 def _tensors(sd: dict) -> list[torch.Tensor]:
@@ -296,14 +286,14 @@ def test_checkpoint_moves_between_world_sizes(tmp_path) -> None:
     """2 ranks save, 1 rank loads: the masters and statistics bit for bit (every rank keeps every parameter's
     statistics; the masters are gathered); 1 rank saves, 2 ranks load: the same."""
     a, b, out = (str(tmp_path / n) for n in ("a.pt", "b.pt", "two.pt"))
-    mp.spawn(_ranks_entry, args=(free_port(), None, a, out), nprocs=2, join=True)
+    spawn_ranks(_ranks_entry, 2, tmp_path, None, a, out)
     two = torch.load(out, weights_only=False)
     _, opt = _train(0, ckpt_in=a)
     got, want = _tensors(opt.state_dict()), _tensors(two["saved"])
     assert len(got) == len(want) and all(torch.equal(x, y) for x, y in zip(got, want))
     _train(2, first=5, ckpt_in=a, ckpt_out=b)
     saved_by_one = torch.load(b, weights_only=True)["optimizer"]
-    mp.spawn(_ranks_entry, args=(free_port(), b, str(tmp_path / "c.pt"), out), nprocs=2, join=True)
+    spawn_ranks(_ranks_entry, 2, tmp_path, b, str(tmp_path / "c.pt"), out)
     got, want = _tensors(torch.load(out, weights_only=False)["loaded"]), _tensors(saved_by_one)
     assert len(got) == len(want) and all(torch.equal(x, y) for x, y in zip(got, want))
 

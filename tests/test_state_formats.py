@@ -26,8 +26,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from dist_worker import free_port
+from dist_worker import spawn_ranks
 from oracle import FeatureNet, Oracle, param_groups
 
 import zo_kernels as zk
@@ -214,19 +213,14 @@ def run_oracle(case: Case, dtype: torch.dtype, **perturb) -> dict:
                 params={n: p.detach().float().clone() for n, p in oracle.work.named_parameters()})  # fmt: skip
 
 
-def _rank_entry(rank: int, port: int, cases: list[Case], out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        for i, case in enumerate(cases):
-            group = dist.new_group(backend="gloo")
-            try:
-                result = run_zo(case, rank, group)
-            except Exception:
-                result = {"error": traceback.format_exc(limit=6)}
-            torch.save(result, os.path.join(out, f"{i}.{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_entry(rank: int, world: int, cases: list[Case], out: str) -> None:
+    for i, case in enumerate(cases):
+        group = dist.new_group(backend="gloo")
+        try:
+            result = run_zo(case, rank, group)
+        except Exception:
+            result = {"error": traceback.format_exc(limit=6)}
+        torch.save(result, os.path.join(out, f"{i}.{rank}.pt"))
 
 
 _RESULTS: dict[Case, list[dict]] = {}
@@ -241,7 +235,7 @@ def zo_results(case: Case, tmp_dir: str) -> list[dict]:
             two = [c for c in CASES if c.world == 2]
             failure = {"error": "no result written"}
             try:
-                mp.spawn(_rank_entry, args=(free_port(), two, tmp_dir), nprocs=2, join=True)
+                spawn_ranks(_rank_entry, 2, tmp_dir, two, tmp_dir)
             except Exception as e:
                 failure = {"error": f"the 2-rank launch failed: {e}"}
             for i, c in enumerate(two):
@@ -395,30 +389,25 @@ def test_bf16_moments_are_bf16() -> None:
             assert torch.equal(st[key], st[key].bfloat16().float()) and bool(st[key].ne(0).any())
 
 
-def _ranks_entry(rank: int, world: int, port: int, fmt: str, ckpt_in, ckpt_out: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        model = FeatureNet(VOCAB, WIDTH, seed=3)
-        opt = zk.ZeroOffloadAdamW(model, **ADAMW, dtype=torch.float32, state_dtype=FORMATS[fmt], bucket_numel=1_000,
-                                  collective_timeout_s=60.0)  # fmt: skip
-        if ckpt_in is not None:
-            zk.load_checkpoint(ckpt_in, model, opt)
-        loaded = opt.state_dict()
-        g = torch.Generator().manual_seed(11)
-        data = torch.randint(0, VOCAB, (2, 2, 2 * BATCH, SEQ), generator=g)
-        for s in range(2):
-            x, y = (data[s, k, rank * BATCH : (rank + 1) * BATCH] for k in (0, 1))
-            opt.backward(model(x, y))
-            opt.step()
-        zk.save_checkpoint(ckpt_out, model, opt)
-        if rank == 0:
-            torch.save({"loaded": loaded, "saved": opt.state_dict()}, out)
-        else:
-            opt.state_dict()  # (a collective)
-        opt.close()
-    finally:
-        dist.destroy_process_group()
+def _ranks_entry(rank: int, world: int, fmt: str, ckpt_in, ckpt_out: str, out: str) -> None:
+    model = FeatureNet(VOCAB, WIDTH, seed=3)
+    opt = zk.ZeroOffloadAdamW(model, **ADAMW, dtype=torch.float32, state_dtype=FORMATS[fmt], bucket_numel=1_000,
+                              collective_timeout_s=60.0)  # fmt: skip
+    if ckpt_in is not None:
+        zk.load_checkpoint(ckpt_in, model, opt)
+    loaded = opt.state_dict()
+    g = torch.Generator().manual_seed(11)
+    data = torch.randint(0, VOCAB, (2, 2, 2 * BATCH, SEQ), generator=g)
+    for s in range(2):
+        x, y = (data[s, k, rank * BATCH : (rank + 1) * BATCH] for k in (0, 1))
+        opt.backward(model(x, y))
+        opt.step()
+    zk.save_checkpoint(ckpt_out, model, opt)
+    if rank == 0:
+        torch.save({"loaded": loaded, "saved": opt.state_dict()}, out)
+    else:
+        opt.state_dict()  # (a collective)
+    opt.close()
 
 
 @pytest.mark.parametrize("fmt", ["8bit", pytest.param("bf16", marks=pytest.mark.slow)])
@@ -426,14 +415,13 @@ def test_checkpoint_moves_between_world_sizes_exactly(fmt: str, tmp_path) -> Non
     """2 ranks save, 1 rank loads: its state is the saved one bit for bit (the 8-bit blocks are per parameter);
     1 rank saves, 2 ranks load: the same."""
     a, b = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
-    mp.spawn(_ranks_entry, args=(2, free_port(), fmt, None, a, str(tmp_path / "two.pt")), nprocs=2, join=True)
+    spawn_ranks(_ranks_entry, 2, tmp_path, fmt, None, a, str(tmp_path / "two.pt"))
     saved_by_two = torch.load(tmp_path / "two.pt", weights_only=False)["saved"]
     _, opt = _train(fmt, 0, ckpt_in=a)
     assert all(torch.equal(x, y) for x, y in zip(_exact(opt.state_dict()), _exact(saved_by_two)))
     _train(fmt, 2, ckpt_in=a, ckpt_out=b, first=5)
     saved_by_one = torch.load(b, weights_only=True)["optimizer"]
-    mp.spawn(_ranks_entry, args=(2, free_port(), fmt, b, str(tmp_path / "c.pt"), str(tmp_path / "two.pt")), nprocs=2,
-             join=True)  # fmt: skip
+    spawn_ranks(_ranks_entry, 2, tmp_path, fmt, b, str(tmp_path / "c.pt"), str(tmp_path / "two.pt"))
     loaded_by_two = torch.load(tmp_path / "two.pt", weights_only=False)["loaded"]
     got, want = _exact(loaded_by_two), _exact(saved_by_one)
     assert len(got) == len(want) and all(torch.equal(x, y) for x, y in zip(got, want))
