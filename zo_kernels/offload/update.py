@@ -291,7 +291,7 @@ class HostUpdate:
             out: torch.Tensor | None = None) -> None:  # fmt: skip
         """The synchronous update: CPU Adam, the new parameters to the device tile by tile, then the all-gather.
         `out`: the landing buffer `grad` came in (params_over_grads: the new parameters go there)."""
-        self._take_out(out, runs)
+        self.take_out(out, runs)
         kernel_before = self.times.get("kernel", 0.0)
         seconds = self.cpu_update(grad, grad_scale, runs, hparams, True)
         self.times.add("cpu_update", seconds)
@@ -303,12 +303,12 @@ class HostUpdate:
               out: torch.Tensor | None = None) -> None:  # fmt: skip
         """The delayed update: CPU Adam into staging (or `out`, as run's) in the background thread; finish_pending()
         collects it."""
-        self._take_out(out, runs)
+        self.take_out(out, runs)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-dpu")
         self._pending = self._executor.submit(self.cpu_update, grad, grad_scale, runs, hparams, False)
 
-    def _take_out(self, out: torch.Tensor | None, runs: list[Run]) -> None:
+    def take_out(self, out: torch.Tensor | None, runs: list[Run]) -> None:
         """params_over_grads: the step's landing buffer receives the new parameters of `runs`."""
         if not self.params_over_grads:
             return
