@@ -177,6 +177,8 @@ def cpu_adam_alone(opt: zk.ZeroOffloadAdamW, rounds: int) -> tuple[float, float]
     grad = opt.grads.landing[0]
     device = opt.flat.device
 
+    u.take_out(grad, runs)  # (where the new parameters go over the gradients: into this landing buffer)
+
     def tiled() -> None:
         u.cpu_update(grad, 1e-3, runs, hparams, True)
         u.transport.synchronize()

@@ -15,6 +15,7 @@ from offload_ref import make_data, make_model
 import zo_kernels as zk
 from zo_kernels.offload import update as update_module
 from zo_kernels.offload.fence import ForwardWaits, TileFence
+from zo_kernels.offload.grads import GradPath
 from zo_kernels.transport import CopyEngineTransport, HostTransport
 
 TILE = 4096
@@ -77,24 +78,25 @@ def assert_same_run(a, b):
 
 def ordered_run(monkeypatch, delay_s: float = 0.004):
     """A DPU run on LoggingTransport with each writeback's start, each module's forward (after the optimizer's
-    wait) and each span of the background update's kernel logged: the log, the model's modules and their own
-    parameters' flat ranges (one rank: flat = partition coordinates)."""
+    wait) and each span of the background update's kernel logged (whether it writes the buffer the last writeback
+    copies from): the log, the model's modules and their own parameters' flat ranges (one rank: flat = partition
+    coordinates)."""
     log: list = []
     tr = LoggingTransport(log, delay_s)
     ranges = {}
     kernel = update_module.cpu_adam_step
 
     def logged_kernel(*args, param_out, **kw):
-        staging = tr.staging
-        if staging is not None and staging.data_ptr() <= param_out.data_ptr() < staging.data_ptr() + staging.nbytes:
-            lo = (param_out.data_ptr() - staging.data_ptr()) // param_out.element_size()
-            log.append(("adam", lo, lo + param_out.numel()))
+        source = tr.staging  # the buffer the last writeback's copies read
+        lo = param_out.data_ptr() - (source.data_ptr() if source is not None else 0)
+        inside = source is not None and 0 <= lo < source.nbytes
+        log.append(("adam", inside, lo // param_out.element_size(), lo // param_out.element_size() + param_out.numel()))
         return kernel(*args, param_out=param_out, **kw)
 
     monkeypatch.setattr(update_module, "cpu_adam_step", logged_kernel)
 
     def on_forward(model, opt):
-        tr.watched, tr.staging = opt.flat, opt.staging_buf
+        tr.watched = opt.flat
         for name, m in model.named_modules():
             own = [p for p in m.parameters(recurse=False)]
             if own:
@@ -104,6 +106,7 @@ def ordered_run(monkeypatch, delay_s: float = 0.004):
 
         def logged_write_tiles():
             log.append(("writeback",))
+            tr.staging = opt.update.out_buf
             return write_tiles()
 
         opt.update._write_tiles = logged_write_tiles
@@ -115,7 +118,7 @@ def ordered_run(monkeypatch, delay_s: float = 0.004):
 
 def cycles(log: list) -> list[list]:
     """The log cut at each writeback: what happened until the next one (its tiles landing, the next forward, the
-    next update into staging)."""
+    next update)."""
     out: list[list] = [[]]
     for e in log:
         if e[0] == "writeback":
@@ -126,36 +129,40 @@ def cycles(log: list) -> list[list]:
 
 
 def early(cycle: list, kind: str, ranges: dict | None = None) -> list:
-    """Forwards of a module ("forward") or spans of the update into staging ("adam") that began before a tile
-    covering their range had landed (read the old parameters; overwrote staging under its copy)."""
+    """Forwards of a module ("forward") that began before a tile covering their range had landed (read the old
+    parameters), or spans of the update ("adam") written into the writeback's source before the tiles covering
+    them had landed (changed what is copied)."""
     landed: list[tuple[int, int]] = []
     tiles = [e[1:] for e in cycle if e[0] == "landed"]
     bad = []
     for e in cycle:
         if e[0] == "landed":
             landed.append(e[1:])
-        elif e[0] == kind:
-            for a, b in ranges[e[1]] if kind == "forward" else [e[1:]]:
+        elif e[0] == kind and (kind == "forward" or e[1]):
+            for a, b in ranges[e[1]] if kind == "forward" else [e[2:]]:
                 if any(lo < b and a < hi and (lo, hi) not in landed for lo, hi in tiles):
                     bad.append(e[1:])
     return bad
 
 
 def test_forward_and_update_start_before_the_last_tile_landed_and_after_their_own(monkeypatch):
-    """The ordering log of each DPU writeback: the next forward's first module runs, and the next update starts
-    writing staging, while later tiles are still being copied; no module's forward runs and no span of staging is
-    written before the tiles covering it have landed."""
+    """The ordering log of each DPU writeback: the next forward's first module runs, and the next update starts,
+    while later tiles are still being copied; no module's forward runs before the tiles covering it have landed.
+    The update writes its parameters over its own gradients, in the other landing buffer than the one the
+    writeback copies from (update.py, params_over_grads): it never writes the copies' source."""
     log, ranges = ordered_run(monkeypatch)
     assert len(cycles(log)) == STEPS + 1  # a writeback at steps 2..STEPS and at synchronize()
     forwards = updates = 0
+    tiles = sum(e[0] == "landed" for e in cycles(log)[1])  # of one writeback (the next forward waits for them all)
+    assert tiles > 10, "the writeback was not tiled"
     for cycle in cycles(log)[1:]:
-        landed = [i for i, e in enumerate(cycle) if e[0] == "landed"]
-        assert len(landed) > 10, "the writeback was not tiled"
         for kind in ("forward", "adam"):
             seen = [i for i, e in enumerate(cycle) if e[0] == kind]
-            if seen:
-                assert seen[0] < landed[-1], f"{kind} waited for the whole writeback"
+            if seen:  # (the last update may outrun its writeback: the next one's marker comes before its tiles)
+                before = sum(e[0] == "landed" for e in cycle[: seen[0]])
+                assert before < tiles, f"{kind} waited for the whole writeback"
                 assert not early(cycle, kind, ranges), f"{kind} before its tiles landed: {early(cycle, kind, ranges)}"
+        assert not any(e[0] == "adam" and e[1] for e in cycle), "the update wrote the writeback's source"
         forwards += any(e[0] == "forward" for e in cycle)
         updates += any(e[0] == "adam" for e in cycle)
     assert forwards == STEPS - 2 and updates == STEPS - 1  # the writebacks of steps 2..STEPS-1 / 2..STEPS
@@ -186,14 +193,35 @@ def test_tiled_dpu_run_is_bit_identical_to_the_cpu_run(stage, state_dtype):
     assert_same_run(got, reference(stage, state_dtype))
 
 
-def test_an_update_that_does_not_wait_for_the_copies_out_of_staging_is_caught(monkeypatch):
-    """The next update overwriting staging before its tiles were copied sends it early: the comparison fails."""
-    monkeypatch.setattr(TileFence, "landed", lambda self, a, b: iter([(a, b)]))
+def test_a_zero_grad_that_does_not_wait_for_the_copies_out_of_its_landing_buffer_is_caught(monkeypatch):
+    """zero_grad(set_to_none=False) right after step() zeroes the landing buffer the writeback is still copying the
+    new parameters from (tiles in flight under per-module waits): it waits for those copies first. Without that wait
+    the device gets zeros for the tiles not yet copied and the run differs from the CPU run."""
+
+    def run(transport):
+        model = make_model(seed=0)
+        opt = zk.ZeroOffloadAdamW(model, lr=2e-3, weight_decay=0.01, bucket_numel=50_000, tile_numel=TILE,
+                                  transport=transport, delay_update_after=0, dpu_writeback="per_module")  # fmt: skip
+        losses = []
+        for step in make_data(STEPS, batch=4, seed=3):
+            loss = model(step[0][:, :-1], step[0][:, 1:])
+            losses.append(loss.item())
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        opt.synchronize()
+        params = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+        opt.close()
+        return losses, params
+
+    ref = run(HostTransport())
     tr = CopyEngineTransport(delay_s=0.004)
-    got = train(tr)
+    got = run(tr)
+    assert got[0] == ref[0] and torch.equal(got[1], ref[1])
+    monkeypatch.setattr(GradPath, "landing_free", lambda self, s, host=False: None)
+    got = run(tr)
     tr.close()
-    with pytest.raises(AssertionError, match="differ"):
-        assert_same_run(got, reference(2))
+    assert got[0] != ref[0], "the broken run was not caught"
 
 
 def test_a_missing_gather_wait_is_caught(monkeypatch):

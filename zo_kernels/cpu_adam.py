@@ -212,8 +212,16 @@ def _check_adam_tensors(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, pa
         _check_tensor(exp_avg_sq, "exp_avg_sq", (dtype,), n, written=True)
     if param_out is not None:
         _check_tensor(param_out, "param_out", tuple(_DTYPE_CODE), n, written=True)
-    check_no_overlap({"param": param, "grad": grad, **moment_tensors(exp_avg, exp_avg_sq), "param_out": param_out})
+    out = None if param_out is None or is_same_place(param_out, grad) else param_out
+    check_no_overlap({"param": param, "grad": grad, **moment_tensors(exp_avg, exp_avg_sq), "param_out": out})
     return n
+
+
+def is_same_place(out: torch.Tensor, grad: torch.Tensor) -> bool:
+    """`out` is `grad`'s memory exactly (same address, dtype and length): the kernel may write each new param over
+    the gradient element it has just read (every ISA loads a vector's gradients before storing its params; threads
+    take disjoint ranges). Any other overlap is refused."""
+    return out.data_ptr() == grad.data_ptr() and out.dtype == grad.dtype and out.numel() == grad.numel()
 
 
 def _state_args(exp_avg: Any, exp_avg_sq: Any, start: int, seed: int) -> tuple:
@@ -287,13 +295,17 @@ class AdamPlan(NamedTuple):
         return (param.data_ptr() + 4 * start, grad.data_ptr() + grad.element_size() * start,
                 _moment_address(m, start), _moment_address(v, start))  # fmt: skip
 
-    def _check_out(self, out: Any, numel: int, name: str) -> int:
+    def _check_out(self, out: Any, numel: int, name: str, start: int = 0) -> int:
         if out is None:
             return 0
         if self.out_dtype is None:
             raise ValueError(f"{name} given, but the plan was made without out_dtype")
         _check_tensor(out, name, (self.out_dtype,), numel, like="the range", written=True)
-        check_no_overlap({name: out, **self._named()})
+        named = self._named()
+        grad = named["grad"][start : start + numel]
+        if is_same_place(out, grad):  # the params over the gradients they replace (see is_same_place)
+            del named["grad"]
+        check_no_overlap({name: out, **named})
         return out.data_ptr()
 
     def run_tiled(self, tile: int, sink: TileSink, out: torch.Tensor | None = None,
@@ -325,7 +337,7 @@ class AdamPlan(NamedTuple):
         if start % block or (end % block and end != self.numel):
             raise ValueError(f"start and end must be multiples of the 8-bit moments' block ({block}) (end may be "
                              f"numel), got start={start}, end={end}")  # fmt: skip
-        out_addr = self._check_out(out, end - start, "out")
+        out_addr = self._check_out(out, end - start, "out", start)
         param, grad, m, v = self._addresses(start)
         _cpu.adam_step(
             param, grad, self.grad_code, m, v, out_addr, _DTYPE_CODE[out.dtype] if out is not None else _NO_OUT,

@@ -254,7 +254,7 @@ def report(out: TextIO, zo: Run, ref: Run, phi: int, args: Any) -> None:
               f"  zo     device {zo.device_bytes / phi:6.2f} B = {per('device')}\n"
               f"           host {zo.host_bytes / phi:6.2f} B = {per('host')}\n"
               f"         planner, {row} on a GPU: device {off.gpu_states / phi:.4g}{shard} + buckets, host "
-              f"{off.host / phi:.4g} (16-bit params, with p16 staging{'; this run: fp32, 4 B' if e == 4 else ''})\n"
+              f"{off.host / phi:.4g} (16-bit params, no p16 staging{'; this run: fp32, 4 B' if e == 4 else ''})\n"
               f"  torch  device {ref.device_bytes / phi:6.2f} B (planner DDP {ddp.gpu_states / phi:.0f}: "
               f"fp32 training here is 4+4+8 = 16 too)\n")  # fmt: skip
     gap = max(abs(a - b) for a, b in zip(zo.losses, ref.losses))

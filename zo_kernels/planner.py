@@ -239,7 +239,8 @@ def _per_param(strategy: str, k: float, n: int) -> tuple[float, float, float]:
     - DDP (2+2+K), ZeRO-1 P_os (2+2+K/N), ZeRO-2 P_os+g (2+(2+K)/N), ZeRO-3 P_os+g+p (2+2+K)/N: ZeRO (Rajbhandari
       et al., 2020), Figure 1 and §5 (7.5B, N = 64, K = 12: 120, 31.4, 16.6, 1.9 GB).
     - ZeRO-2 + offload: ZeRO-Offload (Ren et al., 2021), §4: p16 stays on the GPU (2), the partition's g16, p32,
-      m, v move to the host ((2+K)/N), plus the p16 staging of the writeback (2/N).
+      m, v move to the host ((2+K)/N). No p16 staging: CPU Adam writes each new p16 over the g16 it has just read
+      and the writeback copies from there (zo_kernels/offload/update.py, params_over_grads).
     - ZeRO-3 + offload (offload_param=cpu, offload_optimizer=cpu): no persistent state on the GPU; the host keeps
       the p16 shard, the g16 landing, p32, m, v: (2+2+K)/N. The p16 shard is the writeback's destination, so no
       separate staging.
@@ -257,7 +258,7 @@ def _per_param(strategy: str, k: float, n: int) -> tuple[float, float, float]:
         "ZeRO-1": (2 + 2 + k / n, 0.0, 0.0),
         "ZeRO-2": (2 + (2 + k) / n, 0.0, 0.0),
         "ZeRO-3": ((2 + 2 + k) / n, 0.0, 0.0),
-        "ZeRO-2 + offload": (2.0, (2 + k) / n + 2 / n, 0.0),
+        "ZeRO-2 + offload": (2.0, (2 + k) / n, 0.0),
         "ZeRO-3 + offload": (0.0, (2 + 2 + k) / n, 0.0),
         "ZeRO-Inf (opt)": (0.0, 2 / n, (2 + k) / n),
         "ZeRO-Infinity": (0.0, 0.0, (2 + 2 + k) / n),
@@ -389,9 +390,10 @@ def plan(
         extra = _host_extra(s, gpus, accumulation, dpu)
         if s in ("ZeRO-2 + offload", "ZeRO-3 + offload"):  # gpu_fraction moves f of the partition's host buffers
             # to the GPU (p32, m, v, g16 landing and accumulators) except the stage-3 shard, which stays whole, and the
-            # p16 staging, which the tail does not need (the GPU casts its masters straight into the parameters)
+            # p16 staging (ZeRO-3 + offload under DPU), which the tail does not need (the GPU casts its masters
+            # straight into the parameters)
             shard = 2 / gpus if s == "ZeRO-3 + offload" else 0.0
-            staging = 2 / gpus if s == "ZeRO-2 + offload" or dpu else 0.0
+            staging = 2 / gpus if s == "ZeRO-3 + offload" and dpu else 0.0
             scaled = h + extra - shard
             g, h = g + gpu_fraction * (scaled - staging), shard + (1 - gpu_fraction) * scaled
         else:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .cpu_adam import TileSink, bump_version, check_memory, check_no_overlap, plan_adam_step
+from .cpu_adam import TileSink, bump_version, check_memory, check_no_overlap, is_same_place, plan_adam_step
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -66,6 +66,15 @@ class HostPool:
                 if addr <= start < addr + nbytes:
                     self._fences.setdefault(addr, {})[key] = event
                     return
+
+    def events(self, t: torch.Tensor) -> list[Any]:
+        """The last event of each stream's copies that read or wrote `t`'s block (none: not a block of this pool)."""
+        start = t.data_ptr()
+        with self._lock:
+            for addr, (nbytes, _) in self._live.items():
+                if addr <= start < addr + nbytes:
+                    return list(self._fences.get(addr, {}).values())
+        return []
 
     def _drain(self, addr: int) -> None:
         for ev in self._fences.pop(addr, {}).values():
@@ -612,6 +621,8 @@ def tiled_writeback(
     if dst.numel() != plan.numel:
         raise ValueError(f"dst has {dst.numel()} elements, param has {plan.numel}")
     state = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if is_same_place(staging.buf, grad):  # the new params over the gradients they replace (is_same_place)
+        del state["grad"]
     check_no_overlap({"staging": staging.buf, **state})
     if dst.device.type == "cpu":  # dst may be the staging itself (host memory is the device), never part of it
         in_place = dst.data_ptr() == staging.buf.data_ptr() and staging.buf.numel() >= plan.numel

@@ -37,6 +37,8 @@ class Gradients(NamedTuple):
     n_backward: int  # completed backward passes (stats["micro_batches"])
     factor: list[float]  # per param: p.grad.mul_(f) not yet applied to grad (the update applies it)
     device_grad: torch.Tensor | None = None  # gpu_fraction: the partition's tail [split, part), kept on the device
+    landing: torch.Tensor | None = None  # the landing buffer the gradient came in (read once by the update, which
+    # may write the new parameters there: grad itself, or with accumulation the last micro-batch's, summed already)
 
 
 class GradPath:
@@ -220,8 +222,19 @@ class GradPath:
         bucket.ready += 1
         self._launch_ready()
 
+    def landing_free(self, s: int, host: bool = False) -> None:
+        """Before landing buffer s is written: the copies still reading it (the writeback of the parameters the
+        update wrote there) are done, for the device's copy streams (backward's copies queue after the compute
+        stream) or, with host=True, for the host."""
+        for ev in self.transport.pool.events(self.landing[s]):
+            if host:
+                self.transport.wait(ev)
+            else:
+                self.transport.device_wait(ev)
+
     def _begin_micro(self) -> None:
         self.check_connected()
+        self.landing_free(self.slot, host=self.direct_landing)  # (one CPU rank packs into it from the host)
         self.in_backward = True
         self._seen = set()
         if self.n_micro == 0:
@@ -395,7 +408,7 @@ class GradPath:
                 device_grad = self.device_accum[s].add_(device_grad)
         found_inf, sum_sq, got = self._global_checks(grad, device_grad)
         self.last_got = got
-        out = Gradients(grad, found_inf, sum_sq, got, self.n_backward, self.factor, device_grad)
+        out = Gradients(grad, found_inf, sum_sq, got, self.n_backward, self.factor, device_grad, self.landing[s])
         for p in self._moved.values():
             p.grad = None
         self.reset()
@@ -447,6 +460,7 @@ class GradPath:
                 p.grad = None
         self.reset()
         if kept:  # zero gradients: the landing buffer holds zeros until the next backward overwrites it
+            self.landing_free(self.slot, host=True)
             self.landing[self.slot].zero_()
             if self.device_landing:
                 self.device_landing[self.slot].zero_()

@@ -4,7 +4,9 @@ state optionally on NVMe and (stage 3) the parameter shards optionally in host m
 At stages 1 and 2 the device keeps one flat buffer of 16-bit parameters (the model's parameters become views of
 it) and two gradient buckets; at stage 3 only this rank's shard (or none) and the modules being gathered. The host
 keeps, for this rank's 1/N slice of the flat space, the fp32 masters, Adam's
-moments, the landing buffer of the reduced gradients and the staging buffer of the new 16-bit parameters.
+moments and the landing buffer of the reduced gradients, where CPU Adam writes the new 16-bit parameters over the
+gradients it read (a staging buffer of their own only with the state on NVMe, stage 3's host shard under DPU, or
+selective).
 See docs/design.md, "One step, as data flows". The same code runs with device = CPU (plain copies, the torch
 path of `pack`): that is how it is tested without a GPU.
 """
@@ -405,10 +407,15 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                        update_transport, publish, threads=self.threads, tile_numel=self.tile_numel,
                                        delayed=self.delay_update_after is not None or self.selective is not None,
                                        timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir,
-                                       params_dtype=self.dtype, state_fmt=self.state_format, **twin)  # fmt: skip
+                                       params_dtype=self.dtype, state_fmt=self.state_format,
+                                       params_over_grads=update_transport is self.transport, **twin)  # fmt: skip
         except BaseException:
             self._release_transports()
             raise
+        if self.update.params_over_grads:  # a state loaded between a delayed update and its writeback keeps its
+            grads, host = self.grads, getattr(self.update, "host", self.update)  # parameters in the landing buffer
+            slots = len(grads.landing)  # the next backward does not write (TwinUpdate: its host part)
+            host.spare_landing = lambda: (grads.landing[(grads.iteration + 1) % slots], slots > 1)
         if self.split < self.part:  # the tail's p32, m, v, gradient landing (its fp32 accumulators: memory_report)
             tail_grads = sum(t.numel() * t.element_size() for t in self.grads.device_landing)
             self.device_bytes.add(self.update.device_state_bytes + tail_grads)
@@ -550,7 +557,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     master = _from("update", "master", "fp32 masters of this rank's partition.")
     exp_avg = _from("update", "exp_avg", "Adam's first moment of this rank's partition.")
     exp_avg_sq = _from("update", "exp_avg_sq", "Adam's second moment of this rank's partition.")
-    staging_buf = _from("update", "staging_buf", "The new 16-bit parameters of this rank's partition, on the host.")
+    staging_buf = _from("update", "staging_buf", "The new 16-bit parameters of this rank's partition, on the host "
+                        "(None where they go over the gradients in the landing buffer).")
 
     landing = _from("grads", "landing", "The host buffers of this rank's reduced gradients (two under DPU).")
 
@@ -649,6 +657,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         # the hyper-parameters as they are now: a scheduler may change them before a background update runs
         hparams = [self._group_hparams(g) for g in self.param_groups]
         tail = {} if c.device_grad is None else {"device_grad": c.device_grad}  # gpu_fraction's (twin.py)
+        if self.update.params_over_grads:  # the new parameters go over the gradients (update.py)
+            tail["out"] = c.landing
         if delayed:
             self.update.start(c.grad, grad_scale, runs, hparams, **tail)
         elif self.selective is not None:

@@ -134,7 +134,7 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
     slots = len(grads.landing)
     add("host", "gradient landing" + (" x2, DPU" if slots > 1 else ""), f"{slots}·{e}{p_}" if slots > 1 else f"{e}{p_}",
         slots * e * part, nbytes(grads.landing))  # fmt: skip
-    if not update.staging_in_place:
+    if not update.staging_in_place and update.staging_buf is not None:  # (GPU path, state in memory: none)
         add("host", "p16 staging", f"{e}{p_}", e * part, nbytes([update.staging_buf]))
     if shards is not None and shards.offload == "cpu":
         add("host", "parameter shard", f"{e}P", e * whole, nbytes([shards.shard]))

@@ -104,6 +104,8 @@ class SelectiveUpdate(HostUpdate):
     Args (beyond HostUpdate's): selective: the checked configuration. device: the parameters' device.
     """
 
+    PARAMS_OVER_GRADS = False  # its staging of its own: the summed gradients are read again at each apply
+
     def __init__(self, *args: Any, selective: Selective, device: torch.device, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         assert not self.staging_in_place and self._state is not None, "built with delayed=True, fp32, in memory"

@@ -170,6 +170,10 @@ class TwinUpdate:
         return self.host is None or self.host.staging_in_place
 
     @property
+    def params_over_grads(self) -> bool:
+        return self.host is not None and self.host.params_over_grads
+
+    @property
     def staging_buf(self) -> torch.Tensor | None:
         return self.host.staging_buf if self.host is not None else None
 
@@ -241,24 +245,24 @@ class TwinUpdate:
     # ------------------------------------------------------------------ the update
 
     def run(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
-            device_grad: torch.Tensor | None = None) -> None:  # fmt: skip
+            device_grad: torch.Tensor | None = None, out: torch.Tensor | None = None) -> None:  # fmt: skip
         """The synchronous update: the tail's launched on the device stream, the head's CPU Adam meanwhile; the new
         parameters of both, then the all-gather."""
         head, tail = split_runs(runs, self.split)
         self._launch(device_grad, grad_scale, tail, hparams)
         if self.host is not None:
-            self.host.run(grad, grad_scale, head, hparams)  # (its publish writes the tail's parameters first)
+            self.host.run(grad, grad_scale, head, hparams, out)  # (its publish writes the tail's parameters first)
         else:
             self._publish()
 
     def start(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
-              device_grad: torch.Tensor | None = None) -> None:  # fmt: skip
+              device_grad: torch.Tensor | None = None, out: torch.Tensor | None = None) -> None:  # fmt: skip
         """The delayed update: the tail's on the device stream, the head's in the background thread; the parameters
         of both reach the model at the next writeback."""
         head, tail = split_runs(runs, self.split)
         self._launch(device_grad, grad_scale, tail, hparams)
         if self.host is not None:
-            self.host.start(grad, grad_scale, head, hparams)
+            self.host.start(grad, grad_scale, head, hparams, out)
         self._staged = True
 
     def _launch(self, grad: torch.Tensor | None, grad_scale: float, runs: list[Run], hparams: list[dict]) -> None:

@@ -50,15 +50,19 @@ class HostUpdate:
         state_fmt: the moments' format (formats.py): "fp32", "bf16" or "8bit" (then every run starts on a block).
         numel: the elements of the partition it holds, [0, numel) (default all; gpu_fraction keeps the rest on the
             device: twin.py).
+        params_over_grads: the gradient path's landing buffers may take the new parameters (its transport is this
+            one): then, where the parameters are copied (not updated in place) and the state is in memory, no
+            staging buffer is kept (see below).
     """
 
     HAS_MOMENTS = True  # Adam's two moments (a subclass with another rule keeps its own state)
+    PARAMS_OVER_GRADS = True  # a subclass whose update reads the gradients more than once says False
 
     def __init__(self, layout: FlatLayout, own: torch.Tensor | None, master: torch.Tensor | MasterFill,
                  transport: Transport, publish: Callable[[], None], *, threads: int, tile_numel: int, delayed: bool,
                  timeout_s: float, times: PhaseTimes, nvme_dir: str | None = None,
                  params_dtype: torch.dtype | None = None, state_fmt: str = "fp32",
-                 numel: int | None = None) -> None:  # fmt: skip
+                 numel: int | None = None, params_over_grads: bool = False) -> None:  # fmt: skip
         self.fmt = state_fmt
         self.numel = numel = layout.part if numel is None else numel
         # each group's range of [0, numel) if it is one range there, else None
@@ -79,13 +83,26 @@ class HostUpdate:
         self.staged = False  # DPU: staging holds the last update's params, not yet on the device
         self._staging_read: Any = None  # event of the last copy out of staging (the next update writes after it)
         self._pending: Future | None = None
+        # params_over_grads: () -> (a landing buffer, whether no backward writes it before the next step), where
+        # resume() puts the loaded masters' cast (set by the optimizer)
+        self.spare_landing: Callable[[], tuple[torch.Tensor, bool]] | None = None
         # DPU: None, the writeback is waited for as a whole; a TileFence, its tiles are waited for by their readers
         # (the next forward's modules, ZeRO-3's gathers), which the optimizer then hooks up
         self.fence: TileFence | None = None
         self._executor: ThreadPoolExecutor | None = None
         self.params_in_swapper = own is None  # (then nvme_dir and params_dtype are given, and no DPU)
         self.staging_in_place = self.params_in_swapper or not (transport.needs_staging or delayed)
-        if not self.staging_in_place:
+        # Where the new parameters are copied (a GPU, or DPU) and the state is in memory, no staging buffer: the
+        # update writes each new parameter over the gradient element it has just read, in the landing buffer the
+        # step's gradient came in (run/start's `out`), and the writeback copies from there. The gradient path orders
+        # the landing buffer's next writer (backward's copies, zero_grad) after that copy: GradPath.landing_free.
+        self.params_over_grads = (params_over_grads and self.PARAMS_OVER_GRADS and self.HAS_MOMENTS
+                                  and not self.staging_in_place and nvme_dir is None)  # fmt: skip
+        self._out: torch.Tensor | None = None  # params_over_grads: the landing buffer holding the last update's
+        self._out_runs: list[tuple[int, int]] = []  # params, and the ranges it wrote there (the rest is not params)
+        if self.params_over_grads:
+            self.staging_buf = None
+        elif not self.staging_in_place:
             self.staging_buf = transport.pool.take(numel, own.dtype)
         else:  # host memory is the device: the update writes the parameters in place (no forward runs meanwhile)
             self.staging_buf = own
@@ -114,11 +131,12 @@ class HostUpdate:
             self.moments = Moments(state_fmt, numel) if self.HAS_MOMENTS else None
             if state_fmt == "fp32" and self.HAS_MOMENTS:  # the kernel's fp32 path, the tensors themselves
                 self._state = (master, *self.moments.pair)
-            if not self.staging_in_place:
+            if self.staging_buf is not None and not self.staging_in_place:
                 # staging always holds the current params: a step that skips a param (no gradient) leaves its
                 # range as is, and the padding past the last parameter is sent to the device as zeros
                 self.staging_buf.copy_(master)
-        self._staging = [Staging(self.staging_buf[r[0] : r[1]], tile_numel) if r and own is not None else None
+        self._staging = [Staging(self.staging_buf[r[0] : r[1]], tile_numel)
+                         if r and own is not None and self.staging_buf is not None else None
                          for r in self.group_ranges]  # fmt: skip
 
     def _fill_tile(self, fill_master: MasterFill) -> UpdateFn:
@@ -269,8 +287,11 @@ class HostUpdate:
         """K of the host formula: bytes of optimizer state per parameter (the masters' 4 and the moments')."""
         return 4 + bytes_per_element(self.fmt)
 
-    def run(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict]) -> None:
-        """The synchronous update: CPU Adam, the new parameters to the device tile by tile, then the all-gather."""
+    def run(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
+            out: torch.Tensor | None = None) -> None:  # fmt: skip
+        """The synchronous update: CPU Adam, the new parameters to the device tile by tile, then the all-gather.
+        `out`: the landing buffer `grad` came in (params_over_grads: the new parameters go there)."""
+        self.take_out(out, runs)
         kernel_before = self.times.get("kernel", 0.0)
         seconds = self.cpu_update(grad, grad_scale, runs, hparams, True)
         self.times.add("cpu_update", seconds)
@@ -278,11 +299,29 @@ class HostUpdate:
         self.times.add("writeback", seconds - (self.times.get("kernel", 0.0) - kernel_before))
         self.publish()
 
-    def start(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict]) -> None:
-        """The delayed update: CPU Adam into staging in the background thread; finish_pending() collects it."""
+    def start(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
+              out: torch.Tensor | None = None) -> None:  # fmt: skip
+        """The delayed update: CPU Adam into staging (or `out`, as run's) in the background thread; finish_pending()
+        collects it."""
+        self.take_out(out, runs)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-dpu")
         self._pending = self._executor.submit(self.cpu_update, grad, grad_scale, runs, hparams, False)
+
+    def take_out(self, out: torch.Tensor | None, runs: list[Run]) -> None:
+        """params_over_grads: the step's landing buffer receives the new parameters of `runs`."""
+        if not self.params_over_grads:
+            return
+        if out is None or out.numel() < self.numel or out.dtype != self.own.dtype:
+            raise RuntimeError("internal: the update writes its parameters into the step's landing buffer, "
+                               f"got {None if out is None else (out.dtype, out.numel())}")  # fmt: skip
+        self._out = out[: self.numel]
+        self._out_runs = [(a, b) for _, a, b, _, _ in runs]
+
+    @property
+    def out_buf(self) -> torch.Tensor:
+        """Where the update writes the new 16-bit parameters: staging, or the step's landing buffer."""
+        return self._out if self.params_over_grads else self.staging_buf
 
     def cpu_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
                    writeback: bool) -> float:  # fmt: skip
@@ -299,14 +338,17 @@ class HostUpdate:
             return time.perf_counter() - t0
         events = []
         master, exp_avg, exp_avg_sq = self._state
+        buf = self.out_buf
         for gi, a, b, step, factor in runs:
             staging = self._staging[gi]
             adam = dict(step=step, grad_scale=grad_scale * factor, threads=self.threads, **hparams[gi])
-            if (a, b) != self.group_ranges[gi]:  # part of a group (a param was skipped; ZeRO-3: a group in
+            if self.params_over_grads:  # the landing buffer: its last reader finished before backward wrote it
+                staging = Staging(buf[a:b], self.tile_numel)
+            elif (a, b) != self.group_ranges[gi]:  # part of a group (a param was skipped; ZeRO-3: a group in
                 # several units): a staging of its own, once the group's earlier copies are done
                 for ev in staging.events.values() if staging is not None else ():
                     self.transport.wait(ev)
-                staging = Staging(self.staging_buf[a:b], self.tile_numel)
+                staging = Staging(buf[a:b], self.tile_numel)
             if writeback:
                 dst = self.own[a:b]
                 events += tiled_writeback(self.transport, master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b],
@@ -314,15 +356,18 @@ class HostUpdate:
             else:  # staging as far as the copies of the last writeback have read it (the kernel is elementwise)
                 for x, y in self._staging_free(a, b):
                     cpu_adam_step(master[x:y], grad[x:y], exp_avg[x:y], exp_avg_sq[x:y],
-                                  param_out=self.staging_buf[x:y], **adam)  # fmt: skip
+                                  param_out=buf[x:y], **adam)  # fmt: skip
         for ev in events:
             self.transport.device_wait(ev)
         return time.perf_counter() - t0
 
     def _staging_free(self, a: int, b: int) -> Iterator[tuple[int, int]]:
         """Range [a, b) of staging in spans that no copy of the last writeback reads any more: tile by tile as they
-        land with a fence (the update starts under the writeback), else once the whole copy is done."""
-        if self.fence is not None and self.fence.tiles:
+        land with a fence (the update starts under the writeback), else once the whole copy is done. The landing
+        buffer (params_over_grads) is free already: backward wrote it after its last copy."""
+        if self.params_over_grads:
+            yield a, b
+        elif self.fence is not None and self.fence.tiles:
             yield from self.fence.landed(a, b)
         else:
             self.transport.wait(self._staging_read)
@@ -334,6 +379,7 @@ class HostUpdate:
         params into staging; with writeback each tile's copy to the device is queued at once (it overlaps the next
         tile's update) and the compute stream waits for all of them at the end, as in the NVMe update."""
         send = writeback and not self.staging_in_place
+        buf = self.out_buf
         events: list = []
         try:
             for gi, a, b, step, factor in runs:
@@ -344,12 +390,12 @@ class HostUpdate:
                     t0 = time.perf_counter()
                     cpu_adam_step(self._master[x:y], grad[x:y], *self.moments.view(x, y), step=step,
                                            grad_scale=grad_scale * factor, threads=self.threads,
-                                           param_out=self.staging_buf[x:y], seed=self._seed(x),
+                                           param_out=buf[x:y], seed=self._seed(x),
                                            **hparams[gi])  # fmt: skip
                     if writeback:  # (the background thread under DPU leaves the step's timings alone)
                         self.times.add("kernel", time.perf_counter() - t0)
                     if send:
-                        events.append(self.transport.h2d(self.own[x:y], self.staging_buf[x:y]))
+                        events.append(self.transport.h2d(self.own[x:y], buf[x:y]))
         finally:
             if events:  # copies run in order on one stream: the last one's event covers them all
                 self._staging_read = events[-1]
@@ -435,7 +481,8 @@ class HostUpdate:
         own = self.own
         if not self.staging_in_place:
             if self.fence is None:  # the compute stream waits for the copy
-                self._staging_read = self.transport.h2d(own, self.staging_buf)
+                for a, b in self._pieces(0, self.numel):
+                    self._staging_read = self.transport.h2d(own[a:b], self.out_buf[a:b])
                 self.transport.device_wait(self._staging_read)
             else:
                 self._staging_read = self._write_tiles()
@@ -450,10 +497,20 @@ class HostUpdate:
         fence.reset()
         event = None
         for x in range(0, n, self.tile_numel):
-            y = min(n, x + self.tile_numel)
-            event = self.transport.h2d(own[x:y], self.staging_buf[x:y])
-            fence.add(x, y, event)
+            for a, b in self._pieces(x, min(n, x + self.tile_numel)):
+                event = self.transport.h2d(own[a:b], self.out_buf[a:b])
+                fence.add(a, b, event)
         return event
+
+    def _pieces(self, x: int, y: int) -> Iterator[tuple[int, int]]:
+        """[x, y) in the pieces holding new parameters: all of it in staging; in the landing buffer, the ranges the
+        last update wrote (the rest holds gradients; the device keeps those parameters as they are)."""
+        if not self.params_over_grads:
+            yield x, y
+            return
+        for a, b in self._out_runs:
+            if a < y and b > x:
+                yield max(a, x), min(b, y)
 
     def wait_written(self) -> None:
         """The compute stream waits for every tile of the last writeback (a read of the device parameters outside
@@ -465,7 +522,14 @@ class HostUpdate:
     def resume(self, staged: bool) -> None:
         """After a state was loaded: the device params from the masters now, or (a state saved between a delayed
         update and its writeback) by the next step(), as if never stopped."""
-        if not self.params_in_swapper:  # (else save_state wrote the masters' cast into the parameters' file)
+        if self.params_over_grads:  # the masters' cast into a landing buffer: under DPU the one the next backward
+            buf, spare = self.spare_landing()  # does not write (kept until the next step), else the next backward's
+            for ev in (self._staging_read, *self.transport.pool.events(buf)):  # (written now: its writers wait)
+                self.transport.wait(ev)
+            self._out, self._out_runs = buf[: self.numel], [(0, self.numel)]
+            self._out.copy_(self.state()[0])
+            staged = staged and spare
+        elif not self.params_in_swapper:  # (else save_state wrote the masters' cast into the parameters' file)
             self.transport.wait(self._staging_read)  # a copy of the last writeback may still read staging
             self.staging_buf.copy_(self.state()[0])
         if staged and not self.staging_in_place:
@@ -524,8 +588,8 @@ class HostUpdate:
         master = self.state()[0]
         master.copy_(own.float().cpu())
         self.save_master(master)
-        if not self.staging_in_place:  # staging holds the params a skipped range keeps
-            self.transport.wait(self._staging_read)
+        if self.staging_buf is not None and not self.staging_in_place:  # staging holds the params a skipped range
+            self.transport.wait(self._staging_read)  # keeps
             self.staging_buf.copy_(own.cpu())
         self.staged = False  # the device parameters are the truth now
 
