@@ -27,13 +27,12 @@
 # so that it ends within 9 minutes on one H100; each stage prints its progress and seconds; a stage cut short is
 # reported FAILED (rc 124) and keeps the rows it finished.
 # Scale mode (issue 23), its own device command because the default check uses most of one:
-#   bash bench/gpu_check.sh OUTDIR scale  builds, then bench/scale_check.py: per setting (ZO_SCALE_SETTINGS, default
-#                                        s2-8bit,s2-fp32,s3-cpu, in that order) the largest GPT the planner fits,
-#                                        built on the meta device, 5 steps with DPU and checkpointing, beside the
-#                                        planner's figures -> OUTDIR/scale.json, folded into OUTDIR/summary.json's
-#                                        "scale" rows. Each setting takes the budget the later ones leave; one that
-#                                        runs out keeps the steps it finished. A ~10B model takes ~3 minutes (an
-#                                        estimate, never measured): run s2-8bit alone, then s2-fp32,s3-cpu.
+#   bash bench/gpu_check.sh OUTDIR scale  builds, then bench/scale_check.py: per setting (ZO_SCALE_SETTINGS,
+#     default s2-8bit-sync,s2-8bit,s2-fp32,s3-cpu, in that order) the largest GPT the planner fits, built on the
+#     meta device, 5 steps (with DPU but for s2-8bit-sync) and checkpointing, beside the planner's figures ->
+#     OUTDIR/scale.json, folded into OUTDIR/summary.json's "scale" rows. Each setting takes the budget the later
+#     ones leave; one that runs out keeps the steps it finished. A ~10B model takes ~3 minutes (an estimate, never
+#     measured): run s2-8bit-sync alone, then s2-8bit, then s2-fp32,s3-cpu.
 #   Without a GPU it runs the same script on the CPU at a few million parameters (what tests/test_scale_check.py
 #   runs) and says so.
 # NEVER RUN ON A GPU in this form: written without one; its no-GPU path runs in .ci/run.
@@ -86,10 +85,10 @@ say "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname); $("$py" --version 
 gpu="$("$py" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "")' 2>>"$log")"
 status=0
 export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
-scale_settings="${ZO_SCALE_SETTINGS:-s2-8bit,s2-fp32,s3-cpu}"
+scale_settings="${ZO_SCALE_SETTINGS:-s2-8bit-sync,s2-8bit,s2-fp32,s3-cpu}"
 if [ "$mode" = scale ] && [ -z "$gpu" ]; then
   say "no CUDA GPU visible: scale mode runs bench/scale_check.py on the CPU at a few million parameters instead"
-  step "scale check on the CPU (tiny)" "$py" bench/scale_check.py "$out/scale.json" --device cpu --max-params 6e6 \
+  step "scale check on the CPU (tiny)" "$py" bench/scale_check.py "$out/scale.json" --device cpu --max-params 12e6 \
     --context 32 --vocab 256 --tokens 128 --host-reserve-gib 0 --settings "$scale_settings" || status=1
   ZO_DEVICE="CPU (no GPU)" "$py" bench/summary.py --summary-json "$out" 2>>"$log" | tee -a "$summary" || status=1
   exit $status

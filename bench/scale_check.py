@@ -3,19 +3,22 @@ gpu_check.sh's summary.json.
 
 Per setting, each in a process of its own (its own peak host memory; one killed for memory leaves the others), in
 this order, each given the budget the later ones leave (MIN_SHARE_S each):
-  s2-8bit  ZeroOffloadAdamW(stage=2, state_dtype="8bit")
-  s2-fp32  ZeroOffloadAdamW(stage=2), fp32 moments
-  s3-cpu   ZeroOffloadAdamW(stage=3, offload_param="cpu"), fp32 moments
-every one with the delayed parameter update after the first step (DPU), bf16 parameters, every block checkpointed
-(torch.utils.checkpoint) and the LM head + loss computed over chunks of tokens, each checkpointed.
+  s2-8bit-sync  ZeroOffloadAdamW(stage=2, state_dtype="8bit") without DPU: one landing buffer, 8.03 B/param on the
+                host (the largest model; the step is forward + backward + CPU Adam)
+  s2-8bit       ZeroOffloadAdamW(stage=2, state_dtype="8bit")
+  s2-fp32       ZeroOffloadAdamW(stage=2), fp32 moments
+  s3-cpu        ZeroOffloadAdamW(stage=3, offload_param="cpu"), fp32 moments
+every one but s2-8bit-sync with the delayed parameter update after the first step (DPU), bf16 parameters, every
+block checkpointed (torch.utils.checkpoint) and the LM head + loss computed over chunks of tokens, each checkpointed.
   machine  device memory (torch.cuda.mem_get_info; on the CPU: host memory), host memory (/proc/meminfo
            MemAvailable), disk (free space of the temporary directory), the bf16 matmul rate (measured here)
   tokens   --tokens, or: CPU Adam's seconds per parameter in the setting's format (measured on a slice), scaled to the
            model; tokens per step such that forward + backward (8 x params x tokens at half the matmul rate) take
-           1.25x that, so that under DPU forward + backward cover CPU Adam
+           1.25x that, so that under DPU forward + backward cover CPU Adam (3x without DPU, so that it is a third of
+           the step)
   plan     the largest GPT (width a multiple of 128, layers = width / 128, then layers added while it fits) whose
            planner row fits: zo_kernels.planner.plan(gpu_mem = device memory, host_mem = MemAvailable less
-           --host-reserve-gib, k = state_k(format), dpu=True, activations = activation_bytes(shape, tokens),
+           --host-reserve-gib, k = state_k(format), dpu=(the setting's), activations = activation_bytes(shape, tokens),
            layer_params = one block (stage 3 keeps a checkpointed block's units gathered until its backward ends),
            prefetch_params = the next block's first LayerNorm), at most --max-params
   build    the model on the meta device, ZeroOffloadAdamW(model, init=ParamInit(fn, device)): one parameter's fp32
@@ -32,7 +35,8 @@ every one with the delayed parameter update after the first step (DPU), bf16 par
            units and buckets), planner_host_gib (its host bytes; on the CPU plus that GPU total, which lives in host
            memory there); `mismatch` lists each figure more than 10% off.
 
-Usage: python bench/scale_check.py OUT.json [--settings s2-8bit,s2-fp32,s3-cpu] [--device cuda] [--budget-s 420]
+Usage: python bench/scale_check.py OUT.json [--settings s2-8bit-sync,s2-8bit,s2-fp32,s3-cpu] [--device cuda]
+       [--budget-s 420]
        [--max-params 1e12] [--steps 5] [--context 2048] [--vocab 32000] [--tokens N] [--host-reserve-gib 10]
 Writes OUT.json (a list of rows) after every setting (a run cut short keeps what finished); prints progress lines.
 """
@@ -62,12 +66,15 @@ from zo_kernels.gpt import GPT, GPTConfig
 from zo_kernels.planner import plan, state_k
 
 SETTINGS = {  # in the order they run: the headline (the largest model) first
+    "s2-8bit-sync": dict(stage=2, state_dtype="8bit"),  # no DPU: one landing buffer, 8.03 B/param on the host
     "s2-8bit": dict(stage=2, state_dtype="8bit"),
     "s2-fp32": dict(stage=2, state_dtype=torch.float32),
     "s3-cpu": dict(stage=3, offload_param="cpu", state_dtype=torch.float32),
 }
-FORMAT = {"s2-fp32": "fp32", "s2-8bit": "8bit", "s3-cpu": "fp32"}
-STRATEGY = {"s2-fp32": "ZeRO-2 + offload", "s2-8bit": "ZeRO-2 + offload", "s3-cpu": "ZeRO-3 + offload"}
+FORMAT = {"s2-8bit-sync": "8bit", "s2-fp32": "fp32", "s2-8bit": "8bit", "s3-cpu": "fp32"}
+STRATEGY = {"s2-8bit-sync": "ZeRO-2 + offload", "s2-fp32": "ZeRO-2 + offload", "s2-8bit": "ZeRO-2 + offload",
+            "s3-cpu": "ZeRO-3 + offload"}  # fmt: skip
+DPU = {"s2-8bit-sync": False, "s2-fp32": True, "s2-8bit": True, "s3-cpu": True}  # DPU's second landing buffer: 2 B
 MISMATCH = 0.10  # a planner figure more than 10% off the measured one is flagged (issue 23)
 LOSS_CHUNK = 4096  # tokens per checkpointed LM-head + loss chunk: its fp32 logits stay ~14 x 4096 x vocab bytes
 WORKSPACE = 2**30  # the planner's per-GPU workspace (cuBLAS, the allocator's slack): left out of the comparison
@@ -256,7 +263,7 @@ def plan_for(c: GPTConfig, setting: str, tokens: int, mach: dict, args: argparse
              activations=acts, workspace=WORKSPACE if cuda else 0, reserve=0.05 if cuda else 0.0,
              bucket_bytes=BUCKET_BYTES if cuda else 0, layer_params=gathered_layer(c), prefetch=1,
              prefetch_params=prefetched_unit(c),
-             nvme=mach["disk_free"], dpu=True)  # fmt: skip
+             nvme=mach["disk_free"], dpu=DPU[setting])  # fmt: skip
     row = p.row(STRATEGY[setting])
     device_bytes = row.gpu_total - (WORKSPACE if cuda else 0)
     # the optimizer's own device buffers (its DeviceBytes counter): the states, stage 3's gathered units in flight
@@ -280,7 +287,8 @@ def choose_model(setting: str, mach: dict, adam_s_per_param: float, tflops: floa
             return args.tokens
         n = gpt_params(c)
         # forward + backward with every block recomputed: 8 x params x tokens flops at half the matmul rate
-        want = 1.25 * adam_s_per_param * n * 0.5 * tflops * 1e12 / (8 * n)
+        cover = 1.25 if DPU[setting] else 3.0  # sync: CPU Adam adds to the step, so more tokens dilute it
+        want = cover * adam_s_per_param * n * 0.5 * tflops * 1e12 / (8 * n)
         return max(1, math.ceil(want / args.context)) * args.context
 
     def fits(c: GPTConfig) -> bool:
@@ -391,7 +399,8 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = GPT(c)
-    opt = zk.ZeroOffloadAdamW(model, lr=args.lr, weight_decay=0.0, dtype=torch.bfloat16, delay_update_after=1,
+    opt = zk.ZeroOffloadAdamW(model, lr=args.lr, weight_decay=0.0, dtype=torch.bfloat16,
+                              delay_update_after=1 if DPU[setting] else None,
                               init=zk.ParamInit(init_fn, device=device, seed=0), **SETTINGS[setting])  # fmt: skip
     _sync(device)
     row["build_s"] = time.perf_counter() - t0
@@ -478,7 +487,7 @@ def warm_up(setting: str, device: torch.device, args: argparse.Namespace) -> Non
     c = config_for(64, 2, args)
     with torch.device("meta"):
         model = GPT(c)
-    opt = zk.ZeroOffloadAdamW(model, lr=args.lr, dtype=torch.bfloat16, delay_update_after=1,
+    opt = zk.ZeroOffloadAdamW(model, lr=args.lr, dtype=torch.bfloat16, delay_update_after=1 if DPU[setting] else None,
                               init=zk.ParamInit(init_fn, device=device), **SETTINGS[setting])  # fmt: skip
     try:
         gen = torch.Generator().manual_seed(0)
