@@ -556,7 +556,8 @@ inline void store16(void* base, int64_t i, int dt, __m512 x, __mmask16 k) {
 // param_out is write-only: on a long range whose vectors are aligned the kernels store it non-temporally (no read
 // for ownership: 2 bytes per element less traffic with a 16-bit param_out), then fence once. A short range keeps
 // cached stores, so a tensor stepped while it sits in L2 stays there. Measured (50M, one thread, bf16 out, under
-// load): the fp32-state update 6% faster, bf16 5-8%, 8-bit 2-5% (with the prefetch below), the ceilings 10-14%.
+// load): the fp32-state update 6% faster, bf16 5-8%, 8-bit 2-5% (with a software prefetch since taken out, below),
+// the ceilings 10-14%. Two threads, quiet: fp32 9% faster, bf16 6%, 8-bit unchanged.
 // Not where param_out is the gradient's own memory: its lines were just read into the cache, and a non-temporal
 // store to a cached line evicts it. Measured (16M, one thread, bf16 grads, the 2-core machine loaded: noisy): 8-bit
 // 1.84 ns/param with a separate out, 2.46 over the gradient with NT stores; without them 0.93 and 0.94.
@@ -687,19 +688,8 @@ void block16(const Coef c, const Blk k, int64_t len) {
   }
 }
 
-// Software prefetch of the block kPrefetch elements ahead (param, grad, both codes): the hardware prefetchers stop
-// at each 4 KiB page. Measured at 50M, one thread: 256 (one block) 4-7% faster than none; 512-2048 less.
-constexpr int64_t kPrefetch = 256;
-template <int GDT>
-inline void prefetch_block(const Blk& f, int64_t L) {
-  for (int64_t j = 0; j < L * 4; j += 64) _mm_prefetch(reinterpret_cast<const char*>(f.p) + j, _MM_HINT_T0);
-  for (int64_t j = 0; j < L * dsize(GDT); j += 64) _mm_prefetch(static_cast<const char*>(f.g) + j, _MM_HINT_T0);
-  for (int64_t j = 0; j < L; j += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(f.mc) + j, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(f.vc) + j, _MM_HINT_T0);
-  }
-}
-
+// No software prefetch: one block (256) ahead was 4-7% faster on one thread at 50M, but 2-3% slower on two threads
+// (the benchmark's setting, bench/test_bench_cpu_adam.py -k formats_ratios, quiet machine), so it was taken out.
 template <int GDT, int ODT, bool STREAM>
 void run8(const Coef& coef, const Bufs& bufs, int64_t lo, int64_t hi) {
   const Coef c = coef;
@@ -709,8 +699,6 @@ void run8(const Coef& coef, const Bufs& bufs, int64_t lo, int64_t hi) {
   for (int64_t b0 = lo; b0 < hi; b0 += b.block) {
     const int64_t L = std::min(b.block, hi - b0);
     const Blk k = block_at(b, b0, dsize(GDT), dsize(ODT));
-    if (b0 + kPrefetch + b.block <= hi)
-      prefetch_block<GDT>(block_at(b, b0 + kPrefetch, dsize(GDT), dsize(ODT)), b.block);
     if (L == kMaxBlock && nt) block16<GDT, ODT, STREAM, kMaxBlock, true>(c, k, L);
     else if (L == kMaxBlock) block16<GDT, ODT, STREAM, kMaxBlock, false>(c, k, L);
     else block16<GDT, ODT, STREAM, 0, false>(c, k, L);
