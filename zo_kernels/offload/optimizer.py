@@ -388,9 +388,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
         # gpu_fraction: the partition's tail [split, part) stays on the device (twin.py)
         self.split = device_split(self.part, self.gpu_fraction, self.align) if self.gpu_fraction else self.part
-        update_class, twin = self._update_class, {}
+        update_class, extra = self._update_class, {}  # (the update class's own keyword arguments)
         if self.split < self.part:
-            update_class, twin = TwinUpdate, dict(split=self.split, device=self.device)
+            update_class, extra = TwinUpdate, dict(split=self.split, device=self.device)
         self.grads = self.update = None
         try:  # everything that can fail (memory, the NVMe files, init's fn) before the model is touched
             if init is not None:
@@ -402,13 +402,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                   on_pass_end=shards and shards.on_pass_end, split=self.split)  # fmt: skip
             self.device_bytes.add(sum(b.numel() * b.element_size() for b in self.grads.bucket_bufs))
             if self.selective is not None:  # (staging of its own: the rest is updated during forward/backward)
-                update_class, twin = SelectiveUpdate, dict(selective=self.selective, device=self.device)
+                update_class, extra = SelectiveUpdate, dict(selective=self.selective, device=self.device)
             self.update = update_class(self.layout, own, fill_master if master is None else master,
                                        update_transport, publish, threads=self.threads, tile_numel=self.tile_numel,
                                        delayed=self.delay_update_after is not None or self.selective is not None,
                                        timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir,
                                        params_dtype=self.dtype, state_fmt=self.state_format,
-                                       params_over_grads=update_transport is self.transport, **twin)  # fmt: skip
+                                       params_over_grads=update_transport is self.transport, **extra)  # fmt: skip
         except BaseException:
             self._release_transports()
             raise
@@ -656,15 +656,15 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._set_group_steps()
         # the hyper-parameters as they are now: a scheduler may change them before a background update runs
         hparams = [self._group_hparams(g) for g in self.param_groups]
-        tail = {} if c.device_grad is None else {"device_grad": c.device_grad}  # gpu_fraction's (twin.py)
+        extra = {} if c.device_grad is None else {"device_grad": c.device_grad}  # gpu_fraction's (twin.py)
         if self.update.params_over_grads:  # the new parameters go over the gradients (update.py)
-            tail["out"] = c.landing
+            extra["out"] = c.landing
         if delayed:
-            self.update.start(c.grad, grad_scale, runs, hparams, **tail)
+            self.update.start(c.grad, grad_scale, runs, hparams, **extra)
         elif self.selective is not None:
             self.update.selective_step(c.grad, grad_scale, runs, hparams, got)
         else:
-            self.update.run(c.grad, grad_scale, runs, hparams, **tail)
+            self.update.run(c.grad, grad_scale, runs, hparams, **extra)
         self.scaler.update(found_inf=False)
         self._record_stats(t_step, skip_reason=None, grad_norm=norm, clip=clip, micro_batches=n_micro,
                            delayed=delayed, skipped_params=len(got) - sum(got))  # fmt: skip

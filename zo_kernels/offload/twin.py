@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .layout import FlatLayout, Run
-from .update import HostUpdate, MasterFill
+from .update import HostUpdate, MasterFill, StateViews
 
 # Elements per fused AdamW call on the tail: its fp32 scaled gradient is a copy of this many elements (64 MiB of device
 # workspace, whatever the tail's size; a 1.3B model's tail would otherwise need a copy of gigabytes).
@@ -108,7 +108,7 @@ class DeviceStream:
             self._executor = None
 
 
-class TwinUpdate:
+class TwinUpdate(StateViews):
     """HostUpdate's interface over the whole partition: the head [0, split) a HostUpdate, the tail on the device.
 
     Args:
@@ -229,18 +229,6 @@ class TwinUpdate:
         if self.host is not None:
             self.host.save_master(master[: self.split])
         self.device_state[0].copy_(master[self.split :])
-
-    @property
-    def master(self) -> torch.Tensor:
-        return self.state()[0]
-
-    @property
-    def exp_avg(self) -> torch.Tensor:
-        return self.state()[1]
-
-    @property
-    def exp_avg_sq(self) -> torch.Tensor:
-        return self.state()[2]
 
     # ------------------------------------------------------------------ the update
 

@@ -27,7 +27,26 @@ UPDATE_TIMEOUT_S = 600.0  # default bound on waiting for the background (DPU) up
 MasterFill = Callable[[int, int, torch.Tensor], Any]  # (a, b, out): the fp32 masters of partition range [a, b)
 
 
-class HostUpdate:
+class StateViews:
+    """master, exp_avg, exp_avg_sq: the three fp32 tensors of the update's state() (the partition's, whole)."""
+
+    def state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    @property
+    def master(self) -> torch.Tensor:
+        return self.state()[0]
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self.state()[1]
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self.state()[2]
+
+
+class HostUpdate(StateViews):
     """fp32 master, exp_avg, exp_avg_sq of this rank's partition and the update that applies a gradient to them.
 
     Args:
@@ -261,18 +280,6 @@ class HostUpdate:
                     tile.set_raw(x - lo, y - lo, cut)
 
         self.swapper.stream(put)
-
-    @property
-    def master(self) -> torch.Tensor:
-        return self.state()[0]
-
-    @property
-    def exp_avg(self) -> torch.Tensor:
-        return self.state()[1]
-
-    @property
-    def exp_avg_sq(self) -> torch.Tensor:
-        return self.state()[2]
 
     @property
     def host_state_bytes(self) -> int:
