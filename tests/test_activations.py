@@ -142,7 +142,7 @@ def test_no_allocation_per_step_and_two_checkpoints_in_flight(engine):
     finally:
         gc.enable()
     assert buf.device_allocations == 2, "one slot being recomputed, one being prefetched"
-    assert buf.host_allocations == 6
+    assert buf.host_allocations == 5, "the newest segment's checkpoint stays on the device: backward needs it first"
     resident = ActivationBuffers("cpu", engine)
     run(model, functools.partial(zk.checkpoint, offload=False, buffers=resident), x)
     n = resident.device_allocations
@@ -164,7 +164,7 @@ def test_reserve_allocates_up_front(engine):
         planned = ActivationBuffers("cpu", tr)
         planned.reserve_for(5, 6, WIDTH, 4, dtype=torch.float32, offload=offload)
         before = (planned.device_allocations, planned.host_allocations, tr.pool.reserved)
-        assert before[:2] == ((2, 4) if offload else (4, 0))
+        assert before[:2] == ((2, 3) if offload else (4, 0))
         same(run(model, functools.partial(zk.checkpoint, offload=offload, buffers=planned), x), want)
         assert (planned.device_allocations, planned.host_allocations, tr.pool.reserved) == before
         tr.close()
@@ -172,17 +172,18 @@ def test_reserve_allocates_up_front(engine):
     assert sh.checkpoint_bytes() == x.numel() * 2  # 16-bit: the planner counts what reserve_for(bf16) reserves
     half = ActivationBuffers("cpu", engine)  # bf16 checkpoints of an odd element count: exact byte counts
     y = torch.randn(3, 7, WIDTH + 1, dtype=torch.bfloat16)
-    half.reserve([], [y.numel() * 2] * 2)
+    half.reserve([], [y.numel() * 2])
     lin = torch.nn.Linear(WIDTH + 1, WIDTH + 1).to(torch.bfloat16)
     h = y.requires_grad_()
     for _ in range(2):
         h = zk.checkpoint(lin, h, buffers=half)
     h.sum().backward()
-    assert half.host_allocations == 2 and half.device_allocations == 2
+    assert half.host_allocations == 1 and half.device_allocations == 1
 
 
 def test_the_previous_segment_is_prefetched_while_this_one_recomputes(engine):
-    """The H2D copy of segment k-1 is queued when segment k starts recomputing, before segment k's backward."""
+    """The H2D copy of segment k-1 is queued when segment k starts recomputing, before segment k's backward; the
+    newest segment, recomputed first, kept its checkpoint on the device (no H2D copy to wait for)."""
     log = []
     engine.h2d = (lambda h2d: lambda dst, src: (log.append(("h2d", src.data_ptr())), h2d(dst, src))[1])(engine.h2d)
     buf = ActivationBuffers("cpu", engine)
@@ -191,7 +192,7 @@ def test_the_previous_segment_is_prefetched_while_this_one_recomputes(engine):
         b.up.register_full_backward_hook(lambda m, gi, go, i=i: log.append(("backward", i)))
     run(model, functools.partial(zk.checkpoint, buffers=buf), x)
     kinds = [k if k == "h2d" else f"b{i}" for k, i in log]
-    assert kinds == ["h2d", "h2d", "b2", "h2d", "b1", "b0"], kinds
+    assert kinds == ["h2d", "b2", "h2d", "b1", "b0"], kinds
 
 
 def test_a_missing_device_wait_is_caught():
@@ -260,7 +261,7 @@ def test_plain_cpu_transport_and_no_grad():
         y = zk.checkpoint(model[0], x, buffers=buf)
         torch.manual_seed(1)
         assert torch.equal(y, model[0](x))
-    assert buf.allocations == 4  # nothing stored under no_grad
+    assert buf.allocations == 2  # the first block's input on the host and back; nothing stored under no_grad
 
 
 def test_torch_compile_falls_back_to_eager(engine):
@@ -343,7 +344,7 @@ def test_hf_stage3_offload_param_with_offloaded_activations(arch, engine):
     want = _hf_run(arch, None)
     buf = ActivationBuffers("cpu", engine)
     got = _hf_run(arch, functools.partial(zk.checkpoint, buffers=buf))
-    assert buf.host_allocations == 2, "each of the 2 layers' input went to the host"
+    assert buf.host_allocations == 1, "the first layer's input went to the host, the last one's stayed"
     assert got[0] == want[0], f"{arch}: losses {got[0]} vs {want[0]}"
     for i, st in want[1]["state"].items():
         for k, v in st.items():

@@ -7,11 +7,14 @@ arguments) lives between forward and backward. torch keeps a reference to each a
 floating-point positional arguments are copied into blocks of `ActivationBuffers` and torch is handed an empty
 placeholder (same device, so the same RNG states are stashed):
 
-- offload=True: forward queues a D2H copy of each argument to a pinned host block (on the transport's copy stream,
-  after its producer) and keeps no device reference. Backward recomputes segments in reverse; when segment k starts
+- offload=True: the newest segment keeps its arguments on the device ("held"): backward recomputes it first, right
+  after the loss and the layers above the checkpoints, too early for a prefetch to hide. When the next segment is
+  stored, the held one queues a D2H copy of each argument to a pinned host block (on the transport's copy stream,
+  after its producer) and drops its device reference. Backward recomputes segments in reverse; when segment k starts
   recomputing, the device waits for its H2D copy and the H2D copy of the segment before it (k - 1 in forward order)
   is queued into a free device slot, so it runs under segment k's compute. A device slot is free again when the
-  gradient of its segment's inputs has been computed (`_Release`): in a chain two slots are in use at a time.
+  gradient of its segment's inputs has been computed (`_Release`): in a chain two slots are in use at a time (the
+  held arguments count as one). The held segment goes to the host then too (a second backward may need it).
 - offload=False: each argument is copied into a device block that lives until the graph is freed (one contiguous
   block per checkpoint instead of whatever the allocator left; MD in ZeRO-R).
 
@@ -87,8 +90,8 @@ class ActivationBuffers:
     def reserve_for(self, seq: int, batch: int, hidden: int, layers: int, *, dtype: torch.dtype = torch.bfloat16,
                     offload: bool = True) -> None:  # fmt: skip
         """Reserve what `layers` checkpointed blocks with [batch, seq, hidden] inputs need: the planner's sizes
-        (zo_kernels.planner.activation_bytes: two slots on the device and every input on the host, or, resident,
-        every input on the device)."""
+        (zo_kernels.planner.activation_bytes: offloaded, the last layer's input stays where it was made, the others
+        go to the host, two device slots bring them back (one for two layers); resident, every input on the device)."""
         for name, v in (("seq", seq), ("batch", batch), ("hidden", hidden), ("layers", layers)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -96,7 +99,7 @@ class ActivationBuffers:
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
         nbytes = seq * batch * hidden * torch.empty((), dtype=dtype).element_size()
         if offload:
-            self.reserve([nbytes] * min(2, layers), [nbytes] * layers)
+            self.reserve([nbytes] * min(2, layers - 1), [nbytes] * (layers - 1))
         else:
             self.reserve([nbytes] * layers)
 
@@ -128,9 +131,13 @@ class ActivationBuffers:
         return block
 
     def _register(self, seg: _Segment) -> None:
+        """`seg` is the newest offloaded segment: the ones before it go to the host."""
         with self._lock:
             self._order = [r for r in self._order if r() is not None]
+            older = [s for s in (r() for r in self._order) if s is not None]
             self._order.append(weakref.ref(seg))
+        for s in older:
+            s.to_host()
 
     def _previous(self, seg: _Segment) -> _Segment | None:
         """The live segment registered just before `seg` (the next one backward recomputes)."""
@@ -171,7 +178,9 @@ class _Segment:
         self.d2h: list[Event] = []
         self.device: list[torch.Tensor] = []  # the device blocks holding the checkpoint now (may be empty)
         self.h2d: Event | None = None  # offload: the prefetch into self.device, not yet waited for
-        self.state = "forward"  # forward -> stored -> (restoring -> restored -> stored)*
+        self.held: list[torch.Tensor] = []  # offload, state held: the arguments themselves, still on the device
+        # forward -> [held ->] stored -> (restoring -> restored -> stored)*   (held: offload, the newest segment)
+        self.state = "forward"
         self._fin = weakref.finalize(self, _free_segment, buffers, self.host, self.device)
 
     def store(self) -> None:
@@ -181,16 +190,25 @@ class _Segment:
             x = self.args[i].detach()
             x = x if x.is_contiguous() else x.contiguous()
             if self.offload:
-                h = self.buffers.take_host(x.numel(), x.dtype)
-                self.host.append(h)
-                self.d2h.append(self.buffers.transport.d2h(h, x.reshape(-1)))
+                self.held.append(x)
             else:
                 block = self.buffers.take_device(x.numel() * x.element_size())
                 self.device.append(block)
                 _view(block, x.shape, x.dtype).copy_(x)
         self.args = None
+        self.state = "held" if self.offload else "stored"
         if self.offload:
-            self.buffers._register(self)
+            self.buffers._register(self)  # (the segment held before this one goes to the host)
+
+    def to_host(self) -> None:
+        """A held checkpoint: queue the D2H copies of its arguments and drop the device references."""
+        if self.state != "held":
+            return
+        for x in self.held:
+            h = self.buffers.take_host(x.numel(), x.dtype)
+            self.host.append(h)
+            self.d2h.append(self.buffers.transport.d2h(h, x.reshape(-1)))  # (the transport keeps x until copied)
+        self.held = []
         self.state = "stored"
 
     def prefetch(self) -> None:
@@ -209,6 +227,11 @@ class _Segment:
 
     def restore(self) -> list[torch.Tensor]:
         """The checkpoint on the device for the recomputation (leaves with the original requires_grad)."""
+        if self.state == "held":
+            prev = self.buffers._previous(self)
+            if prev is not None:
+                prev.prefetch()
+            return [x.detach().requires_grad_(rg) for x, (_, _, rg) in zip(self.held, self.meta, strict=True)]
         if self.offload:
             self.prefetch()  # no-op if prefetched
             if self.state == "restoring":
@@ -222,7 +245,9 @@ class _Segment:
 
     def release_device(self) -> None:
         """The segment's backward is done: an offloaded checkpoint's device blocks are free again."""
-        if self.offload and self.state == "restored":
+        if self.state == "held":
+            self.to_host()
+        elif self.offload and self.state == "restored":
             for b in self.device:
                 self.buffers.give_device(b)
             self.device.clear()

@@ -88,8 +88,8 @@ def activation_bytes(shape: ActivationShape, mode: str) -> tuple[float, float]:
     """(GPU, host) activation bytes per GPU for a mode of ACTIVATION_MODES.
 
     none: every layer's activations. checkpoint: every layer's input, plus the layer being recomputed.
-    offload: the recomputed layer plus two inputs in flight on the GPU (the one in use, the one prefetched); every
-    layer's input in pinned host memory."""
+    offload: the recomputed layer plus two inputs in flight on the GPU (the one in use, the one prefetched; the
+    last layer's input stays there, as it is recomputed first); every other layer's input in pinned host memory."""
     if mode not in ACTIVATION_MODES:
         raise ValueError(f"activation_mode must be one of {ACTIVATION_MODES}, got {mode!r}")
     layer, ckpt, logits = shape.layer_bytes(), shape.checkpoint_bytes(), shape.logits_bytes()
@@ -97,7 +97,7 @@ def activation_bytes(shape: ActivationShape, mode: str) -> tuple[float, float]:
         return shape.layers * layer + logits, 0.0
     if mode == "checkpoint":
         return shape.layers * ckpt + layer + logits, 0.0
-    return min(2, shape.layers) * ckpt + layer + logits, shape.layers * ckpt
+    return min(2, shape.layers) * ckpt + layer + logits, (shape.layers - 1) * ckpt
 
 
 def _parse(text: str | float, name: str, units: dict[str, float], example: str, kind: str) -> float:
