@@ -20,7 +20,8 @@ ended at 1.19x exact AdamW's validation loss with loss spikes, against 1.11x wit
 With fraction 1.0 every column is selected: exact AdamW (tests/test_selective.py).
 
 What crosses PCIe per step: the whole gradient goes down to the host as without `selective` (the rest's part is
-summed there; the selected part's D2H is kept, the host's norm and overflow check read it). The selected elements'
+summed there; the selected part's D2H is kept: a re-selection, p.grad's norms and, with accumulation or several
+ranks, the norm and overflow check read it on the host). The selected elements'
 gradient does not come back: GradPath gathers it on the device from each reduced bucket (selected.py), so a step
 sends nothing host-to-device but, once a window ends, the parameters CPU Adam updated. A selection step chooses the
 columns from the host's gradient, which the device did not gather: that step moves the selected state (12 bytes per
