@@ -292,15 +292,16 @@ def test_a_missing_device_wait_is_caught():
 # ---------------------------------------------------------------- two ranks
 
 
-def _rank(rank, world, cfgs, out):
+def _rank(rank, world, cfgs, out, micro=1, stages=None):
     for tag, cfg in cfgs.items():
         model = make_model(seed=0)
-        opt = zk.ZeroOffloadAdamW(model.parameters(), bucket_numel=7_000, selective=cfg, dtype=torch.float32, **HP)
-        data = make_data(6, batch=4, seed=3)
+        opt = zk.ZeroOffloadAdamW(model.parameters(), bucket_numel=7_000, selective=cfg, dtype=torch.float32,
+                                  stage=(stages or {}).get(tag, 2), **HP)  # fmt: skip
+        data = make_data(6, batch=4, micro=micro, seed=3)
         per = 4 // world
         for s in range(6):
-            x = data[s][0][rank * per : (rank + 1) * per]
-            opt.backward(model(*_xy(x)))
+            for x in data[s]:
+                opt.backward(model(*_xy(x[rank * per : (rank + 1) * per])))
             opt.step()
         sd = opt.state_dict()
         torch.save({"state": sd, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])},
@@ -308,13 +309,14 @@ def _rank(rank, world, cfgs, out):
         opt.close()
 
 
-def _run(world, cfgs, tmp_path):
-    """{tag: [each rank's result]} of 6 steps with each selective configuration, one process per rank."""
+def _run(world, cfgs, tmp_path, micro=1, stages=None):
+    """{tag: [each rank's result]} of 6 steps with each selective configuration (stage 2 or stages[tag]), one
+    process per rank."""
     out = str(tmp_path / f"w{world}")
     if world == 1:
-        _rank(0, 1, cfgs, out)
+        _rank(0, 1, cfgs, out, micro, stages)
     else:
-        spawn_ranks(_rank, world, tmp_path, cfgs, out)
+        spawn_ranks(_rank, world, tmp_path, cfgs, out, micro, stages)
     return {tag: [torch.load(f"{out}.{tag}.{r}", weights_only=False) for r in range(world)] for tag in cfgs}
 
 
@@ -335,6 +337,21 @@ def test_two_ranks(tmp_path):
     assert torch.equal(_masters(sel[0]), _masters(sel[1]))
     assert torch.equal(sel[0]["params"], _masters(sel[0])), "after the state dict's drain: params are the masters"
     assert not torch.equal(_masters(sel[0]), m2)
+
+
+def test_two_ranks_gather_the_selection_from_their_reduced_pieces(tmp_path):
+    """Two ranks, two micro-batches, ZeRO-1 and ZeRO-2, fraction 1.0: re-selecting every step (each step's selected
+    gradient gathered from the host's and copied up) and once (from the second step on, gathered on the device from
+    each rank's reduced bucket pieces and summed there) train bit for bit alike: the device's gradient is the
+    host's."""
+    every, once = {"fraction": 1.0, "select_every": 1}, {"fraction": 1.0, "select_every": 100}
+    cfgs = {f"{how}{stage}": cfg for stage in (1, 2) for how, cfg in (("every", every), ("once", once))}
+    runs = _run(2, cfgs, tmp_path, micro=2, stages={tag: int(tag[-1]) for tag in cfgs})
+    for stage in (1, 2):
+        for r in range(2):
+            a, b = runs[f"every{stage}"][r], runs[f"once{stage}"][r]
+            assert torch.equal(a["params"], b["params"]), f"stage {stage} rank {r}"
+            assert torch.equal(_masters(a), _masters(b)), f"stage {stage} rank {r}"
 
 
 # ---------------------------------------------------------------- refusals
