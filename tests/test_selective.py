@@ -516,3 +516,23 @@ def test_p_grad_edits_between_micro_batches_reach_the_device_gradient(transport)
         tr.close()
     for i, (g, p) in enumerate(zip(got, ref.parameters())):
         assert torch.equal(g, p.detach()), f"param {i}"
+
+
+def test_host_sums_skip_fully_selected_params_and_bounds_hold():
+    """host_ranges: a fully selected param of MIN_GAP elements or more is cut out of the host's window sums, a shorter
+    one is summed with its neighbours; selection_bound is the selection's size with one rank, an upper bound with
+    two (pieces that start mid-row)."""
+    from zo_kernels.offload.layout import FlatLayout
+    from zo_kernels.offload.selective import MIN_GAP, host_ranges, selection_bound
+
+    w1, big, w2, small, w3 = (torch.zeros(64, 64), torch.zeros(MIN_GAP), torch.zeros(32, 100), torch.zeros(8),
+                              torch.zeros(48, 10))  # fmt: skip
+    lay = FlatLayout([[w1, big, w2, small, w3]], torch.float32, 1, 0, bucket_numel=1 << 20)
+    r = {p: lay.part_range(p) for p in lay.params}
+    assert host_ranges(lay, [False, True, False, True, False]) == [r[w1], (r[w2][0], r[w3][1])]
+    assert host_ranges(lay, [True] * 5) == []
+    assert selection_bound(lay, 0.25) == 16 * 64 + MIN_GAP + 25 * 32 + 8 + 3 * 48
+    for rank in range(2):
+        lay = FlatLayout([[w1, big, w2, small, w3]], torch.float32, 2, rank, bucket_numel=1 << 20)
+        bound = selection_bound(lay, 0.25)
+        assert 0 < bound <= 16 * 64 + MIN_GAP + 25 * 32 + 8 + 3 * 48
