@@ -1,6 +1,6 @@
 """selective= (ZenFlow's importance-selective update): exact AdamW at fraction 1.0 (against tests/oracle.py), the
 approximate scheme against a plain-torch reference written here, two gloo ranks, checkpoints, the GPU-shaped
-transport, and the refusals."""
+transport, the selected gradient gathered on the device (never copied back up), and the refusals."""
 
 import copy
 import math
