@@ -5,6 +5,7 @@ attributes, its storage's address range, aliases counted once (the model's param
 expected bytes are written out from docs/design.md's table (symbols F, P, B, T, e) with the layout's sizes.
 """
 
+import math
 import os
 
 import pytest
@@ -123,6 +124,31 @@ def test_gpu_shaped_transport_has_buckets_and_no_staging():
     transport.close()
 
 
+@pytest.mark.parametrize("micro", [1, 2])
+def test_selective_holds_its_selection_on_both_sides(micro):
+    """selective (GPU-shaped): on the device the selection's p32, m, v (12S), index (8S) and gathered fp32 gradient
+    (4S, + 4S once accumulated); on the host two fp32 window sums (8P), the p16 staging (2P), the selection's index
+    (8S) and its pinned shuttle (12S). S: the selection's elements, one rank (k of c columns x rows per param; the
+    0/1-dim params whole). Before: none of it was counted (14 B/param printed)."""
+    model = make_model()
+    transport = CopyEngineTransport()
+    frac = 0.25
+    opt = zk.ZeroOffloadAdamW(model, transport=transport, bucket_numel=1 << 16,
+                              selective={"fraction": frac, "select_every": 2, "apply_every": 2}, **LR)  # fmt: skip
+    train(opt, model, 3, micro)
+    f, p, b = sizes(opt)
+    s = sum(math.ceil(frac * (q.numel() // q.shape[0])) * q.shape[0] if q.dim() > 1 else q.numel()
+            for q in model.parameters())  # fmt: skip
+    acc = 4 * p if micro > 1 else 0
+    check(opt, 2 * f + 2 * 2 * b + (12 + 8 + 4) * s + (4 * s if micro > 1 else 0),
+          12 * p + 2 * p + 2 * p + 8 * p + (8 + 12) * s + acc,
+          text=("12S (p32, m, v of the selection)", "8S (selection index)", "4S (selected gradient)",
+                "2·4P (fp32 window sums x2)", "12S (selection shuttle, pinned)"))  # fmt: skip
+    assert opt.device_bytes.now == opt.memory_report().device_bytes - (4 * s if micro > 1 else 0)
+    opt.close()
+    transport.close()
+
+
 @pytest.mark.parametrize("offload_param", [None, "cpu"])
 def test_stage3(offload_param):
     """Stage 3: the shard (eP) on the device, or in host memory with offload_param="cpu"."""
@@ -202,5 +228,25 @@ def test_the_planner_counts_what_the_optimizer_holds_on_a_gpu(stage, row, accumu
     assert held_bytes(opt) - rep.device_bytes == pytest.approx(planned.host, rel=1e-12)
     tail = rep.device_state + rep.device_grads  # what the planner adds to the GPU: its states beyond the p16 ones
     assert tail == pytest.approx(planned.gpu_states - (2 * p if stage == 2 else 0), rel=1e-12, abs=1e-6), str(rep)
+    opt.close()
+    transport.close()
+
+
+@pytest.mark.parametrize("accumulation", [False, True])
+def test_the_planner_counts_what_selective_holds(accumulation):
+    """--selective F: the ZeRO-2 + offload row's GPU and host bytes equal the optimizer's formulas in the GPU-shaped
+    mode, F the measured share S/P (the 0/1-dim params are selected whole)."""
+    from zo_kernels.planner import plan
+
+    model = make_model()
+    transport = CopyEngineTransport()
+    opt = zk.ZeroOffloadAdamW(model, transport=transport, selective={"fraction": 0.1}, **LR)
+    train(opt, model, 2, 2 if accumulation else 1)
+    p, s = opt.part, opt.grads.selected.capacity
+    planned = plan(p, 1, "80GiB", "1TiB", accumulation=accumulation, selective=s / p).row("ZeRO-2 + offload")
+    rep = opt.memory_report()
+    assert rep.formula_host == pytest.approx(planned.host, rel=1e-12), str(rep)
+    assert held_bytes(opt) - rep.device_bytes == pytest.approx(planned.host, rel=1e-12)
+    assert rep.device_state + rep.device_grads == pytest.approx(planned.gpu_states - 2 * p, rel=1e-12), str(rep)
     opt.close()
     transport.close()

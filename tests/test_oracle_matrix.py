@@ -160,12 +160,14 @@ class Case:
     stage: str
     offload: str = "cpu"
     gpu_fraction: float = 0.0
+    selective: float = 0.0  # selective's fraction (0: off): re-selected every 3 steps, the rest applied every 2
     seed: int | None = None  # of the data (None: the index); variants of a case keep the case's data
 
     @property
     def id(self) -> str:
         on = [k for k in ("frozen", "tied", "unused", "buffers") if getattr(self, k)]
-        valued = [f"{k}={getattr(self, k)}" for k in ("clip", "groups", "inf", "gpu_fraction") if getattr(self, k)]
+        valued = [f"{k}={getattr(self, k)}" for k in ("clip", "groups", "inf", "gpu_fraction", "selective")
+                  if getattr(self, k)]  # fmt: skip
         return "-".join([f"c{self.index:02d}", self.dtype, f"m{self.micro}", f"w{self.world}", f"scale={self.scale}",
                          f"dpu={self.dpu}", self.transport, f"zero{self.stage}", f"state={self.offload}", *valued,
                          *on])  # fmt: skip
@@ -223,7 +225,9 @@ def run_zo(case: Case, rank: int, group, stage: str | None = None) -> dict:
     opt = zk.ZeroOffloadAdamW(params, **ADAMW, dtype=DTYPES[case.dtype], loss_scale=case.loss_scale(),
                               max_grad_norm=MAX_GRAD_NORM if case.clip == "norm" else None, delay_update_after=case.dpu,
                               bucket_numel=BUCKET_NUMEL, process_group=group, collective_timeout_s=TIMEOUT_S,
-                              transport=transport, gpu_fraction=case.gpu_fraction, **extra)  # fmt: skip
+                              transport=transport, gpu_fraction=case.gpu_fraction, **extra,
+                              selective={"fraction": case.selective, "select_every": 3, "apply_every": 2}
+                              if case.selective else None)  # fmt: skip
     try:
         losses, skipped, scales = [], [], []
         for step in case.batches():

@@ -250,3 +250,31 @@ def test_prefetch_params_is_checked():
         plan(1e9, prefetch_params="lots")
     guessed = plan(64e9, prefetch=2, prefetch_params=1e6)  # no layer_params: params / 32 per layer, units fixed
     assert guessed.working_set == 4 * 2e9 + 2 * 2 * 1e6
+
+
+def test_selective_adds_its_buffers_to_the_zero2_offload_row_only(capsys):
+    """--selective 0.1 on 1.3B, 4 GPUs: the ZeRO-2 + offload row's GPU gets (12 + 8 + 4) B per selected element
+    (+ 4 with accumulation), its host 8 + 2 B per partition element and 20 per selected one; the other rows stay."""
+    n, f, phi = 4, 0.1, 1.3e9
+    for acc in (False, True):
+        off, on = plan(phi, n, accumulation=acc), plan(phi, n, accumulation=acc, selective=f)
+        before, after = off.row("ZeRO-2 + offload"), on.row("ZeRO-2 + offload")
+        assert after.gpu_states - before.gpu_states == pytest.approx((28 if acc else 24) * f * phi / n, rel=1e-12)
+        assert after.host - before.host == pytest.approx((10 + 20 * f) * phi / n, rel=1e-12)
+        for a, b in zip(off.strategies, on.strategies):
+            assert a == b or a.strategy == "ZeRO-2 + offload"
+    assert main(["plan", "--params", "1.3B", "--selective", "0.1"]) == 0
+    assert "selective 0.1: the ZeRO-2 + offload row" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--selective", "1.5"], "--selective must be in [0, 1]"),
+    (["--selective", "x"], "--selective"),
+    (["--selective", "0.1", "--dpu"], "--selective is refused with gpu_fraction > 0, dpu"),
+    (["--selective", "0.1", "--gpu-fraction", "0.2"], "--selective is refused"),
+    (["--selective", "0.1", "--state-dtype", "bf16"], "--selective is refused"),
+    (["--selective", "0.1", "--auto", "--fwd-bwd-ms", "10"], "--auto picks a gpu_fraction, which --selective refuses"),
+])  # fmt: skip
+def test_selective_options_are_checked(capsys, argv, message):
+    assert main(["plan", "--params", "1.3B", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpu-fraction", default="0", metavar="FRACTION",
                     help="ZeroOffloadAdamW's gpu_fraction: that part of the offload rows' optimizer state (and its "
                          "gradients) on the GPU")  # fmt: skip
+    pl.add_argument("--selective", default="0", metavar="FRACTION",
+                    help="ZeroOffloadAdamW's selective fraction (0: off): the ZeRO-2 + offload row adds the "
+                         "selection's state and gradient on the GPU and the window sums on the host")  # fmt: skip
     pl.add_argument("--auto", action="store_true",
                     help="pick --gpu-fraction: the smallest whose CPU Adam part takes no longer than forward+backward "
                          "(--fwd-bwd-ms), within the GPU memory the ZeRO-2 + offload row leaves")  # fmt: skip
@@ -199,7 +202,7 @@ PLAN_OPTIONS = {"params": "--params", "gpus": "--gpus", "gpu_mem": "--gpu-mem", 
                 "workspace": "--workspace", "reserve": "--reserve", "bucket_bytes": "--buckets", "nvme": "--nvme",
                 "layer_params": "--layer-params", "prefetch": "--prefetch", "io_pool": "--io-pool", "seq": "--seq",
                 "batch": "--batch", "hidden": "--hidden", "layers": "--layers", "heads": "--heads", "vocab": "--vocab",
-                "attention": "--attention"}  # fmt: skip
+                "attention": "--attention", "selective": "--selective"}  # fmt: skip
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
@@ -214,12 +217,15 @@ def cmd_plan(a: argparse.Namespace) -> int:
         shape = {name: None if getattr(a, name) is None else _int_in(f"--{name}", 0, 2**40)(getattr(a, name))
                  for name in ("seq", "batch", "hidden", "layers", "heads", "vocab")}  # fmt: skip
         fraction = _fraction_in("--gpu-fraction")(a.gpu_fraction)
+        selective = _fraction_in("--selective")(a.selective)
+        if selective and a.auto:
+            raise argparse.ArgumentTypeError("--auto picks a gpu_fraction, which --selective refuses: give one")
         auto = _auto_rates(a) if a.auto else None
     except argparse.ArgumentTypeError as e:
         raise UsageError(str(e)) from None
     kw = dict(k=k, activations=a.activations, workspace=a.workspace, reserve=reserve, bucket_bytes=a.buckets,
               gpus_per_host=per_host, nvme=a.nvme, layer_params=a.layer_params, prefetch=prefetch, io_pool=a.io_pool,
-              accumulation=a.accumulation, dpu=a.dpu, attention=a.attention, **shape,
+              accumulation=a.accumulation, dpu=a.dpu, attention=a.attention, selective=selective, **shape,
               activation_mode="offload" if a.activation_offload else "none" if a.no_checkpointing else "checkpoint")
     try:
         p = plan(a.params, gpus, a.gpu_mem, a.host_mem, gpu_fraction=fraction, **kw)
@@ -238,6 +244,11 @@ def cmd_plan(a: argparse.Namespace) -> int:
               f"device AdamW {device_rate:.3g} params/s; {pick.explain()}")  # fmt: skip
     elif fraction:
         print(f"\ngpu_fraction {fraction:g}: the offload rows keep that part of p32, m, v and the gradients on the GPU")
+    if selective:
+        print(f"\nselective {selective:g}: the ZeRO-2 + offload row holds the selection's p32, m, v, index and "
+              "gradient on the GPU\n(24 B per selected element, 28 with --accumulation) and two fp32 window sums, "
+              "the p16 staging,\nthe selection's index and its pinned shuttle on the host (10 B/param + 20 B per "
+              "selected element, / N)")
     return 0
 
 

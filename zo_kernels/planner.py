@@ -280,6 +280,15 @@ def _host_extra(strategy: str, n: int, accumulation: bool, dpu: bool) -> float:
     return extra
 
 
+def _selective_extra(f: float, n: int, accumulation: bool) -> tuple[float, float]:
+    """(GPU, host) bytes per parameter that selective (fraction f) adds to the ZeRO-2 + offload row, S = f P the
+    selected elements of a partition P = params / N (zo_kernels/offload/selective.py and selected.py; a model's
+    0/1-dim params, selected whole, not counted). GPU: the selection's p32, m, v (12S), its index (8S), its gathered
+    fp32 gradient (4S, + 4S with accumulation). Host: two fp32 window sums (8P), the p16 staging the writeback
+    copies from (2P), the selection's index (8S) and the pinned shuttle of its state (12S)."""
+    return (24 + (4 if accumulation else 0)) * f / n, (10 + 20 * f) / n
+
+
 def working_set_per_layer_param(prefetch: int) -> float:
     """Stage-3 GPU bytes per parameter of the largest layer: 2 (1 + prefetch) gathered p16 + 2 of its g16.
 
@@ -330,6 +339,7 @@ def plan(
     activation_mode: str = "checkpoint",
     prefetch_params: float | str | None = None,
     gpu_fraction: float = 0.0,
+    selective: float = 0.0,
 ) -> Plan:
     """Bytes per device for each strategy, whether it fits, and the largest trainable model per strategy.
 
@@ -345,6 +355,8 @@ def plan(
     first LayerNorm); None: whole layers, as the ZeRO-Infinity paper counts.
     `gpu_fraction` (ZeroOffloadAdamW's Twin-Flow) moves that fraction of the offload rows' partition state and
     gradients (K + 2 bytes per element, and the same fraction of `_host_extra`) from the host to the GPU.
+    `selective` (ZeroOffloadAdamW's selective fraction f, 0: off; stages 1-2, fp32 moments): the ZeRO-2 + offload row
+    adds the buffers of `_selective_extra`.
     """
     params = parse_count(params, "params")
     _int_at_least(gpus, "gpus", 1)
@@ -364,6 +376,11 @@ def plan(
     act_gpu, act_host = activation_bytes(shape, activation_mode) if shape else (None, 0.0)
     if isinstance(gpu_fraction, bool) or not isinstance(gpu_fraction, (int, float)) or not 0 <= gpu_fraction <= 1:
         raise ValueError(f"gpu_fraction must be a number in [0, 1], got {gpu_fraction!r}")
+    if isinstance(selective, bool) or not isinstance(selective, (int, float)) or not 0 <= selective <= 1:
+        raise ValueError(f"selective must be a number in [0, 1] (0: off), got {selective!r}")
+    if selective and (gpu_fraction or dpu or k != 12):
+        raise ValueError("selective is refused with gpu_fraction > 0, dpu and moments other than fp32 (k = 12), "
+                         "as ZeroOffloadAdamW refuses them")  # fmt: skip
     layer = 0.0 if layer_params is None else parse_count(layer_params, "layer_params")
     if layer > params:
         raise ValueError(f"layer_params must be <= params ({params:g}), got {layer_params!r}")
@@ -396,6 +413,9 @@ def plan(
             staging = 2 / gpus if s == "ZeRO-3 + offload" and dpu else 0.0
             scaled = h + extra - shard
             g, h = g + gpu_fraction * (scaled - staging), shard + (1 - gpu_fraction) * scaled
+            if selective and s == "ZeRO-2 + offload":
+                g_sel, h_sel = _selective_extra(selective, gpus, accumulation)
+                g, h = g + g_sel, h + h_sel
         else:
             h += extra
         ws = p.working_set if s in STAGE3 else 0.0

@@ -24,6 +24,7 @@ from .comm import Comm
 from .layout import Bucket, FlatLayout
 from .report import PhaseTimes
 from .scaler import LossScaler
+from .selected import SelectedGrad
 
 
 class Gradients(NamedTuple):
@@ -39,6 +40,7 @@ class Gradients(NamedTuple):
     device_grad: torch.Tensor | None = None  # gpu_fraction: the partition's tail [split, part), kept on the device
     landing: torch.Tensor | None = None  # the landing buffer the gradient came in (read once by the update, which
     # may write the new parameters there: grad itself, or with accumulation the last micro-batch's, summed already)
+    selected: torch.Tensor | None = None  # selective: the held selection's gradient, gathered on the device (fp32)
 
 
 class GradPath:
@@ -59,19 +61,24 @@ class GradPath:
             part of one ends (ZeRO-3 frees the gathered parameters).
         split: gpu_fraction (twin.py): only the partition's head [0, split) lands on the host; the tail's gradients
             never leave the device (`device_landing`, partition offset - split). None: all of it lands.
+        selected: selective (selected.py): the held selection's gradient is also gathered on the device from each
+            reduced bucket piece and summed there over micro-batches.
     """
 
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, transport: Transport, comm: Comm,
                  scaler: LossScaler, times: PhaseTimes, *, slots: int, threads: int, guard: Callable[[], None],
                  connected: Callable[[torch.Tensor], bool], all_reduce: bool = False,
                  on_grad: Callable[[torch.Tensor], None] | None = None,
-                 on_pass_end: Callable[[bool], None] | None = None, split: int | None = None) -> None:  # fmt: skip
+                 on_pass_end: Callable[[bool], None] | None = None, split: int | None = None,
+                 selected: SelectedGrad | None = None) -> None:  # fmt: skip
         self.layout, self.dtype, self.device, self.transport, self.comm = layout, dtype, device, transport, comm
         self.scaler, self.times, self.threads, self.guard = scaler, times, threads, guard
         self.connected, self.all_reduce = connected, all_reduce
         self.predivide = 1.0 / comm.world  # the reduction sums averages (as DDP does): no overflow the mean has not
         self.on_grad, self.on_pass_end = on_grad, on_pass_end
         self.split = split = layout.part if split is None else split
+        self.selected = selected
+        assert selected is None or (slots == 1 and split == layout.part), "selective: one landing slot, no tail"
         self.landing = [transport.pool.take(split, dtype) if split else torch.zeros(0, dtype=dtype)
                         for _ in range(slots)]  # fmt: skip
         self.device_landing = [torch.zeros(layout.part - split, dtype=dtype, device=device)
@@ -170,6 +177,8 @@ class GradPath:
                     buf[a:b].zero_()  # out of the norm too
             for buf in (self._dev(self.landing, s), self._dev(self.accum, s) if self.n_micro > 1 else None):
                 self._tail(buf, a, b).zero_()
+            if self._gathering():
+                self.selected.zero(a, b, summed=self.n_micro > 1)
             self._sum_sq_stale = True
 
     # ------------------------------------------------------------------ gradients leave during backward
@@ -263,11 +272,16 @@ class GradPath:
                 self.device_accum[s].copy_(self.device_landing[s])
             else:
                 self.device_accum[s].add_(self.device_landing[s])
+        gathering = self._gathering()
+        if gathering:  # the selection's gradient accumulates on the device, as the host's does
+            self.selected.accumulate(first=self.n_micro == 1)
         for i, f in enumerate(self.factor):  # p.grad.mul_(f) so far applies to the sum so far, not to what follows
             if f != 1.0:
                 a, b = self.layout.part_range(self.layout.params[i])
                 self._tail(self._dev(self.accum, s), a, b).mul_(f)
                 self.accum[s][a:b] *= f
+                if gathering:
+                    self.selected.scale(a, b, f)
                 self.factor[i] = 1.0
         for b in self.layout.buckets:
             b.ready = 0
@@ -321,6 +335,9 @@ class GradPath:
                     else:
                         busy.append((work, f"the reduce of bucket {b.index} to rank {r}"))
         t2 = time.perf_counter()
+        gathering = self._gathering()
+        if self.direct_landing and gathering:
+            self.selected.gather(buf, b.lo)
         if not self.direct_landing:
             for a, c, pa in lay.owned(b.lo, b.hi, comm.rank):
                 src = buf[a - b.lo : c - b.lo]
@@ -329,6 +346,8 @@ class GradPath:
                     busy.append(self.transport.d2h(self.landing[self.slot][pa : pa + head], src[:head]))
                 if head < c - a:  # gpu_fraction: on the compute stream, after the reduce; never to the host
                     self._tail(self.device_landing[self.slot], pa, pa + c - a).copy_(src[head:])
+                if gathering:  # selective: on the compute stream, after the reduce, before the buffer's reuse
+                    self.selected.gather(src, pa)
         self.times.add("reduce", t2 - t1)
         self.times.add("offload", (t1 - t0) + (time.perf_counter() - t2))
 
@@ -406,9 +425,11 @@ class GradPath:
             grad = self.accum[s].add_(self.landing[s])
             if device_grad is not None:
                 device_grad = self.device_accum[s].add_(device_grad)
+        selected = self.selected.total(self.n_micro) if self._gathering() else None
         found_inf, sum_sq, got = self._global_checks(grad, device_grad)
         self.last_got = got
-        out = Gradients(grad, found_inf, sum_sq, got, self.n_backward, self.factor, device_grad, self.landing[s])
+        out = Gradients(grad, found_inf, sum_sq, got, self.n_backward, self.factor, device_grad, self.landing[s],
+                        selected)  # fmt: skip
         for p in self._moved.values():
             p.grad = None
         self.reset()
@@ -464,12 +485,18 @@ class GradPath:
             self.landing[self.slot].zero_()
             if self.device_landing:
                 self.device_landing[self.slot].zero_()
+            if self._gathering():
+                self.selected.landing.zero_()
             for i, p in kept.items():
                 self._place_moved_grad(p)
                 self._got[i] = True
             self.n_micro = self.n_backward = 1
 
     # ------------------------------------------------------------------ p.grad placeholders (MovedGrad)
+
+    def _gathering(self) -> bool:
+        """selective holds a selection: its gradient is gathered on the device (selected.py)."""
+        return self.selected is not None and self.selected.sel is not None
 
     def _dev(self, bufs: list[torch.Tensor | None], s: int) -> torch.Tensor | None:
         """The device tail's buffer beside host buffer list `bufs` (landing or accum) at slot s (gpu_fraction)."""
@@ -540,6 +567,8 @@ class GradPath:
                 if buf is not None and a < b:
                     buf[a:b].zero_()
                     self._tail(dev, a, b).zero_()
+            if self._gathering() and a < b:
+                self.selected.zero(a, b, summed=earlier is not None)
         self._sum_sq_stale = True
         self._norm_cache.clear()
 

@@ -39,7 +39,8 @@ from .materialize import ParamInit, check_init, materialise_followers, swap_in
 from .params import DeviceBytes, ParamShards, units_of
 from .report import MemoryReport, PhaseTimes
 from .scaler import LossScaler
-from .selective import SelectiveUpdate, check_selective
+from .selected import SelectedGrad
+from .selective import SelectiveUpdate, check_selective, selection_bound
 from .twin import TwinUpdate, check_gpu_fraction, device_split
 from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S, HostUpdate
 
@@ -395,14 +396,19 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         try:  # everything that can fail (memory, the NVMe files, init's fn) before the model is touched
             if init is not None:
                 self._materialise(trainable, *init, master)
+            # selective: the selection's gradient is gathered on the device during backward (selected.py)
+            selected = None if self.selective is None else SelectedGrad(
+                selection_bound(self.layout, self.selective.fraction), self.device)  # fmt: skip
             self.grads = GradPath(self.layout, self.dtype, self.device, self.transport, self.comm, self.scaler,
                                   self._times, slots=2 if self.delay_update_after is not None else 1,
                                   threads=self.threads, guard=self._check_alive, connected=connected,
                                   all_reduce=self.stage == 1, on_grad=shards and shards.on_grad,
-                                  on_pass_end=shards and shards.on_pass_end, split=self.split)  # fmt: skip
+                                  on_pass_end=shards and shards.on_pass_end, split=self.split,
+                                  selected=selected)  # fmt: skip
             self.device_bytes.add(sum(b.numel() * b.element_size() for b in self.grads.bucket_bufs))
             if self.selective is not None:  # (staging of its own: the rest is updated during forward/backward)
-                update_class, extra = SelectiveUpdate, dict(selective=self.selective, device=self.device)
+                update_class = SelectiveUpdate
+                extra = dict(selective=self.selective, device=self.device, selected=selected)
             self.update = update_class(self.layout, own, fill_master if master is None else master,
                                        update_transport, publish, threads=self.threads, tile_numel=self.tile_numel,
                                        delayed=self.delay_update_after is not None or self.selective is not None,
@@ -419,6 +425,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self.split < self.part:  # the tail's p32, m, v, gradient landing (its fp32 accumulators: memory_report)
             tail_grads = sum(t.numel() * t.element_size() for t in self.grads.device_landing)
             self.device_bytes.add(self.update.device_state_bytes + tail_grads)
+        if self.selective is not None:  # the selection's p32, m, v, gradient, index (its accumulator: memory_report)
+            self.device_bytes.add(self.update.device_state_bytes)
         if shards is not None:
             shards.swapper = self.update.swapper
         for p in trainable:
@@ -459,6 +467,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             blocks += self.grads.landing if self.grads is not None else []
             if self.update is not None and not self.update.staging_in_place:
                 blocks.append(self.update.staging_buf)
+            if isinstance(self.update, SelectiveUpdate):
+                blocks.append(self.update.shuttle)
             self.transport.synchronize()
             for t in blocks:
                 if t is not None and self.transport.pool.holds(t):
@@ -662,7 +672,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if delayed:
             self.update.start(c.grad, grad_scale, runs, hparams, **extra)
         elif self.selective is not None:
-            self.update.selective_step(c.grad, grad_scale, runs, hparams, got)
+            self.update.selective_step(c.grad, grad_scale, runs, hparams, got, c.selected)
         else:
             self.update.run(c.grad, grad_scale, runs, hparams, **extra)
         self.scaler.update(found_inf=False)

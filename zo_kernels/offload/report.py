@@ -36,7 +36,8 @@ class MemoryReport:
     The formulas are those of docs/design.md, "Memory model", in its symbols: Φ trainable parameters, N ranks,
     F the flat buffer's elements (Φ padded), P this rank's partition (F/N), e the bytes of `dtype`, B the largest
     gradient bucket's elements, T the NVMe swapper's tile elements, D the partition's tail kept on the device
-    (gpu_fraction · P, 0 by default: the host terms in P are then in P - D).
+    (gpu_fraction · P, 0 by default: the host terms in P are then in P - D), S the most elements selective's
+    selection holds on this rank (about fraction · P: selective.selection_bound).
 
     Args:
         params: trainable parameters (Φ). world_size: data-parallel ranks (N).
@@ -51,7 +52,11 @@ class MemoryReport:
         nvme_read_per_step, nvme_written_per_step: bytes a step's update reads from and writes to those files (one
             pass over them: K bytes per element, the 16-bit shard's 2 included).
         device_state, device_grads: gpu_fraction's tail on the device: its p32, m, v (12 bytes per element), and its
-            gradient landing buffers (+ fp32 accumulation once gradients were accumulated).
+            gradient landing buffers (+ fp32 accumulation once gradients were accumulated); selective's selection
+            on the device: its p32, m, v and index (12 + 8 bytes per element), its gathered fp32 gradient (4, + 4
+            once gradients were accumulated).
+        host_selection: selective's host buffers of the selection: its index and the pinned shuttle of its state
+            (8 + 12 bytes per element; its two fp32 window sums, 8P, are in host_accumulator).
         formula_device, formula_host, formula_nvme: the same by the formulas. terms: every buffer, one Term each.
     """
 
@@ -72,6 +77,7 @@ class MemoryReport:
     nvme_written_per_step: int = 0
     device_state: int = 0
     device_grads: int = 0
+    host_selection: int = 0
     terms: list[Term] = field(default_factory=list)
 
     @property
@@ -80,7 +86,8 @@ class MemoryReport:
 
     @property
     def host_bytes(self) -> int:
-        return self.host_state + self.host_landing + self.host_staging + self.host_accumulator + self.host_shard
+        return (self.host_state + self.host_landing + self.host_staging + self.host_accumulator + self.host_shard
+                + self.host_selection)  # fmt: skip
 
     def formula(self, where: str) -> str:
         """The formula of one place ("device", "host" or "nvme") as text, e.g. "12P + 2P (landing)"."""
@@ -153,6 +160,17 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
         if n_dev:
             add("device", "tail fp32 accumulation" + (f" x{n_dev}" if n_dev > 1 else ""),
                 f"{n_dev}·4D" if n_dev > 1 else "4D", 4 * n_dev * tail, nbytes(grads.device_accum))  # fmt: skip
+    sel = getattr(grads, "selected", None)
+    if sel is not None:  # selective (selected.py, selective.py): buffers for the largest selection, S, made once
+        s = sel.capacity
+        add("device", "p32, m, v of the selection", "12S", 12 * s, nbytes([update.state_device]))
+        add("device", "selection index", "8S", 8 * s, nbytes([sel.index]))
+        add("device", "selected gradient", "4S", 4 * s, nbytes([sel.landing]))
+        if sel.accum is not None:
+            add("device", "selected fp32 accumulation", "4S", 4 * s, nbytes([sel.accum]))
+        add("host", "fp32 window sums x2", f"2·4{p_}", 8 * part, nbytes(update.acc))
+        add("host", "selection index", "8S", 8 * s, nbytes([update.sel_buf]))
+        add("host", "selection shuttle, pinned", "12S", 12 * s, nbytes([update.shuttle]))
     if swapper is not None:
         files = [f for f in os.scandir(swapper.path) if f.name.endswith(".bin")]
         size = {f.name: f.stat().st_size for f in files}
@@ -168,7 +186,8 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
         device_params=of("device", "parameter"), device_buckets=of("device", "two", "buckets"),
         host_state=of("host", "p32", "NVMe"), host_landing=of("host", "gradient"), host_staging=of("host", "p16"),
         host_accumulator=of("host", "fp32"), host_shard=of("host", "parameter", "pinned"),
-        device_state=of("device", "p32"), device_grads=of("device", "tail"),
+        device_state=of("device", "p32", "selection"), device_grads=of("device", "tail", "selected"),
+        host_selection=of("host", "selection"),
         nvme_bytes=total("nvme", False),
         nvme_read_per_step=swapper.pass_bytes if swapper is not None else 0,
         nvme_written_per_step=swapper.pass_bytes if swapper is not None else 0,

@@ -19,6 +19,14 @@ unchanged, when it moves. (A step of w * lr, "w steps' worth", was measured wors
 ended at 1.19x exact AdamW's validation loss with loss spikes, against 1.11x with one step of lr; see the README.)
 With fraction 1.0 every column is selected: exact AdamW (tests/test_selective.py).
 
+What crosses PCIe per step: the whole gradient goes down to the host as without `selective` (the rest's part is
+summed there; the selected part's D2H is kept: a re-selection, p.grad's norms and, with accumulation or several
+ranks, the norm and overflow check read it on the host). The selected elements'
+gradient does not come back: GradPath gathers it on the device from each reduced bucket (selected.py), so a step
+sends nothing host-to-device but, once a window ends, the parameters CPU Adam updated. A selection step chooses the
+columns from the host's gradient, which the device did not gather: that step moves the selected state (12 bytes per
+element) and its selected gradient (4) host-to-device, once per `select_every` steps.
+
 Warm-up: the first `warmup` steps are plain synchronous ZeRO-Offload steps (exact AdamW), as ZenFlow's full warm-up
 rounds; the scheme starts at the step after (a resumed run counts from the checkpoint's step counts).
 
@@ -37,10 +45,14 @@ from typing import Any, NamedTuple
 import torch
 
 from ..cpu_adam import cpu_adam_step
-from .layout import Run
+from .layout import FlatLayout, Run
+from .selected import SelectedGrad
 from .update import HostUpdate
 
 KEYS = ("fraction", "select_every", "apply_every", "warmup")
+# host_ranges: a gap of fully selected params shorter than this is summed anyway. Measured (2 cores, loaded): an add_
+# on a slice costs ~5.5 us of call and slicing, and 16K fp32 elements ~4 us more, so a shorter gap is cheaper to add
+MIN_GAP = 1 << 14
 
 
 class Selective(NamedTuple):
@@ -98,6 +110,43 @@ def check_selective(selective: Any, *, stage: int, offload_optimizer: str, state
     return out._replace(fraction=float(f))
 
 
+def selection_bound(layout: FlatLayout, fraction: float) -> int:
+    """S: the most elements a selection of `fraction` (SelectiveUpdate._select) holds in this rank's partition.
+
+    A param's piece of L elements with c columns holds each column q = L // c or q + 1 times (r = L % c of them
+    q + 1): its k = ceil(fraction * min(L, c)) selected columns hold at most k q + min(k, r) elements, exactly
+    k * rows where the piece is whole rows (one rank); a 0/1-dim param's piece is selected whole."""
+    total = 0
+    for p in layout.params:
+        a, b = layout.part_range(p)
+        if a >= b:
+            continue
+        shape = layout.shape[p]
+        if len(shape) < 2:
+            total += b - a
+            continue
+        cols = shape.numel() // shape[0]
+        q, r = divmod(b - a, cols)
+        k = math.ceil(fraction * min(b - a, cols))
+        total += k * q + min(k, r)
+    return total
+
+
+def host_ranges(layout: FlatLayout, full: list[bool]) -> list[tuple[int, int]]:
+    """The partition ranges whose gradient is summed on the host: the params not fully selected, a gap of fully
+    selected ones shorter than MIN_GAP summed anyway (one add_ call more costs more than its elements)."""
+    out: list[tuple[int, int]] = []
+    for p in layout.flat_order:
+        a, b = layout.part_range(p)
+        if a >= b or full[layout.index[p]]:
+            continue
+        if out and a - out[-1][1] < MIN_GAP:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
 class SelectiveUpdate(HostUpdate):
     """HostUpdate with the selective scheme: the selected columns' state on the device, the rest's gradient summed.
 
@@ -106,35 +155,49 @@ class SelectiveUpdate(HostUpdate):
 
     PARAMS_OVER_GRADS = False  # its staging of its own: the summed gradients are read again at each apply
 
-    def __init__(self, *args: Any, selective: Selective, device: torch.device, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, selective: Selective, device: torch.device, selected: SelectedGrad,
+                 **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         assert not self.staging_in_place and self._state is not None, "built with delayed=True, fp32, in memory"
-        self.cfg, self.device = selective, device
+        self.cfg, self.device, self.selected = selective, device, selected
         self._publish_all = self.publish
         self.publish = self._publish  # (write_staging publishes through it)
-        self.transport.pool.max_bytes += 16 * self.layout.part + (1 << 20)  # the shuttles below, at fraction 1
-        part = self.layout.part
+        part, cap = self.layout.part, selected.capacity
         self.acc = [torch.zeros(part, dtype=torch.float32) for _ in range(2)]  # a window's sum, and the last one's
         self.window = [[0] * len(self.layout.params) for _ in range(2)]  # steps summed per param, per buffer
         self.cur = 0  # the buffer of the open window
         self.in_window = 0  # steps in the open window
         self.since_select = 0
-        # the selection: partition indices (sorted), their fp32 state on the device (master, exp_avg, exp_avg_sq)
-        self.sel: torch.Tensor | None = None
-        self.sel_device: torch.Tensor | None = None
-        self.state_device: torch.Tensor | None = None
-        self._grad_host: torch.Tensor | None = None  # pinned: the selected gradient on its way to the device
-        self._move_host: torch.Tensor | None = None  # pinned: the selected state on its way between host and device
-        self._grad_event: Any = None
+        # the selection (sorted partition indices: selected.sel, a view of sel_buf) and its fp32 state on the
+        # device (master, exp_avg, exp_avg_sq): buffers for the largest selection S, made once
+        self.sel_buf = torch.zeros(cap, dtype=torch.int64)
+        self.state_device = torch.zeros(3 * cap, dtype=torch.float32, device=device)
+        self.transport.pool.max_bytes += 12 * cap
+        # pinned: the selected state on its way between host and device (and, at a selection step, its gradient)
+        self.shuttle = self.transport.pool.take(3 * cap, torch.float32) if cap else torch.zeros(0)
+        self._grad_event: Any = None  # the H2D of a selection step's gradient, which reads the shuttle
         self._hparams: list[dict] = []
         self.full = [False] * len(self.layout.params)  # every element of this rank's piece of param i is selected
+        self._host_ranges: list[tuple[int, int]] = []  # partition ranges summed on the host: the params not full
+
+    @property
+    def sel(self) -> torch.Tensor | None:
+        """The selection held (sorted partition indices), None between a synchronisation point and the next step."""
+        return self.selected.sel
+
+    @property
+    def device_state_bytes(self) -> int:
+        """The device bytes made once: the selection's p32, m, v (12S), its gradient (4S) and index (8S)."""
+        return sum(t.numel() * t.element_size() for t in (self.state_device, self.selected.landing,
+                                                          self.selected.index))  # fmt: skip
 
     # ------------------------------------------------------------------ one step
 
     def selective_step(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
-                       got: list[bool]) -> None:  # fmt: skip
-        """The step's gradient: the selected columns updated on the device now, the rest summed; at a window's end
-        the last window's update lands on the device and this one's starts in the background."""
+                       got: list[bool], selected: torch.Tensor | None = None) -> None:  # fmt: skip
+        """The step's gradient (the host's whole one, and `selected`: the selection's, gathered on the device during
+        backward): the selected columns updated on the device now, the rest summed; at a window's end the last
+        window's update lands on the device and this one's starts in the background."""
         if max(self.steps, default=0) <= self.cfg.warmup:  # (steps counts this step already)
             self.run(grad, grad_scale, runs, hparams)
             return
@@ -142,11 +205,16 @@ class SelectiveUpdate(HostUpdate):
         if self.sel is None or self.since_select >= self.cfg.select_every:
             self.drain()
             self._select(grad)
+            # the selection is chosen from this step's gradient, which the device did not gather: this step's
+            # selected gradient takes the round trip (host gather, H2D); the next steps' is gathered on the device
+            selected = self._selected_from_host(grad)
+        assert selected is not None, "a selection held since the last step gathers its gradient on the device"
         self._hparams = hparams  # (a drain applies the open window with the hyper-parameters of its last step)
-        self._device_update(grad, grad_scale, runs, hparams)
+        self._device_update(selected, grad_scale, runs, hparams)
         acc, window = self.acc[self.cur], self.window[self.cur]
         for _, a, b, _, factor in runs:
-            acc[a:b].add_(grad[a:b], alpha=grad_scale * factor)
+            for x, y in self._host_part(a, b):  # (the fully selected params' gradient is never applied from acc)
+                acc[x:y].add_(grad[x:y], alpha=grad_scale * factor)
         for i, g in enumerate(got):
             window[i] += g
         self.since_select += 1
@@ -158,6 +226,17 @@ class SelectiveUpdate(HostUpdate):
         # (the background update's own time is "cpu_update", added when it is waited for)
         self.times.add("selective", time.perf_counter() - t0)
         self.publish()
+
+    def _host_part(self, a: int, b: int) -> list[tuple[int, int]]:
+        """Partition range [a, b) intersected with the host-summed ranges."""
+        out = []
+        for x, y in self._host_ranges:
+            if y <= a:
+                continue
+            if x >= b:
+                break
+            out.append((max(x, a), min(y, b)))
+        return out
 
     def _select(self, grad: torch.Tensor) -> None:
         """Choose the columns from this gradient and move their state to the device."""
@@ -183,32 +262,41 @@ class SelectiveUpdate(HostUpdate):
             self.full[i] = k == n_present
             top = torch.topk(norms.masked_fill(~present, -1.0), k).indices
             pieces.append(a + torch.nonzero(torch.isin(col, top)).view(-1))
-        self.sel = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
-        n = self.sel.numel()
-        pool = self.transport.pool
-        self._grad_host, self._move_host = pool.take(max(n, 1), torch.float32), pool.take(max(3 * n, 1), torch.float32)
+        n = sum(x.numel() for x in pieces)
+        sel = self.sel_buf[:n]
+        if pieces:
+            torch.cat(pieces, out=sel)
+        self._host_ranges = host_ranges(lay, self.full)
         master, exp_avg, exp_avg_sq = self._state
         for j, t in enumerate((master, exp_avg, exp_avg_sq)):
-            torch.index_select(t, 0, self.sel, out=self._move_host[j * n : (j + 1) * n])
-        self.state_device = torch.empty(3 * n, dtype=torch.float32, device=self.device)
-        self.sel_device = self.sel.to(self.device)
-        ev = self.transport.h2d(self.state_device, self._move_host[: 3 * n])
+            torch.index_select(t, 0, sel, out=self.shuttle[j * n : (j + 1) * n])
+        ev = self.transport.h2d(self.state_device[: 3 * n], self.shuttle[: 3 * n])
         self.transport.device_wait(ev)
         self.transport.wait(ev)  # (the shuttle is read by the copy: reused only after it)
+        self.selected.select(sel)
         self.since_select = 0
 
-    def _device_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict]) -> None:
-        """AdamW on the device over the selected elements of the runs (torch's single-tensor AdamW arithmetic)."""
+    def _selected_from_host(self, grad: torch.Tensor) -> torch.Tensor:
+        """The selection's gradient gathered from the host gradient and copied to the device (a selection step)."""
+        n = self.sel.numel()
+        g = self.selected.landing[:n]  # (not read again this step: the next backward overwrites it)
+        if n:
+            g_host = self.shuttle[:n]  # (free: _select waited for its copy)
+            if grad.dtype == torch.float32:
+                torch.index_select(grad, 0, self.sel, out=g_host)
+            else:
+                g_host.copy_(grad[self.sel])
+            self._grad_event = self.transport.h2d(g, g_host)
+            self.transport.device_wait(self._grad_event)
+        return g
+
+    def _device_update(self, g: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict]) -> None:
+        """AdamW on the device over the selected elements of the runs (torch's single-tensor AdamW arithmetic), from
+        their gradient g (fp32, on the device; scaled in place)."""
         n = self.sel.numel()
         if n == 0:
             return
-        self.transport.wait(self._grad_event)  # the last step's copy has read the shuttle
-        g_host = self._grad_host[:n]
-        g_host.copy_(grad[self.sel])
-        g = torch.empty(n, dtype=torch.float32, device=self.device)
-        self._grad_event = self.transport.h2d(g, g_host)
-        self.transport.device_wait(self._grad_event)
-        master, exp_avg, exp_avg_sq = self.state_device.view(3, n)
+        master, exp_avg, exp_avg_sq = self.state_device[: 3 * n].view(3, n)
         bounds = torch.tensor([x for _, a, b, _, _ in runs for x in (a, b)], dtype=torch.int64)
         cuts = torch.searchsorted(self.sel, bounds).tolist()
         for k, (gi, _, _, step, factor) in enumerate(runs):
@@ -229,7 +317,7 @@ class SelectiveUpdate(HostUpdate):
         """The selected elements' parameters from their device masters (staging holds stale ones), then publish."""
         if self.sel is not None and self.sel.numel():
             n = self.sel.numel()
-            self.own.index_copy_(0, self.sel_device, self.state_device[:n].to(self.own.dtype))
+            self.own.index_copy_(0, self.selected.index[:n], self.state_device[:n].to(self.own.dtype))
         self._publish_all()
 
     # ------------------------------------------------------------------ the rest, on the host
@@ -290,17 +378,15 @@ class SelectiveUpdate(HostUpdate):
         self.in_window = 0
         if self.sel is not None:
             n = self.sel.numel()
+            self.transport.wait(self._grad_event)  # the shuttle is read by a selection step's gradient copy
+            self._grad_event = None
             if n:
-                ev = self.transport.d2h(self._move_host[: 3 * n], self.state_device)
+                ev = self.transport.d2h(self.shuttle[: 3 * n], self.state_device[: 3 * n])
                 self.transport.wait(ev)
                 for j, t in enumerate(self._state):
-                    t.index_copy_(0, self.sel, self._move_host[j * n : (j + 1) * n])
+                    t.index_copy_(0, self.sel, self.shuttle[j * n : (j + 1) * n])
                 self.staging_buf.index_copy_(0, self.sel, self._state[0][self.sel].to(self.staging_buf.dtype))
-            self.transport.wait(self._grad_event)
-            self.transport.pool.give(self._grad_host)
-            self.transport.pool.give(self._move_host)
-            self.sel = self.sel_device = self.state_device = self._grad_host = self._move_host = None
-            self._grad_event = None
+            self.selected.drop()
             applied = True
         if applied:
             self.staged = True
