@@ -34,7 +34,8 @@ peak device memory).
 Usage: python bench/step_rows.py OUT.json [--sizes 95M,1.3B] [--modes sync,dpu,selective] [--device cuda]
        [--batch 8] [--context 512] [--budget-s 200] [--gpu-fractions 0,auto]
        [--copy-engine-gbps 25] [--tile-numel 2097152]
-Writes OUT.json after every row (a run cut short keeps what finished); prints one line per row.
+Writes OUT.json after every row (a run cut short, e.g. by gpu_check.sh's limit, keeps every row that finished);
+prints one line per row.
 """
 
 from __future__ import annotations
@@ -398,9 +399,10 @@ def auto_pick(row: dict, device: torch.device) -> FractionPick:
 
 
 def measure(size: str, modes: list[str], device: torch.device, batch: int, context: int, rounds: int,
-            fractions: tuple[str, ...] = ("0",), gbps: float | None = None,
-            tile_numel: int | None = None) -> list[dict]:  # fmt: skip
-    """The rows of one size: the torch reference once, then one row per mode and gpu_fraction (a number or "auto")."""
+            fractions: tuple[str, ...] = ("0",), gbps: float | None = None, tile_numel: int | None = None,
+            on_row: Callable[[dict], None] | None = None) -> list[dict]:  # fmt: skip
+    """The rows of one size: the torch reference once, then one row per mode and gpu_fraction (a number or "auto");
+    on_row(row) is called as each one is done."""
     cfg = config(size, context)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab, (batch, context + 1), generator=g).to(device)
@@ -412,6 +414,8 @@ def measure(size: str, modes: list[str], device: torch.device, batch: int, conte
             row.update(ref, size=size, device=str(device), batch=[batch, context])
             row["targets"] = selective_targets(row)
             rows.append(row)
+            if on_row is not None:
+                on_row(row)
             continue
         plain = None  # this mode's fraction-0 row: what "auto" picks from
         for choice in fractions:
@@ -427,6 +431,8 @@ def measure(size: str, modes: list[str], device: torch.device, batch: int, conte
                 row["gpu_fraction_pick"] = pick.explain()
             row["targets"] = targets(row)
             rows.append(row)
+            if on_row is not None:
+                on_row(row)
     return rows
 
 
@@ -483,27 +489,33 @@ def main(argv: list[str]) -> int:
     if set(modes) - {"sync", "dpu", "selective"}:
         ap.error(f"--modes: some of sync, dpu, selective, got {a.modes}")
     t0, rows, status = time.perf_counter(), [], 0
+
+    def keep(row: dict) -> None:  # written at once: a run cut short (gpu_check.sh's time limit) keeps every row
+        rows.append(row)
+        print(line(row), flush=True)
+        _write(a.out, rows)
+
     for size in a.sizes.split(","):
         if time.perf_counter() - t0 > a.budget_s:
             print(f"{size}: NOT RUN (the {a.budget_s:g} s budget is spent)", flush=True)
             rows.append({"size": size, "skipped": f"the {a.budget_s:g} s budget was spent"})
             status = 1
-            continue
-        try:
-            new = measure(size, modes, device, a.batch, a.context, a.rounds, fractions, a.copy_engine_gbps,
-                          a.tile_numel)
-        except Exception as e:  # e.g. out of memory: the row says why, the other sizes still run
-            print(f"{size}: FAILED {type(e).__name__}: {e}", flush=True)
-            rows.append({"size": size, "error": f"{type(e).__name__}: {e}"[:500]})
-            status = 1
-            _free(device)
         else:
-            for row in new:
-                print(line(row), flush=True)
-            rows += new
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            try:
+                measure(size, modes, device, a.batch, a.context, a.rounds, fractions, a.copy_engine_gbps,
+                        a.tile_numel, on_row=keep)  # fmt: skip
+            except Exception as e:  # e.g. out of memory: the row says why, the other sizes still run
+                print(f"{size}: FAILED {type(e).__name__}: {e}", flush=True)
+                rows.append({"size": size, "error": f"{type(e).__name__}: {e}"[:500]})
+                status = 1
+                _free(device)
+        _write(a.out, rows)
     return status
+
+
+def _write(path: str, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
