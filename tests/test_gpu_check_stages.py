@@ -35,3 +35,48 @@ def test_step_rows_cut_short_keep_every_finished_row(tmp_path, monkeypatch):
     assert calls == ["sync", "dpu"]
     (row,) = json.loads(out.read_text())
     assert row["mode"] == "sync" and row["zo_ms"] > 0 and row["torch_fused_ms"] > 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # (a zombie is dead: no one reaps it)
+    except FileNotFoundError:
+        return False
+
+
+def test_anchors_timeout_kills_the_systems_children_too(tmp_path, monkeypatch):
+    """A system past its timeout (DeepSpeed building its CPU Adam with ninja on first use) is killed with every
+    process it started: the compilers must not run on under the next systems' measurements. Its row says why, with
+    issue 17's keys."""
+    import anchors  # (bench/anchors.py)
+
+    pidfile = tmp_path / "grandchild.pid"
+    child = tmp_path / "child.sh"  # stands for `python anchors.py --one ...`: starts a compiler, then waits for it
+    child.write_text(f"#!/bin/bash\nsleep 300 &\necho $! > {pidfile}\nwait\n")
+    child.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(child))
+    out = tmp_path / "anchors.json"
+    assert anchors.main([str(out), "--systems", "deepspeed", "--device", "cpu", "--timeout-s", "3"]) == 0
+    pid = int(pidfile.read_text())
+    try:
+        assert not _alive(pid), "the system's child process outlived its timeout"
+    finally:
+        if _alive(pid):
+            os.kill(pid, 9)
+    (row,) = json.loads(out.read_text())
+    assert row["note"].startswith("FAILED: did not finish within 3 s"), row
+    assert {"system", "params", "ms", "peak_gib", "host_gib", "note"} <= row.keys()
+
+
+def test_anchors_rows_not_run_have_the_issue_keys(tmp_path):
+    """NOT RUN / NOT INSTALLED rows (DeepSpeed, torchao, FSDP2 on the CPU) carry every key of issue 17's schema."""
+    import anchors
+
+    out = tmp_path / "anchors.json"
+    assert anchors.main([str(out), "--systems", "torchao,fsdp2", "--device", "cpu", "--timeout-s", "120"]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["system"] for r in rows] == ["torchao", "fsdp2"]
+    for r in rows:
+        assert {"system", "params", "ms", "peak_gib", "host_gib", "note"} <= r.keys(), r
+        assert r["note"].startswith("NOT RUN") and r["ms"] is None
