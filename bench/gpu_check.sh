@@ -68,11 +68,15 @@ step() { # step NAME CMD...: run, log, one summary line with the exit status and
 }
 start=$(date +%s)
 budget="${ZO_CHECK_BUDGET_S:-500}"
+stage_s() { # stage_s CAP RESERVE: the limit `limited CAP RESERVE` gives a stage started now (a script's own budget
+  local t=$((budget - ($(date +%s) - start) - $2))  # must stay under it, or the limit cuts it, not its budget)
+  [ "$t" -gt "$1" ] && t="$1"
+  echo "$t"
+}
 limited() { # limited CAP RESERVE NAME CMD...: step under a limit of CAP s, leaving RESERVE s of the budget for later
   local cap="$1" reserve="$2" name="$3" t
   shift 3
-  t=$((budget - ($(date +%s) - start) - reserve))
-  [ "$t" -gt "$cap" ] && t="$cap"
+  t=$(stage_s "$cap" "$reserve")
   if [ "$t" -lt 15 ]; then
     say "$(printf '%-34s %s' "$name" "NOT RUN: the ${budget}s budget is spent")"
     return 1
@@ -144,8 +148,9 @@ bench 60 200 "bench: pack, cast vs copy" bench-pack.json bench/test_bench_bucket
 bench 45 160 "bench: H2D/D2H, writeback hidden" bench-transport.json bench/test_bench_transport.py -k cuda || status=1
 step_args=(--batch "${ZO_STEP_BATCH:-8}" --context "${ZO_STEP_CONTEXT:-512}")
 # gpu_fraction 0 and auto (issue 20's Twin-Flow rows; never run on a GPU before: their cap is a guess)
+t=$(stage_s 130 110)  # (no size started past half the stage's limit; a size cut short keeps its finished rows)
 limited 130 110 "bench: step in parts (step_rows)" "$py" bench/step_rows.py "$out/step.json" \
-  --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes "${ZO_STEP_MODES:-sync,dpu,selective}" --budget-s 60 \
+  --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes "${ZO_STEP_MODES:-sync,dpu,selective}" --budget-s "$((t / 2))" \
   --gpu-fractions "${ZO_STEP_FRACTIONS:-0,auto}" \
   "${step_args[@]}" || status=1
 site=/tmp/zo-anchor-site
@@ -156,11 +161,13 @@ else
   say "no .whl/ carried: DeepSpeed and torchao rows will say NOT INSTALLED (bash bench/fetch_anchor_wheels.sh)"
 fi
 nvcc_dir="$(dirname "$(dirname "$(command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)")")"
+t=$(stage_s 60 150)  # (the scripts' budgets: what their stage's limit leaves, less a margin to write their rows)
 limited 60 150 "bench: activations (issue 21)" "$py" bench/activation_rows.py "$out/activations.json" \
-  --budget-s 45 || status=1
+  --budget-s "$((t * 3 / 4))" || status=1
+t=$(stage_s 200 5)
 limited 200 5 "bench: anchors (same GPT)" env PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" \
   CUDA_HOME="${CUDA_HOME:-$nvcc_dir}" "$py" bench/anchors.py "$out/anchors.json" --size "${ZO_ANCHOR_SIZE:-95M}" \
-  --timeout-s 100 --budget-s 190 "${step_args[@]}" || status=1
+  --timeout-s 100 --budget-s "$((t - 10))" "${step_args[@]}" || status=1
 say "--- benchmark ratios (bench/summary.py; best of N rounds)"
 "$py" bench/summary.py "$out"/bench-*.json 2>>"$log" | tee -a "$summary" || status=1
 # --- pack rows (issue 17, deliverable 1): bench/test_bench_buckets.py's cases (64 tensors at align 1 and 8, 1 tensor;

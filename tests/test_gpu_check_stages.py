@@ -80,3 +80,27 @@ def test_anchors_rows_not_run_have_the_issue_keys(tmp_path):
     for r in rows:
         assert {"system", "params", "ms", "peak_gib", "host_gib", "note"} <= r.keys(), r
         assert r["note"].startswith("NOT RUN") and r["ms"] is None
+
+
+def test_gpu_check_gives_each_script_a_budget_under_its_stage_limit(tmp_path):
+    """bench/gpu_check.sh on a pretend GPU machine (a stand-in interpreter that answers the GPU probes and runs
+    nothing): every script's own --budget-s is below the `timeout` its stage runs under, so the script ends itself,
+    rows written, instead of being cut by the limit. With a 180 s budget the anchors' stage gets 175 s and the
+    activations' 30 s (they were told 190 and 45)."""
+    import re
+    import subprocess
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/bash\ncase \"$*\" in\n  *get_device_name*) echo 'NVIDIA H100 80GB HBM3' ;;\n"
+                    "  *torch.__version__*) echo '2.11.0 13.0' ;;\nesac\nexit 0\n")  # fmt: skip
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": str(fake), "ZO_CHECK_BUDGET_S": "180"}
+    script = os.path.join(HERE, "..", "bench", "gpu_check.sh")
+    subprocess.run(["bash", script, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    stages = re.findall(r"^=== (.*?): timeout -s INT -k 5 (\d+) (.*)$", (out / "gpu_check.log").read_text(), re.M)
+    budgets = {name: (int(limit), re.search(r"--budget-s (\S+)", cmd)) for name, limit, cmd in stages}
+    for name in ("bench: activations (issue 21)", "bench: anchors (same GPT)", "bench: step in parts (step_rows)"):
+        assert name in budgets, (name, sorted(budgets))
+        limit, budget = budgets[name]
+        assert budget and float(budget.group(1)) < limit, (name, limit, budget and budget.group(1))
