@@ -50,6 +50,32 @@ def test_compiled_pack_and_unpack_match_torch_bitwise(count, align, out_dtype):
         assert_bits_equal(o, ref[p.offsets[i] : p.offsets[i] + t.numel()].to(t.dtype), f"unpack {i}")
 
 
+def test_pack_reduction_over_thousands_of_programs_and_its_flag():
+    """The in-launch reduction (each program's partials, the last ticket sums them) with more programs than the last
+    program's RBLOCK lanes take in one pass (~3k, run concurrently), launched back to back through one plan: the sum
+    of squares the same bits each launch and within fp32 rounding of float64's; one inf in the last chunk raises
+    the flag, and the next clean launch lowers it again (counter and partials reset). No other GPU test has more
+    than ~1k programs or an inf (written without a GPU)."""
+    from zo_kernels.kernels import pack as kpack
+
+    n = (3 * kpack.RBLOCK + 1) * kpack.CHUNK - 7
+    x = torch.randn(n, device=DEV, generator=torch.Generator(DEV).manual_seed(0))
+    plan = zk.buckets.plan([x], dtype=torch.bfloat16)
+    want = float((x.double() * 0.5).square().sum())
+    first = plan.pack([x], scale=0.5, impl="triton")
+    sq, flag = first.sum_sq.clone(), bool(first.found_inf)
+    assert not flag and abs(sq.item() - want) <= 1e-4 * want, (sq.item(), want)
+    for _ in range(3):
+        again = plan.pack([x], scale=0.5, impl="triton")
+        assert again.sum_sq.view(torch.int32).item() == sq.view(torch.int32).item(), "sum of squares not bitwise"
+    x[n - 3] = float("inf")
+    assert bool(plan.pack([x], scale=0.5, impl="triton").found_inf), "an inf in the last program went unflagged"
+    x[n - 3] = 0.0
+    clean = plan.pack([x], scale=0.5, impl="triton")
+    assert not bool(clean.found_inf), "the flag stayed raised after a clean launch"
+    assert_bits_equal(clean.flat, (x * 0.5).to(torch.bfloat16), "flat")
+
+
 def test_offsets_past_2_31():
     big = torch.zeros((1 << 31) + 5, dtype=torch.bfloat16, device=DEV)
     small = torch.randn(3000, device=DEV)
