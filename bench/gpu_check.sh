@@ -158,8 +158,10 @@ limited 130 110 "bench: step in parts (step_rows)" "$py" bench/step_rows.py "$ou
   "${step_args[@]}" || status=1
 site=/tmp/zo-anchor-site
 if ls .whl/*.whl >/dev/null 2>&1; then
-  step "anchor wheels (.whl/)" timeout 60 "$py" -m pip install -q --no-index --no-deps --no-compile \
-    --no-cache-dir --upgrade --target "$site" .whl/*.whl || status=1
+  for whl in .whl/*.whl; do  # one at a time: a wheel this Python refuses (not cp312?) leaves the others installed
+    step "anchor wheel $(basename "$whl" | cut -d- -f1-2)" timeout 30 "$py" -m pip install -q --no-index --no-deps \
+      --no-compile --no-cache-dir --upgrade --target "$site" "$whl" || status=1
+  done
 else
   say "no .whl/ carried: DeepSpeed and torchao rows will say NOT INSTALLED (bash bench/fetch_anchor_wheels.sh)"
 fi
