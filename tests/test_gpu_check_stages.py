@@ -104,3 +104,35 @@ def test_gpu_check_gives_each_script_a_budget_under_its_stage_limit(tmp_path):
         assert name in budgets, (name, sorted(budgets))
         limit, budget = budgets[name]
         assert budget and float(budget.group(1)) < limit, (name, limit, budget and budget.group(1))
+
+
+def test_longest_seq_starts_no_try_that_would_end_past_its_deadline(monkeypatch):
+    """bench/activation_rows.py's longest-sequence search (CUDA only), on a pretend clock: each try takes
+    seq / 1000 s and sequences past 20000 run out of memory. With 10 s for the search, the try at 8192 (8 s, started
+    at 7 s) would end at 15 s, in the stage's limit; it is not started: the answer 4096 comes, cut short, in time."""
+    import argparse
+    import types
+
+    import activation_rows
+    import torch
+
+    clock = [0.0]
+
+    def make_step(model, device, dtype, batch, seq, hidden, ctx):
+        def step():
+            clock[0] += seq / 1000
+            if seq > 20000:
+                raise torch.OutOfMemoryError("pretend")
+
+        return step
+
+    monkeypatch.setattr(activation_rows, "make_step", make_step)
+    monkeypatch.setattr(activation_rows, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    model = activation_rows.Stack(1, 8, 2)
+    a = argparse.Namespace(seq=1024, batch=1, hidden=8)
+    seq, ended = activation_rows.longest_seq("none", model, torch.device("cpu"), torch.float32, a, None, 10.0)
+    assert clock[0] <= 10.0, f"the search ended at {clock[0]:.1f} s, past its 10 s deadline"
+    assert (seq, ended) == (4096, False)
+    clock[0] = 0.0
+    seq, ended = activation_rows.longest_seq("none", model, torch.device("cpu"), torch.float32, a, None, 1e9)
+    assert ended and 17000 < seq <= 20000  # time enough: the search ends, to 1/8
