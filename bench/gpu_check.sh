@@ -174,7 +174,8 @@ t=$(stage_s 200 5)
 # compiles no device code (it links cudart), so the machine's toolkit version need not be torch's
 limited 200 5 "bench: anchors (same GPT)" env PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" \
   CUDA_HOME="${CUDA_HOME:-$nvcc_dir}" DS_SKIP_CUDA_CHECK="${DS_SKIP_CUDA_CHECK:-1}" "$py" bench/anchors.py \
-  "$out/anchors.json" --size "${ZO_ANCHOR_SIZE:-95M}" --timeout-s 100 --budget-s "$((t - 10))" "${step_args[@]}" || status=1
+  "$out/anchors.json" --size "${ZO_ANCHOR_SIZE:-95M}" --timeout-s 100 --budget-s "$((t - 10))" "${step_args[@]}" \
+  || status=1
 say "--- benchmark ratios (bench/summary.py; best of N rounds)"
 "$py" bench/summary.py "$out"/bench-*.json 2>>"$log" | tee -a "$summary" || status=1
 # --- pack rows (issue 17, deliverable 1): bench/test_bench_buckets.py's cases (64 tensors at align 1 and 8, 1 tensor;
