@@ -298,6 +298,45 @@ def test_tiled_dpu_writeback_on_cuda_equals_the_whole_one():
         assert torch.equal(results[key][1], results["whole", 2][1]), f"{key}: masters differ"
 
 
+def _formats_run(state_dtype, dpu: int | None, sleep_cycles: int) -> tuple[list[float], torch.Tensor]:
+    """A GPT trained 4 steps on CUDA with moments in `state_dtype`, both copy streams held `sleep_cycles` before each
+    step (torch.cuda._sleep): the losses and the masters."""
+    tr = CudaTransport()
+    model = make_model(seed=0).to(DEV)
+    opt = zk.ZeroOffloadAdamW(model, lr=2e-3, weight_decay=0.01, bucket_numel=100_000, tile_numel=1 << 14,
+                              state_dtype=state_dtype, delay_update_after=dpu, transport=tr)  # fmt: skip
+    losses = []
+    for step in make_data(4, batch=4, seed=2):
+        for stream in (tr.h2d_stream, tr.d2h_stream):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(sleep_cycles)
+        x = step[0].to(DEV)
+        loss = model(x[:, :-1], x[:, 1:])
+        losses.append(loss.item())
+        opt.backward(loss)
+        opt.step()
+    opt.synchronize()
+    sd = opt.state_dict()
+    masters = torch.cat([sd["state"][i]["master"].reshape(-1) for i in range(len(sd["state"]))])
+    opt.close()
+    tr.close()
+    return losses, masters
+
+
+@pytest.mark.parametrize("dpu", [None, 1], ids=["sync", "dpu"])
+@pytest.mark.parametrize("state_dtype", ["8bit", torch.bfloat16], ids=["8bit", "bf16"])
+def test_compressed_moments_on_cuda_under_late_copies(state_dtype, dpu):
+    """The scale check's formats (8-bit, bf16 moments: the update tile by tile, each tile's copy queued at once, the
+    new parameters over the gradients in the pinned landing buffer) on CUDA, never run on a GPU before: with both copy
+    streams held ~0.1 s before each step, the run is bit for bit the same (a parameter read before its copy landed,
+    or a landing buffer rewritten under a copy still reading it, would change it)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    want = _formats_run(state_dtype, dpu, 0)
+    got = _formats_run(state_dtype, dpu, SLEEP_CYCLES)
+    assert got[0] == want[0], f"losses differ: {got[0]} vs {want[0]}"
+    assert torch.equal(got[1], want[1]), "masters differ"
+
+
 def _rss() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
