@@ -82,11 +82,9 @@ def test_anchors_rows_not_run_have_the_issue_keys(tmp_path):
         assert r["note"].startswith("NOT RUN") and r["ms"] is None
 
 
-def test_gpu_check_gives_each_script_a_budget_under_its_stage_limit(tmp_path):
-    """bench/gpu_check.sh on a pretend GPU machine (a stand-in interpreter that answers the GPU probes and runs
-    nothing): every script's own --budget-s is below the `timeout` its stage runs under, so the script ends itself,
-    rows written, instead of being cut by the limit. With a 180 s budget the anchors' stage gets 175 s and the
-    activations' 30 s (they were told 190 and 45)."""
+def _stand_in_gpu_check(tmp_path, mode: str, budget_s: int) -> dict[str, tuple[int, str]]:
+    """bench/gpu_check.sh OUT MODE on a pretend GPU machine (a stand-in interpreter that answers the GPU probes and
+    runs nothing): {stage: (its `timeout` limit, its command)}."""
     import re
     import subprocess
 
@@ -94,16 +92,41 @@ def test_gpu_check_gives_each_script_a_budget_under_its_stage_limit(tmp_path):
     fake.write_text("#!/bin/bash\ncase \"$*\" in\n  *get_device_name*) echo 'NVIDIA H100 80GB HBM3' ;;\n"
                     "  *torch.__version__*) echo '2.11.0 13.0' ;;\nesac\nexit 0\n")  # fmt: skip
     fake.chmod(0o755)
-    out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": str(fake), "ZO_CHECK_BUDGET_S": "180"}
+    out = tmp_path / f"out-{mode}"
+    env = {**os.environ, "PYTHON": str(fake), "ZO_CHECK_BUDGET_S": str(budget_s)}
     script = os.path.join(HERE, "..", "bench", "gpu_check.sh")
-    subprocess.run(["bash", script, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    subprocess.run(["bash", script, str(out), mode], env=env, capture_output=True, text=True, timeout=300)
     stages = re.findall(r"^=== (.*?): timeout -s INT -k 5 (\d+) (.*)$", (out / "gpu_check.log").read_text(), re.M)
-    budgets = {name: (int(limit), re.search(r"--budget-s (\S+)", cmd)) for name, limit, cmd in stages}
+    return {name: (int(limit), cmd) for name, limit, cmd in stages}
+
+
+def _budget_under_limit(stages: dict[str, tuple[int, str]], name: str) -> None:
+    import re
+
+    assert name in stages, (name, sorted(stages))
+    limit, cmd = stages[name]
+    budget = re.search(r"--budget-s (\S+)", cmd)
+    assert budget and float(budget.group(1)) < limit, (name, limit, budget and budget.group(1))
+
+
+def test_gpu_check_gives_each_script_a_budget_under_its_stage_limit(tmp_path):
+    """Every script's own --budget-s is below the `timeout` its stage runs under, so the script ends itself, rows
+    written, instead of being cut by the limit. With a 180 s budget the anchors' stage gets 175 s and the
+    activations' 30 s (they were told 190 and 45)."""
+    stages = _stand_in_gpu_check(tmp_path, "default", 180)
     for name in ("bench: activations (issue 21)", "bench: anchors (same GPT)", "bench: step in parts (step_rows)"):
-        assert name in budgets, (name, sorted(budgets))
-        limit, budget = budgets[name]
-        assert budget and float(budget.group(1)) < limit, (name, limit, budget and budget.group(1))
+        _budget_under_limit(stages, name)
+
+
+def test_gpu_check_anchors_mode_runs_the_last_two_stages_alone(tmp_path):
+    """`gpu_check.sh OUT anchors`: build, then the activations and the anchors with the whole budget (in the default
+    run they get what is left of it), each script's budget under its stage's limit, 150 s per anchor system."""
+    stages = _stand_in_gpu_check(tmp_path, "anchors", 500)
+    assert list(stages) == ["build (pip install -e .)", "bench: activations (issue 21)", "bench: anchors (same GPT)"]
+    assert stages["bench: activations (issue 21)"][0] == 120 and stages["bench: anchors (same GPT)"][0] >= 300
+    assert "--timeout-s 150" in stages["bench: anchors (same GPT)"][1]
+    for name in ("bench: activations (issue 21)", "bench: anchors (same GPT)"):
+        _budget_under_limit(stages, name)
 
 
 def test_longest_seq_starts_no_try_that_would_end_past_its_deadline(monkeypatch):
