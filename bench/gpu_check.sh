@@ -149,9 +149,10 @@ anchors_stage() { # anchors_stage CAP RESERVE TIMEOUT: bench/anchors.py, each sy
     "$out/anchors.json" --size "${ZO_ANCHOR_SIZE:-95M}" --timeout-s "$3" --budget-s "$((t - 10))" "${step_args[@]}"
 }
 if [ "$mode" = anchors ]; then  # the default run's last two stages, given a command of their own
-  limited 150 240 "build (pip install -e .)" "$py" -m pip install --no-build-isolation --no-deps -e . || status=1
+  # (reserves: the anchors keep >= 180 s, so ZO_CHECK_BUDGET_S=300 still gives the activations 60 s after a build)
+  limited 150 200 "build (pip install -e .)" "$py" -m pip install --no-build-isolation --no-deps -e . || status=1
   install_wheels || status=1
-  activations_stage 120 240 || status=1
+  activations_stage 120 180 || status=1
   anchors_stage 400 5 150 || status=1
   ZO_DEVICE="$gpu" ZO_COMMIT="$commit" "$py" bench/summary.py --summary-json "$out" 2>>"$log" | tee -a "$summary" \
     && rm -f "$out/anchors.json" "$out/activations.json" || status=1
