@@ -53,9 +53,9 @@ def test_compiled_pack_and_unpack_match_torch_bitwise(count, align, out_dtype):
 def test_pack_reduction_over_thousands_of_programs_and_its_flag():
     """The in-launch reduction (each program's partials, the last ticket sums them) with more programs than the last
     program's RBLOCK lanes take in one pass (~3k, run concurrently), launched back to back through one plan: the sum
-    of squares the same bits each launch and within fp32 rounding of float64's; one inf in the last chunk raises
-    the flag, and the next clean launch lowers it again (counter and partials reset). No other GPU test has more
-    than ~1k programs or an inf (written without a GPU)."""
+    of squares the same bits each launch and within fp32 rounding of float64's; one inf (in the head, in an unmasked
+    vector block, in the masked tail) raises the flag, and the next clean launch lowers it again (counter and
+    partials reset). No other GPU test has more than ~1k programs or an inf (written without a GPU)."""
     from zo_kernels.kernels import pack as kpack
 
     n = (3 * kpack.RBLOCK + 1) * kpack.CHUNK - 7
@@ -68,11 +68,15 @@ def test_pack_reduction_over_thousands_of_programs_and_its_flag():
     for _ in range(3):
         again = plan.pack([x], scale=0.5, impl="triton")
         assert again.sum_sq.view(torch.int32).item() == sq.view(torch.int32).item(), "sum of squares not bitwise"
-    x[n - 3] = float("inf")
-    assert bool(plan.pack([x], scale=0.5, impl="triton").found_inf), "an inf in the last program went unflagged"
-    x[n - 3] = 0.0
-    clean = plan.pack([x], scale=0.5, impl="triton")
-    assert not bool(clean.found_inf), "the flag stayed raised after a clean launch"
+    # the first element (chunk 0's head), one inside an unmasked 16-byte block mid-tensor, one in the masked tail
+    for where in (0, 1000 * kpack.CHUNK + kpack.BLOCK + 5, n - 3):
+        keep = x[where].item()
+        x[where] = float("inf")
+        assert bool(plan.pack([x], scale=0.5, impl="triton").found_inf), f"an inf at {where} went unflagged"
+        x[where] = keep
+        clean = plan.pack([x], scale=0.5, impl="triton")
+        assert not bool(clean.found_inf), f"the flag stayed raised after a clean launch (inf was at {where})"
+        assert clean.sum_sq.view(torch.int32).item() == sq.view(torch.int32).item(), "sum of squares changed"
     assert_bits_equal(clean.flat, (x * 0.5).to(torch.bfloat16), "flat")
 
 
