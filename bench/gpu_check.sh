@@ -180,9 +180,10 @@ limited 150 330 "build (pip install -e .)" "$py" -m pip install --no-build-isola
 limited 60 300 "triton kernels -> cubin sm_80/90" env -u TRITON_INTERPRET "$py" tests/triton_compile.py \
   "$out/triton_compile.json" || status=1
 # (not tests/test_gpu_shaped.py nor test_activations.py's CopyEngineTransport tests: CPU only, 37 s on a loaded
-# 2-core machine, run by every default pytest; the stage's 150 s are for what needs the GPU)
+# 2-core machine, run by every default pytest; nor tests/test_buckets.py: with a GPU it runs only the torch path on
+# CPU tensors, test_gpu.py runs the compiled kernels. The stage's 150 s are for what needs the GPU)
 limited 150 240 "tests: GPU, two ranks, CUDA" "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/tests.xml" \
-  tests/test_gpu.py tests/test_transport.py tests/test_buckets.py \
+  tests/test_gpu.py tests/test_transport.py \
   tests/test_activations.py::test_cuda_offload_bitwise_no_per_step_allocation_and_lower_peak \
   tests/test_gpu_two_ranks.py || status=1  # the two-process test last: if it stalls, the others have reported
 grep -E "passed|failed|error" "$log" | grep -E "^[0-9=]" | tail -4 >>"$summary"
