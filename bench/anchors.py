@@ -233,12 +233,26 @@ def empty_row(system: str, note: str) -> dict:
     return {"system": system, "params": None, "ms": None, "peak_gib": None, "host_gib": None, "note": note}
 
 
+try:  # resolved here: between fork and exec the child only calls it (no dlopen there, other threads may hold locks)
+    _PRCTL = ctypes.CDLL(None).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the parent dies (Linux's PR_SET_PDEATHSIG), so a parent killed outright
+    (gpu_check.sh's SIGKILL 5 s after its SIGINT; a session of its own no longer gets that from `timeout`) leaves no
+    system running on the GPU."""
+    if _PRCTL is not None:
+        _PRCTL(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+
+
 def run_child(cmd: list[str], env: dict, timeout_s: float) -> tuple[int, str]:
     """(exit status, stderr) of cmd run in a session of its own. On its timeout (subprocess.TimeoutExpired, raised)
     or an interrupt (gpu_check.sh's limit) the whole session is killed: a child's children too, such as the ninja and
     compilers of DeepSpeed's first-use build, which would otherwise run on under the next systems' measurements."""
     with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as p:  # fmt: skip
+                          start_new_session=True, preexec_fn=_die_with_parent) as p:  # fmt: skip
         try:
             _, err = p.communicate(timeout=timeout_s)
         except BaseException:

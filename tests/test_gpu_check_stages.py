@@ -159,3 +159,38 @@ def test_longest_seq_starts_no_try_that_would_end_past_its_deadline(monkeypatch)
     clock[0] = 0.0
     seq, ended = activation_rows.longest_seq("none", model, torch.device("cpu"), torch.float32, a, None, 1e9)
     assert ended and 17000 < seq <= 20000  # time enough: the search ends, to 1/8
+
+
+def test_anchors_system_dies_with_a_parent_killed_outright(tmp_path):
+    """A system runs in a session of its own (so that its children can be killed together), which `timeout`'s
+    SIGKILL to gpu_check.sh's process group no longer reaches: a parent killed outright takes it down all the same
+    (it would otherwise hold the GPU into the next command)."""
+    import subprocess
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    child = tmp_path / "child.sh"
+    child.write_text(f"#!/bin/bash\necho $$ > {pidfile}\nexec sleep 300\n")
+    child.chmod(0o755)
+    code = (f"import os, sys; sys.path.insert(0, {os.path.join(HERE, '..', 'bench')!r}); import anchors; "
+            f"anchors.run_child([{str(child)!r}], dict(os.environ), 600)")  # fmt: skip
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        for _ in range(600):  # the parent imports torch first: up to 60 s on a loaded machine
+            if pidfile.exists() and pidfile.read_text().strip():
+                break
+            time.sleep(0.1)
+        pid = int(pidfile.read_text())
+        parent.kill()
+        parent.wait()
+        for _ in range(100):
+            if not _alive(pid):
+                break
+            time.sleep(0.1)
+        alive = _alive(pid)
+        if alive:
+            os.kill(pid, 9)
+        assert not alive, "the system outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
