@@ -194,3 +194,17 @@ def test_anchors_system_dies_with_a_parent_killed_outright(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_gpu_check_tests_stage_names_tests_that_exist(tmp_path):
+    """The GPU tests stage names files and one test by node id: a renamed test would make pytest refuse the whole
+    command (exit 4, nothing run) on the GPU machine. Every path it names collects here."""
+    import subprocess
+
+    limit, cmd = _stand_in_gpu_check(tmp_path, "default", 500)["tests: GPU, two ranks, CUDA"]
+    paths = [w for w in cmd.split() if w.startswith("tests/")]
+    assert len(paths) >= 3 and any("::" in p for p in paths), paths
+    root = os.path.join(HERE, "..")
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *paths],
+                       cwd=root, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode in (0, 5) and "not found" not in r.stdout + r.stderr, (r.returncode, r.stdout[-2000:])
