@@ -409,27 +409,30 @@ def measure(size: str, modes: list[str], device: torch.device, batch: int, conte
     ref = torch_fused(cfg, x, rounds)
     rows = []
     for mode in modes:
-        if mode == "selective":
-            row = selective_row(cfg, x, rounds)
-            row.update(ref, size=size, device=str(device), batch=[batch, context])
-            row["targets"] = selective_targets(row)
-            rows.append(row)
-            if on_row is not None:
-                on_row(row)
-            continue
         plain = None  # this mode's fraction-0 row: what "auto" picks from
-        for choice in fractions:
-            pick = None
-            if choice == "auto":
-                plain = plain or zo_step(cfg, x, mode, rounds, 0.0, gbps, tile_numel)
-                pick = auto_pick(plain, device)
-            row = zo_step(cfg, x, mode, rounds, pick.fraction if pick else float(choice), gbps, tile_numel)
-            plain = row if choice != "auto" and float(choice) == 0.0 else plain
-            row.update(ref, size=size, device=str(device), batch=[batch, context], gpu_fraction_choice=choice)
-            row["tokens_vs_torch"] = ref["torch_fused_ms"] / row["zo_ms"]
-            if pick is not None:
-                row["gpu_fraction_pick"] = pick.explain()
-            row["targets"] = targets(row)
+        for choice in ("-",) if mode == "selective" else fractions:
+            try:
+                if mode == "selective":
+                    row = selective_row(cfg, x, rounds)
+                    row.update(ref, size=size, device=str(device), batch=[batch, context])
+                    row["targets"] = selective_targets(row)
+                else:
+                    pick = None
+                    if choice == "auto":
+                        plain = plain or zo_step(cfg, x, mode, rounds, 0.0, gbps, tile_numel)
+                        pick = auto_pick(plain, device)
+                    row = zo_step(cfg, x, mode, rounds, pick.fraction if pick else float(choice), gbps, tile_numel)
+                    plain = row if choice != "auto" and float(choice) == 0.0 else plain
+                    row.update(ref, size=size, device=str(device), batch=[batch, context], gpu_fraction_choice=choice)
+                    row["tokens_vs_torch"] = ref["torch_fused_ms"] / row["zo_ms"]
+                    if pick is not None:
+                        row["gpu_fraction_pick"] = pick.explain()
+                    row["targets"] = targets(row)
+            except Exception as e:  # (e.g. a path never run on this device) the row says why; the next rows run
+                row = {"size": size, "mode": mode, "error": f"{type(e).__name__}: {e}"[:500]}
+                if mode != "selective":
+                    row["gpu_fraction_choice"] = choice
+                _free(device)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
@@ -448,6 +451,9 @@ def selective_line(row: dict) -> str:
 
 def line(row: dict) -> str:
     """One printed line per row."""
+    if "error" in row:
+        choice = f" gpu_fraction {row['gpu_fraction_choice']}" if "gpu_fraction_choice" in row else ""
+        return f"{row['size']:>5} {row.get('mode', '')}{choice}: FAILED {row['error']}"
     if row["mode"] == "selective":
         return selective_line(row)
     peak = f", peak {row['zo_peak_gib']:.2f} GiB vs {row['torch_peak_gib']:.2f}" if row.get("zo_peak_gib") else ""
@@ -510,7 +516,7 @@ def main(argv: list[str]) -> int:
                 status = 1
                 _free(device)
         _write(a.out, rows)
-    return status
+    return 1 if any("error" in r for r in rows) else status
 
 
 def _write(path: str, rows: list[dict]) -> None:

@@ -208,3 +208,21 @@ def test_gpu_check_tests_stage_names_tests_that_exist(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *paths],
                        cwd=root, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode in (0, 5) and "not found" not in r.stdout + r.stderr, (r.returncode, r.stdout[-2000:])
+
+
+def test_step_rows_a_failing_row_leaves_the_others(tmp_path, monkeypatch):
+    """gpu_fraction "auto" (and selective) have never run on a GPU: one that fails there is a row saying why, and
+    the size's other rows (here the DPU ones) are still measured; the script exits 1."""
+    def broken(row, device):
+        raise RuntimeError("injected: auto's pick failed")
+
+    monkeypatch.setattr(step_rows, "auto_pick", broken)
+    out = tmp_path / "step.json"
+    argv = [str(out), "--sizes", "2e5", "--device", "cpu", "--batch", "2", "--context", "16", "--rounds", "2",
+            "--modes", "sync,dpu", "--gpu-fractions", "0,auto"]  # fmt: skip
+    assert step_rows.main(argv) == 1
+    rows = json.loads(out.read_text())
+    assert [(r["mode"], r["gpu_fraction_choice"], "error" in r) for r in rows] == [
+        ("sync", "0", False), ("sync", "auto", True), ("dpu", "0", False), ("dpu", "auto", True)]
+    assert "injected" in rows[1]["error"] and rows[2]["zo_ms"] > 0
+    print("\n" + "\n".join(step_rows.line(r) for r in rows))
