@@ -150,9 +150,15 @@ def measure(names: list[str], model: Stack, device: torch.device, dtype: torch.d
 def longest_seq(name: str, model: Stack, device: torch.device, dtype: torch.dtype, a: argparse.Namespace,
                 transport, deadline: float) -> tuple[int, bool]:  # fmt: skip
     """The longest sequence (to 1/8, a multiple of 256) whose step fits the capped device memory; whether the search
-    ended (each try at a long sequence costs seconds of attention: a coarse answer within the budget)."""
+    ended (each try at a long sequence costs seconds of attention: a coarse answer within the budget). A try is
+    started only if twice the last one still ends before `deadline` (the next try is at most twice as long a
+    sequence; estimated, not measured on a GPU): one started just before the deadline ran on past it, into the
+    stage's time limit, which kills the script before the later providers are searched."""
+    last = 0.0  # seconds of the last try
 
     def fits(seq: int) -> bool:
+        nonlocal last
+        t0 = time.perf_counter()
         model.wrap, ctx, buf = provider_setup(name, device, transport)
         try:
             make_step(model, device, dtype, a.batch, seq, a.hidden, ctx)()
@@ -163,18 +169,26 @@ def longest_seq(name: str, model: Stack, device: torch.device, dtype: torch.dtyp
             model.wrap = None
             del buf
             torch.cuda.empty_cache()
+            last = time.perf_counter() - t0
+
+    def no_time() -> bool:
+        return time.perf_counter() + 2 * last > deadline
 
     lo, hi = 0, a.seq
     while fits(hi):
         lo, hi = hi, hi * 2
-        if time.perf_counter() > deadline:
+        if no_time():
             return lo, False
     while hi - lo > max(256, hi // 8):
+        if no_time():
+            return lo, False
         mid = (lo + hi) // 2 // 256 * 256
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        if time.perf_counter() > deadline:
-            return lo, False
     return lo, True
+
+
+SEARCH_ORDER = ("torch", "zo", "zo_resident", "none", "save_on_cpu")  # issue 21's target compares the first two;
+# save_on_cpu last: its tries pin every saved tensor in host memory (tens of GiB at the long sequences: slow)
 
 
 def main(argv: list[str]) -> int:
@@ -241,10 +255,9 @@ def main(argv: list[str]) -> int:
         torch.cuda.empty_cache()  # the measured steps' cached blocks: the cap counts reserved memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 2**30 / total), device)
         left = a.budget_s - (time.perf_counter() - start)
-        for i, r in enumerate(rows):
-            if "error" in r:
-                continue
-            deadline = time.perf_counter() + left / (len(rows) - i)
+        searched = sorted((r for r in rows if "error" not in r), key=lambda r: SEARCH_ORDER.index(r["provider"]))
+        for i, r in enumerate(searched):
+            deadline = time.perf_counter() + left / (len(searched) - i)
             seq, done = longest_seq(r["provider"], model, device, dtype, a, transport, deadline)
             r["longest_seq"], r["longest_seq_cap_gib"], r["longest_seq_search_ended"] = seq, a.cap_gib, done
             left = a.budget_s - (time.perf_counter() - start)

@@ -25,6 +25,7 @@ import ctypes
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -217,14 +218,51 @@ def run_one(system: str, size: str, batch: int, context: int, device: str, round
     try:
         step, note = globals()[f"sys_{system}"](cfg, x)
     except Unavailable as e:
-        return {**row, "ms": None, "peak_gib": None, "host_gib": None, "note": f"NOT RUN: {e}"}
+        return {**empty_row(system, f"NOT RUN: {e}"), **row}
     except ImportError as e:
-        return {**row, "ms": None, "peak_gib": None, "host_gib": None, "note": f"NOT INSTALLED: {e}"}
+        return {**empty_row(system, f"NOT INSTALLED: {e}"), **row}
     ms = _time_steps(step, device, warmup=3, rounds=rounds) * 1e3
     row.update(params=num_params(build(cfg, "meta")), ms=ms, tokens_per_s=batch * context / ms * 1e3,
                peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
                host_gib=(_rss() - base) / 2**30, note=note)  # fmt: skip
     return row
+
+
+def empty_row(system: str, note: str) -> dict:
+    """A row without figures (not run, not installed, failed): issue 17's keys all present."""
+    return {"system": system, "params": None, "ms": None, "peak_gib": None, "host_gib": None, "note": note}
+
+
+try:  # resolved here: between fork and exec the child only calls it (no dlopen there, other threads may hold locks)
+    _PRCTL = ctypes.CDLL(None).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the parent dies (Linux's PR_SET_PDEATHSIG), so a parent killed outright
+    (gpu_check.sh's SIGKILL 5 s after its SIGINT; a session of its own no longer gets that from `timeout`) leaves no
+    system running on the GPU."""
+    if _PRCTL is not None:
+        _PRCTL(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+
+
+def run_child(cmd: list[str], env: dict, timeout_s: float) -> tuple[int, str]:
+    """(exit status, stderr) of cmd run in a session of its own. On its timeout (subprocess.TimeoutExpired, raised)
+    or an interrupt (gpu_check.sh's limit) the whole session is killed: a child's children too, such as the ninja and
+    compilers of DeepSpeed's first-use build, which would otherwise run on under the next systems' measurements."""
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, preexec_fn=_die_with_parent) as p:  # fmt: skip
+        try:
+            _, err = p.communicate(timeout=timeout_s)
+        except BaseException:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.communicate()
+            raise
+    return p.returncode, err
 
 
 def main(argv: list[str]) -> int:
@@ -245,8 +283,7 @@ def main(argv: list[str]) -> int:
             row = run_one(a.systems, a.size, a.batch, a.context, a.device, a.rounds)
         except BaseException as e:
             tb = traceback.format_exc(limit=3)
-            row = {"system": a.systems, "ms": None, "peak_gib": None, "host_gib": None,
-                   "note": f"FAILED: {type(e).__name__}: {e}"[:400], "traceback": tb[-1500:]}  # fmt: skip
+            row = {**empty_row(a.systems, f"FAILED: {type(e).__name__}: {e}"[:400]), "traceback": tb[-1500:]}
         with open(a.out, "w") as f:
             json.dump(row, f)
         return 0
@@ -257,35 +294,42 @@ def main(argv: list[str]) -> int:
     rows, t0 = [], time.perf_counter()
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    for system in systems:
-        left = a.budget_s - (time.perf_counter() - t0)
-        if left < 15:
-            rows.append({"system": system, "ms": None, "peak_gib": None, "host_gib": None,
-                         "note": f"NOT RUN: the {a.budget_s:g} s budget was spent"})  # fmt: skip
-        else:
-            with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-                cmd = [sys.executable, os.path.abspath(__file__), tmp.name, "--one", "--systems", system,
-                       "--size", a.size, "--batch", str(a.batch), "--context", str(a.context),
-                       "--rounds", str(a.rounds), "--device", a.device]  # fmt: skip
-                t1 = time.perf_counter()
-                try:
-                    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=min(a.timeout_s, left))
-                    row = json.loads(open(tmp.name).read() or "null") or {}
-                    if not row:
-                        row = {"system": system, "ms": None, "peak_gib": None, "host_gib": None,
-                               "note": f"FAILED: exit {r.returncode}: {r.stderr.strip()[-400:]}"}  # fmt: skip
-                except subprocess.TimeoutExpired:
-                    row = {"system": system, "ms": None, "peak_gib": None, "host_gib": None,
-                           "note": f"FAILED: did not finish within {min(a.timeout_s, left):.0f} s"}  # fmt: skip
-                row["wall_s"] = round(time.perf_counter() - t1, 1)
-            rows.append(row)
-        r = rows[-1]
-        shown = (f"{r['ms']:9.2f} ms, {r.get('tokens_per_s', 0):9.0f} tok/s, peak "
-                 f"{r['peak_gib'] if r['peak_gib'] is None else round(r['peak_gib'], 2)} GiB, host "
-                 f"{r['host_gib']:.2f} GiB" if r.get("ms") else "")  # fmt: skip
-        print(f"{system:<12} {shown} {r['note']}", flush=True)
+
+    def write() -> None:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
+
+    try:
+        for system in systems:
+            left = a.budget_s - (time.perf_counter() - t0)
+            if left < 15:
+                rows.append(empty_row(system, f"NOT RUN: the {a.budget_s:g} s budget was spent"))
+            else:
+                with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+                    cmd = [sys.executable, os.path.abspath(__file__), tmp.name, "--one", "--systems", system,
+                           "--size", a.size, "--batch", str(a.batch), "--context", str(a.context),
+                           "--rounds", str(a.rounds), "--device", a.device]  # fmt: skip
+                    t1 = time.perf_counter()
+                    try:
+                        rc, err = run_child(cmd, env, min(a.timeout_s, left))
+                        row = json.loads(open(tmp.name).read() or "null") or {}
+                        if not row:
+                            row = empty_row(system, f"FAILED: exit {rc}: {err.strip()[-400:]}")
+                    except subprocess.TimeoutExpired:
+                        row = empty_row(system, f"FAILED: did not finish within {min(a.timeout_s, left):.0f} s")
+                    row["wall_s"] = round(time.perf_counter() - t1, 1)
+                rows.append({**empty_row(system, ""), **row})
+            r = rows[-1]
+            shown = (f"{r['ms']:9.2f} ms, {r.get('tokens_per_s', 0):9.0f} tok/s, peak "
+                     f"{r['peak_gib'] if r['peak_gib'] is None else round(r['peak_gib'], 2)} GiB, host "
+                     f"{r['host_gib']:.2f} GiB" if r.get("ms") else "")  # fmt: skip
+            print(f"{system:<12} {shown} {r['note']}", flush=True)
+            write()
+    except KeyboardInterrupt:  # gpu_check.sh's time limit: the systems without a row say so
+        done = {r["system"] for r in rows}
+        rows += [empty_row(s, "NOT RUN: interrupted (the stage's time limit)") for s in systems if s not in done]
+        write()
+        raise
     return 0
 
 

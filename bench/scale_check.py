@@ -439,13 +439,17 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
                 break
             _sync(device)
             t0 = time.perf_counter()
+            retry = False
             try:
                 losses.append(train_step(model, opt, c, tokens, gen, device))
             except torch.OutOfMemoryError:
-                # the activations outgrew their estimate: the first step retries with half the tokens (what the
-                # planner's figures are then for is recomputed), once the optimizer has dropped the gradients
                 if i or tokens <= c.context:
                     raise
+                retry = True
+            if retry:
+                # the activations outgrew their estimate: the first step retries with half the tokens (what the
+                # planner's figures are then for is recomputed), once the optimizer has dropped the gradients. Out of
+                # the except block: its traceback holds the failed step's frames (the graph, its activations)
                 opt.zero_grad()
                 gc_collect(device)
                 tokens = max(c.context, tokens // 2 // c.context * c.context)

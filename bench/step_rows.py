@@ -34,7 +34,8 @@ peak device memory).
 Usage: python bench/step_rows.py OUT.json [--sizes 95M,1.3B] [--modes sync,dpu,selective] [--device cuda]
        [--batch 8] [--context 512] [--budget-s 200] [--gpu-fractions 0,auto]
        [--copy-engine-gbps 25] [--tile-numel 2097152]
-Writes OUT.json after every row (a run cut short keeps what finished); prints one line per row.
+Writes OUT.json after every row (a run cut short, e.g. by gpu_check.sh's limit, keeps every row that finished);
+prints one line per row.
 """
 
 from __future__ import annotations
@@ -398,35 +399,43 @@ def auto_pick(row: dict, device: torch.device) -> FractionPick:
 
 
 def measure(size: str, modes: list[str], device: torch.device, batch: int, context: int, rounds: int,
-            fractions: tuple[str, ...] = ("0",), gbps: float | None = None,
-            tile_numel: int | None = None) -> list[dict]:  # fmt: skip
-    """The rows of one size: the torch reference once, then one row per mode and gpu_fraction (a number or "auto")."""
+            fractions: tuple[str, ...] = ("0",), gbps: float | None = None, tile_numel: int | None = None,
+            on_row: Callable[[dict], None] | None = None) -> list[dict]:  # fmt: skip
+    """The rows of one size: the torch reference once, then one row per mode and gpu_fraction (a number or "auto");
+    on_row(row) is called as each one is done."""
     cfg = config(size, context)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab, (batch, context + 1), generator=g).to(device)
     ref = torch_fused(cfg, x, rounds)
     rows = []
     for mode in modes:
-        if mode == "selective":
-            row = selective_row(cfg, x, rounds)
-            row.update(ref, size=size, device=str(device), batch=[batch, context])
-            row["targets"] = selective_targets(row)
-            rows.append(row)
-            continue
         plain = None  # this mode's fraction-0 row: what "auto" picks from
-        for choice in fractions:
-            pick = None
-            if choice == "auto":
-                plain = plain or zo_step(cfg, x, mode, rounds, 0.0, gbps, tile_numel)
-                pick = auto_pick(plain, device)
-            row = zo_step(cfg, x, mode, rounds, pick.fraction if pick else float(choice), gbps, tile_numel)
-            plain = row if choice != "auto" and float(choice) == 0.0 else plain
-            row.update(ref, size=size, device=str(device), batch=[batch, context], gpu_fraction_choice=choice)
-            row["tokens_vs_torch"] = ref["torch_fused_ms"] / row["zo_ms"]
-            if pick is not None:
-                row["gpu_fraction_pick"] = pick.explain()
-            row["targets"] = targets(row)
+        for choice in ("-",) if mode == "selective" else fractions:
+            try:
+                if mode == "selective":
+                    row = selective_row(cfg, x, rounds)
+                    row.update(ref, size=size, device=str(device), batch=[batch, context])
+                    row["targets"] = selective_targets(row)
+                else:
+                    pick = None
+                    if choice == "auto":
+                        plain = plain or zo_step(cfg, x, mode, rounds, 0.0, gbps, tile_numel)
+                        pick = auto_pick(plain, device)
+                    row = zo_step(cfg, x, mode, rounds, pick.fraction if pick else float(choice), gbps, tile_numel)
+                    plain = row if choice != "auto" and float(choice) == 0.0 else plain
+                    row.update(ref, size=size, device=str(device), batch=[batch, context], gpu_fraction_choice=choice)
+                    row["tokens_vs_torch"] = ref["torch_fused_ms"] / row["zo_ms"]
+                    if pick is not None:
+                        row["gpu_fraction_pick"] = pick.explain()
+                    row["targets"] = targets(row)
+            except Exception as e:  # (e.g. a path never run on this device) the row says why; the next rows run
+                row = {"size": size, "mode": mode, "error": f"{type(e).__name__}: {e}"[:500]}
+                if mode != "selective":
+                    row["gpu_fraction_choice"] = choice
+                _free(device)
             rows.append(row)
+            if on_row is not None:
+                on_row(row)
     return rows
 
 
@@ -442,6 +451,9 @@ def selective_line(row: dict) -> str:
 
 def line(row: dict) -> str:
     """One printed line per row."""
+    if "error" in row:
+        choice = f" gpu_fraction {row['gpu_fraction_choice']}" if "gpu_fraction_choice" in row else ""
+        return f"{row['size']:>5} {row.get('mode', '')}{choice}: FAILED {row['error']}"
     if row["mode"] == "selective":
         return selective_line(row)
     peak = f", peak {row['zo_peak_gib']:.2f} GiB vs {row['torch_peak_gib']:.2f}" if row.get("zo_peak_gib") else ""
@@ -483,27 +495,33 @@ def main(argv: list[str]) -> int:
     if set(modes) - {"sync", "dpu", "selective"}:
         ap.error(f"--modes: some of sync, dpu, selective, got {a.modes}")
     t0, rows, status = time.perf_counter(), [], 0
+
+    def keep(row: dict) -> None:  # written at once: a run cut short (gpu_check.sh's time limit) keeps every row
+        rows.append(row)
+        print(line(row), flush=True)
+        _write(a.out, rows)
+
     for size in a.sizes.split(","):
         if time.perf_counter() - t0 > a.budget_s:
             print(f"{size}: NOT RUN (the {a.budget_s:g} s budget is spent)", flush=True)
             rows.append({"size": size, "skipped": f"the {a.budget_s:g} s budget was spent"})
             status = 1
-            continue
-        try:
-            new = measure(size, modes, device, a.batch, a.context, a.rounds, fractions, a.copy_engine_gbps,
-                          a.tile_numel)
-        except Exception as e:  # e.g. out of memory: the row says why, the other sizes still run
-            print(f"{size}: FAILED {type(e).__name__}: {e}", flush=True)
-            rows.append({"size": size, "error": f"{type(e).__name__}: {e}"[:500]})
-            status = 1
-            _free(device)
         else:
-            for row in new:
-                print(line(row), flush=True)
-            rows += new
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return status
+            try:
+                measure(size, modes, device, a.batch, a.context, a.rounds, fractions, a.copy_engine_gbps,
+                        a.tile_numel, on_row=keep)  # fmt: skip
+            except Exception as e:  # e.g. out of memory: the row says why, the other sizes still run
+                print(f"{size}: FAILED {type(e).__name__}: {e}", flush=True)
+                rows.append({"size": size, "error": f"{type(e).__name__}: {e}"[:500]})
+                status = 1
+                _free(device)
+        _write(a.out, rows)
+    return 1 if any("error" in r for r in rows) else status
+
+
+def _write(path: str, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

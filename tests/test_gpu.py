@@ -50,6 +50,36 @@ def test_compiled_pack_and_unpack_match_torch_bitwise(count, align, out_dtype):
         assert_bits_equal(o, ref[p.offsets[i] : p.offsets[i] + t.numel()].to(t.dtype), f"unpack {i}")
 
 
+def test_pack_reduction_over_thousands_of_programs_and_its_flag():
+    """The in-launch reduction (each program's partials, the last ticket sums them) with more programs than the last
+    program's RBLOCK lanes take in one pass (~3k, run concurrently), launched back to back through one plan: the sum
+    of squares the same bits each launch and within fp32 rounding of float64's; one inf (in the head, in an unmasked
+    vector block, in the masked tail) raises the flag, and the next clean launch lowers it again (counter and
+    partials reset). No other GPU test has more than ~1k programs or an inf (written without a GPU)."""
+    from zo_kernels.kernels import pack as kpack
+
+    n = (3 * kpack.RBLOCK + 1) * kpack.CHUNK - 7
+    x = torch.randn(n, device=DEV, generator=torch.Generator(DEV).manual_seed(0))
+    plan = zk.buckets.plan([x], dtype=torch.bfloat16)
+    want = float((x.double() * 0.5).square().sum())
+    first = plan.pack([x], scale=0.5, impl="triton")
+    sq, flag = first.sum_sq.clone(), bool(first.found_inf)
+    assert not flag and abs(sq.item() - want) <= 1e-4 * want, (sq.item(), want)
+    for _ in range(3):
+        again = plan.pack([x], scale=0.5, impl="triton")
+        assert again.sum_sq.view(torch.int32).item() == sq.view(torch.int32).item(), "sum of squares not bitwise"
+    # the first element (chunk 0's head), one inside an unmasked 16-byte block mid-tensor, one in the masked tail
+    for where in (0, 1000 * kpack.CHUNK + kpack.BLOCK + 5, n - 3):
+        keep = x[where].item()
+        x[where] = float("inf")
+        assert bool(plan.pack([x], scale=0.5, impl="triton").found_inf), f"an inf at {where} went unflagged"
+        x[where] = keep
+        clean = plan.pack([x], scale=0.5, impl="triton")
+        assert not bool(clean.found_inf), f"the flag stayed raised after a clean launch (inf was at {where})"
+        assert clean.sum_sq.view(torch.int32).item() == sq.view(torch.int32).item(), "sum of squares changed"
+    assert_bits_equal(clean.flat, (x * 0.5).to(torch.bfloat16), "flat")
+
+
 def test_offsets_past_2_31():
     big = torch.zeros((1 << 31) + 5, dtype=torch.bfloat16, device=DEV)
     small = torch.randn(3000, device=DEV)
@@ -270,6 +300,45 @@ def test_tiled_dpu_writeback_on_cuda_equals_the_whole_one():
     for key in (("tiled", 2), ("tiled", 3)):
         assert results[key][0] == results["whole", 2][0], f"{key}: losses differ"
         assert torch.equal(results[key][1], results["whole", 2][1]), f"{key}: masters differ"
+
+
+def _formats_run(state_dtype, dpu: int | None, sleep_cycles: int) -> tuple[list[float], torch.Tensor]:
+    """A GPT trained 4 steps on CUDA with moments in `state_dtype`, both copy streams held `sleep_cycles` before each
+    step (torch.cuda._sleep): the losses and the masters."""
+    tr = CudaTransport()
+    model = make_model(seed=0).to(DEV)
+    opt = zk.ZeroOffloadAdamW(model, lr=2e-3, weight_decay=0.01, bucket_numel=100_000, tile_numel=1 << 14,
+                              state_dtype=state_dtype, delay_update_after=dpu, transport=tr)  # fmt: skip
+    losses = []
+    for step in make_data(4, batch=4, seed=2):
+        for stream in (tr.h2d_stream, tr.d2h_stream):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(sleep_cycles)
+        x = step[0].to(DEV)
+        loss = model(x[:, :-1], x[:, 1:])
+        losses.append(loss.item())
+        opt.backward(loss)
+        opt.step()
+    opt.synchronize()
+    sd = opt.state_dict()
+    masters = torch.cat([sd["state"][i]["master"].reshape(-1) for i in range(len(sd["state"]))])
+    opt.close()
+    tr.close()
+    return losses, masters
+
+
+@pytest.mark.parametrize("dpu", [None, 1], ids=["sync", "dpu"])
+@pytest.mark.parametrize("state_dtype", ["8bit", torch.bfloat16], ids=["8bit", "bf16"])
+def test_compressed_moments_on_cuda_under_late_copies(state_dtype, dpu):
+    """The scale check's formats (8-bit, bf16 moments: the update tile by tile, each tile's copy queued at once, the
+    new parameters over the gradients in the pinned landing buffer) on CUDA, never run on a GPU before: with both copy
+    streams held ~0.1 s before each step, the run is bit for bit the same (a parameter read before its copy landed,
+    or a landing buffer rewritten under a copy still reading it, would change it)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    want = _formats_run(state_dtype, dpu, 0)
+    got = _formats_run(state_dtype, dpu, SLEEP_CYCLES)
+    assert got[0] == want[0], f"losses differ: {got[0]} vs {want[0]}"
+    assert torch.equal(got[1], want[1]), "masters differ"
 
 
 def _rss() -> int:

@@ -79,8 +79,8 @@ def test_committed_gpu_results_have_the_issue_keys():
     for p in paths:
         data = json.load(open(p))
         assert TOP <= data.keys(), p
-        for r in data["step"]:
-            assert STEP <= r.keys(), (p, sorted(STEP - r.keys()))
+        for r in data["step"]:  # (a row that failed or was not run says why instead)
+            assert "error" in r or "skipped" in r or STEP <= r.keys(), (p, sorted(STEP - r.keys()))
         for r in data["anchors"]:
             assert ANCHOR <= r.keys(), (p, sorted(ANCHOR - r.keys()))
         for r in data.get("scale", []):

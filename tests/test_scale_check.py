@@ -103,3 +103,33 @@ def test_out_of_memory_halves_the_tokens_once_and_a_failure_is_a_row(tmp_path, m
     assert ok["tokens_halved"] == 1 and ok["tokens_per_step"] == 64 and ok["steps"] == 5 and "error" not in ok
     assert [t for _, t in calls[3:5]] == [128, 64]
     assert failed["setting"] == "s3-cpu" and "injected" in failed["error"] and "steps" not in failed
+
+
+def test_the_retry_after_out_of_memory_runs_once_the_failed_step_is_freed(tmp_path, monkeypatch):
+    """The retry with half the tokens must not run inside the except block: there the traceback holds the failed
+    step's frames, so on a GPU its graph and activations would still fill the device during the retry."""
+    import weakref
+
+    real, calls, freed = scale_check.train_step, [], []
+
+    class Activations:  # stands for what the failed step held on the device
+        pass
+
+    def flaky(model, opt, c, tokens, gen, device):
+        calls.append(tokens)
+        if len(calls) == 4:  # the warm-up's three steps, then step 1
+            held = Activations()
+            freed.append(weakref.ref(held))
+            raise torch.OutOfMemoryError("injected")
+        if len(calls) == 5:  # the retry
+            freed.append(freed[0]() is None)
+        return real(model, opt, c, tokens, gen, device)
+
+    monkeypatch.setattr(scale_check, "train_step", flaky)
+    out = tmp_path / "scale.json"
+    args = [*CPU_ARGS, "--max-params", "2e6", "--settings", "s2-fp32", "--steps", "1", "--budget-s", "300",
+            "--in-process"]  # fmt: skip
+    assert scale_check.main([str(out), *args]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["tokens_halved"] == 1 and calls[3:5] == [128, 64]
+    assert freed[1] is True, "the failed step's frames were still alive when the retry began"

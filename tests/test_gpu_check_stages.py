@@ -1,0 +1,228 @@
+"""What bench/gpu_check.sh's stages leave when their time limit cuts them short (`timeout -s INT`: a KeyboardInterrupt
+in Python), checked with device = CPU: the rows that finished are in the stage's JSON, and no child outlives it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, os.path.join(HERE, "..", "bench"))
+
+import step_rows  # noqa: E402  (bench/step_rows.py)
+
+
+def test_step_rows_cut_short_keep_every_finished_row(tmp_path, monkeypatch):
+    """The 1.3B size outlasts its stage on a GPU (4 optimizer rows of ~30 s): a row is written when it is done, not
+    when its size is, so an interrupt in the second row leaves the first in OUT.json."""
+    real, calls = step_rows.zo_step, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(args[2])
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # gpu_check.sh's limit, during the DPU row
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_rows, "zo_step", interrupted)
+    out = tmp_path / "step.json"
+    argv = [str(out), "--sizes", "2e5", "--device", "cpu", "--batch", "2", "--context", "16", "--rounds", "2",
+            "--modes", "sync,dpu"]  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        step_rows.main(argv)
+    assert calls == ["sync", "dpu"]
+    (row,) = json.loads(out.read_text())
+    assert row["mode"] == "sync" and row["zo_ms"] > 0 and row["torch_fused_ms"] > 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # (a zombie is dead: no one reaps it)
+    except FileNotFoundError:
+        return False
+
+
+def test_anchors_timeout_kills_the_systems_children_too(tmp_path, monkeypatch):
+    """A system past its timeout (DeepSpeed building its CPU Adam with ninja on first use) is killed with every
+    process it started: the compilers must not run on under the next systems' measurements. Its row says why, with
+    issue 17's keys."""
+    import anchors  # (bench/anchors.py)
+
+    pidfile = tmp_path / "grandchild.pid"
+    child = tmp_path / "child.sh"  # stands for `python anchors.py --one ...`: starts a compiler, then waits for it
+    child.write_text(f"#!/bin/bash\nsleep 300 &\necho $! > {pidfile}\nwait\n")
+    child.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(child))
+    out = tmp_path / "anchors.json"
+    assert anchors.main([str(out), "--systems", "deepspeed", "--device", "cpu", "--timeout-s", "3"]) == 0
+    pid = int(pidfile.read_text())
+    try:
+        assert not _alive(pid), "the system's child process outlived its timeout"
+    finally:
+        if _alive(pid):
+            os.kill(pid, 9)
+    (row,) = json.loads(out.read_text())
+    assert row["note"].startswith("FAILED: did not finish within 3 s"), row
+    assert {"system", "params", "ms", "peak_gib", "host_gib", "note"} <= row.keys()
+
+
+def test_anchors_rows_not_run_have_the_issue_keys(tmp_path):
+    """NOT RUN / NOT INSTALLED rows (DeepSpeed, torchao, FSDP2 on the CPU) carry every key of issue 17's schema."""
+    import anchors
+
+    out = tmp_path / "anchors.json"
+    assert anchors.main([str(out), "--systems", "torchao,fsdp2", "--device", "cpu", "--timeout-s", "120"]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["system"] for r in rows] == ["torchao", "fsdp2"]
+    for r in rows:
+        assert {"system", "params", "ms", "peak_gib", "host_gib", "note"} <= r.keys(), r
+        assert r["note"].startswith("NOT RUN") and r["ms"] is None
+
+
+def _stand_in_gpu_check(tmp_path, mode: str, budget_s: int) -> dict[str, tuple[int, str]]:
+    """bench/gpu_check.sh OUT MODE on a pretend GPU machine (a stand-in interpreter that answers the GPU probes and
+    runs nothing): {stage: (its `timeout` limit, its command)}."""
+    import re
+    import subprocess
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/bash\ncase \"$*\" in\n  *get_device_name*) echo 'NVIDIA H100 80GB HBM3' ;;\n"
+                    "  *torch.__version__*) echo '2.11.0 13.0' ;;\nesac\nexit 0\n")  # fmt: skip
+    fake.chmod(0o755)
+    out = tmp_path / f"out-{mode}"
+    env = {**os.environ, "PYTHON": str(fake), "ZO_CHECK_BUDGET_S": str(budget_s)}
+    script = os.path.join(HERE, "..", "bench", "gpu_check.sh")
+    subprocess.run(["bash", script, str(out), mode], env=env, capture_output=True, text=True, timeout=300)
+    stages = re.findall(r"^=== (.*?): timeout -s INT -k 5 (\d+) (.*)$", (out / "gpu_check.log").read_text(), re.M)
+    return {name: (int(limit), cmd) for name, limit, cmd in stages}
+
+
+def _budget_under_limit(stages: dict[str, tuple[int, str]], name: str) -> None:
+    import re
+
+    assert name in stages, (name, sorted(stages))
+    limit, cmd = stages[name]
+    budget = re.search(r"--budget-s (\S+)", cmd)
+    assert budget and float(budget.group(1)) < limit, (name, limit, budget and budget.group(1))
+
+
+def test_gpu_check_gives_each_script_a_budget_under_its_stage_limit(tmp_path):
+    """Every script's own --budget-s is below the `timeout` its stage runs under, so the script ends itself, rows
+    written, instead of being cut by the limit. With a 180 s budget the anchors' stage gets 175 s and the
+    activations' 30 s (they were told 190 and 45)."""
+    stages = _stand_in_gpu_check(tmp_path, "default", 180)
+    for name in ("bench: activations (issue 21)", "bench: anchors (same GPT)", "bench: step in parts (step_rows)"):
+        _budget_under_limit(stages, name)
+
+
+def test_gpu_check_anchors_mode_runs_the_last_two_stages_alone(tmp_path):
+    """`gpu_check.sh OUT anchors`: build, then the activations and the anchors with the whole budget (in the default
+    run they get what is left of it), each script's budget under its stage's limit, 150 s per anchor system."""
+    stages = _stand_in_gpu_check(tmp_path, "anchors", 500)
+    assert list(stages) == ["build (pip install -e .)", "bench: activations (issue 21)", "bench: anchors (same GPT)"]
+    assert stages["bench: activations (issue 21)"][0] == 120 and stages["bench: anchors (same GPT)"][0] >= 300
+    assert "--timeout-s 150" in stages["bench: anchors (same GPT)"][1]
+    for name in ("bench: activations (issue 21)", "bench: anchors (same GPT)"):
+        _budget_under_limit(stages, name)
+
+
+def test_longest_seq_starts_no_try_that_would_end_past_its_deadline(monkeypatch):
+    """bench/activation_rows.py's longest-sequence search (CUDA only), on a pretend clock: each try takes
+    seq / 1000 s and sequences past 20000 run out of memory. With 10 s for the search, the try at 8192 (8 s, started
+    at 7 s) would end at 15 s, in the stage's limit; it is not started: the answer 4096 comes, cut short, in time."""
+    import argparse
+    import types
+
+    import activation_rows
+    import torch
+
+    clock = [0.0]
+
+    def make_step(model, device, dtype, batch, seq, hidden, ctx):
+        def step():
+            clock[0] += seq / 1000
+            if seq > 20000:
+                raise torch.OutOfMemoryError("pretend")
+
+        return step
+
+    monkeypatch.setattr(activation_rows, "make_step", make_step)
+    monkeypatch.setattr(activation_rows, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    model = activation_rows.Stack(1, 8, 2)
+    a = argparse.Namespace(seq=1024, batch=1, hidden=8)
+    seq, ended = activation_rows.longest_seq("none", model, torch.device("cpu"), torch.float32, a, None, 10.0)
+    assert clock[0] <= 10.0, f"the search ended at {clock[0]:.1f} s, past its 10 s deadline"
+    assert (seq, ended) == (4096, False)
+    clock[0] = 0.0
+    seq, ended = activation_rows.longest_seq("none", model, torch.device("cpu"), torch.float32, a, None, 1e9)
+    assert ended and 17000 < seq <= 20000  # time enough: the search ends, to 1/8
+
+
+def test_anchors_system_dies_with_a_parent_killed_outright(tmp_path):
+    """A system runs in a session of its own (so that its children can be killed together), which `timeout`'s
+    SIGKILL to gpu_check.sh's process group no longer reaches: a parent killed outright takes it down all the same
+    (it would otherwise hold the GPU into the next command)."""
+    import subprocess
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    child = tmp_path / "child.sh"
+    child.write_text(f"#!/bin/bash\necho $$ > {pidfile}\nexec sleep 300\n")
+    child.chmod(0o755)
+    code = (f"import os, sys; sys.path.insert(0, {os.path.join(HERE, '..', 'bench')!r}); import anchors; "
+            f"anchors.run_child([{str(child)!r}], dict(os.environ), 600)")  # fmt: skip
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        for _ in range(600):  # the parent imports torch first: up to 60 s on a loaded machine
+            if pidfile.exists() and pidfile.read_text().strip():
+                break
+            time.sleep(0.1)
+        pid = int(pidfile.read_text())
+        parent.kill()
+        parent.wait()
+        for _ in range(100):
+            if not _alive(pid):
+                break
+            time.sleep(0.1)
+        alive = _alive(pid)
+        if alive:
+            os.kill(pid, 9)
+        assert not alive, "the system outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_gpu_check_tests_stage_names_tests_that_exist(tmp_path):
+    """The GPU tests stage names files and one test by node id: a renamed test would make pytest refuse the whole
+    command (exit 4, nothing run) on the GPU machine. Every path it names collects here."""
+    import subprocess
+
+    limit, cmd = _stand_in_gpu_check(tmp_path, "default", 500)["tests: GPU, two ranks, CUDA"]
+    paths = [w for w in cmd.split() if w.startswith("tests/")]
+    assert len(paths) >= 3 and any("::" in p for p in paths), paths
+    root = os.path.join(HERE, "..")
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *paths],
+                       cwd=root, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode in (0, 5) and "not found" not in r.stdout + r.stderr, (r.returncode, r.stdout[-2000:])
+
+
+def test_step_rows_a_failing_row_leaves_the_others(tmp_path, monkeypatch):
+    """gpu_fraction "auto" (and selective) have never run on a GPU: one that fails there is a row saying why, and
+    the size's other rows (here the DPU ones) are still measured; the script exits 1."""
+    def broken(row, device):
+        raise RuntimeError("injected: auto's pick failed")
+
+    monkeypatch.setattr(step_rows, "auto_pick", broken)
+    out = tmp_path / "step.json"
+    argv = [str(out), "--sizes", "2e5", "--device", "cpu", "--batch", "2", "--context", "16", "--rounds", "2",
+            "--modes", "sync,dpu", "--gpu-fractions", "0,auto"]  # fmt: skip
+    assert step_rows.main(argv) == 1
+    rows = json.loads(out.read_text())
+    assert [(r["mode"], r["gpu_fraction_choice"], "error" in r) for r in rows] == [
+        ("sync", "0", False), ("sync", "auto", True), ("dpu", "0", False), ("dpu", "auto", True)]
+    assert "injected" in rows[1]["error"] and rows[2]["zo_ms"] > 0
+    print("\n" + "\n".join(step_rows.line(r) for r in rows))
