@@ -8,3 +8,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))  # tests import the shared helpers module
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import interpreter_compat
+
+    interpreter_compat.patch()  # Triton 3.6's interpreter under numpy 2.4 (the GPU machine's Triton)

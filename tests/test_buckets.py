@@ -258,6 +258,16 @@ def test_forcing_triton_on_cpu_without_interpreter(monkeypatch):
         zk.cast(torch.randn(3), torch.float16, impl="triton")
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="the interpreter is off (a GPU)")
+def test_interpreter_reads_a_kernel_scalar_as_an_index():
+    """A kernel scalar (a 1-element array in the interpreter) as a `range` bound: Triton 3.6's interpreter fails
+    under numpy 2.4 unless tests/interpreter_compat.py (applied by conftest) patched it."""
+    from interpreter_compat import _index_fails
+    from triton.runtime import interpreter
+
+    assert not _index_fails(interpreter)
+
+
 # ---------------------------------------------------------------- launch plans: many tensors, chunks, reuse
 
 

@@ -72,6 +72,18 @@ def _typed(addr, CODE: tl.constexpr):
 
 
 @triton.jit
+def _typed16(addr, CODE: tl.constexpr):
+    """_typed for an address the caller knows is 16-byte aligned, marked so on the cast itself: Triton 3.6 drops a
+    mark put on a call's result (3.9 keeps it), and a mark on a pointer sum is folded away."""
+    if CODE == 0:
+        return tl.multiple_of(addr.to(tl.pointer_type(tl.float32)), 16)
+    elif CODE == 1:
+        return tl.multiple_of(addr.to(tl.pointer_type(tl.float16)), 16)
+    else:
+        return tl.multiple_of(addr.to(tl.pointer_type(tl.int16)), 16)
+
+
+@triton.jit
 def _ld(ptr, mask, KIND: tl.constexpr, FULL: tl.constexpr):
     """Elements of a KIND (0 fp32, 1 fp16, 2 bf16 bits) buffer as fp32; masked lanes read 0."""
     if FULL:
@@ -127,10 +139,10 @@ def _pack_tensor(addr, flat_addr, numel, offset, start, end, aligned, scale,
                                OUT_KIND, False)  # fmt: skip
     n_full = tl.maximum(tl.minimum(end, numel) - aligned, 0) // BLOCK
     if n_full > 0:
-        s = tl.multiple_of(_typed(addr + aligned * IN_BYTES, IN_KIND), 16)  # the head makes it so
+        s = _typed16(addr + aligned * IN_BYTES, IN_KIND)  # the head makes it so
         d_addr = flat_addr + (offset + aligned) * OUT_BYTES
         if d_addr % 16 == 0:
-            d = tl.multiple_of(_typed(d_addr, OUT_KIND), 16)  # on the cast: a mark on a pointer sum is folded away
+            d = _typed16(d_addr, OUT_KIND)
             for j in range(0, n_full):  # i = j * BLOCK: visibly a multiple of BLOCK (a loop variable is not)
                 i = j * BLOCK
                 acc, bad = _pack_block(s + i, d + i, lanes, 0, 0, scale, acc, bad, IN_KIND, OUT_KIND, True)
@@ -188,10 +200,10 @@ def _unpack_tensor(addr, flat_addr, offset, start, end, aligned,
         _st(dst + offs, _ld(src + offs, offs < aligned, IN_KIND, False), offs < aligned, OUT_CODE, False)
     n_full = tl.maximum(end - aligned, 0) // BLOCK
     if n_full > 0:
-        d = tl.multiple_of(_typed(addr + aligned * OUT_BYTES, OUT_CODE), 16)
+        d = _typed16(addr + aligned * OUT_BYTES, OUT_CODE)
         s_addr = flat_addr + (offset + aligned) * IN_BYTES
         if s_addr % 16 == 0:
-            s = tl.multiple_of(_typed(s_addr, IN_KIND), 16)
+            s = _typed16(s_addr, IN_KIND)
             for j in range(0, n_full):  # see _pack_tensor
                 i = j * BLOCK
                 _st(d + i + lanes, _ld(s + i + lanes, None, IN_KIND, True), None, OUT_CODE, True)
