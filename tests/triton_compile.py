@@ -9,7 +9,8 @@ pointer divisible by 16 is marked so) are the ones real launches produce.
 Run as a script, without TRITON_INTERPRET (the interpreter never compiles):
     python tests/triton_compile.py REPORT.json
 Writes a JSON report: per case and target the kernels compiled (signature, cubin size, vector loads and
-stores counted in the PTX) or the error. Exit status 0 when every case compiled.
+stores counted in the PTX) or the error. Exit status 0 when every case compiled and every pack/unpack variant has
+16-byte loads and stores (gpu_check.sh runs it with the GPU machine's Triton, which CI does not have).
 """
 
 from __future__ import annotations
@@ -181,7 +182,17 @@ def main(argv: list[str]) -> int:
           f"{len(bad)} of {len(report['cases'])} cases failed")  # fmt: skip
     for c in bad[:10]:
         print(f"  FAILED {c['target']} {c['case']}: {c['error'][:300]}")
-    return 0 if report["ok"] else 1
+    scalar = scalar_pack_variants(report)
+    for c in scalar[:10]:
+        print(f"  NO 16-BYTE LOADS/STORES {c['target']} {c['kernel']} {c['case']}: {c['vector_ops']}")
+    return 0 if report["ok"] and not scalar else 1
+
+
+def scalar_pack_variants(report: dict) -> list[dict]:
+    """The pack/unpack variants without 16-byte loads and stores: this Triton dropped an alignment hint (Triton 3.6
+    drops one set on a jitted call's result; tests/test_triton_compile.py checks the same under CI's Triton)."""
+    return [c for c in report["compiled"] if c["kernel"] in ("pack._pack_kernel", "pack._unpack_kernel")
+            and not (c["vector_ops"].get("ld.v4") and c["vector_ops"].get("st.v4"))]  # fmt: skip
 
 
 if __name__ == "__main__":
