@@ -151,6 +151,25 @@ def train(rank: int, world: int, steps: range, dtype, resume: str | None, save: 
     opt.close()
 
 
+def resume_two_steps(rank: int, model: torch.nn.Module, opt: Any, ckpt_in: str | None, ckpt_out: str, out: str, *,
+                     vocab: int, batch: int, seq: int, seed: int) -> None:  # fmt: skip
+    """A rank of a two-rank checkpoint test: load ckpt_in (if any), two steps on its half of the batch, save
+    ckpt_out; rank 0 writes {"loaded", "saved"} (the state dicts after the load and after the steps) to out."""
+    if ckpt_in is not None:
+        zk.load_checkpoint(ckpt_in, model, opt)
+    loaded = opt.state_dict()
+    data = torch.randint(0, vocab, (2, 2, 2 * batch, seq), generator=torch.Generator().manual_seed(seed))
+    for s in range(2):
+        x, y = (data[s, k, rank * batch : (rank + 1) * batch] for k in (0, 1))
+        opt.backward(model(x, y))
+        opt.step()
+    zk.save_checkpoint(ckpt_out, model, opt)
+    saved = opt.state_dict()  # (a collective: every rank calls it)
+    if rank == 0:
+        torch.save({"loaded": loaded, "saved": saved}, out)
+    opt.close()
+
+
 def _train_rank(rank: int, world: int, args: tuple, kwargs: dict) -> None:
     train(rank, world, *args, **kwargs)
 

@@ -21,7 +21,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from dist_worker import spawn_ranks
+from dist_worker import resume_two_steps, spawn_ranks
 from oracle import FeatureNet, Oracle
 
 import zo_kernels as zk
@@ -261,20 +261,7 @@ def _ranks_entry(rank: int, world: int, ckpt_in, ckpt_out: str, out: str) -> Non
     model = FeatureNet(VOCAB, WIDTH, seed=2)
     opt = zk.ZeroOffloadAdafactor(model, **ADAFACTOR, dtype=torch.float32, bucket_numel=1_000,
                                   collective_timeout_s=60.0)  # fmt: skip
-    if ckpt_in is not None:
-        zk.load_checkpoint(ckpt_in, model, opt)
-    loaded = opt.state_dict()
-    g = torch.Generator().manual_seed(3)
-    data = torch.randint(0, VOCAB, (2, 2, 2 * BATCH, SEQ), generator=g)
-    for s in range(2):
-        x, y = (data[s, k, rank * BATCH : (rank + 1) * BATCH] for k in (0, 1))
-        opt.backward(model(x, y))
-        opt.step()
-    zk.save_checkpoint(ckpt_out, model, opt)
-    saved = opt.state_dict()  # (a collective)
-    if rank == 0:
-        torch.save({"loaded": loaded, "saved": saved}, out)
-    opt.close()
+    resume_two_steps(rank, model, opt, ckpt_in, ckpt_out, out, vocab=VOCAB, batch=BATCH, seq=SEQ, seed=3)
 
 
 def _tensors(sd: dict) -> list[torch.Tensor]:
