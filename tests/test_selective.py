@@ -536,3 +536,31 @@ def test_host_sums_skip_fully_selected_params_and_bounds_hold():
         lay = FlatLayout([[w1, big, w2, small, w3]], torch.float32, 2, rank, bucket_numel=1 << 20)
         bound = selection_bound(lay, 0.25)
         assert 0 < bound <= 16 * 64 + MIN_GAP + 25 * 32 + 8 + 3 * 48
+
+
+@pytest.mark.parametrize("transport", ["host", "copy_engine"])
+def test_zero_grad_keeping_zeros_clears_the_device_gradient(transport):
+    """opt.zero_grad(set_to_none=False) after a step (torch's zero gradients kept) clears the selection's gradient on
+    the device as the host's: the next micro-batches sum onto zeros, and a step with no backward at all steps on zeros
+    (decay and moments only); fraction 1.0 equals torch's AdamW on the same calls, bitwise. Without the device's
+    clearing the stale gradient of the last micro-batch is summed in (a step on it, every step after the first)."""
+    tr = CopyEngineTransport(delay_s=0.001) if transport == "copy_engine" else None
+    model, ref = make_model(seed=0), make_model(seed=0)
+    opt = zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.float32, bucket_numel=20_000, transport=tr,
+                              selective={"fraction": 1.0, "apply_every": 100}, **HP)  # fmt: skip
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **HP)
+    for k, step in enumerate(make_data(5, batch=4, micro=2, seed=3)):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            if k != 3:  # step 3: no backward, a step on the kept zeros
+                for x in step:
+                    loss = m(*_xy(x))
+                    o.backward(loss) if o is opt else loss.backward()
+            o.step()
+            o.zero_grad(set_to_none=False)
+    assert opt.update.sel is not None and opt.grads.selected.accum is not None, "gathered and summed on the device"
+    got = [v["master"] for _, v in sorted(opt.state_dict()["state"].items())]
+    opt.close()
+    if tr is not None:
+        tr.close()
+    for i, (g, p) in enumerate(zip(got, ref.parameters())):
+        assert torch.equal(g, p.detach()), f"param {i}"
