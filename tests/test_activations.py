@@ -250,6 +250,116 @@ def test_retain_graph_and_a_second_backward(engine):
     same(twice(functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine))), twice(torch_ck))
 
 
+def _forward(model, ck, seed: int, requires_grad: bool = True) -> torch.Tensor:
+    torch.manual_seed(seed)
+    h = x_input().requires_grad_(requires_grad)
+    for b in model:
+        h = ck(b, h)
+    return h
+
+
+def _grads(model) -> list[torch.Tensor]:
+    out = [q.grad.clone() for q in model.parameters()]
+    for q in model.parameters():
+        q.grad = None
+    return out
+
+
+def _two_forwards_then_backwards(model, ck, order):
+    """Two graphs alive at once: the second forward sends the first one's held checkpoint to the host."""
+    outs = [_forward(model, ck, 10 + k) for k in range(2)]
+    grads = []
+    for k in order:
+        outs[k].square().sum().backward()
+        grads += _grads(model)
+    return grads
+
+
+def _three_backwards(model, ck):
+    """retain_graph: the held checkpoint goes to the host in the first backward; the next two restore it from there."""
+    h = _forward(model, ck, 1)
+    grads = []
+    for i in range(3):
+        (h.square() * (i + 1)).sum().backward(retain_graph=i < 2)
+        grads += _grads(model)
+    return grads
+
+
+def _a_graphless_forward_in_between(model, ck):
+    """A checkpointed forward that builds no graph (frozen weights, an input without grad: a teacher) between a
+    forward and its backward, and a graph dropped without backward."""
+    h = _forward(model, ck, 1)
+    _forward(model, ck, 5).sum().backward()  # dropped after its own backward
+    _grads(model)
+    dropped = _forward(model, ck, 6)
+    del dropped
+    for q in model.parameters():
+        q.requires_grad_(False)
+    teacher = _forward(model, ck, 2, requires_grad=False)
+    for q in model.parameters():
+        q.requires_grad_(True)
+    (h.square().sum() + (teacher * h).sum()).backward()
+    return _grads(model)
+
+
+def _two_buffers_interleaved(model, ck, ck2):
+    torch.manual_seed(1)
+    h = x_input().requires_grad_()
+    for i, b in enumerate(model):
+        h = (ck if i % 2 else ck2)(b, h)
+    h.square().sum().backward()
+    return _grads(model)
+
+
+LIFECYCLES = {
+    "two_forwards_backward_in_order": lambda m, ck, ck2: _two_forwards_then_backwards(m, ck, [0, 1]),
+    "two_forwards_backward_newest_first": lambda m, ck, ck2: _two_forwards_then_backwards(m, ck, [1, 0]),
+    "retain_graph_three_backwards": lambda m, ck, ck2: _three_backwards(m, ck),
+    "graphless_forward_between": lambda m, ck, ck2: _a_graphless_forward_in_between(m, ck),
+    "two_buffers_interleaved": _two_buffers_interleaved,
+}
+
+
+@pytest.mark.parametrize("lifecycle", list(LIFECYCLES))
+def test_lifecycles_around_the_held_checkpoint(engine, lifecycle):
+    """The newest segment's checkpoint stays on the device (held) until another segment is stored: graphs that
+    overlap, backward several times, a forward building no graph in between, two buffers at once. Gradients bit for
+    bit torch's checkpoint's, twice (the second time on reused blocks)."""
+    model = blocks(3)
+    want = LIFECYCLES[lifecycle](model, torch_ck, torch_ck)
+    buf, buf2 = ActivationBuffers("cpu", engine), ActivationBuffers("cpu", engine)
+    ck, ck2 = (functools.partial(zk.checkpoint, buffers=b) for b in (buf, buf2))
+    for _ in range(2):
+        same(LIFECYCLES[lifecycle](model, ck, ck2), want)
+    assert buf.host_allocations + buf2.host_allocations > 0, "checkpoints went to the host"
+
+
+def test_nested_checkpoints_backward_three_times(engine):
+    """Nested checkpoints (the inner ones held in turn, recomputed inside the outer recomputation) and
+    retain_graph: three backwards, gradients bit for bit torch's."""
+    torch.manual_seed(0)
+    l1, l2 = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+    x0 = x_input(3)
+
+    def grads(ck):
+        x = x0.clone().requires_grad_()
+
+        def outer(h):
+            return ck(lambda t: torch.tanh(l2(t)), F.dropout(torch.relu(l1(h)), p=0.2))
+
+        torch.manual_seed(4)
+        y = ck(outer, ck(outer, x))
+        out = []
+        for i in range(3):
+            (y.square() * (i + 1)).sum().backward(retain_graph=i < 2)
+            out += [l1.weight.grad.clone(), l2.weight.grad.clone(), x.grad.clone()]
+            l1.zero_grad(set_to_none=True)
+            l2.zero_grad(set_to_none=True)
+        return out
+
+    buf = ActivationBuffers("cpu", engine)
+    same(grads(lambda f, *a: zk.checkpoint(f, *a, buffers=buf)), grads(torch_ck))
+
 def test_plain_cpu_transport_and_no_grad():
     model, x = blocks(2), x_input()
     buf = ActivationBuffers("cpu", HostTransport())
