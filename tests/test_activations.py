@@ -360,6 +360,31 @@ def test_nested_checkpoints_backward_three_times(engine):
     buf = ActivationBuffers("cpu", engine)
     same(grads(lambda f, *a: zk.checkpoint(f, *a, buffers=buf)), grads(torch_ck))
 
+@pytest.mark.parametrize("changed", ["newest_input", "older_input"])
+def test_an_argument_changed_in_place_after_the_call_is_refused_at_backward(engine, changed):
+    """torch's checkpoint refuses, at backward, an argument changed in place after the call (it saves the inputs).
+    The held checkpoint is read at backward, and an older one is copied to the host when the next segment is stored:
+    a change before then would give other gradients silently (it did: no error). An error as torch's instead."""
+    torch.manual_seed(0)
+    l1, l2 = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+
+    def backward(ck):
+        x = x_input(2).requires_grad_() * 1.0
+        y = ck(lambda t: torch.tanh(l1(t)), x)
+        if changed == "older_input":  # before the next segment sends x to the host
+            with torch.no_grad():
+                x.mul_(3.0)
+        z = ck(lambda t: torch.tanh(l2(t)), y)
+        if changed == "newest_input":  # y stays on the device (held) until backward reads it
+            with torch.no_grad():
+                y.mul_(3.0)
+        z.sum().backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        backward(torch_ck)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        backward(functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine)))
+
 def test_plain_cpu_transport_and_no_grad():
     model, x = blocks(2), x_input()
     buf = ActivationBuffers("cpu", HostTransport())

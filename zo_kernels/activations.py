@@ -20,7 +20,9 @@ placeholder (same device, so the same RNG states are stashed):
 
 Blocks are reused by size from step to step: after the first step (or `reserve` / `reserve_for`), `allocations` stays
 constant. Host blocks are held until the segment's graph is freed, so retain_graph=True and a second backward work.
-The function must not modify its tensor arguments in place (they are leaves during the recomputation).
+The function must not modify its tensor arguments in place (they are leaves during the recomputation). An offloaded
+argument changed in place after the call, before its copy was taken (held: until backward), makes backward raise,
+as torch's checkpoint does (it would otherwise recompute from the changed values).
 """
 
 from __future__ import annotations
@@ -179,6 +181,8 @@ class _Segment:
         self.device: list[torch.Tensor] = []  # the device blocks holding the checkpoint now (may be empty)
         self.h2d: Event | None = None  # offload: the prefetch into self.device, not yet waited for
         self.held: list[torch.Tensor] = []  # offload, state held: the arguments themselves, still on the device
+        self.versions: list[int] = []  # offload: each held argument's version counter when it was taken
+        self.changed: str | None = None  # an argument was changed in place before its copy was taken (raised later)
         # forward -> [held ->] stored -> (restoring -> restored -> stored)*   (held: offload, the newest segment)
         self.state = "forward"
         self._fin = weakref.finalize(self, _free_segment, buffers, self.host, self.device)
@@ -191,6 +195,7 @@ class _Segment:
             x = x if x.is_contiguous() else x.contiguous()
             if self.offload:
                 self.held.append(x)
+                self.versions.append(x._version)
             else:
                 block = self.buffers.take_device(x.numel() * x.element_size())
                 self.device.append(block)
@@ -204,12 +209,23 @@ class _Segment:
         """A held checkpoint: queue the D2H copies of its arguments and drop the device references."""
         if self.state != "held":
             return
+        self._check_unchanged()
         for x in self.held:
             h = self.buffers.take_host(x.numel(), x.dtype)
             self.host.append(h)
             self.d2h.append(self.buffers.transport.d2h(h, x.reshape(-1)))  # (the transport keeps x until copied)
-        self.held = []
+        self.held, self.versions = [], []
         self.state = "stored"
+
+    def _check_unchanged(self) -> None:
+        """A held argument changed in place since the call (its copy not yet taken) would change the gradients
+        silently: noted, and raised when backward restores the checkpoint, as torch's checkpoint raises."""
+        for i, (x, v) in enumerate(zip(self.held, self.versions, strict=True)):
+            if x._version != v and self.changed is None:
+                self.changed = (f"checkpoint: tensor argument {self.slots[i]} of a checkpointed segment was modified "
+                                f"by an inplace operation after zo_kernels.checkpoint took it (version {v}, now "
+                                f"{x._version}): the recomputation would read the changed values. Change a copy, "
+                                "or the argument before the call")  # fmt: skip
 
     def prefetch(self) -> None:
         """Queue the H2D copies of the checkpoint into device blocks (no wait)."""
@@ -227,6 +243,10 @@ class _Segment:
 
     def restore(self) -> list[torch.Tensor]:
         """The checkpoint on the device for the recomputation (leaves with the original requires_grad)."""
+        if self.state == "held":
+            self._check_unchanged()
+        if self.changed is not None:
+            raise RuntimeError(self.changed)
         if self.state == "held":
             prev = self.buffers._previous(self)
             if prev is not None:
