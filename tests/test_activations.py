@@ -287,12 +287,14 @@ def _three_backwards(model, ck):
 
 def _a_graphless_forward_in_between(model, ck):
     """A checkpointed forward that builds no graph (frozen weights, an input without grad: a teacher) between a
-    forward and its backward, and a graph dropped without backward."""
+    forward and its backward, a graph dropped without backward and an evaluation under no_grad."""
     h = _forward(model, ck, 1)
     _forward(model, ck, 5).sum().backward()  # dropped after its own backward
     _grads(model)
     dropped = _forward(model, ck, 6)
     del dropped
+    with torch.no_grad():  # an evaluation
+        _forward(model, ck, 7, requires_grad=False)
     for q in model.parameters():
         q.requires_grad_(False)
     teacher = _forward(model, ck, 2, requires_grad=False)
