@@ -195,6 +195,30 @@ def test_the_previous_segment_is_prefetched_while_this_one_recomputes(engine):
     assert kinds == ["h2d", "b2", "h2d", "b1", "b0"], kinds
 
 
+def test_one_backward_copies_every_checkpoint_but_the_newest_once_each_way(engine):
+    """Per step of six segments and one backward: five D2H copies and five H2D copies (the newest segment's input is
+    read where it was made, never copied); with retain_graph the first backward sends it down too (a second may
+    need it) and the second brings it back."""
+    counts = {"d2h": 0, "h2d": 0}
+    for kind in counts:
+        setattr(engine, kind, (lambda f, k: lambda dst, src: (counts.__setitem__(k, counts[k] + 1), f(dst, src))[1])(
+            getattr(engine, kind), kind))
+    model, x = blocks(6), x_input()
+    ck = functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine))
+    for _ in range(2):
+        counts.update(d2h=0, h2d=0)
+        run(model, ck, x)
+        assert counts == {"d2h": 5, "h2d": 5}, counts
+    counts.update(d2h=0, h2d=0)
+    torch.manual_seed(1)
+    h = x.clone().requires_grad_()
+    for b in model:
+        h = ck(b, h)
+    h.sum().backward(retain_graph=True)
+    assert counts == {"d2h": 6, "h2d": 5}, counts
+    h.square().sum().backward()
+    assert counts == {"d2h": 6, "h2d": 11}, counts
+
 def test_a_missing_device_wait_is_caught():
     """The recomputation reads the device slot before its delayed H2D copy has landed: gradients differ."""
     model, x = blocks(4), x_input()
