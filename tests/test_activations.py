@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import threading
 
 import pytest
 import torch
@@ -232,6 +233,38 @@ def test_a_missing_device_wait_is_caught():
     with pytest.raises(AssertionError, match="differs"):
         same(got, want)
 
+
+def test_a_dropped_prefetch_does_not_land_in_a_reused_block():
+    """A graph dropped between a segment's prefetch and its restore (torch.autograd.grad into the segment after it;
+    an error in backward) gives the segment's device block back while its H2D copy may still run. The next user of
+    the block, here a resident checkpoint on the same buffers (default_buffers serves both modes), waits for that
+    copy: it landed over the resident checkpoint before, and the gradients differed."""
+    gate = threading.Event()
+    tr = CopyEngineTransport(delay_s=lambda dst, src: 0.0 if not tr.pool.holds(src) else (gate.wait(30), 0.0)[1])
+    buf = ActivationBuffers("cpu", tr)
+    model = blocks(3)
+    want = run(model, torch_ck, x_input())
+    torch.manual_seed(1)
+    outs = [x_input().requires_grad_()]
+    for b in model:
+        outs.append(zk.checkpoint(b, outs[-1], buffers=buf))
+    torch.autograd.grad(outs[3].sum(), outs[2])  # recomputes segment 3, prefetches segment 2, never restores it
+    del outs
+    gc.collect()
+    wait = tr.device_wait
+    tr.device_wait = lambda event: (gate.set(), wait(event))[1]  # a consumer waiting for the stale copy lets it run
+    for q in model.parameters():
+        q.grad = None
+    x = x_input().requires_grad_()
+    torch.manual_seed(1)
+    h = x
+    for b in model:
+        h = zk.checkpoint(b, h, offload=False, buffers=buf)
+    gate.set()  # else it runs now, after the resident checkpoints were stored
+    tr.synchronize()
+    (h * h).sum().backward()
+    tr.close()
+    same([q.grad.clone() for q in model.parameters()] + [x.grad.clone()], want)
 
 @pytest.mark.parametrize("offload", [True, False])
 def test_nested_checkpoints(engine, offload):

@@ -63,6 +63,7 @@ class ActivationBuffers:
         self.device_bytes = 0  # bytes of device blocks allocated
         self._order: list[weakref.ref[_Segment]] = []  # offloaded segments alive, in forward order
         self._lock = threading.Lock()
+        self._landing: dict[int, Event] = {}  # device block address -> an H2D copy into it no one has waited for
 
     @property
     def allocations(self) -> int:
@@ -113,10 +114,16 @@ class ActivationBuffers:
             if fits:
                 block = min(fits, key=torch.Tensor.numel)
                 self._free = [b for b in self._free if b is not block]
-                return block
-            self.device_allocations += 1
-            self.device_bytes += size
-        return torch.empty(size, dtype=torch.uint8, device=self.device)
+                landing = self._landing.pop(block.data_ptr(), None)
+            else:
+                block = None
+                self.device_allocations += 1
+                self.device_bytes += size
+        if block is None:
+            return torch.empty(size, dtype=torch.uint8, device=self.device)
+        if landing is not None:  # a prefetch whose segment was dropped before its restore may still be writing it
+            self.transport.device_wait(landing)
+        return block
 
     def give_device(self, block: torch.Tensor) -> None:
         """Return a block from `take_device` (the compute stream orders its next use after the current one)."""
@@ -239,6 +246,8 @@ class _Segment:
             block = self.buffers.take_device(h.numel() * h.element_size())
             self.device.append(block)
             self.h2d = tr.h2d(_view(block, (h.numel(),), dtype), h)
+            with self.buffers._lock:
+                self.buffers._landing[block.data_ptr()] = self.h2d
         self.state = "restoring"
 
     def restore(self) -> list[torch.Tensor]:
@@ -257,6 +266,9 @@ class _Segment:
             if self.state == "restoring":
                 self.buffers.transport.device_wait(self.h2d)  # the H2D copies are queued in order: the last covers all
                 self.h2d, self.state = None, "restored"
+                with self.buffers._lock:
+                    for b in self.device:
+                        self.buffers._landing.pop(b.data_ptr(), None)
             prev = self.buffers._previous(self)
             if prev is not None:
                 prev.prefetch()  # one segment ahead, under this segment's compute
