@@ -109,6 +109,16 @@ MUTANTS = [
        "[x.detach().requires_grad_(rg) for x", "[x.detach() for x", "tests/test_activations.py"),
     _m("activation-resident-copy-missing", "activations", "zo_kernels/activations.py",
        "_view(block, x.shape, x.dtype).copy_(x)", "_view(block, x.shape, x.dtype)", "tests/test_activations.py"),
+    _m("activation-inplace-change-unchecked", "activations", "zo_kernels/activations.py",
+       "if x._version != v and self.changed is None:", "if False:", "tests/test_activations.py"),
+    _m("activation-dropped-prefetch-unfenced", "activations", "zo_kernels/activations.py",
+       "self.transport.device_wait(landing)", "pass", "tests/test_activations.py"),
+    # ---- selective: the selection's gradient gathered on the device follows the host's (selected.py)
+    _m("selective-zero-grad-keeps-device-gradient", "selective", "zo_kernels/offload/grads.py",
+       "                self.selected.landing.zero_()\n", "                pass\n", "tests/test_selective.py"),
+    _m("selective-cleared-grad-kept-on-device", "selective", "zo_kernels/offload/grads.py",
+       "                self.selected.zero(a, b, summed=self.n_micro > 1)\n", "                pass\n",
+       "tests/test_selective.py"),
     # ---- the C++ kernel
     _m("kernel-bias-correction-no-sqrt", "kernel", "cpu/adam.cpp",
        "c.inv_bc2_sqrt = float(1.0 / std::sqrt(bc2));", "c.inv_bc2_sqrt = float(1.0 / bc2);",
