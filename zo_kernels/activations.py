@@ -109,6 +109,7 @@ class ActivationBuffers:
     def take_device(self, nbytes: int) -> torch.Tensor:
         """A device block (uint8) of at least `nbytes`: the smallest free one that fits, else a new one."""
         size = -(-nbytes // _ALIGN) * _ALIGN
+        block, landing = None, None
         with self._lock:
             fits = [b for b in self._free if b.numel() >= size]
             if fits:
@@ -116,7 +117,6 @@ class ActivationBuffers:
                 self._free = [b for b in self._free if b is not block]
                 landing = self._landing.pop(block.data_ptr(), None)
             else:
-                block = None
                 self.device_allocations += 1
                 self.device_bytes += size
         if block is None:
