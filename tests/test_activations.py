@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import threading
 
 import pytest
 import torch
@@ -195,6 +196,30 @@ def test_the_previous_segment_is_prefetched_while_this_one_recomputes(engine):
     assert kinds == ["h2d", "b2", "h2d", "b1", "b0"], kinds
 
 
+def test_one_backward_copies_every_checkpoint_but_the_newest_once_each_way(engine):
+    """Per step of six segments and one backward: five D2H copies and five H2D copies (the newest segment's input is
+    read where it was made, never copied); with retain_graph the first backward sends it down too (a second may
+    need it) and the second brings it back."""
+    counts = {"d2h": 0, "h2d": 0}
+    for kind in counts:
+        setattr(engine, kind, (lambda f, k: lambda dst, src: (counts.__setitem__(k, counts[k] + 1), f(dst, src))[1])(
+            getattr(engine, kind), kind))
+    model, x = blocks(6), x_input()
+    ck = functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine))
+    for _ in range(2):
+        counts.update(d2h=0, h2d=0)
+        run(model, ck, x)
+        assert counts == {"d2h": 5, "h2d": 5}, counts
+    counts.update(d2h=0, h2d=0)
+    torch.manual_seed(1)
+    h = x.clone().requires_grad_()
+    for b in model:
+        h = ck(b, h)
+    h.sum().backward(retain_graph=True)
+    assert counts == {"d2h": 6, "h2d": 5}, counts
+    h.square().sum().backward()
+    assert counts == {"d2h": 6, "h2d": 11}, counts
+
 def test_a_missing_device_wait_is_caught():
     """The recomputation reads the device slot before its delayed H2D copy has landed: gradients differ."""
     model, x = blocks(4), x_input()
@@ -208,6 +233,38 @@ def test_a_missing_device_wait_is_caught():
     with pytest.raises(AssertionError, match="differs"):
         same(got, want)
 
+
+def test_a_dropped_prefetch_does_not_land_in_a_reused_block():
+    """A graph dropped between a segment's prefetch and its restore (torch.autograd.grad into the segment after it;
+    an error in backward) gives the segment's device block back while its H2D copy may still run. The next user of
+    the block, here a resident checkpoint on the same buffers (default_buffers serves both modes), waits for that
+    copy: it landed over the resident checkpoint before, and the gradients differed."""
+    gate = threading.Event()
+    tr = CopyEngineTransport(delay_s=lambda dst, src: 0.0 if not tr.pool.holds(src) else (gate.wait(30), 0.0)[1])
+    buf = ActivationBuffers("cpu", tr)
+    model = blocks(3)
+    want = run(model, torch_ck, x_input())
+    torch.manual_seed(1)
+    outs = [x_input().requires_grad_()]
+    for b in model:
+        outs.append(zk.checkpoint(b, outs[-1], buffers=buf))
+    torch.autograd.grad(outs[3].sum(), outs[2])  # recomputes segment 3, prefetches segment 2, never restores it
+    del outs
+    gc.collect()
+    wait = tr.device_wait
+    tr.device_wait = lambda event: (gate.set(), wait(event))[1]  # a consumer waiting for the stale copy lets it run
+    for q in model.parameters():
+        q.grad = None
+    x = x_input().requires_grad_()
+    torch.manual_seed(1)
+    h = x
+    for b in model:
+        h = zk.checkpoint(b, h, offload=False, buffers=buf)
+    gate.set()  # else it runs now, after the resident checkpoints were stored
+    tr.synchronize()
+    (h * h).sum().backward()
+    tr.close()
+    same([q.grad.clone() for q in model.parameters()] + [x.grad.clone()], want)
 
 @pytest.mark.parametrize("offload", [True, False])
 def test_nested_checkpoints(engine, offload):
@@ -249,6 +306,143 @@ def test_retain_graph_and_a_second_backward(engine):
 
     same(twice(functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine))), twice(torch_ck))
 
+
+def _forward(model, ck, seed: int, requires_grad: bool = True) -> torch.Tensor:
+    torch.manual_seed(seed)
+    h = x_input().requires_grad_(requires_grad)
+    for b in model:
+        h = ck(b, h)
+    return h
+
+
+def _grads(model) -> list[torch.Tensor]:
+    out = [q.grad.clone() for q in model.parameters()]
+    for q in model.parameters():
+        q.grad = None
+    return out
+
+
+def _two_forwards_then_backwards(model, ck, order):
+    """Two graphs alive at once: the second forward sends the first one's held checkpoint to the host."""
+    outs = [_forward(model, ck, 10 + k) for k in range(2)]
+    grads = []
+    for k in order:
+        outs[k].square().sum().backward()
+        grads += _grads(model)
+    return grads
+
+
+def _three_backwards(model, ck):
+    """retain_graph: the held checkpoint goes to the host in the first backward; the next two restore it from there."""
+    h = _forward(model, ck, 1)
+    grads = []
+    for i in range(3):
+        (h.square() * (i + 1)).sum().backward(retain_graph=i < 2)
+        grads += _grads(model)
+    return grads
+
+
+def _a_graphless_forward_in_between(model, ck):
+    """A checkpointed forward that builds no graph (frozen weights, an input without grad: a teacher) between a
+    forward and its backward, a graph dropped without backward and an evaluation under no_grad."""
+    h = _forward(model, ck, 1)
+    _forward(model, ck, 5).sum().backward()  # dropped after its own backward
+    _grads(model)
+    dropped = _forward(model, ck, 6)
+    del dropped
+    with torch.no_grad():  # an evaluation
+        _forward(model, ck, 7, requires_grad=False)
+    for q in model.parameters():
+        q.requires_grad_(False)
+    teacher = _forward(model, ck, 2, requires_grad=False)
+    for q in model.parameters():
+        q.requires_grad_(True)
+    (h.square().sum() + (teacher * h).sum()).backward()
+    return _grads(model)
+
+
+def _two_buffers_interleaved(model, ck, ck2):
+    torch.manual_seed(1)
+    h = x_input().requires_grad_()
+    for i, b in enumerate(model):
+        h = (ck if i % 2 else ck2)(b, h)
+    h.square().sum().backward()
+    return _grads(model)
+
+
+LIFECYCLES = {
+    "two_forwards_backward_in_order": lambda m, ck, ck2: _two_forwards_then_backwards(m, ck, [0, 1]),
+    "two_forwards_backward_newest_first": lambda m, ck, ck2: _two_forwards_then_backwards(m, ck, [1, 0]),
+    "retain_graph_three_backwards": lambda m, ck, ck2: _three_backwards(m, ck),
+    "graphless_forward_between": lambda m, ck, ck2: _a_graphless_forward_in_between(m, ck),
+    "two_buffers_interleaved": _two_buffers_interleaved,
+}
+
+
+@pytest.mark.parametrize("lifecycle", list(LIFECYCLES))
+def test_lifecycles_around_the_held_checkpoint(engine, lifecycle):
+    """The newest segment's checkpoint stays on the device (held) until another segment is stored: graphs that
+    overlap, backward several times, a forward building no graph in between, two buffers at once. Gradients bit for
+    bit torch's checkpoint's, twice (the second time on reused blocks)."""
+    model = blocks(3)
+    want = LIFECYCLES[lifecycle](model, torch_ck, torch_ck)
+    buf, buf2 = ActivationBuffers("cpu", engine), ActivationBuffers("cpu", engine)
+    ck, ck2 = (functools.partial(zk.checkpoint, buffers=b) for b in (buf, buf2))
+    for _ in range(2):
+        same(LIFECYCLES[lifecycle](model, ck, ck2), want)
+    assert buf.host_allocations + buf2.host_allocations > 0, "checkpoints went to the host"
+
+
+def test_nested_checkpoints_backward_three_times(engine):
+    """Nested checkpoints (the inner ones held in turn, recomputed inside the outer recomputation) and
+    retain_graph: three backwards, gradients bit for bit torch's."""
+    torch.manual_seed(0)
+    l1, l2 = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+    x0 = x_input(3)
+
+    def grads(ck):
+        x = x0.clone().requires_grad_()
+
+        def outer(h):
+            return ck(lambda t: torch.tanh(l2(t)), F.dropout(torch.relu(l1(h)), p=0.2))
+
+        torch.manual_seed(4)
+        y = ck(outer, ck(outer, x))
+        out = []
+        for i in range(3):
+            (y.square() * (i + 1)).sum().backward(retain_graph=i < 2)
+            out += [l1.weight.grad.clone(), l2.weight.grad.clone(), x.grad.clone()]
+            l1.zero_grad(set_to_none=True)
+            l2.zero_grad(set_to_none=True)
+        return out
+
+    buf = ActivationBuffers("cpu", engine)
+    same(grads(lambda f, *a: zk.checkpoint(f, *a, buffers=buf)), grads(torch_ck))
+
+@pytest.mark.parametrize("changed", ["newest_input", "older_input"])
+def test_an_argument_changed_in_place_after_the_call_is_refused_at_backward(engine, changed):
+    """torch's checkpoint refuses, at backward, an argument changed in place after the call (it saves the inputs).
+    The held checkpoint is read at backward, and an older one is copied to the host when the next segment is stored:
+    a change before then would give other gradients silently (it did: no error). An error as torch's instead."""
+    torch.manual_seed(0)
+    l1, l2 = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+
+    def backward(ck):
+        x = x_input(2).requires_grad_() * 1.0
+        y = ck(lambda t: torch.tanh(l1(t)), x)
+        if changed == "older_input":  # before the next segment sends x to the host
+            with torch.no_grad():
+                x.mul_(3.0)
+        z = ck(lambda t: torch.tanh(l2(t)), y)
+        if changed == "newest_input":  # y stays on the device (held) until backward reads it
+            with torch.no_grad():
+                y.mul_(3.0)
+        z.sum().backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        backward(torch_ck)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        backward(functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine)))
 
 def test_plain_cpu_transport_and_no_grad():
     model, x = blocks(2), x_input()

@@ -292,7 +292,7 @@ def test_a_missing_device_wait_is_caught():
 # ---------------------------------------------------------------- two ranks
 
 
-def _rank(rank, world, cfgs, out, micro=1, stages=None):
+def _rank(rank, world, cfgs, out, micro=1, stages=None, clear=False):
     for tag, cfg in cfgs.items():
         model = make_model(seed=0)
         opt = zk.ZeroOffloadAdamW(model.parameters(), bucket_numel=7_000, selective=cfg, dtype=torch.float32,
@@ -302,6 +302,9 @@ def _rank(rank, world, cfgs, out, micro=1, stages=None):
         for s in range(6):
             for x in data[s]:
                 opt.backward(model(*_xy(x[rank * per : (rank + 1) * per])))
+            if clear and rank == 0:  # p.grad = None on one rank: its piece of the reduced gradient is dropped
+                lay = opt.layout
+                next(q for q in lay.params if q.dim() == 2 and lay.part_range(q)[0] < lay.part_range(q)[1]).grad = None
             opt.step()
         sd = opt.state_dict()
         torch.save({"state": sd, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])},
@@ -309,14 +312,14 @@ def _rank(rank, world, cfgs, out, micro=1, stages=None):
         opt.close()
 
 
-def _run(world, cfgs, tmp_path, micro=1, stages=None):
+def _run(world, cfgs, tmp_path, micro=1, stages=None, clear=False):
     """{tag: [each rank's result]} of 6 steps with each selective configuration (stage 2 or stages[tag]), one
     process per rank."""
     out = str(tmp_path / f"w{world}")
     if world == 1:
-        _rank(0, 1, cfgs, out, micro, stages)
+        _rank(0, 1, cfgs, out, micro, stages, clear)
     else:
-        spawn_ranks(_rank, world, tmp_path, cfgs, out, micro, stages)
+        spawn_ranks(_rank, world, tmp_path, cfgs, out, micro, stages, clear)
     return {tag: [torch.load(f"{out}.{tag}.{r}", weights_only=False) for r in range(world)] for tag in cfgs}
 
 
@@ -352,6 +355,18 @@ def test_two_ranks_gather_the_selection_from_their_reduced_pieces(tmp_path):
             a, b = runs[f"every{stage}"][r], runs[f"once{stage}"][r]
             assert torch.equal(a["params"], b["params"]), f"stage {stage} rank {r}"
             assert torch.equal(_masters(a), _masters(b)), f"stage {stage} rank {r}"
+
+
+def test_p_grad_cleared_on_one_rank_clears_the_device_gradient_there(tmp_path):
+    """Two ranks, ZeRO-2, two micro-batches, fraction 1.0: rank 0 sets p.grad = None on a weight whose piece it owns
+    before each step (rank 1 keeps it, so the weight still steps): rank 0's piece of it steps on zeros, from the
+    device-gathered gradient as from the host's (re-selecting every step) bit for bit. Passing the device's copy
+    through uncleared survived every other test."""
+    every, once = {"fraction": 1.0, "select_every": 1}, {"fraction": 1.0, "select_every": 100}
+    runs = _run(2, {"every": every, "once": once}, tmp_path, micro=2, clear=True)
+    for r in range(2):
+        assert torch.equal(runs["every"][r]["params"], runs["once"][r]["params"]), f"rank {r}"
+        assert torch.equal(_masters(runs["every"][r]), _masters(runs["once"][r])), f"rank {r}"
 
 
 # ---------------------------------------------------------------- refusals
@@ -536,3 +551,31 @@ def test_host_sums_skip_fully_selected_params_and_bounds_hold():
         lay = FlatLayout([[w1, big, w2, small, w3]], torch.float32, 2, rank, bucket_numel=1 << 20)
         bound = selection_bound(lay, 0.25)
         assert 0 < bound <= 16 * 64 + MIN_GAP + 25 * 32 + 8 + 3 * 48
+
+
+@pytest.mark.parametrize("transport", ["host", "copy_engine"])
+def test_zero_grad_keeping_zeros_clears_the_device_gradient(transport):
+    """opt.zero_grad(set_to_none=False) after a step (torch's zero gradients kept) clears the selection's gradient on
+    the device as the host's: the next micro-batches sum onto zeros, and a step with no backward at all steps on zeros
+    (decay and moments only); fraction 1.0 equals torch's AdamW on the same calls, bitwise. Without the device's
+    clearing the stale gradient of the last micro-batch is summed in (a step on it, every step after the first)."""
+    tr = CopyEngineTransport(delay_s=0.001) if transport == "copy_engine" else None
+    model, ref = make_model(seed=0), make_model(seed=0)
+    opt = zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.float32, bucket_numel=20_000, transport=tr,
+                              selective={"fraction": 1.0, "apply_every": 100}, **HP)  # fmt: skip
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **HP)
+    for k, step in enumerate(make_data(5, batch=4, micro=2, seed=3)):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            if k != 3:  # step 3: no backward, a step on the kept zeros
+                for x in step:
+                    loss = m(*_xy(x))
+                    o.backward(loss) if o is opt else loss.backward()
+            o.step()
+            o.zero_grad(set_to_none=False)
+    assert opt.update.sel is not None and opt.grads.selected.accum is not None, "gathered and summed on the device"
+    got = [v["master"] for _, v in sorted(opt.state_dict()["state"].items())]
+    opt.close()
+    if tr is not None:
+        tr.close()
+    for i, (g, p) in enumerate(zip(got, ref.parameters())):
+        assert torch.equal(g, p.detach()), f"param {i}"

@@ -20,7 +20,9 @@ placeholder (same device, so the same RNG states are stashed):
 
 Blocks are reused by size from step to step: after the first step (or `reserve` / `reserve_for`), `allocations` stays
 constant. Host blocks are held until the segment's graph is freed, so retain_graph=True and a second backward work.
-The function must not modify its tensor arguments in place (they are leaves during the recomputation).
+The function must not modify its tensor arguments in place (they are leaves during the recomputation). An offloaded
+argument changed in place after the call, before its copy was taken (held: until backward), makes backward raise,
+as torch's checkpoint does (it would otherwise recompute from the changed values).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class ActivationBuffers:
         self.device_bytes = 0  # bytes of device blocks allocated
         self._order: list[weakref.ref[_Segment]] = []  # offloaded segments alive, in forward order
         self._lock = threading.Lock()
+        self._landing: dict[int, Event] = {}  # device block address -> an H2D copy into it no one has waited for
 
     @property
     def allocations(self) -> int:
@@ -106,15 +109,21 @@ class ActivationBuffers:
     def take_device(self, nbytes: int) -> torch.Tensor:
         """A device block (uint8) of at least `nbytes`: the smallest free one that fits, else a new one."""
         size = -(-nbytes // _ALIGN) * _ALIGN
+        block, landing = None, None
         with self._lock:
             fits = [b for b in self._free if b.numel() >= size]
             if fits:
                 block = min(fits, key=torch.Tensor.numel)
                 self._free = [b for b in self._free if b is not block]
-                return block
-            self.device_allocations += 1
-            self.device_bytes += size
-        return torch.empty(size, dtype=torch.uint8, device=self.device)
+                landing = self._landing.pop(block.data_ptr(), None)
+            else:
+                self.device_allocations += 1
+                self.device_bytes += size
+        if block is None:
+            return torch.empty(size, dtype=torch.uint8, device=self.device)
+        if landing is not None:  # a prefetch whose segment was dropped before its restore may still be writing it
+            self.transport.device_wait(landing)
+        return block
 
     def give_device(self, block: torch.Tensor) -> None:
         """Return a block from `take_device` (the compute stream orders its next use after the current one)."""
@@ -179,6 +188,8 @@ class _Segment:
         self.device: list[torch.Tensor] = []  # the device blocks holding the checkpoint now (may be empty)
         self.h2d: Event | None = None  # offload: the prefetch into self.device, not yet waited for
         self.held: list[torch.Tensor] = []  # offload, state held: the arguments themselves, still on the device
+        self.versions: list[int] = []  # offload: each held argument's version counter when it was taken
+        self.changed: str | None = None  # an argument was changed in place before its copy was taken (raised later)
         # forward -> [held ->] stored -> (restoring -> restored -> stored)*   (held: offload, the newest segment)
         self.state = "forward"
         self._fin = weakref.finalize(self, _free_segment, buffers, self.host, self.device)
@@ -191,6 +202,7 @@ class _Segment:
             x = x if x.is_contiguous() else x.contiguous()
             if self.offload:
                 self.held.append(x)
+                self.versions.append(x._version)
             else:
                 block = self.buffers.take_device(x.numel() * x.element_size())
                 self.device.append(block)
@@ -204,12 +216,23 @@ class _Segment:
         """A held checkpoint: queue the D2H copies of its arguments and drop the device references."""
         if self.state != "held":
             return
+        self._check_unchanged()
         for x in self.held:
             h = self.buffers.take_host(x.numel(), x.dtype)
             self.host.append(h)
             self.d2h.append(self.buffers.transport.d2h(h, x.reshape(-1)))  # (the transport keeps x until copied)
-        self.held = []
+        self.held, self.versions = [], []
         self.state = "stored"
+
+    def _check_unchanged(self) -> None:
+        """A held argument changed in place since the call (its copy not yet taken) would change the gradients
+        silently: noted, and raised when backward restores the checkpoint, as torch's checkpoint raises."""
+        for i, (x, v) in enumerate(zip(self.held, self.versions, strict=True)):
+            if x._version != v and self.changed is None:
+                self.changed = (f"checkpoint: tensor argument {self.slots[i]} of a checkpointed segment was modified "
+                                f"by an inplace operation after zo_kernels.checkpoint took it (version {v}, now "
+                                f"{x._version}): the recomputation would read the changed values. Change a copy, "
+                                "or the argument before the call")  # fmt: skip
 
     def prefetch(self) -> None:
         """Queue the H2D copies of the checkpoint into device blocks (no wait)."""
@@ -223,10 +246,16 @@ class _Segment:
             block = self.buffers.take_device(h.numel() * h.element_size())
             self.device.append(block)
             self.h2d = tr.h2d(_view(block, (h.numel(),), dtype), h)
+            with self.buffers._lock:
+                self.buffers._landing[block.data_ptr()] = self.h2d
         self.state = "restoring"
 
     def restore(self) -> list[torch.Tensor]:
         """The checkpoint on the device for the recomputation (leaves with the original requires_grad)."""
+        if self.state == "held":
+            self._check_unchanged()
+        if self.changed is not None:
+            raise RuntimeError(self.changed)
         if self.state == "held":
             prev = self.buffers._previous(self)
             if prev is not None:
@@ -237,6 +266,9 @@ class _Segment:
             if self.state == "restoring":
                 self.buffers.transport.device_wait(self.h2d)  # the H2D copies are queued in order: the last covers all
                 self.h2d, self.state = None, "restored"
+                with self.buffers._lock:
+                    for b in self.device:
+                        self.buffers._landing.pop(b.data_ptr(), None)
             prev = self.buffers._previous(self)
             if prev is not None:
                 prev.prefetch()  # one segment ahead, under this segment's compute
