@@ -1,0 +1,66 @@
+"""What a new user met following README.md and --help: each test failed on the code before its fix."""
+
+import re
+
+import pytest
+
+from zo_kernels import cli
+from zo_kernels.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("command", ["demo", "plan", "bench", "dashboard"])
+def test_help_says_each_default_once_and_never_none(capsys, command):
+    """Before: "(default: never) (default: None)", "(default: params / 32) (default: None)", required --params."""
+    code, out, _ = run(capsys, command, "--help")
+    text = " ".join(out.split())
+    assert code == 0
+    assert "(default: None)" not in text, text
+    assert not re.search(r"\(default: [^)]*\)\s*\(default:", text), text
+    assert "(default: never)" in text or command != "demo"
+
+
+@pytest.mark.parametrize("flag", [["--activation-offload"], ["--no-checkpointing"], ["--attention", "eager"]])
+def test_plan_activation_flags_without_seq_are_refused(capsys, flag):
+    """Before: `plan --params 7B --activation-offload` printed the 4 GiB-activations table, the flag ignored."""
+    code, out, err = run(capsys, "plan", "--params", "7B", "--gpu-mem", "24GB", *flag)
+    assert code == 2 and out == ""
+    assert flag[0] in err and "--seq" in err and "--hidden" in err, err
+
+
+def test_plan_shape_option_without_seq_names_the_option(capsys):
+    code, _, err = run(capsys, "plan", "--params", "7B", "--hidden", "4096")
+    assert code == 2 and "--hidden" in err and "--seq" in err, err
+
+
+def test_demo_torch_line_and_header_with_compressed_moments(capsys):
+    """Before: with --state-dtype bf16 the torch line read "planner DDP 12: fp32 training here is 4+4+8 = 16 too"
+    (torch's AdamW keeps fp32 moments: 16), and the header "delayed update after None"."""
+    code, out, _ = run(capsys, "demo", "--steps", "2", "--model-size", "1e5", "--batch", "2", "--context", "16",
+                       "--dtype", "bf16", "--state-dtype", "bf16", "--quiet")  # fmt: skip
+    assert code == 0
+    torch_line = next(line for line in out.splitlines() if line.strip().startswith("torch  device"))
+    assert "planner DDP 16:" in torch_line, torch_line
+    assert "delayed update after None" not in out and "no delayed update" in out, out.splitlines()[:3]
+
+
+def test_bench_sizes_reach_every_benchmark(capsys, monkeypatch, tmp_path):
+    """Before: `bench --suite cpu_adam --sizes 1e5` still ran the moment formats at 5e7 (stage 3's NVMe rows at
+    1.6e7 and 6.4e7): --sizes set only ZO_BENCH_SIZES."""
+    for var in ("ZO_BENCH_SIZES", "ZO_BENCH_FORMAT_SIZES", "ZO_BENCH_INFINITY_SIZES"):
+        monkeypatch.delenv(var, raising=False)
+    envs = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: envs.append(k["env"]) or 0)
+    assert run(capsys, "bench", "--suite", "cpu_adam", "--sizes", "1e5", "-o", str(tmp_path / "a.json"))[0] == 0
+    env = envs[-1]
+    assert env["ZO_BENCH_SIZES"] == env["ZO_BENCH_FORMAT_SIZES"] == env["ZO_BENCH_INFINITY_SIZES"] == "100000"
+    # without --sizes each benchmark keeps its own default sizes
+    assert run(capsys, "bench", "--suite", "cpu_adam", "-o", str(tmp_path / "b.json"))[0] == 0
+    env = envs[-1]
+    assert env["ZO_BENCH_SIZES"] == "10000000"
+    assert "ZO_BENCH_FORMAT_SIZES" not in env and "ZO_BENCH_INFINITY_SIZES" not in env
