@@ -64,3 +64,25 @@ def test_bench_sizes_reach_every_benchmark(capsys, monkeypatch, tmp_path):
     env = envs[-1]
     assert env["ZO_BENCH_SIZES"] == "10000000"
     assert "ZO_BENCH_FORMAT_SIZES" not in env and "ZO_BENCH_INFINITY_SIZES" not in env
+
+
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+
+
+def test_offload_param_nvme_at_stage_2_says_stage_3(tmp_path):
+    """Before: ZeroOffloadAdamW(model, offload_param="nvme", nvme_dir=d) at the default stage 2 said only "nvme_dir is
+    used only with offload_optimizer='nvme'"; adding that then failed on the stage."""
+    import torch
+
+    import zo_kernels
+
+    with pytest.raises(ValueError, match=r"offload_param='nvme' needs stage=3"):
+        zo_kernels.ZeroOffloadAdamW(_model(), offload_param="nvme", nvme_dir=str(tmp_path), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"nvme_dir is used only with offload_optimizer='nvme'.*offload_param='nvme'"):
+        zo_kernels.ZeroOffloadAdamW(_model(), stage=3, offload_param="nvme", nvme_dir=str(tmp_path),
+                                    dtype=torch.bfloat16)  # fmt: skip
+    assert list(tmp_path.iterdir()) == []

@@ -251,8 +251,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 raise ValueError(f"threads must be <= {MAX_THREADS}, got {threads}")
         if transport is not None and not isinstance(transport, Transport):
             raise TypeError(f"transport must be a zo_kernels Transport or None, got {type(transport).__name__}")
+        check_stage(stage, offload_param, module, nvme_dir, delay_update_after is not None, dtype)  # names the stage
         nvme_dir = check_offload(offload_optimizer, nvme_dir)
-        check_stage(stage, offload_param, module, nvme_dir, delay_update_after is not None, dtype)
         self.gpu_fraction = check_gpu_fraction(gpu_fraction)
         if not isinstance(dpu_writeback, str) or dpu_writeback not in ("whole", "per_module"):
             raise ValueError(f"dpu_writeback must be 'whole' or 'per_module', got {dpu_writeback!r}")
