@@ -1,5 +1,7 @@
 """What a new user met following README.md and --help: each test failed on the code before its fix."""
 
+import errno
+import io
 import re
 
 import pytest
@@ -86,3 +88,38 @@ def test_offload_param_nvme_at_stage_2_says_stage_3(tmp_path):
         zo_kernels.ZeroOffloadAdamW(_model(), stage=3, offload_param="nvme", nvme_dir=str(tmp_path),
                                     dtype=torch.bfloat16)  # fmt: skip
     assert list(tmp_path.iterdir()) == []
+
+
+class _FailingFile(io.FileIO):
+    """A checkpoint's temporary file whose writes raise `error` once 4 KiB have been written."""
+
+    error: BaseException = KeyboardInterrupt()
+
+    def write(self, b):
+        if self.tell() + len(b) > 4096:
+            raise self.error
+        return super().write(b)
+
+
+@pytest.mark.parametrize("error, expected", [(KeyboardInterrupt(), KeyboardInterrupt),
+                                             (OSError(errno.EIO, "Input/output error"), OSError)])  # fmt: skip
+def test_a_save_interrupted_by_ctrl_c_or_an_io_error_says_so(tmp_path, monkeypatch, error, expected):
+    """Before: Ctrl-C (or EIO) inside torch.save's writes was reported as "OSError: [Errno 28] no space left on the
+    device": torch turns the write's exception into 'unexpected pos', which was read as a full disk."""
+    import torch
+
+    from zo_kernels import checkpoint_io, save_checkpoint
+
+    model = torch.nn.Linear(64, 64)
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model, step=1)
+    before = path.read_bytes()
+    monkeypatch.setattr(_FailingFile, "error", error)
+    monkeypatch.setattr(checkpoint_io.os, "fdopen", lambda fd, mode: _FailingFile(fd, "wb"))
+    with pytest.raises(expected) as e:
+        save_checkpoint(path, model, step=2)
+    monkeypatch.undo()
+    assert "no space left" not in str(e.value)
+    if expected is OSError:
+        assert e.value.errno == errno.EIO
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
