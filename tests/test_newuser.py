@@ -123,3 +123,53 @@ def test_a_save_interrupted_by_ctrl_c_or_an_io_error_says_so(tmp_path, monkeypat
     if expected is OSError:
         assert e.value.errno == errno.EIO
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+def test_a_step_interrupted_on_nvme_is_recovered_by_loading_a_checkpoint(tmp_path, monkeypatch):
+    """Ctrl-C in the middle of an NVMe step tears the state files. Before: the optimizer then said "restore a state
+    with write_all" (the swapper's method, not the optimizer's) and load_checkpoint failed the same way, so nothing
+    but a new optimizer went on."""
+    import torch
+
+    import zo_kernels
+    from zo_kernels.offload import update
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+        kw = dict(offload_optimizer="nvme", nvme_dir=str(tmp_path), tile_numel=1024)
+        return model, zo_kernels.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.bfloat16, **kw)
+
+    def step(model, opt):
+        opt.backward(model(torch.ones(4, 64, dtype=torch.bfloat16)).float().square().mean())
+        opt.step()
+        opt.synchronize()
+
+    model, opt = build()
+    step(model, opt)
+    zo_kernels.save_checkpoint(tmp_path / "ck.pt", model, opt, step=1)
+    calls = []
+
+    def interrupted(*a, **k):  # Ctrl-C at the update's third tile
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    real = update.cpu_adam_step
+    monkeypatch.setattr(update, "cpu_adam_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        step(model, opt)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="load a checkpoint"):
+        step(model, opt)
+    assert zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt) == {"step": 1}
+    step(model, opt)
+    # the same two steps without the interruption
+    ref_model, ref_opt = build()
+    step(ref_model, ref_opt)
+    step(ref_model, ref_opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    ref_opt.close()
+    opt.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt"]
