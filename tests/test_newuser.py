@@ -125,10 +125,11 @@ def test_a_save_interrupted_by_ctrl_c_or_an_io_error_says_so(tmp_path, monkeypat
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
 
 
-def test_a_step_interrupted_on_nvme_is_recovered_by_loading_a_checkpoint(tmp_path, monkeypatch):
-    """Ctrl-C in the middle of an NVMe step tears the state files. Before: the optimizer then said "restore a state
-    with write_all" (the swapper's method, not the optimizer's) and load_checkpoint failed the same way, so nothing
-    but a new optimizer went on."""
+@pytest.mark.parametrize("where", ["nvme", "memory"])
+def test_a_step_interrupted_is_refused_until_a_checkpoint_is_loaded(tmp_path, monkeypatch, where):
+    """Ctrl-C in the middle of a step leaves part of the state with the new step. Before: in memory the next step
+    went on silently from that mixed state; on NVMe (the files torn) the optimizer said "restore a state with
+    write_all" (the swapper's method) and load_checkpoint failed the same way, so only a new optimizer went on."""
     import torch
 
     import zo_kernels
@@ -137,7 +138,8 @@ def test_a_step_interrupted_on_nvme_is_recovered_by_loading_a_checkpoint(tmp_pat
     def build():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
-        kw = dict(offload_optimizer="nvme", nvme_dir=str(tmp_path), tile_numel=1024)
+        kw = dict(offload_optimizer="nvme", nvme_dir=str(tmp_path)) if where == "nvme" else {}
+        kw["tile_numel"] = 1024
         return model, zo_kernels.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.bfloat16, **kw)
 
     def step(model, opt):
@@ -150,14 +152,17 @@ def test_a_step_interrupted_on_nvme_is_recovered_by_loading_a_checkpoint(tmp_pat
     zo_kernels.save_checkpoint(tmp_path / "ck.pt", model, opt, step=1)
     calls = []
 
-    def interrupted(*a, **k):  # Ctrl-C at the update's third tile
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*a, **k)
+    def interrupting(real):  # Ctrl-C at the update's third tile (NVMe), in its first call (memory)
+        def call(*a, **k):
+            calls.append(1)
+            if len(calls) == (3 if where == "nvme" else 1):
+                raise KeyboardInterrupt
+            return real(*a, **k)
 
-    real = update.cpu_adam_step
-    monkeypatch.setattr(update, "cpu_adam_step", interrupted)
+        return call
+
+    for name in ("cpu_adam_step", "tiled_writeback"):
+        monkeypatch.setattr(update, name, interrupting(getattr(update, name)))
     with pytest.raises(KeyboardInterrupt):
         step(model, opt)
     monkeypatch.undo()

@@ -151,7 +151,11 @@ def _exact_moments(opt: ZeroOffloadAdamW, extra: dict) -> bool:
 
 def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
     """Load a state dict of ZeroOffloadAdamW (any world size) or of torch.optim.AdamW (see its docstring)."""
-    opt._check_alive()
+    interrupted, opt._interrupted = opt._interrupted, None  # a step stopped midway: loading a state is the way on
+    try:
+        opt._check_alive()
+    finally:
+        opt._interrupted = interrupted
     opt._check_groups()
     if opt.grads.n_micro or opt.grads.in_backward:
         raise RuntimeError("load_state_dict() between backward and step(): call step() or zero_grad() first")
@@ -202,6 +206,7 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
         opt.scaler.scale, opt.scaler.good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
     opt.grads.iteration = int(extra.get("iteration", max(opt.update.steps, default=0)))
     opt.update.resume(staged=bool(extra.get("staged")))
+    opt._interrupted = None
 
 
 def _current_state(opt: ZeroOffloadAdamW, plan: list, no_masters: bool) -> tuple[torch.Tensor, ...]:
