@@ -178,3 +178,12 @@ def test_a_step_interrupted_is_refused_until_a_checkpoint_is_loaded(tmp_path, mo
     ref_opt.close()
     opt.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt"]
+
+
+@pytest.mark.parametrize("option", ["--gpu-mem", "--host-mem", "--nvme"])
+def test_plan_a_size_without_a_unit_that_cannot_mean_bytes_is_refused(capsys, option):
+    """Before: `plan --params 7B --gpu-mem 24` planned for a 24-byte GPU ("1 GPU(s) x 0.0 GB"), no word said."""
+    code, out, err = run(capsys, "plan", "--params", "7B", option, "24")
+    assert code == 2 and out == ""
+    assert option in err and "24GB" in err and "24GiB" in err, err
+    assert run(capsys, "plan", "--params", "7B", "--nvme", "0", "--io-pool", "0")[0] == 0  # 0 needs no unit

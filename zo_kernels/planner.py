@@ -116,7 +116,11 @@ def _parse(text: str | float, name: str, units: dict[str, float], example: str, 
 
 def parse_bytes(text: str | float, name: str = "size") -> float:
     """'32GiB', '32GB', '1.5TB', '768 GiB', 3.2e10 -> bytes (GB = 1e9, GiB = 2**30)."""
-    return _parse(text, name, _UNITS, "32GiB, 32GB, 1.5TB", "size")
+    value = _parse(text, name, _UNITS, "32GiB, 32GB, 1.5TB", "size")
+    if isinstance(text, str) and 0 < value < 2**20 and not text.strip()[-1:].isalpha():
+        raise ValueError(f"{name}: {text.strip()!r} has no unit, so it reads as {value:g} bytes: give a unit, e.g. "
+                         f"{text.strip()}GB or {text.strip()}GiB")  # fmt: skip
+    return value
 
 
 def parse_count(text: str | float, name: str = "params") -> float:
