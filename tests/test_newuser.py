@@ -125,7 +125,7 @@ def test_a_save_interrupted_by_ctrl_c_or_an_io_error_says_so(tmp_path, monkeypat
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
 
 
-@pytest.mark.parametrize("where", ["nvme", "memory"])
+@pytest.mark.parametrize("where", ["nvme", "memory", "adafactor"])
 def test_a_step_interrupted_is_refused_until_a_checkpoint_is_loaded(tmp_path, monkeypatch, where):
     """Ctrl-C in the middle of a step leaves part of the state with the new step. Before: in memory the next step
     went on silently from that mixed state; on NVMe (the files torn) the optimizer said "restore a state with
@@ -133,14 +133,15 @@ def test_a_step_interrupted_is_refused_until_a_checkpoint_is_loaded(tmp_path, mo
     import torch
 
     import zo_kernels
-    from zo_kernels.offload import update
+    from zo_kernels.offload import adafactor, update
 
     def build():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
         kw = dict(offload_optimizer="nvme", nvme_dir=str(tmp_path)) if where == "nvme" else {}
         kw["tile_numel"] = 1024
-        return model, zo_kernels.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.bfloat16, **kw)
+        cls = zo_kernels.ZeroOffloadAdafactor if where == "adafactor" else zo_kernels.ZeroOffloadAdamW
+        return model, cls(model, lr=1e-2, dtype=torch.bfloat16, **kw)
 
     def step(model, opt):
         opt.backward(model(torch.ones(4, 64, dtype=torch.bfloat16)).float().square().mean())
@@ -161,8 +162,8 @@ def test_a_step_interrupted_is_refused_until_a_checkpoint_is_loaded(tmp_path, mo
 
         return call
 
-    for name in ("cpu_adam_step", "tiled_writeback"):
-        monkeypatch.setattr(update, name, interrupting(getattr(update, name)))
+    for module, name in ((update, "cpu_adam_step"), (update, "tiled_writeback"), (adafactor, "adafactor_step")):
+        monkeypatch.setattr(module, name, interrupting(getattr(module, name)))
     with pytest.raises(KeyboardInterrupt):
         step(model, opt)
     monkeypatch.undo()

@@ -545,6 +545,14 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         with self.shards.gathered(write):
             yield
 
+    def _check_loadable(self) -> None:
+        """load_state_dict's guard: an interrupted step does not stop it (loading a state is the way on)."""
+        interrupted, self._interrupted = self._interrupted, None
+        try:
+            self._check_alive()
+        finally:
+            self._interrupted = interrupted
+
     def _check_usable(self) -> None:
         if self._interrupted is not None:
             raise RuntimeError("an earlier step() stopped midway (see the chained exception): part of the state holds "

@@ -151,11 +151,7 @@ def _exact_moments(opt: ZeroOffloadAdamW, extra: dict) -> bool:
 
 def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
     """Load a state dict of ZeroOffloadAdamW (any world size) or of torch.optim.AdamW (see its docstring)."""
-    interrupted, opt._interrupted = opt._interrupted, None  # a step stopped midway: loading a state is the way on
-    try:
-        opt._check_alive()
-    finally:
-        opt._interrupted = interrupted
+    opt._check_loadable()
     opt._check_groups()
     if opt.grads.n_micro or opt.grads.in_backward:
         raise RuntimeError("load_state_dict() between backward and step(): call step() or zero_grad() first")
