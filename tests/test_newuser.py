@@ -188,3 +188,16 @@ def test_plan_a_size_without_a_unit_that_cannot_mean_bytes_is_refused(capsys, op
     assert code == 2 and out == ""
     assert option in err and "24GB" in err and "24GiB" in err, err
     assert run(capsys, "plan", "--params", "7B", "--nvme", "0", "--io-pool", "0")[0] == 0  # 0 needs no unit
+
+
+def test_an_output_that_is_a_directory_is_refused(capsys, monkeypatch, tmp_path):
+    """Before: `zo-kernels dashboard run.json -o somedir/` died with an IsADirectoryError traceback."""
+    called = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: called.append(a) or 0)
+    run_json = tmp_path / "run.json"
+    run_json.write_text('{"benchmarks": []}')
+    for argv in (["dashboard", str(run_json), "-o", str(tmp_path)],
+                 ["bench", "--suite", "cpu_adam", "-o", str(tmp_path)], ["demo", "--plot", str(tmp_path)]):  # fmt: skip
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and "is a directory" in err and ("--output" in err or "--plot" in err), (argv, err)
+    assert called == []

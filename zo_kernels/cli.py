@@ -337,6 +337,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def _check_output_dir(path: Path, option: str) -> None:
+    if Path(path).is_dir():
+        raise UsageError(f"{option}: {path} is a directory: give a file's path in it")
     if not Path(path).absolute().parent.is_dir():
         raise UsageError(f"{option}: directory {Path(path).absolute().parent} does not exist")
 
