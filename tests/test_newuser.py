@@ -201,3 +201,13 @@ def test_an_output_that_is_a_directory_is_refused(capsys, monkeypatch, tmp_path)
         code, _, err = run(capsys, *argv)
         assert code == 2 and "is a directory" in err and ("--output" in err or "--plot" in err), (argv, err)
     assert called == []
+
+
+def test_cpuadam_given_the_model_says_model_parameters():
+    """Before: CPUAdam(model) said only "'Linear' object is not iterable" (ZeroOffloadAdamW takes the model)."""
+    import torch
+
+    import zo_kernels
+
+    with pytest.raises(TypeError, match=r"params must be .*model\.parameters\(\).*Linear"):
+        zo_kernels.CPUAdam(torch.nn.Linear(4, 4), lr=1e-3)
