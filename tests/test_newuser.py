@@ -211,3 +211,13 @@ def test_cpuadam_given_the_model_says_model_parameters():
 
     with pytest.raises(TypeError, match=r"params must be .*model\.parameters\(\).*Linear"):
         zo_kernels.CPUAdam(torch.nn.Linear(4, 4), lr=1e-3)
+
+
+def test_plan_says_what_to_try_when_nothing_fits(capsys):
+    """Before: 7B on a 24 GB GPU and 64 GB of host memory printed nine rows of "no" and nothing to try."""
+    code, out, _ = run(capsys, "plan", "--params", "7B", "--gpu-mem", "24GB", "--host-mem", "64GB")
+    assert code == 0 and "nothing fits: try" in out and "--state-dtype" in out and "--nvme SIZE" in out, out
+    code, out, _ = run(capsys, "plan", "--params", "7B", "--gpu-mem", "24GB", "--host-mem", "64GB",
+                       "--state-dtype", "8bit")  # fmt: skip
+    assert code == 0 and "nothing fits" not in out  # the suggestion works: ZeRO-2 + offload fits at 8.03 B/param
+    assert "ZeRO-2 + offload" in out and "yes" in next(r for r in out.splitlines() if r.startswith("ZeRO-2 + off"))

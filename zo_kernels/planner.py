@@ -526,4 +526,9 @@ def format_plan(p: Plan, show_max: bool = False, unit: str = "GB") -> str:
         "zo Infinity: this library's ZeroOffloadAdamW(stage=3, offload_param='nvme', offload_optimizer='nvme'):",
         "gradients in host memory, params and optimizer on NVMe.",
     ]
+    if not any(s.fits for s in p.strategies):
+        ways = ([f"fewer optimizer bytes per parameter (--state-dtype bf16 or 8bit: K = 8 or 6.03, not {p.k:g})"]
+                if p.k > state_k("8bit") else [])  # fmt: skip
+        ways += ["an NVMe drive for the last three rows (--nvme SIZE)"] if p.nvme_mem == 0 else []
+        lines += ["", f"nothing fits: try {', '.join([*ways, 'more host memory, more GPUs'])}."]
     return "\n".join(lines)
