@@ -221,3 +221,43 @@ def test_plan_says_what_to_try_when_nothing_fits(capsys):
                        "--state-dtype", "8bit")  # fmt: skip
     assert code == 0 and "nothing fits" not in out  # the suggestion works: ZeRO-2 + offload fits at 8.03 B/param
     assert "ZeRO-2 + offload" in out and "yes" in next(r for r in out.splitlines() if r.startswith("ZeRO-2 + off"))
+
+
+_NVME_LOOP = """
+import sys
+import torch
+import zo_kernels
+torch.manual_seed(0)
+model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
+opt = zo_kernels.ZeroOffloadAdamW(model, dtype=torch.bfloat16, offload_optimizer="nvme", nvme_dir=sys.argv[1],
+                                  tile_numel=1 << 12)
+x = torch.randn(8, 256, dtype=torch.bfloat16)
+for i in range(10**6):
+    opt.backward(model(x).float().square().mean())
+    opt.step()
+    if i == 1:
+        print("stepping", flush=True)
+"""
+
+
+def test_ctrl_c_during_nvme_steps_exits_and_leaves_no_file(tmp_path):
+    """SIGINT to a process stepping with its state on NVMe: it exits by KeyboardInterrupt and removes its files."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", _NVME_LOOP, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "stepping", proc.stderr.read()
+        time.sleep(0.2)  # in the middle of some step
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)  # a slow machine: generous, only a hang trips it
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == -signal.SIGINT and err.strip().endswith("KeyboardInterrupt"), err[-2000:]
+    assert list(tmp_path.iterdir()) == []
