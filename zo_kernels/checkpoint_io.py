@@ -162,15 +162,31 @@ def reclaim_temp_files(path: Path) -> list[Path]:
     return removed
 
 
+def _chain(e: BaseException | None) -> list[BaseException]:
+    """e and the exceptions it was raised from or during, outermost first."""
+    seen: list[BaseException] = []
+    while e is not None and all(e is not x for x in seen):
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    return seen
+
+
+def _underlying(e: BaseException) -> BaseException | None:
+    """The Ctrl-C (any non-Exception) or OSError behind e: torch's writer turns one inside a write into its own
+    RuntimeError 'unexpected pos', which says nothing of what happened."""
+    return next((x for x in _chain(e)[1:] if isinstance(x, OSError) or not isinstance(x, Exception)), None)
+
+
 def _disk_full(e: BaseException) -> bool:
     """An exception of a write that ran out of space (torch's writer reports it as a failed 'unexpected pos')."""
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if isinstance(e, RuntimeError) and ("unexpected pos" in str(e) or "No space left" in str(e)):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    chain = _chain(e)
+    for x in chain:
+        if isinstance(x, OSError):  # the underlying error decides: EIO, EACCES... are not a full disk
+            return x.errno in (errno.ENOSPC, errno.EDQUOT)
+        if not isinstance(x, Exception):  # Ctrl-C inside torch.save
+            return False
+    return any(isinstance(x, RuntimeError) and ("unexpected pos" in str(x) or "No space left" in str(x))
+               for x in chain)  # fmt: skip
 
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -212,6 +228,9 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
                 last = f"the last checkpoint {path} is intact" if path.exists() else f"{path} was not written"
                 raise OSError(errno.ENOSPC, f"no space left on the device of {path.parent} while writing a "
                               f"checkpoint: {last} (the partial file was removed)") from e
+            underlying = _underlying(e)
+            if underlying is not None:
+                raise underlying from None  # the Ctrl-C or I/O error, not torch's 'unexpected pos'
             raise
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:

@@ -23,6 +23,8 @@ SUITES = {"cpu_adam": "test_bench_cpu_adam.py", "buckets": "test_bench_buckets.p
 # suites that cannot run on some machines: (what they need, whether this machine has it, why, in one line)
 NEEDS = {"buckets": ("a GPU", torch.cuda.is_available,
                      "it times the Triton cast and pack against torch on CUDA; on a CPU both are torch's own ops")}
+# the benchmarks' own sizes (bench/test_bench_cpu_adam.py's moment formats, bench/test_bench_stages.py's NVMe rows)
+SIZE_VARS = ("ZO_BENCH_FORMAT_SIZES", "ZO_BENCH_INFINITY_SIZES")
 PYTEST_NO_TESTS = 5  # pytest's exit status when every test was skipped or none was collected
 
 
@@ -76,6 +78,15 @@ def _count(text: str) -> float:
     return value
 
 
+class _DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" where the help does not say its default already and X means something (not None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or "(default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2
         sys.stderr.write(f"{self.prog}: error: {message}\n")
@@ -85,7 +96,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zo-kernels", description="ZeRO-Offload kernels: demo, memory planner, benchmarks, dashboard")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    fmt = dict(formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # every --help shows the defaults
+    fmt = dict(formatter_class=_DefaultsOnce)  # every --help shows the defaults
 
     d = sub.add_parser("demo", help="train a small GPT with ZeroOffloadAdamW and with torch AdamW, side by side", **fmt)
     d.add_argument("--steps", type=_positive_int("--steps", MAX_STEPS), default=400, help="training steps")
@@ -179,14 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--cpu-adam-rate", default=None, metavar="PARAMS/S",
                     help="--auto: CPU Adam's rate per rank (default: measured here, ~1 s)")  # fmt: skip
     pl.add_argument("--device-adam-rate", default=f"{DEFAULT_DEVICE_ADAM_RATE:g}", metavar="PARAMS/S",
-                    help="--auto: the GPU's fused AdamW rate (default: H100, 3.35 TB/s x 0.6 / 40 B per param; "
-                         "not measured)")  # fmt: skip
+                    help=f"--auto: the GPU's fused AdamW rate (default: {DEFAULT_DEVICE_ADAM_RATE:g}, an H100: "
+                         "3.35 TB/s x 0.6 / 40 B per param; not measured)")  # fmt: skip
 
     b = sub.add_parser("bench", help="run the pytest-benchmark suites and write their JSON", **fmt)
     b.add_argument("--suite", choices=sorted(SUITES), action="append",
                    help="a suite (repeatable; default: all); one that cannot run here says why and is left out")
-    b.add_argument("--sizes", default="1e7", metavar="COUNT[,COUNT...]",
-                   help="comma-separated sizes in elements or parameters (ZO_BENCH_SIZES)")  # fmt: skip
+    b.add_argument("--sizes", default=None, metavar="COUNT[,COUNT...]",
+                   help="comma-separated sizes in elements or parameters, for every benchmark; without it the "
+                        "moment formats run at 5e7 and stage 3's NVMe rows at 1.6e7,6.4e7 (default: 1e7)")
     b.add_argument("-o", "--output", default=None, metavar="FILE.json",
                    help="JSON path (default: bench-<timestamp>.json)")  # fmt: skip
 
@@ -218,6 +230,16 @@ def cmd_plan(a: argparse.Namespace) -> int:
                  for name in ("seq", "batch", "hidden", "layers", "heads", "vocab")}  # fmt: skip
         fraction = _fraction_in("--gpu-fraction")(a.gpu_fraction)
         selective = _fraction_in("--selective")(a.selective)
+        if a.seq is None:
+            for flag, given in (("--activation-offload", a.activation_offload),
+                                ("--no-checkpointing", a.no_checkpointing),
+                                ("--attention eager", a.attention == "eager"), ("--hidden", a.hidden is not None),
+                                ("--layers", a.layers is not None), ("--heads", a.heads != "0"),
+                                ("--vocab", a.vocab != "0"), ("--batch", a.batch != "1")):  # fmt: skip
+                if given:
+                    raise argparse.ArgumentTypeError(
+                        f"{flag} describes the activations (from the model's shape): give --seq, --hidden and --layers "
+                        "too (without them the activations are --activations, default 4GiB)")
         if selective and a.auto:
             raise argparse.ArgumentTypeError("--auto picks a gpu_fraction, which --selective refuses: give one")
         auto = _auto_rates(a) if a.auto else None
@@ -290,7 +312,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     # pytest runs in the checkout: a relative path is made absolute here, relative to the caller's directory
     out = Path(a.output or f"bench-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json").absolute()
     _check_output_dir(out, "--output")
-    for s in a.sizes.split(","):
+    sizes = a.sizes or "1e7"
+    for s in sizes.split(","):
         try:
             parse_count(s, "--sizes")
         except ValueError as e:
@@ -302,7 +325,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         return 0
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--benchmark-json={out}",
            *[str(root / SUITES[s]) for s in suites]]  # fmt: skip
-    env = {**os.environ, "ZO_BENCH_SIZES": ",".join(str(int(parse_count(s))) for s in a.sizes.split(","))}
+    env = {**os.environ, "ZO_BENCH_SIZES": ",".join(str(int(parse_count(s))) for s in sizes.split(","))}
+    if a.sizes is not None:  # the benchmarks with sizes of their own take the ones asked for too
+        env.update({var: env["ZO_BENCH_SIZES"] for var in SIZE_VARS})
     print(f"running {', '.join(suites)} at sizes {env['ZO_BENCH_SIZES']} -> {out}", flush=True)
     code = subprocess.call(cmd, cwd=root.parent, env=env)
     if code == PYTEST_NO_TESTS:
@@ -312,6 +337,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def _check_output_dir(path: Path, option: str) -> None:
+    if Path(path).is_dir():
+        raise UsageError(f"{option}: {path} is a directory: give a file's path in it")
     if not Path(path).absolute().parent.is_dir():
         raise UsageError(f"{option}: directory {Path(path).absolute().parent} does not exist")
 

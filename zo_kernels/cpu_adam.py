@@ -721,6 +721,9 @@ class CPUAdam(torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
     ) -> None:
+        if isinstance(params, torch.nn.Module):
+            raise TypeError(f"params must be an iterable of parameters or param groups (model.parameters()), got a "
+                            f"{type(params).__name__} module (ZeroOffloadAdamW is the one that takes the model)")
         self.state_dtype = check_state_dtype(state_dtype)
         check_hparams(lr, betas, eps, weight_decay)
         options = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused, capturable=capturable,

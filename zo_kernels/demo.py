@@ -209,7 +209,7 @@ def main(args: Any) -> int:
               f"character level on the Jargon File ({len(text) / 1e3:.0f} KB, {len(chars)} symbols)\n"
               f"device {device}{' (no GPU: the offload step runs with device = CPU)' if device.type == 'cpu' else ''}, "
               f"{args.steps} steps of {args.batch} x {args.context} tokens, "
-              f"delayed update after {args.delay_update_after}, ZeRO stage {getattr(args, 'stage', 2)}"
+              f"{dpu_text(args.delay_update_after)}, ZeRO stage {getattr(args, 'stage', 2)}"
               f"{' (parameter shards in host memory)' if getattr(args, 'offload_param', 'none') == 'cpu' else ''}, "
               f"seed {args.seed}\n\n")  # fmt: skip
     progress = not args.quiet
@@ -244,7 +244,8 @@ def report(out: TextIO, zo: Run, ref: Run, phi: int, args: Any) -> None:
              k=state_k(getattr(args, "state_dtype", "fp32")), gpu_fraction=getattr(args, "gpu_fraction", 0.0))
     stage, offload = getattr(args, "stage", 2), getattr(args, "offload_param", "none")
     row = "ZeRO-3 + offload" if stage == 3 else "ZeRO-2 + offload"
-    off, ddp = p.row(row), p.row("DDP")
+    # torch's AdamW beside it keeps fp32 moments whatever --state-dtype says: DDP at K = 12
+    off, ddp = p.row(row), plan(phi, 1, "80GiB", "768GiB", bucket_bytes=0).row("DDP")
     # the planner's ZeRO-3 + offload keeps the p16 shard on the host; without --offload-param it is on the device
     shard = " (the shard: here, not on the host)" if (stage, offload) == (3, "none") else ""
     per = lambda where: " + ".join(f"{t.formula_bytes / phi:.2f} ({t.what})" for t in zo.memory.terms  # noqa: E731
@@ -261,6 +262,11 @@ def report(out: TextIO, zo: Run, ref: Run, phi: int, args: Any) -> None:
     verdict = "the curves agree" if gap < 0.1 * max(1.0, math.fabs(ref.losses[-1])) else "the curves DISAGREE"
     out.write(f"\nlargest per-step loss gap {gap:.4f}: {verdict} (zo trains in {args.dtype_name} with fp32 masters, "
               f"torch in fp32{' + bf16 autocast' if args.device_type == 'cuda' else ''})\n")
+
+
+def dpu_text(delay_update_after: int | None) -> str:
+    """The header's words for --delay-update-after."""
+    return "no delayed update" if delay_update_after is None else f"delayed update after {delay_update_after} steps"
 
 
 def phase_ms(zo: Run) -> dict[str, float]:

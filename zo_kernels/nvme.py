@@ -249,7 +249,9 @@ class NvmeSwapper:
         if self.closed:
             raise RuntimeError("the NvmeSwapper is closed")
         if self.torn:
-            raise RuntimeError(f"the state files are torn ({self.torn}); restore a state with write_all")
+            raise RuntimeError(f"the state files are torn ({self.torn}); restore a state with write_all (a "
+                               "ZeroOffloadAdamW: load a checkpoint, zo_kernels.load_checkpoint or "
+                               "opt.load_state_dict)")  # fmt: skip
 
     def _io(self, op: Callable, slot: int, lo: int, hi: int) -> list[int]:
         t, n = lo // self.tile_numel, hi - lo

@@ -116,7 +116,11 @@ def _parse(text: str | float, name: str, units: dict[str, float], example: str, 
 
 def parse_bytes(text: str | float, name: str = "size") -> float:
     """'32GiB', '32GB', '1.5TB', '768 GiB', 3.2e10 -> bytes (GB = 1e9, GiB = 2**30)."""
-    return _parse(text, name, _UNITS, "32GiB, 32GB, 1.5TB", "size")
+    value = _parse(text, name, _UNITS, "32GiB, 32GB, 1.5TB", "size")
+    if isinstance(text, str) and 0 < value < 2**20 and not text.strip()[-1:].isalpha():
+        raise ValueError(f"{name}: {text.strip()!r} has no unit, so it reads as {value:g} bytes: give a unit, e.g. "
+                         f"{text.strip()}GB or {text.strip()}GiB")  # fmt: skip
+    return value
 
 
 def parse_count(text: str | float, name: str = "params") -> float:
@@ -522,4 +526,9 @@ def format_plan(p: Plan, show_max: bool = False, unit: str = "GB") -> str:
         "zo Infinity: this library's ZeroOffloadAdamW(stage=3, offload_param='nvme', offload_optimizer='nvme'):",
         "gradients in host memory, params and optimizer on NVMe.",
     ]
+    if not any(s.fits for s in p.strategies):
+        ways = ([f"fewer optimizer bytes per parameter (--state-dtype bf16 or 8bit: K = 8 or 6.03, not {p.k:g})"]
+                if p.k > state_k("8bit") else [])  # fmt: skip
+        ways += ["an NVMe drive for the last three rows (--nvme SIZE)"] if p.nvme_mem == 0 else []
+        lines += ["", f"nothing fits: try {', '.join([*ways, 'more host memory, more GPUs'])}."]
     return "\n".join(lines)

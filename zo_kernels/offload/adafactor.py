@@ -361,7 +361,7 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of torch.optim.Adafactor (then the masters are the model's)."""
-        self._check_alive()
+        self._check_loadable()
         if self.grads.n_micro or self.grads.in_backward:
             raise RuntimeError("load_state_dict() between backward and step(): call step() or zero_grad() first")
         plan = self.check_state_dict(state_dict)
@@ -388,3 +388,4 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
             self.scaler.scale, self.scaler.good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
         self.grads.iteration = int(extra.get("iteration", max(self.update.steps, default=0)))
         self.update.resume(staged=bool(extra.get("staged")))
+        self._interrupted = None

@@ -89,7 +89,8 @@ def check_offload(offload_optimizer: Any, nvme_dir: Any) -> str | None:
         raise ValueError(f"offload_optimizer must be 'cpu' or 'nvme', got {offload_optimizer!r}")
     if offload_optimizer == "cpu":
         if nvme_dir is not None:
-            raise ValueError("nvme_dir is used only with offload_optimizer='nvme'")
+            raise ValueError("nvme_dir is used only with offload_optimizer='nvme' (offload_param='nvme' needs it too), "
+                             "got offload_optimizer='cpu'")
         return None
     if nvme_dir is None:
         raise ValueError("offload_optimizer='nvme' needs nvme_dir=, a directory for the optimizer state's files")

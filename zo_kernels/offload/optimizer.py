@@ -251,8 +251,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 raise ValueError(f"threads must be <= {MAX_THREADS}, got {threads}")
         if transport is not None and not isinstance(transport, Transport):
             raise TypeError(f"transport must be a zo_kernels Transport or None, got {type(transport).__name__}")
+        check_stage(stage, offload_param, module, nvme_dir, delay_update_after is not None, dtype)  # names the stage
         nvme_dir = check_offload(offload_optimizer, nvme_dir)
-        check_stage(stage, offload_param, module, nvme_dir, delay_update_after is not None, dtype)
         self.gpu_fraction = check_gpu_fraction(gpu_fraction)
         if not isinstance(dpu_writeback, str) or dpu_writeback not in ("whole", "per_module"):
             raise ValueError(f"dpu_writeback must be 'whole' or 'per_module', got {dpu_writeback!r}")
@@ -305,6 +305,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
         self._built = False  # add_param_group is refused once the flat layout exists
         self._closed = False
+        self._interrupted: BaseException | None = None  # a step stopped midway (Ctrl-C...): until a state is loaded
         self._forward_waits: ForwardWaits | None = None
         self.stage, self.offload_param, self.prefetch = stage, offload_param, prefetch
         units = uses = None
@@ -544,7 +545,19 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         with self.shards.gathered(write):
             yield
 
+    def _check_loadable(self) -> None:
+        """load_state_dict's guard: an interrupted step does not stop it (loading a state is the way on)."""
+        interrupted, self._interrupted = self._interrupted, None
+        try:
+            self._check_alive()
+        finally:
+            self._interrupted = interrupted
+
     def _check_usable(self) -> None:
+        if self._interrupted is not None:
+            raise RuntimeError("an earlier step() stopped midway (see the chained exception): part of the state holds "
+                               "the new step, part the old one; load a checkpoint (zo_kernels.load_checkpoint or "
+                               "opt.load_state_dict) to go on") from self._interrupted  # fmt: skip
         failed = self.comm.failed or self.update.failed
         if failed is not None:
             raise RuntimeError("this optimizer is unusable after an earlier failure (see the chained exception); "
@@ -669,12 +682,16 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         extra = {} if c.device_grad is None else {"device_grad": c.device_grad}  # gpu_fraction's (twin.py)
         if self.update.params_over_grads:  # the new parameters go over the gradients (update.py)
             extra["out"] = c.landing
-        if delayed:
-            self.update.start(c.grad, grad_scale, runs, hparams, **extra)
-        elif self.selective is not None:
-            self.update.selective_step(c.grad, grad_scale, runs, hparams, got, c.selected)
-        else:
-            self.update.run(c.grad, grad_scale, runs, hparams, **extra)
+        try:
+            if delayed:
+                self.update.start(c.grad, grad_scale, runs, hparams, **extra)
+            elif self.selective is not None:
+                self.update.selective_step(c.grad, grad_scale, runs, hparams, got, c.selected)
+            else:
+                self.update.run(c.grad, grad_scale, runs, hparams, **extra)
+        except BaseException as e:  # the step counts moved and part of the partition may hold the new step
+            self._interrupted = e
+            raise
         self.scaler.update(found_inf=False)
         self._record_stats(t_step, skip_reason=None, grad_norm=norm, clip=clip, micro_batches=n_micro,
                            delayed=delayed, skipped_params=len(got) - sum(got))  # fmt: skip

@@ -151,7 +151,7 @@ def _exact_moments(opt: ZeroOffloadAdamW, extra: dict) -> bool:
 
 def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
     """Load a state dict of ZeroOffloadAdamW (any world size) or of torch.optim.AdamW (see its docstring)."""
-    opt._check_alive()
+    opt._check_loadable()
     opt._check_groups()
     if opt.grads.n_micro or opt.grads.in_backward:
         raise RuntimeError("load_state_dict() between backward and step(): call step() or zero_grad() first")
@@ -168,7 +168,7 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
     if no_masters and opt.update.params_in_swapper:  # (before save_state writes the masters' cast over the file)
         opt.update.refresh_stale_masters()
     opt.update.steps = [0] * len(opt.layout.params)
-    master, exp_avg, exp_avg_sq = opt.update.state()
+    master, exp_avg, exp_avg_sq = _current_state(opt, plan, no_masters)
     exp_avg.zero_()
     exp_avg_sq.zero_()
     for _, p, st, step in plan:
@@ -202,6 +202,20 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
         opt.scaler.scale, opt.scaler.good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
     opt.grads.iteration = int(extra.get("iteration", max(opt.update.steps, default=0)))
     opt.update.resume(staged=bool(extra.get("staged")))
+    opt._interrupted = None
+
+
+def _current_state(opt: ZeroOffloadAdamW, plan: list, no_masters: bool) -> tuple[torch.Tensor, ...]:
+    """The state the loaded one is written over; NVMe files torn by an interrupted step are not read: a state dict
+    with every parameter's master replaces them whole."""
+    swapper = opt.update.swapper
+    if swapper is None or not swapper.torn:
+        return opt.update.state()
+    if no_masters or len(plan) != len(opt.layout.params):
+        raise RuntimeError(f"the optimizer state files are torn ({swapper.torn}): only a state dict with every "
+                           "parameter's state and master (a ZeroOffloadAdamW's state_dict(), save_checkpoint) can "
+                           "replace them")  # fmt: skip
+    return tuple(torch.zeros(opt.update.numel, dtype=torch.float32) for _ in range(3))
 
 
 def _check_step(x: Any, name: str) -> int:
