@@ -113,6 +113,8 @@ MUTANTS = [
        "if x._version != v and self.changed is None:", "if False:", "tests/test_activations.py"),
     _m("activation-dropped-prefetch-unfenced", "activations", "zo_kernels/activations.py",
        "self.transport.device_wait(landing)", "pass", "tests/test_activations.py"),
+    _m("activation-graphless-forward-evicts", "activations", "zo_kernels/activations.py",
+       "graph=not _needs_no_grad(out)", "graph=True", "tests/test_activations.py"),
     # ---- selective: the selection's gradient gathered on the device follows the host's (selected.py)
     _m("selective-zero-grad-keeps-device-gradient", "selective", "zo_kernels/offload/grads.py",
        "                self.selected.landing.zero_()\n", "                pass\n", "tests/test_selective.py"),

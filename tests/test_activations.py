@@ -220,6 +220,32 @@ def test_one_backward_copies_every_checkpoint_but_the_newest_once_each_way(engin
     h.square().sum().backward()
     assert counts == {"d2h": 6, "h2d": 11}, counts
 
+def test_a_graphless_forward_in_between_leaves_the_held_checkpoint_on_the_device(engine):
+    """A checkpointed forward that builds no graph (a frozen teacher on an input without grad) between a forward and
+    its backward is never recomputed: the pending graph's newest checkpoint stays on the device (no copy down and
+    back up), and the gradients are torch's."""
+    log = []
+
+    def logged(name: str):
+        copy = getattr(engine, name)
+        return lambda dst, src: (log.append(name), copy(dst, src))[1]
+
+    engine.h2d, engine.d2h = logged("h2d"), logged("d2h")
+    buf = ActivationBuffers("cpu", engine)
+    model, x = blocks(3), x_input()
+    teacher = blocks(1)[0].requires_grad_(False)
+
+    def ck(b, h):
+        out = zk.checkpoint(b, h, buffers=buf)
+        if b is model[-1]:  # after the last block, before backward
+            zk.checkpoint(teacher, x, buffers=buf)
+        return out
+
+    want = run(model, torch_ck, x)
+    same(run(model, ck, x), want)
+    assert log.count("d2h") == 2 and log.count("h2d") == 2, log  # the teacher's made none, nor sent one down
+
+
 def test_a_missing_device_wait_is_caught():
     """The recomputation reads the device slot before its delayed H2D copy has landed: gradients differ."""
     model, x = blocks(4), x_input()

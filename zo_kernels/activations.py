@@ -140,13 +140,22 @@ class ActivationBuffers:
         return block
 
     def _register(self, seg: _Segment) -> None:
-        """`seg` is the newest offloaded segment: the ones before it go to the host."""
+        """`seg` is the newest offloaded segment (its function about to run: see `_settle`)."""
         with self._lock:
             self._order = [r for r in self._order if r() is not None]
-            older = [s for s in (r() for r in self._order) if s is not None]
             self._order.append(weakref.ref(seg))
-        for s in older:
-            s.to_host()
+
+    def _settle(self, seg: _Segment, graph: bool) -> None:
+        """`seg`'s function has run. graph: its output may need a gradient, so backward will recompute it: the
+        segments registered before it go to the host. Otherwise (a graphless forward, a frozen teacher's, say) it is
+        never recomputed: it leaves the order, and the held checkpoint of the pending graph stays where it is."""
+        with self._lock:
+            live = [s for s in (r() for r in self._order) if s is not None]
+            if not graph:
+                self._order = [weakref.ref(s) for s in live if s is not seg]
+        if graph and seg in live:
+            for s in live[: live.index(seg)]:
+                s.to_host()
 
     def _previous(self, seg: _Segment) -> _Segment | None:
         """The live segment registered just before `seg` (the next one backward recomputes)."""
@@ -210,7 +219,7 @@ class _Segment:
         self.args = None
         self.state = "held" if self.offload else "stored"
         if self.offload:
-            self.buffers._register(self)  # (the segment held before this one goes to the host)
+            self.buffers._register(self)
 
     def to_host(self) -> None:
         """A held checkpoint: queue the D2H copies of its arguments and drop the device references."""
@@ -294,11 +303,26 @@ class _Segment:
                 for i, o in zip(grads, outs, strict=True):
                     args[i] = o
             self.store()
-        else:
-            args = list(call_args)
-            for i, t in zip(self.slots, self.restore(), strict=True):
-                args[i] = t
+            out = self.function(*args, **kwargs)
+            if self.offload:
+                self.buffers._settle(self, graph=not _needs_no_grad(out))
+            return out
+        args = list(call_args)
+        for i, t in zip(self.slots, self.restore(), strict=True):
+            args[i] = t
         return self.function(*args, **kwargs)
+
+
+def _needs_no_grad(out: Any) -> bool:
+    """Whether a segment's output is known to need no gradient (tensors, and lists, tuples, dicts of them or of
+    plain values); an object of any other type counts as needing one."""
+    if isinstance(out, torch.Tensor):
+        return not out.requires_grad
+    if isinstance(out, (list, tuple)):
+        return all(_needs_no_grad(o) for o in out)
+    if isinstance(out, dict):
+        return all(_needs_no_grad(o) for o in out.values())
+    return out is None or isinstance(out, (bool, int, float, str))
 
 
 def _free_segment(buffers: ActivationBuffers, host: list[torch.Tensor], device: list[torch.Tensor]) -> None:
