@@ -68,3 +68,12 @@ def digest(*tensors: torch.Tensor) -> str:
         if t is not None:
             h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """`zo-kernels ARGV` in this process: (exit code, stdout, stderr)."""
+    from zo_kernels.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err

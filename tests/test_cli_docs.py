@@ -5,20 +5,14 @@ import re
 
 import pytest
 import torch
+from helpers import run_cli
 
 from zo_kernels import cli
-from zo_kernels.cli import main
-
-
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize("command", ["demo", "plan", "bench", "dashboard"])
 def test_help_shows_defaults_and_units(capsys, command):
-    code, out, _ = run(capsys, command, "--help")
+    code, out, _ = run_cli(capsys, command, "--help")
     assert code == 0
     text = " ".join(out.split())
     expected = {
@@ -38,7 +32,7 @@ def test_a_suite_that_cannot_run_here_says_why_and_exits_0(capsys, monkeypatch, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     called = []
     monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: called.append(a) or 0)
-    code, out, _ = run(capsys, "bench", "--suite", "buckets", "-o", str(tmp_path / "b.json"))
+    code, out, _ = run_cli(capsys, "bench", "--suite", "buckets", "-o", str(tmp_path / "b.json"))
     assert code == 0 and called == []
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("bench buckets: not run, it needs a GPU"), out
@@ -46,7 +40,7 @@ def test_a_suite_that_cannot_run_here_says_why_and_exits_0(capsys, monkeypatch, 
 
 def test_every_suite_only_skipped_exits_0(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: cli.PYTEST_NO_TESTS)
-    code, out, _ = run(capsys, "bench", "--suite", "nvme", "-o", str(tmp_path / "n.json"))
+    code, out, _ = run_cli(capsys, "bench", "--suite", "nvme", "-o", str(tmp_path / "n.json"))
     assert code == 0 and "every benchmark was skipped" in out
 
 
@@ -58,26 +52,26 @@ def test_the_suites_the_readme_lists_are_the_clis():
 
 def test_v100_example_as_the_readme_writes_it(capsys):
     """One 32 GiB V100: 13.60B for ZeRO-2 + offload (the ZeRO-Offload paper: 13B) and 1.70B for DDP; --k 16: 1.36B."""
-    code, out, _ = run(capsys, "plan", "--params", "13e9", "--gpu-mem", "32GiB", "--host-mem", "768GiB", "--max")
+    code, out, _ = run_cli(capsys, "plan", "--params", "13e9", "--gpu-mem", "32GiB", "--host-mem", "768GiB", "--max")
     rows = {line[:18].strip(): line for line in out.splitlines()}
     assert code == 0 and rows["ZeRO-2 + offload"].endswith("13.60B") and rows["DDP"].endswith("1.70B")
-    code, out, _ = run(capsys, "plan", "--params", "13e9", "--gpu-mem", "32GiB", "--host-mem", "768GiB", "--max",
-                       "--k", "16")  # fmt: skip
+    code, out, _ = run_cli(capsys, "plan", "--params", "13e9", "--gpu-mem", "32GiB", "--host-mem", "768GiB", "--max",
+                           "--k", "16")  # fmt: skip
     assert {line[:18].strip(): line for line in out.splitlines()}["DDP"].endswith("1.36B")
 
 
 def test_sizes_mean_what_they_say(capsys):
     """32GB is 32e9 bytes, 32GiB is 32 x 2^30: both accepted, different results."""
     for size, shown in (("32GB", "32.0 GB"), ("32GiB", "34.4 GB")):
-        code, out, _ = run(capsys, "plan", "--params", "1e9", "--gpu-mem", size)
+        code, out, _ = run_cli(capsys, "plan", "--params", "1e9", "--gpu-mem", size)
         assert code == 0 and f"1 GPU(s) x {shown}" in out, out.splitlines()[0]
 
 
 def test_zero_infinity_table_1_from_the_command_line(capsys):
     """The ZeRO-Infinity paper's 1T model (128 layers, hidden 25,600; its GB and TB are GiB and TiB): 9.77 GiB of
     model-state working memory per GPU and 18.31 TiB of model states, from the command the README shows."""
-    code, out, _ = run(capsys, "plan", "--params", "1006632960000", "--layer-params", "2621440000", "--prefetch", "0",
-                       "--k", "16", "--io-pool", "0", "--nvme", "20TiB", "--units", "TiB")  # fmt: skip
+    code, out, _ = run_cli(capsys, "plan", "--params", "1006632960000", "--layer-params", "2621440000", "--prefetch",
+                           "0", "--k", "16", "--io-pool", "0", "--nvme", "20TiB", "--units", "TiB")  # fmt: skip
     assert code == 0
     assert re.search(r"working set 9\.77 GiB per GPU", out), out
     row = next(line for line in out.splitlines() if line.startswith("ZeRO-Infinity"))
@@ -86,8 +80,8 @@ def test_zero_infinity_table_1_from_the_command_line(capsys):
 
 def test_demo_memory_lines_under_dpu_follow_the_buffers(capsys):
     """Before: the demo printed "no 2 B staging" beside 18 B/param under DPU."""
-    code, out, _ = run(capsys, "demo", "--steps", "4", "--model-size", "1e5", "--batch", "2", "--context", "16",
-                       "--dtype", "bf16", "--delay-update-after", "1", "--quiet")  # fmt: skip
+    code, out, _ = run_cli(capsys, "demo", "--steps", "4", "--model-size", "1e5", "--batch", "2", "--context", "16",
+                           "--dtype", "bf16", "--delay-update-after", "1", "--quiet")  # fmt: skip
     assert code == 0
     assert "no 2 B staging" not in out
     host = next(line for line in out.splitlines() if line.strip().startswith("host"))

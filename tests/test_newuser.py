@@ -5,21 +5,15 @@ import io
 import re
 
 import pytest
+from helpers import run_cli
 
 from zo_kernels import cli
-from zo_kernels.cli import main
-
-
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize("command", ["demo", "plan", "bench", "dashboard"])
 def test_help_says_each_default_once_and_never_none(capsys, command):
     """Before: "(default: never) (default: None)", "(default: params / 32) (default: None)", required --params."""
-    code, out, _ = run(capsys, command, "--help")
+    code, out, _ = run_cli(capsys, command, "--help")
     text = " ".join(out.split())
     assert code == 0
     assert "(default: None)" not in text, text
@@ -30,21 +24,21 @@ def test_help_says_each_default_once_and_never_none(capsys, command):
 @pytest.mark.parametrize("flag", [["--activation-offload"], ["--no-checkpointing"], ["--attention", "eager"]])
 def test_plan_activation_flags_without_seq_are_refused(capsys, flag):
     """Before: `plan --params 7B --activation-offload` printed the 4 GiB-activations table, the flag ignored."""
-    code, out, err = run(capsys, "plan", "--params", "7B", "--gpu-mem", "24GB", *flag)
+    code, out, err = run_cli(capsys, "plan", "--params", "7B", "--gpu-mem", "24GB", *flag)
     assert code == 2 and out == ""
     assert flag[0] in err and "--seq" in err and "--hidden" in err, err
 
 
 def test_plan_shape_option_without_seq_names_the_option(capsys):
-    code, _, err = run(capsys, "plan", "--params", "7B", "--hidden", "4096")
+    code, _, err = run_cli(capsys, "plan", "--params", "7B", "--hidden", "4096")
     assert code == 2 and "--hidden" in err and "--seq" in err, err
 
 
 def test_demo_torch_line_and_header_with_compressed_moments(capsys):
     """Before: with --state-dtype bf16 the torch line read "planner DDP 12: fp32 training here is 4+4+8 = 16 too"
     (torch's AdamW keeps fp32 moments: 16), and the header "delayed update after None"."""
-    code, out, _ = run(capsys, "demo", "--steps", "2", "--model-size", "1e5", "--batch", "2", "--context", "16",
-                       "--dtype", "bf16", "--state-dtype", "bf16", "--quiet")  # fmt: skip
+    code, out, _ = run_cli(capsys, "demo", "--steps", "2", "--model-size", "1e5", "--batch", "2", "--context", "16",
+                           "--dtype", "bf16", "--state-dtype", "bf16", "--quiet")  # fmt: skip
     assert code == 0
     torch_line = next(line for line in out.splitlines() if line.strip().startswith("torch  device"))
     assert "planner DDP 16:" in torch_line, torch_line
@@ -58,11 +52,11 @@ def test_bench_sizes_reach_every_benchmark(capsys, monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
     envs = []
     monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: envs.append(k["env"]) or 0)
-    assert run(capsys, "bench", "--suite", "cpu_adam", "--sizes", "1e5", "-o", str(tmp_path / "a.json"))[0] == 0
+    assert run_cli(capsys, "bench", "--suite", "cpu_adam", "--sizes", "1e5", "-o", str(tmp_path / "a.json"))[0] == 0
     env = envs[-1]
     assert env["ZO_BENCH_SIZES"] == env["ZO_BENCH_FORMAT_SIZES"] == env["ZO_BENCH_INFINITY_SIZES"] == "100000"
     # without --sizes each benchmark keeps its own default sizes
-    assert run(capsys, "bench", "--suite", "cpu_adam", "-o", str(tmp_path / "b.json"))[0] == 0
+    assert run_cli(capsys, "bench", "--suite", "cpu_adam", "-o", str(tmp_path / "b.json"))[0] == 0
     env = envs[-1]
     assert env["ZO_BENCH_SIZES"] == "10000000"
     assert "ZO_BENCH_FORMAT_SIZES" not in env and "ZO_BENCH_INFINITY_SIZES" not in env
@@ -184,10 +178,10 @@ def test_a_step_interrupted_is_refused_until_a_checkpoint_is_loaded(tmp_path, mo
 @pytest.mark.parametrize("option", ["--gpu-mem", "--host-mem", "--nvme"])
 def test_plan_a_size_without_a_unit_that_cannot_mean_bytes_is_refused(capsys, option):
     """Before: `plan --params 7B --gpu-mem 24` planned for a 24-byte GPU ("1 GPU(s) x 0.0 GB"), no word said."""
-    code, out, err = run(capsys, "plan", "--params", "7B", option, "24")
+    code, out, err = run_cli(capsys, "plan", "--params", "7B", option, "24")
     assert code == 2 and out == ""
     assert option in err and "24GB" in err and "24GiB" in err, err
-    assert run(capsys, "plan", "--params", "7B", "--nvme", "0", "--io-pool", "0")[0] == 0  # 0 needs no unit
+    assert run_cli(capsys, "plan", "--params", "7B", "--nvme", "0", "--io-pool", "0")[0] == 0  # 0 needs no unit
 
 
 def test_an_output_that_is_a_directory_is_refused(capsys, monkeypatch, tmp_path):
@@ -198,7 +192,7 @@ def test_an_output_that_is_a_directory_is_refused(capsys, monkeypatch, tmp_path)
     run_json.write_text('{"benchmarks": []}')
     for argv in (["dashboard", str(run_json), "-o", str(tmp_path)],
                  ["bench", "--suite", "cpu_adam", "-o", str(tmp_path)], ["demo", "--plot", str(tmp_path)]):  # fmt: skip
-        code, _, err = run(capsys, *argv)
+        code, _, err = run_cli(capsys, *argv)
         assert code == 2 and "is a directory" in err and ("--output" in err or "--plot" in err), (argv, err)
     assert called == []
 
@@ -215,10 +209,10 @@ def test_cpuadam_given_the_model_says_model_parameters():
 
 def test_plan_says_what_to_try_when_nothing_fits(capsys):
     """Before: 7B on a 24 GB GPU and 64 GB of host memory printed nine rows of "no" and nothing to try."""
-    code, out, _ = run(capsys, "plan", "--params", "7B", "--gpu-mem", "24GB", "--host-mem", "64GB")
+    code, out, _ = run_cli(capsys, "plan", "--params", "7B", "--gpu-mem", "24GB", "--host-mem", "64GB")
     assert code == 0 and "nothing fits: try" in out and "--state-dtype" in out and "--nvme SIZE" in out, out
-    code, out, _ = run(capsys, "plan", "--params", "7B", "--gpu-mem", "24GB", "--host-mem", "64GB",
-                       "--state-dtype", "8bit")  # fmt: skip
+    code, out, _ = run_cli(capsys, "plan", "--params", "7B", "--gpu-mem", "24GB", "--host-mem", "64GB",
+                           "--state-dtype", "8bit")  # fmt: skip
     assert code == 0 and "nothing fits" not in out  # the suggestion works: ZeRO-2 + offload fits at 8.03 B/param
     assert "ZeRO-2 + offload" in out and "yes" in next(r for r in out.splitlines() if r.startswith("ZeRO-2 + off"))
 

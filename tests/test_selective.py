@@ -323,6 +323,16 @@ def _run(world, cfgs, tmp_path, micro=1, stages=None, clear=False):
     return {tag: [torch.load(f"{out}.{tag}.{r}", weights_only=False) for r in range(world)] for tag in cfgs}
 
 
+def _close_and_compare_masters(opt, tr, ref) -> None:
+    """opt's fp32 masters equal ref's parameters bitwise; opt and its transport (None: the default) closed."""
+    got = [v["master"] for _, v in sorted(opt.state_dict()["state"].items())]
+    opt.close()
+    if tr is not None:
+        tr.close()
+    for i, (g, p) in enumerate(zip(got, ref.parameters())):
+        assert torch.equal(g, p.detach()), f"param {i}"
+
+
 def _masters(result):
     return torch.cat([v["master"].reshape(-1) for _, v in sorted(result["state"]["state"].items())])
 
@@ -525,12 +535,7 @@ def test_p_grad_edits_between_micro_batches_reach_the_device_gradient(transport)
         ref_opt.step()
         ref_opt.zero_grad()
     assert not opt.update.acc[0].any(), "every param is fully selected: nothing is summed on the host"
-    got = [v["master"] for _, v in sorted(opt.state_dict()["state"].items())]
-    opt.close()
-    if tr is not None:
-        tr.close()
-    for i, (g, p) in enumerate(zip(got, ref.parameters())):
-        assert torch.equal(g, p.detach()), f"param {i}"
+    _close_and_compare_masters(opt, tr, ref)
 
 
 def test_host_sums_skip_fully_selected_params_and_bounds_hold():
@@ -573,9 +578,4 @@ def test_zero_grad_keeping_zeros_clears_the_device_gradient(transport):
             o.step()
             o.zero_grad(set_to_none=False)
     assert opt.update.sel is not None and opt.grads.selected.accum is not None, "gathered and summed on the device"
-    got = [v["master"] for _, v in sorted(opt.state_dict()["state"].items())]
-    opt.close()
-    if tr is not None:
-        tr.close()
-    for i, (g, p) in enumerate(zip(got, ref.parameters())):
-        assert torch.equal(g, p.detach()), f"param {i}"
+    _close_and_compare_masters(opt, tr, ref)
