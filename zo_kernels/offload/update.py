@@ -467,8 +467,11 @@ class HostUpdate(StateViews):
             self.failed = TimeoutError(f"the delayed (background) update did not finish within "
                                        f"{self.timeout_s:g} s (update_timeout_s)")  # fmt: skip
             raise self.failed from None
-        except BaseException as e:  # the worker's own exception, with its traceback
-            self.failed = e
+        except BaseException as e:
+            if not (fut.done() and fut.exception() is e):  # Ctrl-C in the wait: the update goes on, still pending
+                self._pending = fut
+                raise
+            self.failed = e  # the worker's own exception, with its traceback
             raise
         self.times.add("cpu_update", seconds)
         self.times.add("dpu_wait", time.perf_counter() - t0)

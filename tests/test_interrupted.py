@@ -1,0 +1,86 @@
+"""A step interrupted (Ctrl-C, an exception in the update): what the optimizer refuses, and that loading a checkpoint
+(or waiting again) goes on from where an uninterrupted run would be, bit for bit. Each test failed on the code before
+its fix (tests/test_newuser.py has the first cases: stages 1-2 in memory and on NVMe, ZeroOffloadAdafactor)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zo_kernels
+from zo_kernels.offload import update
+
+
+def build(tmp_path, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    if kw.get("nvme_dir") == "tmp":
+        kw["nvme_dir"] = str(tmp_path)
+    return model, zo_kernels.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.bfloat16, tile_numel=1024, **kw)
+
+
+def step(model, opt) -> None:
+    opt.backward(model(torch.ones(4, 64, dtype=torch.bfloat16)).float().square().mean())
+    opt.step()
+
+
+def same_params(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def uninterrupted(tmp_path, steps: int, **kw) -> torch.nn.Module:
+    """The model after `steps` steps of a run nothing interrupted."""
+    model, opt = build(tmp_path, **kw)
+    for _ in range(steps):
+        step(model, opt)
+    opt.synchronize()
+    opt.close()
+    return model
+
+
+def interrupt_the_update(monkeypatch, at_call: int) -> None:
+    """Ctrl-C in the update's `at_call`-th call of CPU Adam (or of the tiled writeback that calls it)."""
+    calls = []
+
+    def interrupting(real):
+        def call(*a, **k):
+            calls.append(1)
+            if len(calls) == at_call:
+                raise KeyboardInterrupt
+            return real(*a, **k)
+
+        return call
+
+    for name in ("cpu_adam_step", "tiled_writeback"):
+        monkeypatch.setattr(update, name, interrupting(getattr(update, name)))
+
+
+class _CtrlCWhileWaiting:
+    """A background update's future whose first wait is stopped by Ctrl-C (the update itself goes on)."""
+
+    def __init__(self, future) -> None:
+        self.future, self.interrupted = future, False
+
+    def result(self, timeout=None):
+        if not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        return self.future.result(timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.future, name)
+
+
+def test_ctrl_c_while_waiting_for_the_background_update_loses_nothing(tmp_path):
+    """DPU: step() first waits for the last step's background update. Before: Ctrl-C in that wait marked the
+    optimizer failed for good (step, state_dict and load_checkpoint refused) though the update itself went on fine."""
+    model, opt = build(tmp_path, delay_update_after=0)
+    step(model, opt)
+    opt.update._pending = _CtrlCWhileWaiting(opt.update._pending)
+    with pytest.raises(KeyboardInterrupt):
+        step(model, opt)
+    opt.step()  # the interrupted step again: its gradients are still there
+    opt.synchronize()
+    assert opt.state_dict()["state"]
+    assert same_params(model, uninterrupted(tmp_path, 2, delay_update_after=0))
+    opt.close()
