@@ -84,3 +84,25 @@ def test_ctrl_c_while_waiting_for_the_background_update_loses_nothing(tmp_path):
     assert opt.state_dict()["state"]
     assert same_params(model, uninterrupted(tmp_path, 2, delay_update_after=0))
     opt.close()
+
+
+@pytest.mark.parametrize("offload_param", [None, "cpu"])
+def test_a_stage_3_step_interrupted_is_recovered_by_load_checkpoint(tmp_path, monkeypatch, offload_param):
+    """Before: load_checkpoint gathers the model's parameters (to load its weights) and that gather refused, saying
+    to load a checkpoint: at stage 3 the way on that the refusal names was closed."""
+    kw = dict(stage=3, offload_param=offload_param)
+    model, opt = build(tmp_path, **kw)
+    step(model, opt)
+    zo_kernels.save_checkpoint(tmp_path / "ck.pt", model, opt, step=1)
+    with monkeypatch.context() as m:
+        interrupt_the_update(m, at_call=1)
+        with pytest.raises(KeyboardInterrupt):
+            step(model, opt)
+    with pytest.raises(RuntimeError, match="load a checkpoint"):
+        step(model, opt)
+    assert zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt) == {"step": 1}
+    step(model, opt)
+    with opt.gathered():
+        assert same_params(model, uninterrupted(tmp_path, 2, **kw))
+    opt.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]

@@ -535,7 +535,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         model outside forward; freed after. With write=True what the block writes into the parameters (e.g.
         model.load_state_dict; every rank the same values) is kept; call refresh_masters_from_model() after
         to make it the fp32 masters too. A no-op at stages 1 and 2 (the parameters are always whole)."""
-        self._check_alive()
+        if write:  # (load_checkpoint's way to the model's weights: after an interrupted step too)
+            self._check_loadable()
+        else:
+            self._check_alive()
         if self.shards is None:
             self.update.wait_written()
             yield
