@@ -106,3 +106,35 @@ def test_a_stage_3_step_interrupted_is_recovered_by_load_checkpoint(tmp_path, mo
         assert same_params(model, uninterrupted(tmp_path, 2, **kw))
     opt.close()
     assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
+
+
+def test_torn_nvme_files_refuse_a_partial_state_dict_before_changing_anything(tmp_path, monkeypatch):
+    """A state dict without every parameter's state cannot replace torn files. Before: it was refused only after
+    the param groups (lr...) and the step counts were overwritten with the refused state dict's. A full state dict
+    of another instance (its state_dict()) then recovers."""
+    kw = dict(offload_optimizer="nvme", nvme_dir="tmp")
+    model, opt = build(tmp_path, **kw)
+    step(model, opt)
+    with monkeypatch.context() as m:
+        interrupt_the_update(m, at_call=3)
+        with pytest.raises(KeyboardInterrupt):
+            step(model, opt)
+    other_model, other = build(tmp_path, **kw)
+    step(other_model, other)
+    full = other.state_dict()
+    partial = other.state_dict()
+    del partial["state"][0]
+    for group in partial["param_groups"]:
+        group["lr"] = 0.5
+    groups = [dict(g) for g in opt.param_groups]
+    with pytest.raises(RuntimeError, match="torn .*only a state dict with every parameter's state and master"):
+        opt.load_state_dict(partial)
+    assert opt.param_groups == groups
+    with pytest.raises(RuntimeError, match="load a checkpoint"):
+        step(model, opt)
+    opt.load_state_dict(full)
+    other.close()
+    step(model, opt)
+    assert same_params(model, uninterrupted(tmp_path, 2, **kw))
+    opt.close()
+    assert list(tmp_path.iterdir()) == []
