@@ -86,16 +86,20 @@ def test_ctrl_c_while_waiting_for_the_background_update_loses_nothing(tmp_path):
     opt.close()
 
 
-@pytest.mark.parametrize("offload_param", [None, "cpu"])
+STAGE_3 = {None: {}, "cpu": {}}
+
+
+@pytest.mark.parametrize("offload_param", list(STAGE_3))
 def test_a_stage_3_step_interrupted_is_recovered_by_load_checkpoint(tmp_path, monkeypatch, offload_param):
     """Before: load_checkpoint gathers the model's parameters (to load its weights) and that gather refused, saying
-    to load a checkpoint: at stage 3 the way on that the refusal names was closed."""
-    kw = dict(stage=3, offload_param=offload_param)
+    to load a checkpoint: at stage 3 the way on that the refusal names was closed. With the parameters on NVMe the
+    gather read, and the store wrote, the files the interrupted step tore."""
+    kw = dict(stage=3, offload_param=offload_param, **STAGE_3[offload_param])
     model, opt = build(tmp_path, **kw)
     step(model, opt)
     zo_kernels.save_checkpoint(tmp_path / "ck.pt", model, opt, step=1)
     with monkeypatch.context() as m:
-        interrupt_the_update(m, at_call=1)
+        interrupt_the_update(m, at_call=3 if offload_param == "nvme" else 1)
         with pytest.raises(KeyboardInterrupt):
             step(model, opt)
     with pytest.raises(RuntimeError, match="load a checkpoint"):
@@ -137,4 +141,20 @@ def test_torn_nvme_files_refuse_a_partial_state_dict_before_changing_anything(tm
     step(model, opt)
     assert same_params(model, uninterrupted(tmp_path, 2, **kw))
     opt.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_close_after_a_step_interrupted_on_nvme_at_stage_3_hands_the_model_back(tmp_path, monkeypatch):
+    """close() of an optimizer whose step was interrupted: the model gets its parameters back whole (as that step left
+    them, as in memory) and the NVMe files go. Before: with the parameters on NVMe close() raised (the files torn),
+    leaving the model's parameters empty and the files on disk until the process exits."""
+    kw = dict(stage=3, offload_param="nvme", offload_optimizer="nvme", nvme_dir="tmp")
+    model, opt = build(tmp_path, **kw)
+    step(model, opt)
+    with monkeypatch.context() as m:
+        interrupt_the_update(m, at_call=3)
+        with pytest.raises(KeyboardInterrupt):
+            step(model, opt)
+    opt.close()
+    assert [tuple(p.shape) for p in model.parameters()] == [(64, 64), (64,), (64, 64), (64,)]
     assert list(tmp_path.iterdir()) == []
