@@ -86,7 +86,7 @@ def test_ctrl_c_while_waiting_for_the_background_update_loses_nothing(tmp_path):
     opt.close()
 
 
-STAGE_3 = {None: {}, "cpu": {}}
+STAGE_3 = {None: {}, "cpu": {}, "nvme": dict(offload_optimizer="nvme", nvme_dir="tmp")}
 
 
 @pytest.mark.parametrize("offload_param", list(STAGE_3))
