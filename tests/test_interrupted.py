@@ -158,3 +158,23 @@ def test_close_after_a_step_interrupted_on_nvme_at_stage_3_hands_the_model_back(
     opt.close()
     assert [tuple(p.shape) for p in model.parameters()] == [(64, 64), (64,), (64, 64), (64,)]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_after_the_step_counts_moved_is_an_interrupted_step(tmp_path, monkeypatch):
+    """step() counts the step (each parameter's step, the groups' "step") before the update starts. Before: Ctrl-C
+    between the two was not an interrupted step: the next step went on with the counts one step ahead."""
+    model, opt = build(tmp_path)
+    step(model, opt)
+    real = type(opt)._set_group_steps
+
+    def ctrl_c(self):
+        real(self)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(type(opt), "_set_group_steps", ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            step(model, opt)
+    with pytest.raises(RuntimeError, match="load a checkpoint"):
+        step(model, opt)
+    opt.close()

@@ -677,15 +677,15 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
         grad_scale = clip / scale
         runs = self.layout.runs(got, self.update.steps, c.factor)
-        for i, g in enumerate(got):
-            self.update.steps[i] += g
-        self._set_group_steps()
-        # the hyper-parameters as they are now: a scheduler may change them before a background update runs
-        hparams = [self._group_hparams(g) for g in self.param_groups]
-        extra = {} if c.device_grad is None else {"device_grad": c.device_grad}  # gpu_fraction's (twin.py)
-        if self.update.params_over_grads:  # the new parameters go over the gradients (update.py)
-            extra["out"] = c.landing
         try:
+            for i, g in enumerate(got):
+                self.update.steps[i] += g
+            self._set_group_steps()
+            # the hyper-parameters as they are now: a scheduler may change them before a background update runs
+            hparams = [self._group_hparams(g) for g in self.param_groups]
+            extra = {} if c.device_grad is None else {"device_grad": c.device_grad}  # gpu_fraction's (twin.py)
+            if self.update.params_over_grads:  # the new parameters go over the gradients (update.py)
+                extra["out"] = c.landing
             if delayed:
                 self.update.start(c.grad, grad_scale, runs, hparams, **extra)
             elif self.selective is not None:
