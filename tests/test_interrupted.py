@@ -178,3 +178,40 @@ def test_ctrl_c_after_the_step_counts_moved_is_an_interrupted_step(tmp_path, mon
     with pytest.raises(RuntimeError, match="load a checkpoint"):
         step(model, opt)
     opt.close()
+
+
+def test_a_failed_background_update_is_recovered_by_load_checkpoint(tmp_path, monkeypatch):
+    """DPU: the background update raised (an I/O error, say), leaving the state part old, part new, as an interrupted
+    synchronous step does. Before: load_checkpoint was refused too ("unusable after an earlier failure ... restore
+    from a checkpoint"), so only a new optimizer went on."""
+    kw = dict(delay_update_after=0)
+    model, opt = build(tmp_path, **kw)
+    step(model, opt)
+    opt.synchronize()
+    zo_kernels.save_checkpoint(tmp_path / "ck.pt", model, opt, step=1)
+    real, calls = update.cpu_adam_step, []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+        return real(*a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(update, "cpu_adam_step", failing)
+        step(model, opt)
+        with pytest.raises(OSError, match="Input/output"):
+            opt.synchronize()
+    for use in (lambda: step(model, opt), opt.state_dict):
+        with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint"):
+            use()
+    assert zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt) == {"step": 1}
+    step(model, opt)
+    opt.synchronize()
+    ref_model, ref = build(tmp_path, **kw)
+    for _ in range(2):  # (each step's update waited for, as around the checkpoint)
+        step(ref_model, ref)
+        ref.synchronize()
+    assert same_params(model, ref_model)
+    ref.close()
+    opt.close()

@@ -261,7 +261,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         raise ValueError(f"path: {path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
     # after an interrupted step the optimizer's state goes first: at stage 3 storing the model's weights writes the
     # parameters' NVMe file, which that step tore and the state replaces
-    first = isinstance(optimizer, ZeroOffloadAdamW) and optimizer._interrupted is not None
+    first = isinstance(optimizer, ZeroOffloadAdamW) and optimizer._interruption() is not None
     with _whole(model, optimizer, write=True):
         state, extra = _check_payload(ckpt, path, model, optimizer)
         if first and state is not None:

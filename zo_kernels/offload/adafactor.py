@@ -388,4 +388,4 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
             self.scaler.scale, self.scaler.good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
         self.grads.iteration = int(extra.get("iteration", max(self.update.steps, default=0)))
         self.update.resume(staged=bool(extra.get("staged")))
-        self._interrupted = None
+        self._loaded()

@@ -550,17 +550,27 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     def _check_loadable(self) -> None:
         """load_state_dict's guard: an interrupted step does not stop it (loading a state is the way on)."""
-        interrupted, self._interrupted = self._interrupted, None
-        try:
-            self._check_alive()
-        finally:
-            self._interrupted = interrupted
+        self._check_open()
+        self._check_not_failed()
+
+    def _interruption(self) -> BaseException | None:
+        """What stopped a step midway (Ctrl-C, an exception in its update, synchronous or in the background), if one
+        did since the last state was loaded."""
+        return self._interrupted or self.update.stopped
+
+    def _loaded(self) -> None:
+        """A whole state was loaded: an interrupted step is forgotten."""
+        self._interrupted = self.update.stopped = None
 
     def _check_usable(self) -> None:
-        if self._interrupted is not None:
+        interrupted = self._interruption()
+        if interrupted is not None:
             raise RuntimeError("an earlier step() stopped midway (see the chained exception): part of the state holds "
                                "the new step, part the old one; load a checkpoint (zo_kernels.load_checkpoint or "
-                               "opt.load_state_dict) to go on") from self._interrupted  # fmt: skip
+                               "opt.load_state_dict) to go on") from interrupted  # fmt: skip
+        self._check_not_failed()
+
+    def _check_not_failed(self) -> None:
         failed = self.comm.failed or self.update.failed
         if failed is not None:
             raise RuntimeError("this optimizer is unusable after an earlier failure (see the chained exception); "

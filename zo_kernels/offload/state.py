@@ -206,7 +206,7 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
         opt.scaler.scale, opt.scaler.good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
     opt.grads.iteration = int(extra.get("iteration", max(opt.update.steps, default=0)))
     opt.update.resume(staged=bool(extra.get("staged")))
-    opt._interrupted = None
+    opt._loaded()
 
 
 def _check_replaces_torn(opt: ZeroOffloadAdamW, plan: list, no_masters: bool) -> bool:

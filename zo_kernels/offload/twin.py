@@ -154,6 +154,15 @@ class TwinUpdate(StateViews):
         return self._failed or (self.host.failed if self.host is not None else None)
 
     @property
+    def stopped(self) -> BaseException | None:
+        return self.host.stopped if self.host is not None else None
+
+    @stopped.setter
+    def stopped(self, value: BaseException | None) -> None:
+        if self.host is not None:
+            self.host.stopped = value
+
+    @property
     def staged(self) -> bool:
         return self._staged
 
