@@ -215,3 +215,32 @@ def test_a_failed_background_update_is_recovered_by_load_checkpoint(tmp_path, mo
     assert same_params(model, ref_model)
     ref.close()
     opt.close()
+
+
+@pytest.mark.parametrize("kw", [{}, dict(delay_update_after=0)], ids=["sync", "dpu"])
+def test_errors_before_the_update_are_not_an_interrupted_step(tmp_path, kw):
+    """A guard (it passed before too): step(closure), a bad lr in a param group and an overflow-skipped step change
+    nothing, so the optimizer goes on, equal to a run without them."""
+
+    def run(errors: bool) -> torch.nn.Module:
+        model, opt = build(tmp_path, **kw)
+        step(model, opt)
+        opt.backward(model(torch.ones(4, 64, dtype=torch.bfloat16)).float().square().mean())
+        if errors:
+            with pytest.raises(ValueError, match="closure"):
+                opt.step(lambda: 1.0)
+            for bad, error in (("x", TypeError), (float("nan"), ValueError), (-1.0, ValueError)):
+                opt.param_groups[0]["lr"] = bad
+                with pytest.raises(error, match="lr"):
+                    opt.step()
+            opt.param_groups[0]["lr"] = 1e-2
+        opt.step()
+        opt.backward(model(torch.full((4, 64), float("inf"), dtype=torch.bfloat16)).float().square().mean())
+        opt.step()
+        assert opt.stats["skip_reason"] == "overflow"
+        step(model, opt)
+        opt.synchronize()
+        opt.close()
+        return model
+
+    assert same_params(run(errors=True), run(errors=False))
