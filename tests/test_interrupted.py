@@ -244,3 +244,26 @@ def test_errors_before_the_update_are_not_an_interrupted_step(tmp_path, kw):
         return model
 
     assert same_params(run(errors=True), run(errors=False))
+
+
+def test_a_timed_out_background_update_says_to_load_into_a_new_optimizer(tmp_path, monkeypatch):
+    """A background update past update_timeout_s may still be writing the state: nothing can be loaded into this
+    optimizer. Before: the refusal said "restore from a checkpoint", and load_checkpoint into it was refused the same
+    way."""
+    import time
+
+    model, opt = build(tmp_path, delay_update_after=0, update_timeout_s=0.2)
+    step(model, opt)
+    zo_kernels.save_checkpoint(tmp_path / "ck.pt", model, opt)
+    with monkeypatch.context() as m:
+        m.setattr(update, "cpu_adam_step", lambda *a, **k: time.sleep(1.0))
+        step(model, opt)
+        with pytest.raises(TimeoutError, match="update_timeout_s"):
+            opt.synchronize()
+    with pytest.raises(RuntimeError, match="build a new one and load a checkpoint into that"):
+        zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt)
+    opt.close()
+    model, opt = build(tmp_path)
+    zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt)
+    step(model, opt)
+    opt.close()

@@ -573,8 +573,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     def _check_not_failed(self) -> None:
         failed = self.comm.failed or self.update.failed
         if failed is not None:
-            raise RuntimeError("this optimizer is unusable after an earlier failure (see the chained exception); "
-                               "restore from a checkpoint") from failed  # fmt: skip
+            raise RuntimeError("this optimizer is unusable after an earlier failure (see the chained exception): "
+                               "close it, build a new one and load a checkpoint into that") from failed  # fmt: skip
 
     # ------------------------------------------------------------------ the user's calls
 
