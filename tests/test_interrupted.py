@@ -16,7 +16,8 @@ def build(tmp_path, **kw):
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     if kw.get("nvme_dir") == "tmp":
         kw["nvme_dir"] = str(tmp_path)
-    return model, zo_kernels.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.bfloat16, tile_numel=1024, **kw)
+    cls = kw.pop("cls", zo_kernels.ZeroOffloadAdamW)
+    return model, cls(model, lr=1e-2, dtype=torch.bfloat16, tile_numel=1024, **kw)
 
 
 def step(model, opt) -> None:
@@ -53,6 +54,10 @@ def interrupt_the_update(monkeypatch, at_call: int) -> None:
 
     for name in ("cpu_adam_step", "tiled_writeback"):
         monkeypatch.setattr(update, name, interrupting(getattr(update, name)))
+
+
+def ctrl_c(*args, **kwargs):
+    raise KeyboardInterrupt
 
 
 class _CtrlCWhileWaiting:
@@ -266,4 +271,26 @@ def test_a_timed_out_background_update_says_to_load_into_a_new_optimizer(tmp_pat
     model, opt = build(tmp_path)
     zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt)
     step(model, opt)
+    opt.close()
+
+
+@pytest.mark.parametrize("cls", [zo_kernels.ZeroOffloadAdamW, zo_kernels.ZeroOffloadAdafactor],
+                         ids=["adamw", "adafactor"])  # fmt: skip
+def test_a_load_interrupted_midway_is_refused_until_a_load_completes(tmp_path, monkeypatch, cls):
+    """Ctrl-C inside load_state_dict (loading many parameters, or writing NVMe files, takes a while) leaves part of
+    the state loaded (here the param groups, the step counts, the moments and masters) and part not (the parameters
+    on the device). Before: the next step went on from that mix."""
+    model, opt = build(tmp_path, cls=cls)
+    step(model, opt)
+    zo_kernels.save_checkpoint(tmp_path / "ck.pt", model, opt, step=1)
+    step(model, opt)
+    with monkeypatch.context() as m:
+        m.setattr(cls, "_set_group_steps", ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt)
+    with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint"):
+        step(model, opt)
+    zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt)
+    step(model, opt)
+    assert same_params(model, uninterrupted(tmp_path, 2, cls=cls))
     opt.close()

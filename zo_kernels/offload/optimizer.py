@@ -565,8 +565,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     def _check_usable(self) -> None:
         interrupted = self._interruption()
         if interrupted is not None:
-            raise RuntimeError("an earlier step() stopped midway (see the chained exception): part of the state holds "
-                               "the new step, part the old one; load a checkpoint (zo_kernels.load_checkpoint or "
+            raise RuntimeError("an earlier step() (or load_state_dict()) stopped midway (see the chained exception): "
+                               "part of the state is new, part old; load a checkpoint (zo_kernels.load_checkpoint or "
                                "opt.load_state_dict) to go on") from interrupted  # fmt: skip
         self._check_not_failed()
 

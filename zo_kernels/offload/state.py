@@ -159,6 +159,17 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
     no_masters = not plan or any(st.get("master") is None for _, _, st, _ in plan)
     torn = _check_replaces_torn(opt, plan, no_masters)
     opt.update.finish_pending(write=False)
+    try:
+        _load_checked(opt, state_dict, plan, no_masters, torn)
+    except BaseException as e:  # (Ctrl-C...) part of the state is the loaded one: as after an interrupted step
+        opt._interrupted = e
+        raise
+    opt._loaded()
+
+
+def _load_checked(opt: ZeroOffloadAdamW, state_dict: dict[str, Any], plan: list, no_masters: bool,
+                  torn: bool) -> None:  # fmt: skip
+    """load_state_dict's changes, everything checked."""
     for saved, group in zip(state_dict["param_groups"], opt.param_groups):
         for key, value in keep_implementation(saved, group).items():
             if key != "params":
@@ -206,7 +217,6 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
         opt.scaler.scale, opt.scaler.good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
     opt.grads.iteration = int(extra.get("iteration", max(opt.update.steps, default=0)))
     opt.update.resume(staged=bool(extra.get("staged")))
-    opt._loaded()
 
 
 def _check_replaces_torn(opt: ZeroOffloadAdamW, plan: list, no_masters: bool) -> bool:
