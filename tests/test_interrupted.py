@@ -294,3 +294,21 @@ def test_a_load_interrupted_midway_is_refused_until_a_load_completes(tmp_path, m
     step(model, opt)
     assert same_params(model, uninterrupted(tmp_path, 2, cls=cls))
     opt.close()
+
+
+def test_a_step_interrupted_with_gpu_fraction_and_the_state_on_nvme_is_recovered(tmp_path, monkeypatch):
+    """gpu_fraction (Twin-Flow) with the host part's state on NVMe. Before: load_checkpoint raised AttributeError
+    ('TwinUpdate' object has no attribute 'numel') once it had changed the param groups and step counts."""
+    kw = dict(gpu_fraction=0.5, offload_optimizer="nvme", nvme_dir="tmp")
+    model, opt = build(tmp_path, **kw)
+    step(model, opt)
+    zo_kernels.save_checkpoint(tmp_path / "ck.pt", model, opt, step=1)
+    with monkeypatch.context() as m:
+        interrupt_the_update(m, at_call=3)
+        with pytest.raises(KeyboardInterrupt):
+            step(model, opt)
+    assert zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt) == {"step": 1}
+    step(model, opt)
+    assert same_params(model, uninterrupted(tmp_path, 2, **kw))
+    opt.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]

@@ -181,7 +181,7 @@ def _load_checked(opt: ZeroOffloadAdamW, state_dict: dict[str, Any], plan: list,
         opt.update.refresh_stale_masters()
     opt.update.steps = [0] * len(opt.layout.params)
     if torn:  # (the files of an interrupted step are not read: the state dict replaces them whole)
-        master, exp_avg, exp_avg_sq = (torch.zeros(opt.update.numel, dtype=torch.float32) for _ in range(3))
+        master, exp_avg, exp_avg_sq = (torch.zeros(opt.layout.part, dtype=torch.float32) for _ in range(3))
     else:
         master, exp_avg, exp_avg_sq = opt.update.state()
     exp_avg.zero_()
