@@ -312,3 +312,37 @@ def test_a_step_interrupted_with_gpu_fraction_and_the_state_on_nvme_is_recovered
     assert same_params(model, uninterrupted(tmp_path, 2, **kw))
     opt.close()
     assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
+
+
+def test_ctrl_c_while_the_step_checks_the_accumulated_gradients_is_an_interrupted_step(tmp_path, monkeypatch):
+    """Before the update, step() sums the accumulated gradients (in place) and checks them (a pass over all of them:
+    seconds on a large model). Before: Ctrl-C in that check was not an interrupted step, and calling step() again
+    summed the last micro-batch in a second time, silently."""
+    from zo_kernels.offload import grads
+
+    def two_micro_batches(model, opt):
+        for _ in range(2):
+            opt.backward(model(torch.ones(4, 64, dtype=torch.bfloat16)).float().square().mean())
+
+    model, opt = build(tmp_path)
+    two_micro_batches(model, opt)
+    opt.step()
+    zo_kernels.save_checkpoint(tmp_path / "ck.pt", model, opt)
+    two_micro_batches(model, opt)
+    with monkeypatch.context() as m:
+        m.setattr(grads, "sum_squares", ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+    with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint"):
+        opt.step()
+    opt.zero_grad()
+    zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt)
+    two_micro_batches(model, opt)
+    opt.step()
+    ref_model, ref = build(tmp_path)
+    for _ in range(2):
+        two_micro_batches(ref_model, ref)
+        ref.step()
+    assert same_params(model, ref_model)
+    ref.close()
+    opt.close()

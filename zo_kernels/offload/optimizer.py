@@ -674,7 +674,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         delayed = self.delay_update_after is not None and self.grads.iteration >= self.delay_update_after
         if delayed:
             self.update.finish_pending(write=True)
-        c = self.grads.consume()
+        try:
+            c = self.grads.consume()
+        except BaseException as e:  # (Ctrl-C in its checks) the gradients half consumed: a retry would sum them twice
+            self._interrupted = e
+            raise
         scale = self.scaler.scale
         norm = math.sqrt(c.sum_sq) / scale if math.isfinite(c.sum_sq) else float("inf")
         n_micro, got = c.n_backward, c.got
