@@ -335,6 +335,8 @@ def test_ctrl_c_while_the_step_checks_the_accumulated_gradients_is_an_interrupte
             opt.step()
     with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint"):
         opt.step()
+    with pytest.raises(RuntimeError, match=r"between backward and step\(\): call zero_grad\(\) first"):
+        zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt)  # (the stopped step's gradients are pending)
     opt.zero_grad()
     zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt)
     two_micro_batches(model, opt)
@@ -345,4 +347,22 @@ def test_ctrl_c_while_the_step_checks_the_accumulated_gradients_is_an_interrupte
         ref.step()
     assert same_params(model, ref_model)
     ref.close()
+    opt.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_load_checkpoint_between_backward_and_step_changes_nothing(tmp_path, stage):
+    """load_state_dict refuses between backward and step. Before: load_checkpoint loaded the model's weights first and
+    only then met that refusal, leaving the checkpoint's weights beside the optimizer's own masters and state."""
+    model, opt = build(tmp_path, stage=stage)
+    step(model, opt)
+    zo_kernels.save_checkpoint(tmp_path / "ck.pt", model, opt)
+    step(model, opt)
+    with opt.gathered():
+        before = [p.detach().clone() for p in model.parameters()]
+    opt.backward(model(torch.ones(4, 64, dtype=torch.bfloat16)).float().square().mean())
+    with pytest.raises(RuntimeError, match=r"between backward and step\(\): call step\(\) or zero_grad\(\) first"):
+        zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt)
+    with opt.gathered():
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     opt.close()

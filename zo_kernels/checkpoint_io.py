@@ -87,6 +87,7 @@ def _check_payload(ckpt: Any, path: Path, model: torch.nn.Module, optimizer: Any
                 and isinstance(state.get("param_groups"), list)):  # fmt: skip
             raise ValueError("checkpoint optimizer state is not a state dict ('state' dict and 'param_groups' list)")
         if isinstance(optimizer, ZeroOffloadAdamW):
+            optimizer._check_between_steps()
             optimizer.check_state_dict(state)
         else:
             _check_optimizer_state(state, optimizer)

@@ -362,8 +362,7 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of torch.optim.Adafactor (then the masters are the model's)."""
         self._check_loadable()
-        if self.grads.n_micro or self.grads.in_backward:
-            raise RuntimeError("load_state_dict() between backward and step(): call step() or zero_grad() first")
+        self._check_between_steps()
         plan = self.check_state_dict(state_dict)
         self.update.finish_pending(write=False)
         try:

@@ -553,6 +553,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._check_open()
         self._check_not_failed()
 
+    def _check_between_steps(self) -> None:
+        """load_state_dict's guard: not between backward and step (those gradients are of the state it replaces)."""
+        if self.grads.n_micro or self.grads.in_backward:
+            what = "zero_grad()" if self._interruption() is not None else "step() or zero_grad()"  # (step is refused)
+            raise RuntimeError(f"load_state_dict() between backward and step(): call {what} first")
+
     def _interruption(self) -> BaseException | None:
         """What stopped a step midway (Ctrl-C, an exception in its update, synchronous or in the background), if one
         did since the last state was loaded."""

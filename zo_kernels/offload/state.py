@@ -153,8 +153,7 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
     """Load a state dict of ZeroOffloadAdamW (any world size) or of torch.optim.AdamW (see its docstring)."""
     opt._check_loadable()
     opt._check_groups()
-    if opt.grads.n_micro or opt.grads.in_backward:
-        raise RuntimeError("load_state_dict() between backward and step(): call step() or zero_grad() first")
+    opt._check_between_steps()
     plan = check_state_dict(opt, state_dict)
     no_masters = not plan or any(st.get("master") is None for _, _, st, _ in plan)
     torn = _check_replaces_torn(opt, plan, no_masters)
