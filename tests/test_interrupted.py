@@ -366,3 +366,31 @@ def test_load_checkpoint_between_backward_and_step_changes_nothing(tmp_path, sta
     with opt.gathered():
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     opt.close()
+
+
+def test_ctrl_c_while_waiting_for_gpu_fractions_device_part_is_recovered(tmp_path, monkeypatch):
+    """gpu_fraction: the partition's tail is updated on the device (on a CPU by a worker thread standing in for the
+    stream) and waited for within the step. Before: Ctrl-C in that wait marked the optimizer failed for good, so
+    load_checkpoint was refused; now it is an interrupted step, and the tail's update is waited for by the load."""
+    from zo_kernels.offload import twin
+
+    kw = dict(gpu_fraction=0.5)
+    model, opt = build(tmp_path, **kw)
+    step(model, opt)
+    zo_kernels.save_checkpoint(tmp_path / "ck.pt", model, opt, step=1)
+    real = twin.DeviceStream.launch
+
+    def launch(self, job):
+        real(self, job)
+        self._future = _CtrlCWhileWaiting(self._future)
+
+    with monkeypatch.context() as m:
+        m.setattr(twin.DeviceStream, "launch", launch)
+        with pytest.raises(KeyboardInterrupt):
+            step(model, opt)
+    with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint"):
+        step(model, opt)
+    assert zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt) == {"step": 1}
+    step(model, opt)
+    assert same_params(model, uninterrupted(tmp_path, 2, **kw))
+    opt.close()
