@@ -1,6 +1,7 @@
-"""A step interrupted (Ctrl-C, an exception in the update): what the optimizer refuses, and that loading a checkpoint
-(or waiting again) goes on from where an uninterrupted run would be, bit for bit. Each test failed on the code before
-its fix (tests/test_newuser.py has the first cases: stages 1-2 in memory and on NVMe, ZeroOffloadAdafactor)."""
+"""A step (or a load) interrupted by Ctrl-C or an exception midway: what the optimizer refuses, and that loading a
+checkpoint (or waiting again) goes on from where an uninterrupted run would be, bit for bit. Each test but the guard
+test_errors_before_the_update_are_not_an_interrupted_step failed on the code before its fix (tests/test_newuser.py has
+the first cases: stages 1-2 in memory and on NVMe, ZeroOffloadAdafactor)."""
 
 from __future__ import annotations
 
