@@ -87,6 +87,7 @@ def _check_payload(ckpt: Any, path: Path, model: torch.nn.Module, optimizer: Any
                 and isinstance(state.get("param_groups"), list)):  # fmt: skip
             raise ValueError("checkpoint optimizer state is not a state dict ('state' dict and 'param_groups' list)")
         if isinstance(optimizer, ZeroOffloadAdamW):
+            optimizer._check_between_steps()
             optimizer.check_state_dict(state)
         else:
             _check_optimizer_state(state, optimizer)
@@ -259,10 +260,15 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ValueError(f"path: {path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
+    # after an interrupted step the optimizer's state goes first: at stage 3 storing the model's weights writes the
+    # parameters' NVMe file, which that step tore and the state replaces
+    first = isinstance(optimizer, ZeroOffloadAdamW) and optimizer._interruption() is not None
     with _whole(model, optimizer, write=True):
         state, extra = _check_payload(ckpt, path, model, optimizer)
+        if first and state is not None:
+            optimizer.load_state_dict(state)
         model.load_state_dict(ckpt["model"])
-    if optimizer is not None:
+    if optimizer is not None and not (first and state is not None):
         if state is not None:
             optimizer.load_state_dict(state)
         elif isinstance(optimizer, ZeroOffloadAdamW):

@@ -292,15 +292,18 @@ class NvmeSwapper:
 
     def read_params(self, lo: int, hi: int, out: torch.Tensor) -> None:
         """Copy the 16-bit parameters [lo, hi) of the partition into `out` (a CPU tensor of params_dtype and hi - lo
-        elements), through the pool's buffers (aligned reads); not during a pass."""
+        elements), through the pool's buffers (aligned reads); not during a pass. Torn files are read too (to hand
+        the model back, or gather it to load new weights): each element as the stopped pass left it, old or new."""
         if self.params_dtype is None:
             raise RuntimeError("this NvmeSwapper keeps no parameters (params_dtype=None)")
-        self._check_usable()
+        if self.closed:
+            raise RuntimeError("the NvmeSwapper is closed")
         if not (0 <= lo <= hi <= self.numel):
             raise ValueError(f"[lo, hi) = [{lo}, {hi}) is not within the partition's {self.numel} elements")
         _check_tensor(out, "out", (self.params_dtype,), hi - lo, like="hi - lo")
         with self._lock:
-            self._check_usable()  # (closed or torn while this thread waited)
+            if self.closed:  # (closed while this thread waited)
+                raise RuntimeError("the NvmeSwapper is closed")
             self._read_params(lo, hi, out)
 
     def _read_params(self, lo: int, hi: int, out: torch.Tensor) -> None:

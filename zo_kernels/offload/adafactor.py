@@ -362,10 +362,18 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of torch.optim.Adafactor (then the masters are the model's)."""
         self._check_loadable()
-        if self.grads.n_micro or self.grads.in_backward:
-            raise RuntimeError("load_state_dict() between backward and step(): call step() or zero_grad() first")
+        self._check_between_steps()
         plan = self.check_state_dict(state_dict)
         self.update.finish_pending(write=False)
+        try:
+            self._load_checked(state_dict, plan)
+        except BaseException as e:  # (Ctrl-C...) part of the state is the loaded one: as after an interrupted step
+            self._interrupted = e
+            raise
+        self._loaded()
+
+    def _load_checked(self, state_dict: dict[str, Any], plan: list) -> None:
+        """load_state_dict's changes, everything checked."""
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
             group.update({k: (tuple(v) if k == "eps" else v) for k, v in saved.items() if k != "params"})
         self.update.steps = [0] * len(self.layout.params)
@@ -388,4 +396,3 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
             self.scaler.scale, self.scaler.good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
         self.grads.iteration = int(extra.get("iteration", max(self.update.steps, default=0)))
         self.update.resume(staged=bool(extra.get("staged")))
-        self._interrupted = None

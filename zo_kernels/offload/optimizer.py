@@ -535,7 +535,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         model outside forward; freed after. With write=True what the block writes into the parameters (e.g.
         model.load_state_dict; every rank the same values) is kept; call refresh_masters_from_model() after
         to make it the fp32 masters too. A no-op at stages 1 and 2 (the parameters are always whole)."""
-        self._check_alive()
+        if write:  # (load_checkpoint's way to the model's weights: after an interrupted step too)
+            self._check_loadable()
+        else:
+            self._check_alive()
         if self.shards is None:
             self.update.wait_written()
             yield
@@ -547,21 +550,37 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     def _check_loadable(self) -> None:
         """load_state_dict's guard: an interrupted step does not stop it (loading a state is the way on)."""
-        interrupted, self._interrupted = self._interrupted, None
-        try:
-            self._check_alive()
-        finally:
-            self._interrupted = interrupted
+        self._check_open()
+        self._check_not_failed()
+
+    def _check_between_steps(self) -> None:
+        """load_state_dict's guard: not between backward and step (those gradients are of the state it replaces)."""
+        if self.grads.n_micro or self.grads.in_backward:
+            what = "zero_grad()" if self._interruption() is not None else "step() or zero_grad()"  # (step is refused)
+            raise RuntimeError(f"load_state_dict() between backward and step(): call {what} first")
+
+    def _interruption(self) -> BaseException | None:
+        """What stopped a step midway (Ctrl-C, an exception in its update, synchronous or in the background), if one
+        did since the last state was loaded."""
+        return self._interrupted or self.update.stopped
+
+    def _loaded(self) -> None:
+        """A whole state was loaded: an interrupted step is forgotten."""
+        self._interrupted = self.update.stopped = None
 
     def _check_usable(self) -> None:
-        if self._interrupted is not None:
-            raise RuntimeError("an earlier step() stopped midway (see the chained exception): part of the state holds "
-                               "the new step, part the old one; load a checkpoint (zo_kernels.load_checkpoint or "
-                               "opt.load_state_dict) to go on") from self._interrupted  # fmt: skip
+        interrupted = self._interruption()
+        if interrupted is not None:
+            raise RuntimeError("an earlier step() (or load_state_dict()) stopped midway (see the chained exception): "
+                               "part of the state is new, part old; load a checkpoint (zo_kernels.load_checkpoint or "
+                               "opt.load_state_dict) to go on") from interrupted  # fmt: skip
+        self._check_not_failed()
+
+    def _check_not_failed(self) -> None:
         failed = self.comm.failed or self.update.failed
         if failed is not None:
-            raise RuntimeError("this optimizer is unusable after an earlier failure (see the chained exception); "
-                               "restore from a checkpoint") from failed  # fmt: skip
+            raise RuntimeError("this optimizer is unusable after an earlier failure (see the chained exception): "
+                               "close it, build a new one and load a checkpoint into that") from failed  # fmt: skip
 
     # ------------------------------------------------------------------ the user's calls
 
@@ -661,7 +680,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         delayed = self.delay_update_after is not None and self.grads.iteration >= self.delay_update_after
         if delayed:
             self.update.finish_pending(write=True)
-        c = self.grads.consume()
+        try:
+            c = self.grads.consume()
+        except BaseException as e:  # (Ctrl-C in its checks) the gradients half consumed: a retry would sum them twice
+            self._interrupted = e
+            raise
         scale = self.scaler.scale
         norm = math.sqrt(c.sum_sq) / scale if math.isfinite(c.sum_sq) else float("inf")
         n_micro, got = c.n_backward, c.got
@@ -674,15 +697,15 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
         grad_scale = clip / scale
         runs = self.layout.runs(got, self.update.steps, c.factor)
-        for i, g in enumerate(got):
-            self.update.steps[i] += g
-        self._set_group_steps()
-        # the hyper-parameters as they are now: a scheduler may change them before a background update runs
-        hparams = [self._group_hparams(g) for g in self.param_groups]
-        extra = {} if c.device_grad is None else {"device_grad": c.device_grad}  # gpu_fraction's (twin.py)
-        if self.update.params_over_grads:  # the new parameters go over the gradients (update.py)
-            extra["out"] = c.landing
         try:
+            for i, g in enumerate(got):
+                self.update.steps[i] += g
+            self._set_group_steps()
+            # the hyper-parameters as they are now: a scheduler may change them before a background update runs
+            hparams = [self._group_hparams(g) for g in self.param_groups]
+            extra = {} if c.device_grad is None else {"device_grad": c.device_grad}  # gpu_fraction's (twin.py)
+            if self.update.params_over_grads:  # the new parameters go over the gradients (update.py)
+                extra["out"] = c.landing
             if delayed:
                 self.update.start(c.grad, grad_scale, runs, hparams, **extra)
             elif self.selective is not None:

@@ -153,10 +153,22 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
     """Load a state dict of ZeroOffloadAdamW (any world size) or of torch.optim.AdamW (see its docstring)."""
     opt._check_loadable()
     opt._check_groups()
-    if opt.grads.n_micro or opt.grads.in_backward:
-        raise RuntimeError("load_state_dict() between backward and step(): call step() or zero_grad() first")
+    opt._check_between_steps()
     plan = check_state_dict(opt, state_dict)
+    no_masters = not plan or any(st.get("master") is None for _, _, st, _ in plan)
+    torn = _check_replaces_torn(opt, plan, no_masters)
     opt.update.finish_pending(write=False)
+    try:
+        _load_checked(opt, state_dict, plan, no_masters, torn)
+    except BaseException as e:  # (Ctrl-C...) part of the state is the loaded one: as after an interrupted step
+        opt._interrupted = e
+        raise
+    opt._loaded()
+
+
+def _load_checked(opt: ZeroOffloadAdamW, state_dict: dict[str, Any], plan: list, no_masters: bool,
+                  torn: bool) -> None:  # fmt: skip
+    """load_state_dict's changes, everything checked."""
     for saved, group in zip(state_dict["param_groups"], opt.param_groups):
         for key, value in keep_implementation(saved, group).items():
             if key != "params":
@@ -164,11 +176,13 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
         group["decoupled_weight_decay"] = True  # an AdamW whatever it loads, as torch.optim.AdamW (Adam's is False)
         for key, default in TORCH_OPTIONS.items():
             group.setdefault(key, default)
-    no_masters = not plan or any(st.get("master") is None for _, _, st, _ in plan)
     if no_masters and opt.update.params_in_swapper:  # (before save_state writes the masters' cast over the file)
         opt.update.refresh_stale_masters()
     opt.update.steps = [0] * len(opt.layout.params)
-    master, exp_avg, exp_avg_sq = _current_state(opt, plan, no_masters)
+    if torn:  # (the files of an interrupted step are not read: the state dict replaces them whole)
+        master, exp_avg, exp_avg_sq = (torch.zeros(opt.layout.part, dtype=torch.float32) for _ in range(3))
+    else:
+        master, exp_avg, exp_avg_sq = opt.update.state()
     exp_avg.zero_()
     exp_avg_sq.zero_()
     for _, p, st, step in plan:
@@ -202,20 +216,19 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
         opt.scaler.scale, opt.scaler.good_steps = float(extra["loss_scale"]), int(extra["good_steps"])
     opt.grads.iteration = int(extra.get("iteration", max(opt.update.steps, default=0)))
     opt.update.resume(staged=bool(extra.get("staged")))
-    opt._interrupted = None
 
 
-def _current_state(opt: ZeroOffloadAdamW, plan: list, no_masters: bool) -> tuple[torch.Tensor, ...]:
-    """The state the loaded one is written over; NVMe files torn by an interrupted step are not read: a state dict
-    with every parameter's master replaces them whole."""
+def _check_replaces_torn(opt: ZeroOffloadAdamW, plan: list, no_masters: bool) -> bool:
+    """Whether the NVMe state files are torn (by an interrupted step); then the state dict must hold every
+    parameter's state and master, to replace them whole."""
     swapper = opt.update.swapper
     if swapper is None or not swapper.torn:
-        return opt.update.state()
+        return False
     if no_masters or len(plan) != len(opt.layout.params):
         raise RuntimeError(f"the optimizer state files are torn ({swapper.torn}): only a state dict with every "
                            "parameter's state and master (a ZeroOffloadAdamW's state_dict(), save_checkpoint) can "
                            "replace them")  # fmt: skip
-    return tuple(torch.zeros(opt.update.numel, dtype=torch.float32) for _ in range(3))
+    return True
 
 
 def _check_step(x: Any, name: str) -> int:

@@ -20,6 +20,7 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -99,7 +100,17 @@ class DeviceStream:
             return
         fut, self._future = self._future, None
         if fut is not None:
-            fut.result(timeout=self.timeout_s)
+            try:
+                fut.result(timeout=self.timeout_s)
+            except BaseException as e:
+                if not (fut.done() and fut.exception() is e) and not isinstance(e, FutureTimeout):
+                    self._future = fut  # Ctrl-C in the wait: the job goes on, waited for by the next wait
+                raise
+
+    @property
+    def pending(self) -> bool:
+        """A job launched and not waited for (on the CPU stand-in)."""
+        return self._future is not None
 
     def close(self) -> None:
         """Wait for the last job (its failure was raised by wait) and stop the worker."""
@@ -152,6 +163,15 @@ class TwinUpdate(StateViews):
     @property
     def failed(self) -> BaseException | None:
         return self._failed or (self.host.failed if self.host is not None else None)
+
+    @property
+    def stopped(self) -> BaseException | None:
+        return self.host.stopped if self.host is not None else None
+
+    @stopped.setter
+    def stopped(self, value: BaseException | None) -> None:
+        if self.host is not None:
+            self.host.stopped = value
 
     @property
     def staged(self) -> bool:
@@ -277,7 +297,8 @@ class TwinUpdate(StateViews):
         try:
             self.stream.wait()
         except BaseException as e:
-            self._failed = e
+            if not self.stream.pending:  # (else Ctrl-C in the wait: the update goes on, nothing failed)
+                self._failed = e
             raise
 
     def _write_tail(self) -> None:

@@ -98,7 +98,8 @@ class HostUpdate(StateViews):
         else:
             raise TypeError(f"master must be a tensor or callable(a, b, out), got {type(master).__name__}")
         self.steps = [0] * len(layout.params)  # each parameter's own Adam step count (torch keeps one per param)
-        self.failed: BaseException | None = None
+        self.failed: BaseException | None = None  # the background update did not finish in time (it may still run)
+        self.stopped: BaseException | None = None  # it raised: the state part old, part new, until one is loaded
         self.staged = False  # DPU: staging holds the last update's params, not yet on the device
         self._staging_read: Any = None  # event of the last copy out of staging (the next update writes after it)
         self._pending: Future | None = None
@@ -467,8 +468,11 @@ class HostUpdate(StateViews):
             self.failed = TimeoutError(f"the delayed (background) update did not finish within "
                                        f"{self.timeout_s:g} s (update_timeout_s)")  # fmt: skip
             raise self.failed from None
-        except BaseException as e:  # the worker's own exception, with its traceback
-            self.failed = e
+        except BaseException as e:
+            if not (fut.done() and fut.exception() is e):  # Ctrl-C in the wait: the update goes on, still pending
+                self._pending = fut
+                raise
+            self.stopped = e  # the worker's own exception, with its traceback
             raise
         self.times.add("cpu_update", seconds)
         self.times.add("dpu_wait", time.perf_counter() - t0)
