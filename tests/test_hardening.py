@@ -438,7 +438,7 @@ def test_background_update_exception_surfaces_at_next_step(monkeypatch):
         opt.step()
     frames = "".join(traceback.format_tb(info.value.__traceback__))
     assert "failing" in frames and "cpu_update" in frames, "the original traceback is kept"
-    with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint"):  # (tests/test_interrupted.py)
+    with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint with the optimizer.s state"):
         opt.step()
 
 

@@ -209,7 +209,7 @@ def test_a_failed_background_update_is_recovered_by_load_checkpoint(tmp_path, mo
         with pytest.raises(OSError, match="Input/output"):
             opt.synchronize()
     for use in (lambda: step(model, opt), opt.state_dict):
-        with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint"):
+        with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint with the optimizer.s state"):
             use()
     assert zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt) == {"step": 1}
     step(model, opt)
@@ -289,7 +289,7 @@ def test_a_load_interrupted_midway_is_refused_until_a_load_completes(tmp_path, m
         m.setattr(cls, "_set_group_steps", ctrl_c)
         with pytest.raises(KeyboardInterrupt):
             zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt)
-    with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint"):
+    with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint with the optimizer.s state"):
         step(model, opt)
     zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt)
     step(model, opt)
@@ -334,7 +334,7 @@ def test_ctrl_c_while_the_step_checks_the_accumulated_gradients_is_an_interrupte
         m.setattr(grads, "sum_squares", ctrl_c)
         with pytest.raises(KeyboardInterrupt):
             opt.step()
-    with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint"):
+    with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint with the optimizer.s state"):
         opt.step()
     with pytest.raises(RuntimeError, match=r"between backward and step\(\): call zero_grad\(\) first"):
         zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt)  # (the stopped step's gradients are pending)
@@ -389,7 +389,7 @@ def test_ctrl_c_while_waiting_for_gpu_fractions_device_part_is_recovered(tmp_pat
         m.setattr(twin.DeviceStream, "launch", launch)
         with pytest.raises(KeyboardInterrupt):
             step(model, opt)
-    with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint"):
+    with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint with the optimizer.s state"):
         step(model, opt)
     assert zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt) == {"step": 1}
     step(model, opt)

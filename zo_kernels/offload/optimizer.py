@@ -572,8 +572,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         interrupted = self._interruption()
         if interrupted is not None:
             raise RuntimeError("an earlier step() (or load_state_dict()) stopped midway (see the chained exception): "
-                               "part of the state is new, part old; load a checkpoint (zo_kernels.load_checkpoint or "
-                               "opt.load_state_dict) to go on") from interrupted  # fmt: skip
+                               "part of the state is new, part old; load a checkpoint with the optimizer's state "
+                               "(zo_kernels.load_checkpoint, opt.load_state_dict) to go on"
+                               ) from interrupted  # fmt: skip
         self._check_not_failed()
 
     def _check_not_failed(self) -> None:
