@@ -1,8 +1,8 @@
 """CPU Adam: zo vs torch.optim.AdamW (fused, foreach) vs DeepSpeedCPUAdam, against the streaming ceiling.
 
 Cases: `fp32` (fp32 grads and params) and `bf16` (the offload case: bf16 grads in, bf16 params out; torch
-and DeepSpeed run the chain grad.float() -> AdamW -> param.to(bf16), zo one fused pass). Both move 28 bytes
-per parameter: read g, p, m, v; write p, m, v (+ p16 and - 2 bytes of g in the bf16 case).
+and DeepSpeed run the chain: upcast into a held fp32 grad -> AdamW -> param.to(bf16), zo one fused pass).
+Both move 28 bytes per parameter: read g, p, m, v; write p, m, v (+ p16 and - 2 bytes of g in the bf16 case).
 The moment formats (fp32, bf16, 8-bit blockwise) at 50M params in the offload case, each against the fp32-state
 update and its own streaming ceiling: test_cpu_adam_formats (pytest-benchmark) and test_cpu_adam_formats_ratios
 (the ratios, timed interleaved in one run; `-s` prints them).
@@ -71,9 +71,13 @@ def make_step(provider: str, b: dict, threads: int):
 
         opt = DeepSpeedCPUAdam([param], lr=1e-4, weight_decay=0.01, adamw_mode=True)  # builds its op here
     opt.state[param].update(step=torch.tensor(0.0), exp_avg=m, exp_avg_sq=v) if provider != "deepspeed" else None
+    # The chain's fp32 gradient is allocated once, as a training loop keeps it: a fresh `g.float()` per step would
+    # time an allocation and its page faults (4 bytes per param) that zo never does.
+    param.grad = g if g.dtype == torch.float32 else torch.empty(g.shape)
 
     def run():
-        param.grad = g if g.dtype == torch.float32 else g.float()  # the chain's upcast
+        if param.grad is not g:
+            param.grad.copy_(g)  # the chain's upcast
         opt.step()
         if out is not None:
             out.copy_(param.detach())  # the chain's downcast
