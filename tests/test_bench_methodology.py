@@ -38,3 +38,22 @@ def test_torch_chain_still_upcasts_and_downcasts():
     before = b["p"].clone()
     run()
     assert torch.all(b["p"] < before)  # a positive gradient everywhere: every param went down
+
+
+def test_dashboard_and_summary_take_the_same_baseline_and_ceiling(tmp_path):
+    """The transport suite's copy groups (pageable, torch_pinned, zo_pinned): the run's own table and summary.py give
+    ratios against pageable and torch_pinned; before, the dashboard knew neither name and showed no ratio there."""
+    import json
+
+    import summary  # bench/summary.py
+
+    from zo_kernels import dashboard
+
+    assert (dashboard.BASELINES, dashboard.CEILINGS) == (summary.BASELINES, summary.CEILINGS)
+    benches = [{"group": "cuda copy H2D 64 MiB", "name": f"test[{p}]", "stats": {"min": t},
+                "extra_info": {"provider": p, "bytes": 64 << 20}}
+               for p, t in (("zo_pinned", 2e-3), ("torch_pinned", 2e-3), ("pageable", 8e-3))]  # fmt: skip
+    path = tmp_path / "copy.json"
+    path.write_text(json.dumps({"datetime": "2026-11-23T10:00:00", "machine_info": {}, "benchmarks": benches}))
+    page = dashboard.render([path])
+    assert "0.25x time of pageable" in page and "100% of ceiling" in page
