@@ -57,3 +57,21 @@ def test_dashboard_and_summary_take_the_same_baseline_and_ceiling(tmp_path):
     path.write_text(json.dumps({"datetime": "2026-11-23T10:00:00", "machine_info": {}, "benchmarks": benches}))
     page = dashboard.render([path])
     assert "0.25x time of pageable" in page and "100% of ceiling" in page
+
+
+@pytest.mark.parametrize("where", ["step_rows", "test_bench_step"])
+def test_reference_loop_holds_its_fp32_grads(where):
+    """The training-step reference (bench/step_rows.py's and bench/test_bench_step.py's ReferenceLoop) upcasts into
+    fp32 gradients it keeps, with the values of the bf16 ones; before, `p.grad.float()` allocated them every step."""
+    module = __import__(where)
+    from zo_kernels.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    loop = module.ReferenceLoop(GPT(GPTConfig.for_params(2e5, vocab=64, context=16)))
+    x = torch.randint(0, 64, (2, 17))
+    loop.step(x)
+    first = [m.grad.data_ptr() for m in loop.master]
+    loop.step(x)
+    assert [m.grad.data_ptr() for m in loop.master] == first
+    for m, p in zip(loop.master, loop.work.parameters()):
+        assert torch.equal(m.grad, p.grad.float())
