@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from common import peak_extra_bytes, sizes
+from common import peak_extra_bytes, size_label, sizes
 
 import zo_kernels as zk
 
@@ -94,7 +94,7 @@ def test_cpu_adam(benchmark, n, case, threads, provider):
     b = buffers(n, case)
     run = make_step(provider, b, threads)
     run()  # first-use costs (DeepSpeed's state, page faults) stay out of the timing
-    benchmark.group = f"cpu_adam {case} n={n:.0e} threads={threads}"
+    benchmark.group = f"cpu_adam {case} n={size_label(n)} threads={threads}"
     benchmark.extra_info.update(provider=provider, numel=n, case=case, threads=threads, bytes=BYTES_PER_PARAM * n)
     benchmark.extra_info["peak_extra_bytes"] = peak_extra_bytes(run)
     if provider == "zo":
@@ -153,7 +153,7 @@ def test_cpu_adam_formats(benchmark, n, fmt, provider):
     threads = THREADS[-1]
     run = format_run(format_buffers(n), fmt, provider, threads)
     run()
-    benchmark.group = f"cpu_adam state={fmt} n={n:.0e} threads={threads}"
+    benchmark.group = f"cpu_adam state={fmt} n={size_label(n)} threads={threads}"
     benchmark.extra_info.update(provider=provider, numel=n, state=fmt, threads=threads, bytes=FORMATS[fmt] * n)
     benchmark.pedantic(run, warmup_rounds=1, rounds=10, iterations=1)
 
@@ -174,7 +174,7 @@ def test_cpu_adam_formats_ratios(n):
             fn()
             best[key] = min(best[key], time.perf_counter() - t0)
     base = best["fp32", "zo"]
-    print(f"\ncpu_adam moment formats, n={n:.0e}, bf16 grads in, bf16 params out, threads={threads}")
+    print(f"\ncpu_adam moment formats, n={size_label(n)}, bf16 grads in, bf16 params out, threads={threads}")
     print(f"  {'state':<6}{'B/param':>9}{'best ms':>10}{'GB/s':>8}{'x fp32':>9}{'of own ceiling':>16}{'bar':>20}")
     for fmt, nbytes in FORMATS.items():
         t, c = best[fmt, "zo"], best[fmt, "ceiling"]

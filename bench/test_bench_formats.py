@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from common import sizes
+from common import size_label, sizes
 
 import zo_kernels as zk
 from zo_kernels.gpt import GPT, GPTConfig
@@ -103,12 +103,12 @@ def test_step_time(benchmark, n: int, fmt: str) -> None:
         opt.step()
 
     step()
-    benchmark.group = f"formats step n={n:.0e}"
+    benchmark.group = f"formats step n={size_label(n)}"
     benchmark.pedantic(step, rounds=5, iterations=1)
     kernel = opt.stats.get("time_kernel", 0.0)
     _RESULTS[(n, fmt)] = benchmark.stats.stats.median
     opt.close()
     base = _RESULTS.get((n, "fp32"))
     ratio = f", {benchmark.stats.stats.median / base:.2f}x fp32" if base else ""
-    print(f"\n[formats] {fmt:5s} n={n:.0e}: step {benchmark.stats.stats.median * 1e3:.1f} ms (last kernel "
+    print(f"\n[formats] {fmt:5s} n={size_label(n)}: step {benchmark.stats.stats.median * 1e3:.1f} ms (last kernel "
           f"{kernel * 1e3:.1f} ms){ratio}")

@@ -75,3 +75,34 @@ def test_reference_loop_holds_its_fp32_grads(where):
     assert [m.grad.data_ptr() for m in loop.master] == first
     for m, p in zip(loop.master, loop.work.parameters()):
         assert torch.equal(m.grad, p.grad.float())
+
+
+class _FakeBenchmark:
+    """What the suites use of pytest-benchmark's fixture: group, extra_info, pedantic (one call), stats.stats.min."""
+
+    def __init__(self):
+        self.group, self.extra_info = None, {}
+        self.stats = type("Metadata", (), {"stats": type("Stats", (), {"min": 1.0})()})()
+
+    def pedantic(self, fn, **kw):
+        fn()
+
+
+def test_group_names_give_the_size_that_ran():
+    """1.5M params ran as "n=2e+06" (`:.0e`), and 1.5M and 2.4M would share one group, whose ratio tables (the run's
+    own, summary.py) keep one benchmark per provider: one size silently dropped."""
+    import re
+
+    import test_bench_transport as transport_bench  # bench/test_bench_transport.py
+
+    for n in (1_500_000, 2_400_000):
+        b = _FakeBenchmark()
+        cpu_bench.test_cpu_adam(b, n, "fp32", 1, "ceiling")
+        assert int(float(re.search(r"n=(\S+)", b.group)[1])) == n, b.group
+    b = _FakeBenchmark()
+    transport_bench.test_host_writeback(b, 1_500_000, "kernel")
+    assert int(float(re.search(r"n=(\S+)", b.group)[1])) == 1_500_000, b.group
+    from common import size_label
+
+    assert [size_label(n) for n in (10_000_000, 16_000_000, 1_500_000, 1_234_567)] == [
+        "1e+07", "1.6e+07", "1.5e+06", "1.234567e+06"]  # fmt: skip
