@@ -5,7 +5,7 @@ minus what the same bf16 model holds after a backward without an optimizer, plus
 as bench/test_bench_step.py measures it). Bars: 8bit <= 8.1 B/param, bf16 <= 10.1, fp32 <= 14.1, each + the
 gradient buckets per parameter + 0.2 B/param of allocator slack, after subtracting the 2 B/param "device" copy of
 the parameters (host memory on the CPU device; on a GPU it is device memory). One CPU rank has no staging buffer.
-Time: opt.step() of the same model (the CPU update dominates), each format's ratio to fp32 in one run.
+Time: one training step of the same model (forward, backward, opt.step()), each format's ratio to fp32 in one run.
 Run: pytest bench/test_bench_formats.py -s   (sizes: $ZO_BENCH_SIZES, default 1e7)
 """
 
