@@ -113,8 +113,8 @@ def test_cuda_copy_bandwidth(benchmark, mib, direction, provider):
     else:
         pinned = provider == "torch_pinned"
         fn = lambda: dst.copy_(src, non_blocking=pinned)  # noqa: E731
-    benchmark.group = f"cuda copy {direction} {mib} MiB"
-    benchmark.extra_info.update(provider=provider, bytes=mib << 20)
+    benchmark.group = f"cuda copy {direction} fp32 n={size_label(numel)}"  # n= : the dashboard's size axis
+    benchmark.extra_info.update(provider=provider, numel=numel, mib=mib, bytes=mib << 20)
     try:
         benchmark.pedantic(_cuda_timed(fn), warmup_rounds=2, rounds=10, iterations=1)
     finally:

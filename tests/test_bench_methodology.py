@@ -119,3 +119,25 @@ def test_the_chains_held_gradient_still_counts_as_extra_memory():
         if extra is None:
             pytest.skip("no /proc/self/clear_refs here")
         assert lo <= extra < hi, (provider, extra / n)
+
+
+def test_the_dashboard_draws_the_pack_sizes_on_one_chart(tmp_path, monkeypatch):
+    """The pack groups named the size without `n=`, so the dashboard made one section (a one-point chart "against
+    size") per size; now one section holds both sizes."""
+    import json
+
+    import test_bench_buckets as buckets_bench  # bench/test_bench_buckets.py
+
+    from zo_kernels.dashboard import render
+
+    monkeypatch.setattr(buckets_bench, "_median_ms", lambda fn, reps: 1.0)  # the names are checked, not the times
+    benches = []
+    for n in (20_000, 40_000):
+        b = _FakeBenchmark()
+        buckets_bench.test_pack(b, n, 64, 1)
+        benches.append({"group": b.group, "name": f"test_pack[{n}]", "stats": {"min": 1e-3},
+                        "extra_info": b.extra_info})  # fmt: skip
+    path = tmp_path / "pack.json"
+    path.write_text(json.dumps({"datetime": "2026-11-23T10:00:00", "machine_info": {}, "benchmarks": benches}))
+    page = render([path])
+    assert page.count("<section>") == 1 and "<th>20K</th>" in page and "<th>40K</th>" in page
