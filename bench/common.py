@@ -68,6 +68,16 @@ def sizes(default: list[int], var: str = "ZO_BENCH_SIZES") -> list[int]:
     return [int(float(s)) for s in env.split(",")] if env else default
 
 
+def size_label(n: int) -> str:
+    """n in the fewest significant digits that give n back: 1e+07, 1.6e+07 (`:.0e` printed 2e+07 for 16M, and two
+    sizes that round alike shared one group, so one of them was dropped from the ratio tables)."""
+    for digits in range(16):
+        text = f"{n:.{digits}e}"
+        if int(float(text)) == n:
+            return text
+    return str(n)
+
+
 def _status_kib(key: str) -> int:
     with open("/proc/self/status") as f:
         return int(re.search(rf"{key}:\s*(\d+)", f.read()).group(1))

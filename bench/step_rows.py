@@ -133,7 +133,9 @@ class ReferenceLoop:
         self.work.zero_grad(set_to_none=True)
         self.work(x[:, :-1], x[:, 1:]).backward()
         for m, p in zip(self.master, self.work.parameters()):
-            m.grad = p.grad.float()
+            if m.grad is None:  # held from step to step, as zo holds its buckets: no allocation per step
+                m.grad = torch.empty_like(m)
+            m.grad.copy_(p.grad)  # the upcast
         self.opt.step()
         with torch.no_grad():
             for m, p in zip(self.master, self.work.parameters()):

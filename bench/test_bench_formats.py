@@ -5,7 +5,7 @@ minus what the same bf16 model holds after a backward without an optimizer, plus
 as bench/test_bench_step.py measures it). Bars: 8bit <= 8.1 B/param, bf16 <= 10.1, fp32 <= 14.1, each + the
 gradient buckets per parameter + 0.2 B/param of allocator slack, after subtracting the 2 B/param "device" copy of
 the parameters (host memory on the CPU device; on a GPU it is device memory). One CPU rank has no staging buffer.
-Time: opt.step() of the same model (the CPU update dominates), each format's ratio to fp32 in one run.
+Time: one training step of the same model (forward, backward, opt.step()), each format's ratio to fp32 in one run.
 Run: pytest bench/test_bench_formats.py -s   (sizes: $ZO_BENCH_SIZES, default 1e7)
 """
 
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from common import sizes
+from common import size_label, sizes
 
 import zo_kernels as zk
 from zo_kernels.gpt import GPT, GPTConfig
@@ -103,12 +103,12 @@ def test_step_time(benchmark, n: int, fmt: str) -> None:
         opt.step()
 
     step()
-    benchmark.group = f"formats step n={n:.0e}"
+    benchmark.group = f"formats step n={size_label(n)}"
     benchmark.pedantic(step, rounds=5, iterations=1)
     kernel = opt.stats.get("time_kernel", 0.0)
     _RESULTS[(n, fmt)] = benchmark.stats.stats.median
     opt.close()
     base = _RESULTS.get((n, "fp32"))
     ratio = f", {benchmark.stats.stats.median / base:.2f}x fp32" if base else ""
-    print(f"\n[formats] {fmt:5s} n={n:.0e}: step {benchmark.stats.stats.median * 1e3:.1f} ms (last kernel "
+    print(f"\n[formats] {fmt:5s} n={size_label(n)}: step {benchmark.stats.stats.median * 1e3:.1f} ms (last kernel "
           f"{kernel * 1e3:.1f} ms){ratio}")

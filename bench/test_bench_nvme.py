@@ -38,7 +38,7 @@ import time
 
 import pytest
 import torch
-from common import filesystem, machine, sizes
+from common import filesystem, machine, size_label, sizes
 
 import zo_kernels as zk
 from zo_kernels import aio
@@ -145,7 +145,7 @@ def test_nvme_update(benchmark, root, n, provider):
 
     try:
         run()  # the first pass writes the reserved blocks: reads of never written ones return zeros unread
-        benchmark.group = f"nvme update n={n:.0e}"
+        benchmark.group = f"nvme update n={size_label(n)}"
         benchmark.extra_info.update(provider=provider, numel=n, bytes=BYTES_PER_PARAM * n, tile=s.tile_numel,
                                     pool_bytes=s.pool_bytes, direct=s.direct,
                                     backend=backend or aio.DEFAULT_BACKEND)  # fmt: skip
@@ -205,7 +205,7 @@ def test_nvme_optimizer_step(benchmark, root, n):
 
     try:
         _engine_sequential(eng, files, nbytes, True, bufs)  # reads of reserved, never written blocks return zeros
-        benchmark.group = f"nvme optimizer step n={n:.0e}"
+        benchmark.group = f"nvme optimizer step n={size_label(n)}"
         benchmark.pedantic(step, setup=setup, warmup_rounds=1, rounds=3, iterations=1)
     finally:
         for f in files:
@@ -268,7 +268,7 @@ def test_nvme_state_formats(benchmark, root, n):
 
     reports = {}
     try:
-        benchmark.group = f"nvme state formats n={n:.0e}"
+        benchmark.group = f"nvme state formats n={size_label(n)}"
         benchmark.pedantic(step, setup=setup, warmup_rounds=1, rounds=3, iterations=1)
         reports = {f: opt.memory_report() for f, opt in opts.items()}
     finally:

@@ -11,8 +11,9 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-BASELINES = ("torch_fused", "torch", "kernel", "reference")
-CEILINGS = ("ceiling", "copy")
+# as bench/summary.py's: a group's ratios are against the first baseline and the first ceiling present
+BASELINES = ("torch_fused", "torch", "kernel", "reference", "pageable")
+CEILINGS = ("ceiling", "copy", "torch_pinned")
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf", "#7f7f7f")
 _SIZE_TOKEN = re.compile(r"\s*\b(n|params)=[^\s]+")
 
