@@ -479,6 +479,7 @@ class GradPath:
         if set_to_none:
             for p in self._moved.values():
                 p.grad = None
+            self.last_got = []  # torch holds no gradient now: a later zero_grad(set_to_none=False) keeps none
         self.reset()
         if kept:  # zero gradients: the landing buffer holds zeros until the next backward overwrites it
             self.landing_free(self.slot, host=True)
