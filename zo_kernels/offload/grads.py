@@ -491,7 +491,7 @@ class GradPath:
             for i, p in kept.items():
                 self._place_moved_grad(p)
                 self._got[i] = True
-            self.n_micro = self.n_backward = 1
+            self.n_micro, self.n_backward = 1, 0  # a gradient set (zeros), from no backward pass
 
     # ------------------------------------------------------------------ p.grad placeholders (MovedGrad)
 

@@ -554,8 +554,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._check_not_failed()
 
     def _check_between_steps(self) -> None:
-        """load_state_dict's guard: not between backward and step (those gradients are of the state it replaces)."""
-        if self.grads.n_micro or self.grads.in_backward:
+        """load_state_dict's guard: not between backward and step (those gradients are of the state it replaces);
+        zero gradients kept by zero_grad(set_to_none=False) are no backward's: a load goes on, as in torch."""
+        if self.grads.n_backward or self.grads.in_backward:
             what = "zero_grad()" if self._interruption() is not None else "step() or zero_grad()"  # (step is refused)
             raise RuntimeError(f"load_state_dict() between backward and step(): call {what} first")
 
