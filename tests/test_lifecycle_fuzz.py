@@ -4,8 +4,9 @@ A lifecycle is a random sequence of what a training script does between steps: t
 (a branch taken on some only), zero_grad(set_to_none True/False) after a backward or after the step, evaluation
 forwards under no_grad, forwards whose graph is dropped, train()/eval() switches, the optimizer's state_dict() /
 load_state_dict() (a round trip, or a roll-back with the model's weights), save_checkpoint / load_checkpoint,
-new weights by model.load_state_dict(); the model returns a view of its own parameter (a positional table), may
-tie its output to its embedding and has a frozen Linear. The reference runs the same calls on an fp32 copy with
+new weights by model.load_state_dict(), a frozen param unfrozen (refused by step(), then frozen again). The model
+returns a view of its own parameter (a positional table), may tie its output to its embedding and may have a frozen
+Linear. The reference runs the same calls on an fp32 copy with
 torch.optim.AdamW(foreach=False); every evaluation forward and the end (weights, step counts, moments) are compared.
 
 Opt-in (not in the default run): ZO_LIFECYCLE_RANDOM=N ZO_LIFECYCLE_SEED=S pytest tests/test_lifecycle_fuzz.py
@@ -185,6 +186,28 @@ class Pair:
         self.opt.refresh_masters_from_model()
         self.ref.load_state_dict(new)
 
+    def unfreeze(self, check: list[str], where: str) -> None:
+        """The frozen Linear unfrozen after construction (README: not supported): step() must refuse it by name,
+        change nothing, and step once it is frozen again (the backward's gradients of the others kept)."""
+        if self.model.frozen is None:
+            return
+        x, y = self.batch()
+        for m in (self.model, self.ref):
+            m.frozen.requires_grad_(True)
+            m(x, y).backward()
+        try:
+            self.opt.step()
+            check.append(f"{where}: step() with a param unfrozen after construction did not refuse")
+        except RuntimeError as e:
+            if "frozen.weight was frozen" not in str(e) and "frozen.bias was frozen" not in str(e):
+                check.append(f"{where}: the refusal does not name the param: {e}")
+        for m in (self.model, self.ref):
+            m.frozen.requires_grad_(False)
+            m.frozen.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.ref_opt.step()
+        self.both_zero_grad(True, False)
+
     def final_errors(self) -> list[str]:
         errors = []
         with self.opt.gathered():
@@ -230,7 +253,8 @@ def random_ops(life: Life) -> list[tuple]:
                 zero() if rng.random() < 0.1 else None, zero(after_step=True))  # fmt: skip
 
     others = [("eval_forward",), ("dropped_forward",), ("set_mode", False), ("set_mode", True), ("round_trip",),
-              ("save_point",), ("roll_back",), ("save_ckpt",), ("load_ckpt",), ("new_weights",)]  # fmt: skip
+              ("save_point",), ("roll_back",), ("save_ckpt",), ("load_ckpt",), ("new_weights",),
+              ("unfreeze",)]  # fmt: skip
     ops = [step()]
     for _ in range(life.length):
         ops.append(step() if rng.random() < 0.5 else rng.choice(others))
@@ -245,8 +269,8 @@ def run_life(life: Life, tmp: str, ops: list[tuple] | None = None) -> list[str]:
     try:
         for i, op in enumerate(random_ops(life) if ops is None else ops):
             where = f"op {i} {op}"
-            if op[0] == "eval_forward":
-                pair.eval_forward(errors, where)
+            if op[0] in ("eval_forward", "unfreeze"):
+                getattr(pair, op[0])(errors, where)
             else:
                 getattr(pair, op[0])(*op[1:])
             if errors:
@@ -317,4 +341,16 @@ def test_model_zero_grad_keeping_zeros_after_step(stage: str, tmp_path):
     the next step updates `sometimes` (decay, moments) although it gets no new gradient; opt.zero_grad(False) does."""
     ops = [("train_step", 1, [True], None, (False, True)), ("train_step", 1, [False], None, CLEAR)]
     errors = run_life(_life(stage), str(tmp_path), ops)
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("stage", ["2", "3", "3+cpu"])
+def test_a_param_unfrozen_after_construction_is_refused_by_name(stage: str, tmp_path):
+    """A param frozen when the optimizer was built, unfrozen later, got gradients and was silently never trained
+    (torch's AdamW over model.parameters() trains it). step() now refuses it by name before changing anything;
+    frozen again, training goes on as torch's."""
+    life = dataclasses.replace(_life(stage), frozen=True)
+    ops = [("train_step", 2, [True, False], None, CLEAR), ("unfreeze",), ("train_step", 1, [True], None, CLEAR),
+           ("eval_forward",)]  # fmt: skip
+    errors = run_life(life, str(tmp_path), ops)
     assert not errors, "\n".join(errors)

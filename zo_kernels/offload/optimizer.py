@@ -332,6 +332,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         for p in trainable:
             p._zo_owner = weakref.ref(self)
         self._group_params = [list(g["params"]) for g in self.param_groups]  # what the layout was built from
+        frozen_names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
+        self._frozen = {frozen_names.get(id(p), f"frozen param {k} (shape {tuple(p.shape)})"): p
+                        for k, p in enumerate(t for t in followers if isinstance(t, torch.nn.Parameter))}  # fmt: skip
 
     # ------------------------------------------------------------------ construction
 
@@ -665,6 +668,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.grads.check_untouched()
         self.grads.check_connected()
         self._check_groups()
+        self._check_still_frozen()
         for gi, group in enumerate(self.param_groups):
             self._group_hparams(group)
             check_torch_options(group, f"param group {gi}")
@@ -721,6 +725,15 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._record_stats(t_step, skip_reason=None, grad_norm=norm, clip=clip, micro_batches=n_micro,
                            delayed=delayed, skipped_params=len(got) - sum(got))  # fmt: skip
         return None
+
+    def _check_still_frozen(self) -> None:
+        """A param frozen at construction is outside the flat layout: unfrozen, it would never be updated."""
+        for name, p in self._frozen.items():
+            if p.requires_grad:
+                raise RuntimeError(f"{name} was frozen (requires_grad=False) when ZeroOffloadAdamW was built and now "
+                                   "requires grad: it would get gradients but never be updated (the flat layout is "
+                                   "fixed at construction). Freeze it again (p.requires_grad_(False); p.grad = None), "
+                                   "or close() the optimizer and build a new one after unfreezing")  # fmt: skip
 
     def _set_group_steps(self) -> None:
         """Each group's "step" is the count of its most-stepped parameter (each parameter counts its own)."""
