@@ -49,13 +49,16 @@ class Oracle:
         foreach, reverse_sums, nudge: perturbations used to measure the oracle's own fp32 noise: AdamW's
             foreach implementation, summing micro-batches and ranks in reverse order, and moving every
             initial master by one fp32 ulp (alternating up/down).
+        reduce_dtype: reduce over ranks in this dtype, as ZeRO does with 16-bit gradients: each micro-batch's
+            gradient divided by the number of ranks and summed over the ranks (in rank order) in reduce_dtype,
+            the micro-batches' averages then summed in fp32 (None: the rules above, all in fp32).
         adamw: AdamW's keyword arguments (lr, betas, eps, weight_decay).
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, *, groups: Sequence[dict] | None = None,
                  loss_scale: float | str | None = None, max_grad_norm: float | None = None,
                  delay_update_after: int | None = None, foreach: bool = False, reverse_sums: bool = False,
-                 nudge: bool = False, **adamw: Any) -> None:  # fmt: skip
+                 nudge: bool = False, reduce_dtype: torch.dtype | None = None, **adamw: Any) -> None:  # fmt: skip
         self.work = copy.deepcopy(model).to(dtype)
         self.masters: dict[str, torch.Tensor] = {}
         self._work_params: dict[str, torch.Tensor] = dict(self.work.named_parameters())
@@ -81,13 +84,14 @@ class Oracle:
         self.max_grad_norm = max_grad_norm
         self.delay = delay_update_after
         self.reverse_sums = reverse_sums
+        self.reduce_dtype = reduce_dtype
         self.updates = 0  # updates applied to the masters
         self.good_steps = 0
 
     def step(self, batches: Sequence[Sequence[Any]], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
              ) -> tuple[list[list[float]], bool]:  # fmt: skip
         """One iteration: batches[rank][micro] -> loss_fn(working model, batch). Returns (losses, skipped)."""
-        losses, rank_sums = [], []
+        losses, rank_sums, per_rank = [], [], []
         for rank_batches in batches:
             sums: dict[str, torch.Tensor] = {}
             losses.append([])
@@ -103,12 +107,23 @@ class Oracle:
                 for n, g in grads.items():
                     sums[n] = g.clone() if n not in sums else sums[n] + g
             rank_sums.append(sums)
+            per_rank.append(grads_per_micro)
         self.work.zero_grad(set_to_none=True)
         averaged: dict[str, torch.Tensor] = {}
-        for sums in reversed(rank_sums) if self.reverse_sums else rank_sums:
-            for n, g in sums.items():
-                averaged[n] = g.clone() if n not in averaged else averaged[n] + g
-        averaged = {n: g / len(batches) for n, g in averaged.items()}
+        if self.reduce_dtype is not None:
+            for micro in zip(*per_rank):
+                reduced: dict[str, torch.Tensor] = {}
+                for grads in micro:
+                    for n, g in grads.items():
+                        part = (g / len(batches)).to(self.reduce_dtype)
+                        reduced[n] = part if n not in reduced else (reduced[n] + part).to(self.reduce_dtype)
+                for n, g in reduced.items():
+                    averaged[n] = g.float() if n not in averaged else averaged[n] + g.float()
+        else:
+            for sums in reversed(rank_sums) if self.reverse_sums else rank_sums:
+                for n, g in sums.items():
+                    averaged[n] = g.clone() if n not in averaged else averaged[n] + g
+            averaged = {n: g / len(batches) for n, g in averaged.items()}
 
         delayed = self.delay is not None and self.updates + 1 > self.delay
         if delayed:
