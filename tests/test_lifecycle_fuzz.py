@@ -4,7 +4,8 @@ A lifecycle is a random sequence of what a training script does between steps: t
 (a branch taken on some only), zero_grad(set_to_none True/False) after a backward or after the step, evaluation
 forwards under no_grad, forwards whose graph is dropped, train()/eval() switches, the optimizer's state_dict() /
 load_state_dict() (a round trip, or a roll-back with the model's weights), save_checkpoint / load_checkpoint,
-new weights by model.load_state_dict(), a frozen param unfrozen (refused by step(), then frozen again). The model
+new weights by model.load_state_dict() or inside opt.gathered(write=True), step() inside opt.gathered(), a forward
+of copy.deepcopy(model), a frozen param unfrozen (refused by step(), then frozen again). The model
 returns a view of its own parameter (a positional table), may tie its output to its embedding and may have a frozen
 Linear. The reference runs the same calls on an fp32 copy with
 torch.optim.AdamW(foreach=False); every evaluation forward and the end (weights, step counts, moments) are compared.
@@ -115,6 +116,7 @@ class Pair:
         self.saved: dict | None = None  # a roll-back point: (opt state dict, weights) of both sides
         self.ckpt: str | None = None
         self.ckpt_ref: dict | None = None
+        self.mismatch: list[str] = []  # what step_in_gathered saw differ
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         n = int(torch.randint(2, SEQ + 1, (), generator=self.g))  # the positional view has varying lengths
@@ -208,6 +210,37 @@ class Pair:
         self.ref_opt.step()
         self.both_zero_grad(True, False)
 
+    def gathered_write(self) -> None:
+        """New weights written inside opt.gathered(write=True), the masters following (its docstring)."""
+        g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 20, (), generator=self.g)))
+        with torch.no_grad():
+            with self.opt.gathered(write=True):
+                for (_, p), (_, r) in zip(self.model.named_parameters(), self.ref.named_parameters()):
+                    p.mul_(0.5).add_(torch.randn(p.shape, generator=g), alpha=0.1)
+                    r.copy_(p)
+        self.opt.refresh_masters_from_model()
+
+    def step_in_gathered(self) -> None:
+        """A backward, then opt.step() inside `with opt.gathered():` (README: the block's parameters refilled)."""
+        x, y = self.batch()
+        for m in (self.model, self.ref):
+            m(x, y).backward()
+        with self.opt.gathered():
+            self.opt.step()
+            got = clone(self.model.state_dict())
+        self.ref_opt.step()
+        self.both_zero_grad(True, False)
+        self.mismatch = [k for k, v in self.ref.state_dict().items() if not torch.allclose(got[k], v, RTOL, ATOL)]
+
+    def deepcopy_forward(self, check: list[str], where: str) -> None:
+        """copy.deepcopy(model) outside gathered() (one rank): an independent model with whole parameters."""
+        twin = copy.deepcopy(self.model)
+        x, y = self.batch()
+        with torch.no_grad():
+            got, want = twin(x, y), self.ref(x, y)
+        if not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
+            check.append(f"{where}: the deepcopy's forward {got.item():.7g}, reference {want.item():.7g}")
+
     def final_errors(self) -> list[str]:
         errors = []
         with self.opt.gathered():
@@ -254,7 +287,7 @@ def random_ops(life: Life) -> list[tuple]:
 
     others = [("eval_forward",), ("dropped_forward",), ("set_mode", False), ("set_mode", True), ("round_trip",),
               ("save_point",), ("roll_back",), ("save_ckpt",), ("load_ckpt",), ("new_weights",),
-              ("unfreeze",)]  # fmt: skip
+              ("unfreeze",), ("gathered_write",), ("step_in_gathered",), ("deepcopy_forward",)]  # fmt: skip
     ops = [step()]
     for _ in range(life.length):
         ops.append(step() if rng.random() < 0.5 else rng.choice(others))
@@ -269,10 +302,12 @@ def run_life(life: Life, tmp: str, ops: list[tuple] | None = None) -> list[str]:
     try:
         for i, op in enumerate(random_ops(life) if ops is None else ops):
             where = f"op {i} {op}"
-            if op[0] in ("eval_forward", "unfreeze"):
+            if op[0] in ("eval_forward", "unfreeze", "deepcopy_forward"):
                 getattr(pair, op[0])(errors, where)
             else:
                 getattr(pair, op[0])(*op[1:])
+            if pair.mismatch:
+                errors.append(f"{where}: inside gathered() after step(), {pair.mismatch} differ from the reference")
             if errors:
                 return errors
         return pair.final_errors()
