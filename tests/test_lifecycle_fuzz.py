@@ -16,16 +16,20 @@ Opt-in (not in the default run): ZO_LIFECYCLE_RANDOM=N ZO_LIFECYCLE_SEED=S pytes
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
 import random
 import tempfile
+import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from dist_worker import spawn_ranks
 from test_oracle_matrix import stage_args
 
 import zo_kernels as zk
@@ -85,10 +89,11 @@ class Life:
     tied: bool
     frozen: bool
     length: int
+    world: int = 1  # 2: two gloo ranks, each with its own data; the reference trains on both (their mean loss)
 
     @property
     def id(self) -> str:
-        return f"life{self.index:03d}-zero{self.stage}-state={self.offload}-gf={self.gpu_fraction}"
+        return f"life{self.index:03d}-w{self.world}-zero{self.stage}-state={self.offload}-gf={self.gpu_fraction}"
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
@@ -98,19 +103,21 @@ def random_lives(n: int, seed: int) -> list[Life]:
     rng = random.Random(seed)
     return [Life(i, rng.randrange(1 << 20), rng.choice(("1", "2", "3", "3", "3+cpu", "3+cpu")),
                  rng.choice(("cpu", "cpu", "nvme")), rng.choice((0.0, 0.0, 0.5)), rng.choice((0, 1, 2)),
-                 rng.random() < 0.5, rng.random() < 0.5, rng.randrange(8, 30)) for i in range(n)]  # fmt: skip
+                 rng.random() < 0.5, rng.random() < 0.5, rng.randrange(8, 30), rng.choice((1, 1, 2)))
+            for i in range(n)]  # fmt: skip
 
 
 class Pair:
     """The model under test with ZeroOffloadAdamW, and its fp32 twin with torch's AdamW, driven op by op."""
 
-    def __init__(self, life: Life, tmp: str) -> None:
-        self.life, self.tmp = life, tmp
+    def __init__(self, life: Life, tmp: str, rank: int = 0) -> None:
+        self.life, self.tmp, self.rank = life, tmp, rank
         self.model = LifeNet(life.tied, life.frozen, life.seed)
         self.ref = copy.deepcopy(self.model)
         extra = {"prefetch": life.prefetch} if life.stage.startswith("3") else {}
         self.opt = zk.ZeroOffloadAdamW(self.model, **ADAMW, dtype=torch.float32, gpu_fraction=life.gpu_fraction,
-                                       bucket_numel=300, **stage_args(life.stage, life.offload), **extra)  # fmt: skip
+                                       bucket_numel=300, **stage_args(life.stage, life.offload), **extra,
+                                       process_group=dist.group.WORLD if life.world > 1 else None)  # fmt: skip
         self.ref_opt = torch.optim.AdamW(self.ref.parameters(), foreach=False, **ADAMW)
         self.g = torch.Generator().manual_seed(life.seed)
         self.saved: dict | None = None  # a roll-back point: (opt state dict, weights) of both sides
@@ -118,10 +125,22 @@ class Pair:
         self.ckpt_ref: dict | None = None
         self.mismatch: list[str] = []  # what step_in_gathered saw differ
 
-    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A batch per rank (every rank draws them all)."""
         n = int(torch.randint(2, SEQ + 1, (), generator=self.g))  # the positional view has varying lengths
-        return (torch.randint(0, VOCAB, (BATCH, n), generator=self.g),
-                torch.randint(0, VOCAB, (BATCH, n), generator=self.g))  # fmt: skip
+        return [(torch.randint(0, VOCAB, (BATCH, n), generator=self.g),
+                 torch.randint(0, VOCAB, (BATCH, n), generator=self.g)) for _ in range(self.life.world)]  # fmt: skip
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's batch (the reference evaluates on it too)."""
+        return self.batches()[self.rank]
+
+    def backward(self, branch: bool = False) -> None:
+        """This rank's backward; the reference's over every rank's batch (the mean of their losses)."""
+        data = self.batches()
+        self.model(*data[self.rank], branch=branch).backward()
+        for x, y in data:
+            (self.ref(x, y, branch=branch) / len(data)).backward()
 
     def both_zero_grad(self, set_to_none: bool, by_model: bool) -> None:
         (self.model.zero_grad if by_model else self.opt.zero_grad)(set_to_none=set_to_none)
@@ -129,9 +148,7 @@ class Pair:
 
     def train_step(self, micro: int, branches: list[bool], clear: tuple | None, after: tuple) -> None:
         for i in range(micro):
-            x, y = self.batch()
-            for m in (self.model, self.ref):
-                m(x, y, branch=branches[i]).backward()
+            self.backward(branches[i])
         if clear is not None:  # zero_grad between the backward and the step
             self.both_zero_grad(*clear)
         self.opt.step()
@@ -157,8 +174,10 @@ class Pair:
         self.opt.load_state_dict(self.opt.state_dict())
 
     def save_point(self) -> None:
-        self.saved = dict(opt=self.opt.state_dict(), weights=clone(self.model.state_dict()),
-                          ref_opt=copy.deepcopy(self.ref_opt.state_dict()), ref=clone(self.ref.state_dict()))
+        with self.opt.gathered():  # (model.state_dict() alone would refuse with several ranks at stage 3)
+            weights = clone(self.model.state_dict())
+        self.saved = dict(opt=self.opt.state_dict(), weights=weights, ref_opt=copy.deepcopy(self.ref_opt.state_dict()),
+                          ref=clone(self.ref.state_dict()))  # fmt: skip
 
     def roll_back(self) -> None:
         if self.saved is None:
@@ -193,10 +212,9 @@ class Pair:
         change nothing, and step once it is frozen again (the backward's gradients of the others kept)."""
         if self.model.frozen is None:
             return
-        x, y = self.batch()
         for m in (self.model, self.ref):
             m.frozen.requires_grad_(True)
-            m(x, y).backward()
+        self.backward()
         try:
             self.opt.step()
             check.append(f"{where}: step() with a param unfrozen after construction did not refuse")
@@ -222,9 +240,7 @@ class Pair:
 
     def step_in_gathered(self) -> None:
         """A backward, then opt.step() inside `with opt.gathered():` (README: the block's parameters refilled)."""
-        x, y = self.batch()
-        for m in (self.model, self.ref):
-            m(x, y).backward()
+        self.backward()
         with self.opt.gathered():
             self.opt.step()
             got = clone(self.model.state_dict())
@@ -233,8 +249,9 @@ class Pair:
         self.mismatch = [k for k, v in self.ref.state_dict().items() if not torch.allclose(got[k], v, RTOL, ATOL)]
 
     def deepcopy_forward(self, check: list[str], where: str) -> None:
-        """copy.deepcopy(model) outside gathered() (one rank): an independent model with whole parameters."""
-        twin = copy.deepcopy(self.model)
+        """copy.deepcopy(model) outside gathered() (one rank; inside with several): an independent model."""
+        with self.opt.gathered() if self.life.world > 1 else contextlib.nullcontext():
+            twin = copy.deepcopy(self.model)
         x, y = self.batch()
         with torch.no_grad():
             got, want = twin(x, y), self.ref(x, y)
@@ -255,7 +272,7 @@ class Pair:
             name = names[id(p)]
             if float(st.get("step", 0)) != float(rst.get("step", 0)):
                 errors.append(f"{name}: step {float(st.get('step', 0))}, reference {float(rst.get('step', 0))}")
-            elif rst:
+            elif rst and self.life.world == 1:  # (with several ranks opt.state[p] holds this rank's elements)
                 for key in ("exp_avg", "exp_avg_sq"):
                     if not torch.allclose(st[key].reshape(rst[key].shape), rst[key], rtol=RTOL, atol=ATOL * 1e-2):
                         err = (st[key].reshape(rst[key].shape) - rst[key]).abs().max()
@@ -294,10 +311,10 @@ def random_ops(life: Life) -> list[tuple]:
     return [*ops, ("set_mode", True), step(), ("eval_forward",)]
 
 
-def run_life(life: Life, tmp: str, ops: list[tuple] | None = None) -> list[str]:
-    """The lifecycle's differences from the reference; `ops` (default: drawn from its seed) are Pair's methods
-    and their arguments."""
-    pair = Pair(life, tmp)
+def run_life(life: Life, tmp: str, ops: list[tuple] | None = None, rank: int = 0) -> list[str]:
+    """The lifecycle's differences from the reference on this rank; `ops` (default: drawn from its seed) are Pair's
+    methods and their arguments."""
+    pair = Pair(life, tmp, rank)
     errors: list[str] = []
     try:
         for i, op in enumerate(random_ops(life) if ops is None else ops):
@@ -315,6 +332,25 @@ def run_life(life: Life, tmp: str, ops: list[tuple] | None = None) -> list[str]:
         pair.close()
 
 
+def _life_rank(rank: int, world: int, life: Life, tmp: str, ops: list[tuple] | None) -> None:
+    try:
+        errors = run_life(life, tmp, ops, rank)
+    except Exception:
+        errors = [traceback.format_exc(limit=6)]
+    torch.save(errors, os.path.join(tmp, f"errors.{rank}.pt"))
+
+
+def life_errors(life: Life, tmp: str, ops: list[tuple] | None = None) -> list[str]:
+    """run_life on one rank, or on each of two spawned gloo ranks (every rank's differences, named)."""
+    if life.world == 1:
+        return run_life(life, tmp, ops)
+    try:
+        spawn_ranks(_life_rank, life.world, tmp, life, tmp, ops)
+    except AssertionError as e:
+        return [f"the launch failed: {e}"]
+    return [f"rank {r}: {e}" for r in range(life.world) for e in torch.load(os.path.join(tmp, f"errors.{r}.pt"))]
+
+
 RANDOM_LIVES = random_lives(int(os.environ.get("ZO_LIFECYCLE_RANDOM", "0")),
                             int(os.environ.get("ZO_LIFECYCLE_SEED", "0")))  # fmt: skip
 
@@ -323,7 +359,7 @@ RANDOM_LIVES = random_lives(int(os.environ.get("ZO_LIFECYCLE_RANDOM", "0")),
 @pytest.mark.parametrize("life", RANDOM_LIVES, ids=[f"random-{x.id}" for x in RANDOM_LIVES])
 def test_random_lifecycle_matches_torch(life: Life) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        errors = run_life(life, tmp)
+        errors = life_errors(life, tmp)
     if errors:
         ops = "\n    ".join(f"{i}: {op}" for i, op in enumerate(random_ops(life)))
         pytest.fail(f"{life.id} ({life.describe()}):\n  " + "\n  ".join(errors[:10]) + f"\n  ops:\n    {ops}",
