@@ -1,13 +1,13 @@
 """Random lifecycles at stages 1, 2, 3 against plain torch AdamW on an fp32 copy of the model.
 
 A lifecycle is a random sequence of what a training script does between steps: train steps of 1-3 micro-batches
-(a branch taken on some only), zero_grad(set_to_none True/False) after a backward or after the step, evaluation
-forwards under no_grad, forwards whose graph is dropped, train()/eval() switches, the optimizer's state_dict() /
-load_state_dict() (a round trip, or a roll-back with the model's weights), save_checkpoint / load_checkpoint,
-new weights by model.load_state_dict() or inside opt.gathered(write=True), step() inside opt.gathered(), a forward
-of copy.deepcopy(model), a frozen param unfrozen (refused by step(), then frozen again). The model
-returns a view of its own parameter (a positional table), may tie its output to its embedding and may have a frozen
-Linear. The reference runs the same calls on an fp32 copy with
+(a branch taken on some only; clip_grad_norm_ on p.grad before some), zero_grad(set_to_none True/False) after a
+backward or after the step, evaluation forwards under no_grad, forwards whose graph is dropped, train()/eval()
+switches, the optimizer's state_dict() / load_state_dict() (a round trip, or a roll-back with the model's weights),
+save_checkpoint / load_checkpoint, new weights by model.load_state_dict() or inside opt.gathered(write=True), step()
+inside opt.gathered(), a forward of copy.deepcopy(model), a frozen param unfrozen (refused by step(), then frozen
+again). The model returns a view of its own parameter (a positional table), may tie its output to its embedding and
+may have a frozen Linear; one rank or two gloo ranks. The reference runs the same calls on an fp32 copy with
 torch.optim.AdamW(foreach=False); every evaluation forward and the end (weights, step counts, moments) are compared.
 
 Opt-in (not in the default run): ZO_LIFECYCLE_RANDOM=N ZO_LIFECYCLE_SEED=S pytest tests/test_lifecycle_fuzz.py
@@ -146,11 +146,15 @@ class Pair:
         (self.model.zero_grad if by_model else self.opt.zero_grad)(set_to_none=set_to_none)
         self.ref_opt.zero_grad(set_to_none=set_to_none)
 
-    def train_step(self, micro: int, branches: list[bool], clear: tuple | None, after: tuple) -> None:
+    def train_step(self, micro: int, branches: list[bool], clear: tuple | None, after: tuple,
+                   clip: float | None = None) -> None:  # fmt: skip
         for i in range(micro):
             self.backward(branches[i])
         if clear is not None:  # zero_grad between the backward and the step
             self.both_zero_grad(*clear)
+        if clip is not None:  # by the framework, on p.grad (a collective with several ranks)
+            for m in (self.model, self.ref):
+                torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
         self.opt.step()
         self.ref_opt.step()
         self.both_zero_grad(*after)
@@ -300,7 +304,8 @@ def random_ops(life: Life) -> list[tuple]:
     def step() -> tuple:
         micro = rng.randint(1, 3)
         return ("train_step", micro, [rng.random() < 0.3 for _ in range(micro)],
-                zero() if rng.random() < 0.1 else None, zero(after_step=True))  # fmt: skip
+                zero() if rng.random() < 0.1 else None, zero(after_step=True),
+                rng.choice((None, None, 0.5, 5.0)))  # fmt: skip
 
     others = [("eval_forward",), ("dropped_forward",), ("set_mode", False), ("set_mode", True), ("round_trip",),
               ("save_point",), ("roll_back",), ("save_ckpt",), ("load_ckpt",), ("new_weights",),
