@@ -10,6 +10,9 @@ again). The model returns a view of its own parameter (a positional table), may 
 may have a frozen Linear; one rank or two gloo ranks. The reference runs the same calls on an fp32 copy with
 torch.optim.AdamW(foreach=False); every evaluation forward and the end (weights, step counts, moments) are compared.
 
+A second, metamorphic check (test_random_no_ops_change_nothing, DPU too): ops that must change nothing inserted
+between the train steps leave the weights and the optimizer state bit for bit as without them.
+
 Opt-in (not in the default run): ZO_LIFECYCLE_RANDOM=N ZO_LIFECYCLE_SEED=S pytest tests/test_lifecycle_fuzz.py
 -m slow -k random. A failure prints the lifecycle's settings and its operations; `-k <its id>` re-runs it alone.
 """
@@ -90,6 +93,7 @@ class Life:
     frozen: bool
     length: int
     world: int = 1  # 2: two gloo ranks, each with its own data; the reference trains on both (their mean loss)
+    dpu: int | None = None  # delay_update_after (only where nothing is compared with the reference: see NO_OPS)
 
     @property
     def id(self) -> str:
@@ -117,23 +121,26 @@ class Pair:
         extra = {"prefetch": life.prefetch} if life.stage.startswith("3") else {}
         self.opt = zk.ZeroOffloadAdamW(self.model, **ADAMW, dtype=torch.float32, gpu_fraction=life.gpu_fraction,
                                        bucket_numel=300, **stage_args(life.stage, life.offload), **extra,
-                                       process_group=dist.group.WORLD if life.world > 1 else None)  # fmt: skip
+                                       process_group=dist.group.WORLD if life.world > 1 else None,
+                                       delay_update_after=life.dpu)  # fmt: skip
         self.ref_opt = torch.optim.AdamW(self.ref.parameters(), foreach=False, **ADAMW)
         self.g = torch.Generator().manual_seed(life.seed)
+        self.g_eval = torch.Generator().manual_seed(life.seed + 1)  # what is not trained on: steps' data unchanged
         self.saved: dict | None = None  # a roll-back point: (opt state dict, weights) of both sides
         self.ckpt: str | None = None
         self.ckpt_ref: dict | None = None
         self.mismatch: list[str] = []  # what step_in_gathered saw differ
 
-    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, g: torch.Generator | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A batch per rank (every rank draws them all)."""
-        n = int(torch.randint(2, SEQ + 1, (), generator=self.g))  # the positional view has varying lengths
-        return [(torch.randint(0, VOCAB, (BATCH, n), generator=self.g),
-                 torch.randint(0, VOCAB, (BATCH, n), generator=self.g)) for _ in range(self.life.world)]  # fmt: skip
+        g = g or self.g
+        n = int(torch.randint(2, SEQ + 1, (), generator=g))  # the positional view has varying lengths
+        return [(torch.randint(0, VOCAB, (BATCH, n), generator=g),
+                 torch.randint(0, VOCAB, (BATCH, n), generator=g)) for _ in range(self.life.world)]  # fmt: skip
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's batch (the reference evaluates on it too)."""
-        return self.batches()[self.rank]
+        """This rank's batch for a forward without training (the reference evaluates on it too)."""
+        return self.batches(self.g_eval)[self.rank]
 
     def backward(self, branch: bool = False) -> None:
         """This rank's backward; the reference's over every rank's batch (the mean of their losses)."""
@@ -262,6 +269,12 @@ class Pair:
         if not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
             check.append(f"{where}: the deepcopy's forward {got.item():.7g}, reference {want.item():.7g}")
 
+    def snapshot(self) -> dict:
+        """The model's weights and the optimizer's state dict, as they are (no synchronize())."""
+        with self.opt.gathered():
+            weights = clone(self.model.state_dict())
+        return {"weights": weights, "state": self.opt.state_dict()["state"]}
+
     def final_errors(self) -> list[str]:
         errors = []
         with self.opt.gathered():
@@ -356,6 +369,37 @@ def life_errors(life: Life, tmp: str, ops: list[tuple] | None = None) -> list[st
     return [f"rank {r}: {e}" for r in range(life.world) for e in torch.load(os.path.join(tmp, f"errors.{r}.pt"))]
 
 
+# Metamorphic: ops that must change nothing, inserted between the train steps of a lifecycle (with DPU too, where the
+# reference's torch AdamW does not apply): the weights and the optimizer state must stay bit for bit those of the run
+# without them.
+NO_OPS = [[("round_trip",)], [("save_point",), ("roll_back",)], [("save_ckpt",), ("load_ckpt",)], [("eval_forward",)],
+          [("dropped_forward",)], [("set_mode", False), ("eval_forward",), ("set_mode", True)],
+          [("deepcopy_forward",)]]  # fmt: skip
+
+
+def no_op_errors(life: Life, tmp: str) -> list[str]:
+    rng = random.Random(life.seed + 2)
+    steps = [op for op in random_ops(life) if op[0] == "train_step"]
+    with_no_ops = [op for step in steps for op in [*rng.choice([[], *NO_OPS]), step]]
+    runs = []
+    for ops in (steps, with_no_ops):
+        pair = Pair(life, tmp)
+        try:
+            for op in ops:
+                if op[0] in ("eval_forward", "unfreeze", "deepcopy_forward"):
+                    getattr(pair, op[0])([], "")  # (the reference is not the judge here)
+                else:
+                    getattr(pair, op[0])(*op[1:])
+            runs.append(pair.snapshot())
+        finally:
+            pair.close()
+    (a, b), errors = runs, []
+    errors += [f"weight {k} differs" for k in a["weights"] if not torch.equal(a["weights"][k], b["weights"][k])]
+    errors += [f"state[{i}][{k}] differs" for i, st in a["state"].items() for k, v in st.items()
+               if not torch.equal(torch.as_tensor(v), torch.as_tensor(b["state"][i][k]))]  # fmt: skip
+    return errors
+
+
 RANDOM_LIVES = random_lives(int(os.environ.get("ZO_LIFECYCLE_RANDOM", "0")),
                             int(os.environ.get("ZO_LIFECYCLE_SEED", "0")))  # fmt: skip
 
@@ -430,3 +474,14 @@ def test_a_param_unfrozen_after_construction_is_refused_by_name(stage: str, tmp_
            ("eval_forward",)]  # fmt: skip
     errors = run_life(life, str(tmp_path), ops)
     assert not errors, "\n".join(errors)
+
+
+NO_OP_LIVES = [dataclasses.replace(x, world=1, dpu=random.Random(x.seed).choice((None, 0, 1))) for x in RANDOM_LIVES]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("life", NO_OP_LIVES, ids=[f"random-noop-{x.id}-dpu={x.dpu}" for x in NO_OP_LIVES])
+def test_random_no_ops_change_nothing(life: Life) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        errors = no_op_errors(life, tmp)
+    assert not errors, f"{life.id} ({life.describe()}): " + "; ".join(errors[:10])
