@@ -502,3 +502,30 @@ def test_covering_array_covers_every_pair():
         seen = {tuple(r[n] for n in group) for r in rows}
         assert seen == set(product(*(FACTORS[n] for n in group))), group
     assert len({c.id for c in CASES}) == len(CASES)
+
+
+# Found by the random mode (seed 9, c10039; seed 8, c10021): with a 16-bit model, clipping by the framework
+# (clip_grad_norm_ on the p.grad placeholders) got each param's norm in that dtype, so the clip factor was rounded to
+# fp16 (2**-11) and one element's Adam step went the other way (1.2 lr off); the norms are fp32 now.
+FRAMEWORK_CLIP_FP16 = Case(39, dtype="fp16", micro=1, clip="framework", scale="dynamic", dpu=None, world=1,
+                           groups="all", frozen=True, tied=False, unused=True, buffers=True, inf=None, transport="host",
+                           stage="2", seed=282434)  # fmt: skip
+
+
+def test_framework_clipping_of_a_16_bit_model_matches_the_oracle() -> None:
+    fail_on(FRAMEWORK_CLIP_FP16, oracle_errors(FRAMEWORK_CLIP_FP16, run_one_rank(FRAMEWORK_CLIP_FP16)))
+
+
+def test_a_16_bit_models_gradient_norm_is_fp32_and_does_not_overflow() -> None:
+    """clip_grad_norm_ over the placeholders of an fp16 model returns the host gradient's norm in fp32, finite past
+    fp16's largest value (65504), where an fp16 norm was inf (clip factor 0: the step trained on zeros)."""
+    lin = torch.nn.Linear(64, 64)
+    opt = zk.ZeroOffloadAdamW(lin, dtype=torch.float16)
+    x = torch.randn(8, 64, dtype=torch.float16, generator=torch.Generator().manual_seed(0))
+    (lin(x).float().sum() * 400).backward()  # grad: W[i, j] = 400 * sum_b x[b, j] (in fp16), bias 3200
+    want = torch.linalg.vector_norm(torch.cat([(400 * x.float().sum(0)).repeat(64), torch.full((64,), 3200.0)]))
+    got = torch.nn.utils.clip_grad_norm_(lin.parameters(), 1.0)
+    opt.close()
+    assert got.dtype == torch.float32 and want > 65504
+    # (the gradient itself is fp16: its elements are rounded by 2**-11 at most)
+    assert torch.isfinite(got) and abs(got.item() - want.item()) <= 5e-4 * want.item(), (got.item(), want.item())

@@ -127,7 +127,10 @@ def _norms(func: Any, args: Any, kwargs: dict) -> Any:
     values: list[Any] = [None] * len(grads)
     for owner, where in _by_owner(grads).values():
         for k, v in zip(where, owner._host_grad_norms([grads[k]._index for k in where], ord_)):
-            values[k] = torch.tensor(v, dtype=dtype or grads[k].dtype, device=grads[k].device)
+            # fp32 for 16-bit params (as the host gradient is): in their dtype the norm rounded the clip factor
+            # (2**-11 in fp16: beyond the oracle matrix's bound) and a norm past 65504 became inf
+            like = grads[k].dtype if grads[k].dtype.itemsize >= 4 else torch.float32
+            values[k] = torch.tensor(v, dtype=dtype or like, device=grads[k].device)
     for k, g in enumerate(grads):  # ordinary tensors in the same call (another optimizer's gradients)
         if values[k] is None:
             values[k] = torch.linalg.vector_norm(g, ord_, dtype=dtype)
