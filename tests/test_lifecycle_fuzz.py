@@ -454,7 +454,7 @@ def test_load_state_dict_after_zero_grad_keeping_zeros(stage: str, load: str, tm
 
 @pytest.mark.xfail(strict=True, reason="step() sets p.grad = None, so torch's model.zero_grad(set_to_none=False) after "
                    "it has nothing to zero and the optimizer never hears of it; keeping a placeholder in p.grad after "
-                   "step() (as torch keeps the gradient) would let it (notes/fuzz.md)")  # fmt: skip
+                   "step() (as torch keeps the gradient) would let it (README, 'Where it differs')")  # fmt: skip
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_model_zero_grad_keeping_zeros_after_step(stage: str, tmp_path):
     """model.zero_grad(set_to_none=False) after step(): torch keeps a zero gradient for every param that had one, so
