@@ -128,6 +128,26 @@ MUTANTS = [
     _m("kernel-decay-without-lr", "kernel", "cpu/adam.cpp",
        "c.decay = float(1.0 - double(a.lr) * a.weight_decay);", "c.decay = float(1.0 - a.weight_decay);",
        "tests/test_cpu_adam.py"),
+    # ---- interrupted steps and the lifecycle fuzzer's finds (2026-11-23)
+    _m("interrupted-consume-unguarded", "offload step", "zo_kernels/offload/optimizer.py",
+       "        except BaseException as e:  # (Ctrl-C in its checks) the gradients half consumed: a retry would sum "
+       "them twice\n            self._interrupted = e\n",
+       "        except BaseException as e:  # (Ctrl-C in its checks) the gradients half consumed: a retry would sum "
+       "them twice\n",
+       ("tests/test_interrupted.py", "-k", "accumulated_gradients")),
+    _m("dpu-ctrl-c-in-wait-drops-update", "offload step", "zo_kernels/offload/update.py",
+       "                self._pending = fut\n                raise\n", "                raise\n",
+       ("tests/test_interrupted.py", "-k", "background_update_loses_nothing")),
+    _m("zero-grad-keeps-cleared-step-grads", "offload step", "zo_kernels/offload/grads.py",
+       "            self.last_got = []  # torch holds no gradient now",
+       "            pass  # torch holds no gradient now",
+       ("tests/test_lifecycle_fuzz.py", "-k", "cleared")),
+    _m("unfrozen-param-unchecked", "offload step", "zo_kernels/offload/optimizer.py",
+       "        self._check_still_frozen()\n        for gi, group", "        for gi, group",
+       ("tests/test_lifecycle_fuzz.py", "-k", "unfrozen")),
+    _m("grad-norm-in-16-bits", "offload step", "zo_kernels/param_views.py",
+       "like = grads[k].dtype if grads[k].dtype.itemsize >= 4 else torch.float32", "like = grads[k].dtype",
+       ("tests/test_oracle_matrix.py", "-k", "16_bit")),
 ]
 
 CPP_SUFFIXES = (".cpp", ".h", ".inc", ".cu")
