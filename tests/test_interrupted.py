@@ -10,6 +10,7 @@ import torch
 
 import zo_kernels
 from zo_kernels.offload import update
+from zo_kernels.transport import CopyEngineTransport
 
 
 def build(tmp_path, **kw):
@@ -18,6 +19,8 @@ def build(tmp_path, **kw):
     if kw.get("nvme_dir") == "tmp":
         kw["nvme_dir"] = str(tmp_path)
     cls = kw.pop("cls", zo_kernels.ZeroOffloadAdamW)
+    if kw.pop("gpu_shaped", False):  # the device's parameters apart from the host's: a lost update stays on the host
+        kw["transport"] = CopyEngineTransport()
     return model, cls(model, lr=1e-2, dtype=torch.bfloat16, tile_numel=1024, **kw)
 
 
@@ -77,10 +80,16 @@ class _CtrlCWhileWaiting:
         return getattr(self.future, name)
 
 
-def test_ctrl_c_while_waiting_for_the_background_update_loses_nothing(tmp_path):
+WAITED = {"memory": {}, "gpu-shaped": dict(gpu_shaped=True),
+          "nvme-gpu-shaped": dict(gpu_shaped=True, offload_optimizer="nvme", nvme_dir="tmp")}  # (nvme: via staging)
+
+
+@pytest.mark.parametrize("where", list(WAITED))
+def test_ctrl_c_while_waiting_for_the_background_update_loses_nothing(tmp_path, where):
     """DPU: step() first waits for the last step's background update. Before: Ctrl-C in that wait marked the
-    optimizer failed for good (step, state_dict and load_checkpoint refused) though the update itself went on fine."""
-    model, opt = build(tmp_path, delay_update_after=0)
+    optimizer failed for good (step, state_dict and load_checkpoint refused) though the update itself went on fine.
+    GPU-shaped: the update must still be waited for and its parameters sent down (forgetting it loses them)."""
+    model, opt = build(tmp_path, delay_update_after=0, **WAITED[where])
     step(model, opt)
     opt.update._pending = _CtrlCWhileWaiting(opt.update._pending)
     with pytest.raises(KeyboardInterrupt):
@@ -88,7 +97,8 @@ def test_ctrl_c_while_waiting_for_the_background_update_loses_nothing(tmp_path):
     opt.step()  # the interrupted step again: its gradients are still there
     opt.synchronize()
     assert opt.state_dict()["state"]
-    assert same_params(model, uninterrupted(tmp_path, 2, delay_update_after=0))
+    (tmp_path / "u").mkdir()
+    assert same_params(model, uninterrupted(tmp_path / "u", 2, delay_update_after=0, **WAITED[where]))
     opt.close()
 
 
