@@ -43,6 +43,23 @@ def uninterrupted(tmp_path, steps: int, **kw) -> torch.nn.Module:
     return model
 
 
+def checkpointed(tmp_path, **kw):
+    """build() after one step, its checkpoint (step=1) saved as tmp_path / "ck.pt"."""
+    model, opt = build(tmp_path, **kw)
+    step(model, opt)
+    zo_kernels.save_checkpoint(tmp_path / "ck.pt", model, opt, step=1)
+    return model, opt
+
+
+def assert_recovered_by_load(tmp_path, model, opt, **kw) -> None:
+    """load_checkpoint of checkpointed()'s file goes on: one step more equals two uninterrupted ones; then close."""
+    assert zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt) == {"step": 1}
+    step(model, opt)
+    with opt.gathered():  # (stage 3: the parameters whole to compare)
+        assert same_params(model, uninterrupted(tmp_path, 2, **kw))
+    opt.close()
+
+
 def interrupt_the_update(monkeypatch, at_call: int) -> None:
     """Ctrl-C in the update's `at_call`-th call of CPU Adam (or of the tiled writeback that calls it)."""
     calls = []
@@ -111,20 +128,14 @@ def test_a_stage_3_step_interrupted_is_recovered_by_load_checkpoint(tmp_path, mo
     to load a checkpoint: at stage 3 the way on that the refusal names was closed. With the parameters on NVMe the
     gather read, and the store wrote, the files the interrupted step tore."""
     kw = dict(stage=3, offload_param=offload_param, **STAGE_3[offload_param])
-    model, opt = build(tmp_path, **kw)
-    step(model, opt)
-    zo_kernels.save_checkpoint(tmp_path / "ck.pt", model, opt, step=1)
+    model, opt = checkpointed(tmp_path, **kw)
     with monkeypatch.context() as m:
         interrupt_the_update(m, at_call=3 if offload_param == "nvme" else 1)
         with pytest.raises(KeyboardInterrupt):
             step(model, opt)
     with pytest.raises(RuntimeError, match="load a checkpoint"):
         step(model, opt)
-    assert zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt) == {"step": 1}
-    step(model, opt)
-    with opt.gathered():
-        assert same_params(model, uninterrupted(tmp_path, 2, **kw))
-    opt.close()
+    assert_recovered_by_load(tmp_path, model, opt, **kw)
     assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
 
 
@@ -291,9 +302,7 @@ def test_a_load_interrupted_midway_is_refused_until_a_load_completes(tmp_path, m
     """Ctrl-C inside load_state_dict (loading many parameters, or writing NVMe files, takes a while) leaves part of
     the state loaded (here the param groups, the step counts, the moments and masters) and part not (the parameters
     on the device). Before: the next step went on from that mix."""
-    model, opt = build(tmp_path, cls=cls)
-    step(model, opt)
-    zo_kernels.save_checkpoint(tmp_path / "ck.pt", model, opt, step=1)
+    model, opt = checkpointed(tmp_path, cls=cls)
     step(model, opt)
     with monkeypatch.context() as m:
         m.setattr(cls, "_set_group_steps", ctrl_c)
@@ -301,27 +310,19 @@ def test_a_load_interrupted_midway_is_refused_until_a_load_completes(tmp_path, m
             zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt)
     with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint with the optimizer.s state"):
         step(model, opt)
-    zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt)
-    step(model, opt)
-    assert same_params(model, uninterrupted(tmp_path, 2, cls=cls))
-    opt.close()
+    assert_recovered_by_load(tmp_path, model, opt, cls=cls)
 
 
 def test_a_step_interrupted_with_gpu_fraction_and_the_state_on_nvme_is_recovered(tmp_path, monkeypatch):
     """gpu_fraction (Twin-Flow) with the host part's state on NVMe. Before: load_checkpoint raised AttributeError
     ('TwinUpdate' object has no attribute 'numel') once it had changed the param groups and step counts."""
     kw = dict(gpu_fraction=0.5, offload_optimizer="nvme", nvme_dir="tmp")
-    model, opt = build(tmp_path, **kw)
-    step(model, opt)
-    zo_kernels.save_checkpoint(tmp_path / "ck.pt", model, opt, step=1)
+    model, opt = checkpointed(tmp_path, **kw)
     with monkeypatch.context() as m:
         interrupt_the_update(m, at_call=3)
         with pytest.raises(KeyboardInterrupt):
             step(model, opt)
-    assert zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt) == {"step": 1}
-    step(model, opt)
-    assert same_params(model, uninterrupted(tmp_path, 2, **kw))
-    opt.close()
+    assert_recovered_by_load(tmp_path, model, opt, **kw)
     assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
 
 
@@ -386,9 +387,7 @@ def test_ctrl_c_while_waiting_for_gpu_fractions_device_part_is_recovered(tmp_pat
     from zo_kernels.offload import twin
 
     kw = dict(gpu_fraction=0.5)
-    model, opt = build(tmp_path, **kw)
-    step(model, opt)
-    zo_kernels.save_checkpoint(tmp_path / "ck.pt", model, opt, step=1)
+    model, opt = checkpointed(tmp_path, **kw)
     real = twin.DeviceStream.launch
 
     def launch(self, job):
@@ -401,7 +400,4 @@ def test_ctrl_c_while_waiting_for_gpu_fractions_device_part_is_recovered(tmp_pat
             step(model, opt)
     with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint with the optimizer.s state"):
         step(model, opt)
-    assert zo_kernels.load_checkpoint(tmp_path / "ck.pt", model, opt) == {"step": 1}
-    step(model, opt)
-    assert same_params(model, uninterrupted(tmp_path, 2, **kw))
-    opt.close()
+    assert_recovered_by_load(tmp_path, model, opt, **kw)
