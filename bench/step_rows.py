@@ -2,7 +2,7 @@
 
 Per size and mode (sync, or DPU in steady state), in this order on a fresh model each time:
   torch_fused   the no-offload reference: bf16 working model, fp32 masters, torch.optim.AdamW(fused=True) on the
-                same device (bench/test_bench_step.py's ReferenceLoop); step time and peak device memory
+                same device (ReferenceLoop below, also bench/test_bench_step.py's); step time and peak device memory
   fwd_bwd       forward + backward alone on the bf16 model, no optimizer, no hooks
   zo            ZeroOffloadAdamW(model): step time (forward + opt.backward + opt.step, device synchronized), its
                 phase times (PhaseTimes: stats["time_*"], median over the timed steps) and peak device memory

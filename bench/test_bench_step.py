@@ -26,6 +26,7 @@ import pytest
 import step_rows
 import torch
 from common import sizes
+from step_rows import ReferenceLoop  # the textbook loop: bf16 work model, fp32 masters, fused AdamW
 
 import zo_kernels as zk
 from zo_kernels.gpt import GPT, GPTConfig, num_params
@@ -81,28 +82,6 @@ def measure_host_memory(cfg: GPTConfig) -> dict:
     n = out["zo"]["n"]
     # plain holds the bf16 params (2 B/param) + what backward leaves; zo's flat buffer is those same params
     return {"n": n, "bytes": out["zo"]["bytes"] - (out["plain"]["bytes"] - 2 * n), "buckets": out["zo"]["buckets"]}
-
-
-class ReferenceLoop:
-    """The textbook mixed-precision loop on the CPU: bf16 work model, fp32 masters, fused AdamW."""
-
-    def __init__(self, model: GPT) -> None:
-        self.work = model
-        self.master = [p.detach().float().clone() for p in model.parameters()]
-        self.work.to(torch.bfloat16)
-        self.opt = torch.optim.AdamW(self.master, lr=1e-4, fused=True)
-
-    def step(self, x: torch.Tensor) -> None:
-        self.work.zero_grad()
-        self.work(x[:, :-1], x[:, 1:]).backward()
-        for m, p in zip(self.master, self.work.parameters()):
-            if m.grad is None:  # held from step to step, as zo holds its buckets: no allocation per step
-                m.grad = torch.empty_like(m)
-            m.grad.copy_(p.grad)  # the upcast
-        self.opt.step()
-        with torch.no_grad():
-            for m, p in zip(self.master, self.work.parameters()):
-                p.copy_(m)
 
 
 @pytest.mark.parametrize("provider", ["reference", "zo"])
