@@ -365,11 +365,8 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
         self._check_between_steps()
         plan = self.check_state_dict(state_dict)
         self.update.finish_pending(write=False)
-        try:
+        with self._midway():  # (Ctrl-C...) part of the state the loaded one: as after an interrupted step
             self._load_checked(state_dict, plan)
-        except BaseException as e:  # (Ctrl-C...) part of the state is the loaded one: as after an interrupted step
-            self._interrupted = e
-            raise
         self._loaded()
 
     def _load_checked(self, state_dict: dict[str, Any], plan: list) -> None:

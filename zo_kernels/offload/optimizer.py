@@ -568,6 +568,16 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         did since the last state was loaded."""
         return self._interrupted or self.update.stopped
 
+    @contextlib.contextmanager
+    def _midway(self) -> Iterator[None]:
+        """A block that changes the state in parts (a step, a load): an exception inside (Ctrl-C...) leaves it part
+        old, part new, so the optimizer is interrupted until a whole state is loaded."""
+        try:
+            yield
+        except BaseException as e:
+            self._interrupted = e
+            raise
+
     def _loaded(self) -> None:
         """A whole state was loaded: an interrupted step is forgotten."""
         self._interrupted = self.update.stopped = None
@@ -686,11 +696,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         delayed = self.delay_update_after is not None and self.grads.iteration >= self.delay_update_after
         if delayed:
             self.update.finish_pending(write=True)
-        try:
+        with self._midway():  # (Ctrl-C in its checks) the gradients half consumed: a retry would sum them twice
             c = self.grads.consume()
-        except BaseException as e:  # (Ctrl-C in its checks) the gradients half consumed: a retry would sum them twice
-            self._interrupted = e
-            raise
         scale = self.scaler.scale
         norm = math.sqrt(c.sum_sq) / scale if math.isfinite(c.sum_sq) else float("inf")
         n_micro, got = c.n_backward, c.got
@@ -703,7 +710,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
         grad_scale = clip / scale
         runs = self.layout.runs(got, self.update.steps, c.factor)
-        try:
+        with self._midway():  # the step counts move and part of the partition may come to hold the new step
             for i, g in enumerate(got):
                 self.update.steps[i] += g
             self._set_group_steps()
@@ -718,9 +725,6 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 self.update.selective_step(c.grad, grad_scale, runs, hparams, got, c.selected)
             else:
                 self.update.run(c.grad, grad_scale, runs, hparams, **extra)
-        except BaseException as e:  # the step counts moved and part of the partition may hold the new step
-            self._interrupted = e
-            raise
         self.scaler.update(found_inf=False)
         self._record_stats(t_step, skip_reason=None, grad_norm=norm, clip=clip, micro_batches=n_micro,
                            delayed=delayed, skipped_params=len(got) - sum(got))  # fmt: skip

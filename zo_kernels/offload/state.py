@@ -158,11 +158,8 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
     no_masters = not plan or any(st.get("master") is None for _, _, st, _ in plan)
     torn = _check_replaces_torn(opt, plan, no_masters)
     opt.update.finish_pending(write=False)
-    try:
+    with opt._midway():  # (Ctrl-C...) part of the state the loaded one: as after an interrupted step
         _load_checked(opt, state_dict, plan, no_masters, torn)
-    except BaseException as e:  # (Ctrl-C...) part of the state is the loaded one: as after an interrupted step
-        opt._interrupted = e
-        raise
     opt._loaded()
 
 
