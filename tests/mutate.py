@@ -134,7 +134,7 @@ MUTANTS = [
        "        if True:  # (Ctrl-C in its checks) the gradients half consumed",
        ("tests/test_interrupted.py", "-k", "accumulated_gradients")),
     _m("dpu-ctrl-c-in-wait-is-a-failure", "offload step", "zo_kernels/offload/update.py",
-       "            if not (fut.done() and fut.exception() is e):  # Ctrl-C in the wait",
+       "            if stopped_waiting(fut, e):  # Ctrl-C in the wait",
        "            if False:  # Ctrl-C in the wait",
        ("tests/test_interrupted.py", "-k", "background_update_loses_nothing")),
     _m("zero-grad-keeps-cleared-step-grads", "offload step", "zo_kernels/offload/grads.py",

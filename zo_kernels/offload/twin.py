@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .layout import FlatLayout, Run
-from .update import HostUpdate, MasterFill, StateViews
+from .update import HostUpdate, MasterFill, StateViews, stopped_waiting
 
 # Elements per fused AdamW call on the tail: its fp32 scaled gradient is a copy of this many elements (64 MiB of device
 # workspace, whatever the tail's size; a 1.3B model's tail would otherwise need a copy of gigabytes).
@@ -103,7 +103,7 @@ class DeviceStream:
             try:
                 fut.result(timeout=self.timeout_s)
             except BaseException as e:
-                if not (fut.done() and fut.exception() is e) and not isinstance(e, FutureTimeout):
+                if stopped_waiting(fut, e) and not isinstance(e, FutureTimeout):
                     self._future = fut  # Ctrl-C in the wait: the job goes on, waited for by the next wait
                 raise
 

@@ -27,6 +27,11 @@ UPDATE_TIMEOUT_S = 600.0  # default bound on waiting for the background (DPU) up
 MasterFill = Callable[[int, int, torch.Tensor], Any]  # (a, b, out): the fp32 masters of partition range [a, b)
 
 
+def stopped_waiting(fut: Future, e: BaseException) -> bool:
+    """Whether `e`, raised while waiting for `fut`, stopped the wait (Ctrl-C...) and not the job, which goes on."""
+    return not (fut.done() and fut.exception() is e)
+
+
 class StateViews:
     """master, exp_avg, exp_avg_sq: the three fp32 tensors of the update's state() (the partition's, whole)."""
 
@@ -469,7 +474,7 @@ class HostUpdate(StateViews):
                                        f"{self.timeout_s:g} s (update_timeout_s)")  # fmt: skip
             raise self.failed from None
         except BaseException as e:
-            if not (fut.done() and fut.exception() is e):  # Ctrl-C in the wait: the update goes on, still pending
+            if stopped_waiting(fut, e):  # Ctrl-C in the wait: the update goes on, still pending
                 self._pending = fut
                 raise
             self.stopped = e  # the worker's own exception, with its traceback
