@@ -262,18 +262,20 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         raise ValueError(f"path: {path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
     # after an interrupted step the optimizer's state goes first: at stage 3 storing the model's weights writes the
     # parameters' NVMe file, which that step tore and the state replaces
-    first = isinstance(optimizer, ZeroOffloadAdamW) and optimizer._interruption() is not None
+    interrupted = isinstance(optimizer, ZeroOffloadAdamW) and optimizer._interruption() is not None
     with _whole(model, optimizer, write=True):
         state, extra = _check_payload(ckpt, path, model, optimizer)
-        if first and state is not None:
+        state_first = interrupted and state is not None
+        if state_first:
             optimizer.load_state_dict(state)
         model.load_state_dict(ckpt["model"])
-    if optimizer is not None and not (first and state is not None):
-        if state is not None:
-            optimizer.load_state_dict(state)
-        elif isinstance(optimizer, ZeroOffloadAdamW):
-            warnings.warn(f"{path} holds no optimizer state: the fp32 masters were refreshed from the loaded "
-                          "weights (bits below their dtype are lost); Adam's moments and steps are unchanged",
-                          stacklevel=2)  # fmt: skip
-            optimizer.refresh_masters_from_model()
+    if optimizer is None or state_first:
+        return extra
+    if state is not None:
+        optimizer.load_state_dict(state)
+    elif isinstance(optimizer, ZeroOffloadAdamW):
+        warnings.warn(f"{path} holds no optimizer state: the fp32 masters were refreshed from the loaded "
+                      "weights (bits below their dtype are lost); Adam's moments and steps are unchanged",
+                      stacklevel=2)  # fmt: skip
+        optimizer.refresh_masters_from_model()
     return extra
