@@ -18,7 +18,7 @@ import math
 import os
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -667,14 +667,25 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     @torch.compiler.disable
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        """Consume the accumulated gradients: overflow check, clip, CPU update, parameters back to the device."""
-        if closure is not None:
-            raise ValueError("ZeroOffloadAdamW.step() takes no closure: call opt.backward(loss) first")
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run the closure if given (with grad enabled, as torch's optimizers: Lightning's forward and backward),
+        then consume the accumulated gradients; returns the closure's result."""
+        if closure is not None and not callable(closure):
+            raise TypeError(f"closure must be callable or None, got {type(closure).__name__}")
         self._check_alive()
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError("step() was called during backward")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._step()
+        return loss
+
+    def _step(self) -> None:
+        """Consume the accumulated gradients: overflow check, clip, CPU update, parameters back to the device."""
+        self._check_alive()
         self.grads.check_untouched()
         self.grads.check_connected()
         self._check_groups()
