@@ -72,9 +72,9 @@ class Regression(pl.LightningModule):
 
 
 def trainer(root, epochs: int = 1, manual: bool = False, **kw) -> pl.Trainer:
-    accumulate = {} if manual else {"accumulate_grad_batches": ACCUMULATE}
+    kw = {"enable_model_summary": False, **({} if manual else {"accumulate_grad_batches": ACCUMULATE}), **kw}
     return pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, default_root_dir=str(root), **accumulate, **kw)  # fmt: skip
+                      default_root_dir=str(root), **kw)  # fmt: skip
 
 
 def fit(kind: str, root, m0: torch.nn.Module, manual: bool = False, schedule: bool = False, **kw) -> Regression:
@@ -140,3 +140,50 @@ def test_bf16_mixed_matches_torch(tmp_path):
 
 # precision="16-mixed" is bf16-mixed on a CPU (Lightning switches it); on a GPU it unscales p.grad with
 # torch.amp.GradScaler, which is refused with the recipe (tests/test_amp_recipes.py checks the refusal).
+
+
+class Zero16(Regression):
+    """The 16-bit recipe: ZeroOffloadAdamW(self, dtype, stage, loss_scale); inputs cast to dtype; with a loss
+    scale, LightningModule.backward is overridden to call opt.backward(loss) (Lightning's own calls loss.backward(),
+    which would skip the scale)."""
+
+    def __init__(self, net: torch.nn.Module, dtype: torch.dtype, stage: int, loss_scale) -> None:
+        super().__init__(net, "zo")  # (not self.dtype: LightningModule's own, read-only)
+        self.work_dtype, self.stage, self.loss_scale = dtype, stage, loss_scale
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x.to(self.work_dtype)).float(), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def backward(self, loss, *args, **kwargs):
+        self.trainer.optimizers[0].backward(loss)
+
+    def configure_optimizers(self):
+        return zk.ZeroOffloadAdamW(self, dtype=self.work_dtype, stage=self.stage, loss_scale=self.loss_scale, **HP)
+
+
+@pytest.mark.parametrize("dtype, stage, loss_scale", [(torch.bfloat16, 2, None), (torch.bfloat16, 3, None),
+                                                      (torch.float16, 2, "dynamic")],
+                         ids=["bf16-stage2", "bf16-stage3", "fp16-dynamic-stage2"])  # fmt: skip
+def test_16bit_and_stage3_equal_the_plain_loop(tmp_path, dtype, stage, loss_scale):
+    """Lightning (accumulate_grad_batches=2, model summary on) bit-identical to the same optimizer in a plain loop:
+    Lightning adds nothing but the loss / 2 of accumulation. The fp16 run's loss scale is the optimizer's."""
+    module = Zero16(mlp(0), dtype, stage, loss_scale)
+    trainer(tmp_path, enable_checkpointing=False, enable_model_summary=True).fit(module, loader())
+    net = mlp(0)
+    opt = zk.ZeroOffloadAdamW(net, dtype=dtype, stage=stage, loss_scale=loss_scale, **HP)
+    losses = []
+    for i, (x, y) in enumerate(loader()):
+        loss = torch.nn.functional.mse_loss(net(x.to(dtype)).float(), y)
+        losses.append(loss.item())
+        opt.backward(loss / ACCUMULATE)
+        if (i + 1) % ACCUMULATE == 0:
+            opt.step()
+            opt.zero_grad()
+    used = module.trainer.optimizers[0]
+    assert module.losses == losses, "Lightning's losses vs the plain loop's"
+    assert used.loss_scale == opt.loss_scale and used.stats["micro_batches"] == ACCUMULATE
+    with used.gathered(), opt.gathered():
+        assert_same_tensors(snapshot(module.net), snapshot(net), "Lightning vs the plain loop")
