@@ -100,3 +100,29 @@ def test_grad_scaler_is_refused_with_the_recipe():
     opt.backward(autocast_loss(model, x, y, torch.bfloat16))
     opt.step()
     assert not opt.stats["skipped"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_loss_backward_with_a_loss_scale_is_refused(stage):
+    """With loss_scale given, a backward outside opt.backward(loss) (what Lightning, accelerate and HF Trainer run)
+    would leave gradients 1/scale of the true ones: refused at its first gradient (before: accepted silently, the
+    step divided the unscaled gradient by the scale), nothing accumulated, and opt.backward then gives the run a
+    clean one gives."""
+    x = batches()[0][0].to(torch.bfloat16)
+
+    def run(refused_first: bool) -> tuple[list[torch.Tensor], dict]:
+        model = mlp()
+        opt = zk.ZeroOffloadAdamW(model, dtype=torch.bfloat16, stage=stage, loss_scale="dynamic", **HP)
+        for _ in range(2):
+            if refused_first:
+                with pytest.raises(RuntimeError, match=r"outside opt\.backward\(loss\) while the loss scale is 65536"):
+                    model(x).float().square().mean().backward()
+            opt.backward(model(x).float().square().mean())
+            opt.step()
+            opt.zero_grad()
+        with opt.gathered():
+            return [p.detach().clone() for p in model.parameters()], dict(opt.stats)
+
+    (want, want_stats), (got, stats) = run(False), run(True)
+    assert stats["micro_batches"] == want_stats["micro_batches"] == 1 and not stats["skipped"]
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), "the refused backward changed the run"

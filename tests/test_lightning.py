@@ -187,3 +187,15 @@ def test_16bit_and_stage3_equal_the_plain_loop(tmp_path, dtype, stage, loss_scal
     assert used.loss_scale == opt.loss_scale and used.stats["micro_batches"] == ACCUMULATE
     with used.gathered(), opt.gathered():
         assert_same_tensors(snapshot(module.net), snapshot(net), "Lightning vs the plain loop")
+
+
+def test_loss_scale_without_the_backward_override_is_refused(tmp_path):
+    """Lightning's own backward calls loss.backward(): with a loss scale that would skip it, so it is refused,
+    naming the override (fails on main: step(closure) refused; with closures alone it ran 1/scale gradients)."""
+
+    class NoOverride(Zero16):
+        backward = pl.LightningModule.backward
+
+    module = NoOverride(mlp(0), torch.bfloat16, 2, "dynamic")
+    with pytest.raises(RuntimeError, match=r"outside opt\.backward\(loss\).*override LightningModule\.backward"):
+        trainer(tmp_path, enable_checkpointing=False).fit(module, loader())

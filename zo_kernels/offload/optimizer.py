@@ -75,7 +75,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     Usage: build after the model is on its device (all params on one device), passing the model itself
     (`ZeroOffloadAdamW(model, ...)`) or its parameters / param groups with `module=model`; then per iteration
-    `opt.backward(loss)` (or `loss.backward()` without a loss scale) one or more times, `opt.step()`.
+    `opt.backward(loss)` (or `loss.backward()` without a loss scale; with one it is refused) one or more times,
+    `opt.step()` (or `opt.step(closure)`, as torch's optimizers: the closure runs first, with grad enabled).
 
     Semantics:
     - Construction takes the fp32 masters from the params' current values (rank 0's, broadcast), casts the
@@ -646,7 +647,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if not loss.requires_grad:
             raise ValueError("loss does not require grad: nothing to backpropagate")
         self._check_alive()
-        (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
+        self.grads.scaled_backward = True
+        try:
+            (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
+        finally:
+            self.grads.scaled_backward = False
         self.grads.close_pass()  # a backward whose gradients all arrived in nested (reentrant) backwards
 
     @torch.compiler.disable  # a compiled train step calls it eagerly: it runs hooks, copies, threads
