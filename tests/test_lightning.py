@@ -130,6 +130,19 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
     assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"], "the scheduler's lr did not come back"
 
 
+def test_compiled_module_matches_torch(tmp_path):
+    """Trainer.fit(torch.compile(module, backend="aot_eager")): configure_optimizers builds ZeroOffloadAdamW on the
+    module inside; the same run as torch AdamW's (aot_eager runs the same aten ops as eager)."""
+    m0 = mlp()
+    runs = {}
+    for kind in ("torch", "zo"):
+        module = Regression(copy.deepcopy(m0), kind, schedule=True)
+        trainer(tmp_path / kind, enable_checkpointing=False).fit(torch.compile(module, backend="aot_eager"), loader())
+        runs[kind] = module
+    compare(runs["torch"], runs["zo"], m0, "Lightning with torch.compile(aot_eager)")
+    assert runs["zo"].trainer.optimizers[0].stats["micro_batches"] == ACCUMULATE
+
+
 def test_bf16_mixed_matches_torch(tmp_path):
     """precision="bf16-mixed" (torch.autocast, no GradScaler) on the fp32 model: the same run as torch AdamW's."""
     m0 = mlp()
