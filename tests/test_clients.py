@@ -141,10 +141,11 @@ class _Rows(torch.utils.data.Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
-def make_trainer(model, opt, out_dir, *, max_grad_norm=None, save_steps=None, stats=None):
+def make_trainer(model, opt, out_dir, *, max_grad_norm=None, save_steps=None, stats=None, **args_kw):
     """Trainer over 16 sequences: batch 2, gradient_accumulation_steps=2, 4 optimizer steps, linear LR decay.
 
     max_grad_norm=None keeps Trainer's default (1.0). `stats`, if a list, receives opt.stats after each step.
+    args_kw: more TrainingArguments (gradient_checkpointing=True, ...).
     """
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -158,7 +159,7 @@ def make_trainer(model, opt, out_dir, *, max_grad_norm=None, save_steps=None, st
     args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=2, gradient_accumulation_steps=MICRO,
                              max_steps=STEPS, use_cpu=True, report_to="none", dataloader_num_workers=0, seed=0,
                              logging_steps=1, disable_tqdm=True, save_strategy="steps" if save_steps else "no",
-                             save_steps=save_steps or 500, **clip)  # fmt: skip
+                             save_steps=save_steps or 500, **clip, **args_kw)  # fmt: skip
     rows = torch.cat(token_batches(STEPS * MICRO))
     return Trainer(model=model, args=args, train_dataset=_Rows(rows), optimizers=(opt, None),
                    callbacks=[RecordStats()])  # fmt: skip

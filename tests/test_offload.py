@@ -371,14 +371,37 @@ def test_bad_backward_and_sparse_gradients():
         opt.backward(1.0)
     with pytest.raises(ValueError, match="does not require grad"):
         opt.backward(torch.tensor(1.0))
-    with pytest.raises(ValueError, match="takes no closure"):
-        opt.step(lambda: 0.0)
+    with pytest.raises(TypeError, match="closure must be callable or None, got float"):
+        opt.step(0.0)
     assert digest(opt.master, opt.exp_avg, opt.exp_avg_sq) == before
     emb = torch.nn.Embedding(10, 4, sparse=True)
     opt2 = zk.ZeroOffloadAdamW(emb.parameters())
     with pytest.raises(RuntimeError, match="sparse gradients"):
         emb(torch.tensor([1, 2])).float().sum().backward()
     assert opt2.stats == {}
+
+
+def test_step_closure_is_forward_and_backward_then_step():
+    """step(closure) as torch's optimizers (what Lightning calls): the closure runs with grad enabled even under
+    no_grad, its result is returned, and the step equals backward() then step(). Refused before ("takes no
+    closure")."""
+    x = make_data(1)[0][0]
+    model, ref_model = make_model(), make_model()
+    opt, ref = zk.ZeroOffloadAdamW(model.parameters(), **LR), zk.ZeroOffloadAdamW(ref_model.parameters(), **LR)
+    ref.backward(ref_model(x[:, :-1], x[:, 1:]))
+    ref.step()
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x[:, :-1], x[:, 1:])
+        opt.backward(loss)
+        return loss
+
+    with torch.no_grad():
+        loss = opt.step(closure)
+    assert loss.requires_grad and opt.stats["micro_batches"] == 1
+    assert digest(opt.master, opt.exp_avg, opt.exp_avg_sq, opt.flat) == \
+        digest(ref.master, ref.exp_avg, ref.exp_avg_sq, ref.flat)
 
 
 def test_step_twice_is_a_documented_no_op():

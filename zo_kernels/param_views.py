@@ -65,6 +65,13 @@ MOVED_GRAD_HELP = (
     "opt.zero_grad() or model.zero_grad()."
 )
 
+GRAD_SCALER_HELP = (
+    "torch.amp.GradScaler cannot unscale ZeroOffloadAdamW's gradients (they were moved to the host during "
+    "backward): drop the GradScaler, build the optimizer with loss_scale=\"dynamic\" (GradScaler's rule) and call "
+    "opt.backward(loss) then opt.step(). An fp32 or bf16 model under torch.autocast(dtype=torch.bfloat16) needs no "
+    "loss scale (Lightning: precision=\"bf16-mixed\", not \"16-mixed\")."
+)
+
 _aten = torch.ops.aten
 _NORMS = (_aten.linalg_vector_norm.default, _aten._foreach_norm.Scalar)
 _ZEROS = (_aten.zero_.default, _aten._foreach_zero_.default)
@@ -98,6 +105,8 @@ class MovedGrad(torch.Tensor):
             return _scale(func, args)
         if func in _ZEROS:
             return _zero(func, args)
+        if func is _aten._amp_foreach_non_finite_check_and_unscale_.default:
+            raise RuntimeError(GRAD_SCALER_HELP)
         raise RuntimeError(f"{func} on p.grad: {MOVED_GRAD_HELP}")
 
     def __repr__(self) -> str:

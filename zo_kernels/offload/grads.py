@@ -26,6 +26,13 @@ from .report import PhaseTimes
 from .scaler import LossScaler
 from .selected import SelectedGrad
 
+UNSCALED_BACKWARD_HELP = (
+    "a backward pass began outside opt.backward(loss) while the loss scale is {scale:g} (loss_scale was given): "
+    "its gradients would be 1/{scale:g} of the true ones. Call opt.backward(loss) (Lightning: override "
+    "LightningModule.backward to call it), or build the optimizer with loss_scale=None for a framework that calls "
+    "loss.backward() itself (HF Trainer, accelerate). Nothing was accumulated: call opt.backward(loss) again."
+)
+
 
 class Gradients(NamedTuple):
     """What step() consumes: the reduced (averaged over ranks, still loss-scaled) gradient of this rank's partition,
@@ -78,6 +85,7 @@ class GradPath:
         self.on_grad, self.on_pass_end = on_grad, on_pass_end
         self.split = split = layout.part if split is None else split
         self.selected = selected
+        self.scaled_backward = False  # inside opt.backward(loss): the loss was multiplied by the loss scale
         assert selected is None or (slots == 1 and split == layout.part), "selective: one landing slot, no tail"
         self.landing = [transport.pool.take(split, dtype) if split else torch.zeros(0, dtype=dtype)
                         for _ in range(slots)]  # fmt: skip
@@ -200,6 +208,8 @@ class GradPath:
                 return  # torch.autograd.grad(..., inputs=...) or a graph that does not reach p: nothing to send
             if not self.in_backward or p in self._seen:  # a pass begins or is cut: the optimizer must be usable
                 self.guard()
+            if not self.in_backward and self.scaler.scale != 1.0 and not self.scaled_backward:
+                raise RuntimeError(UNSCALED_BACKWARD_HELP.format(scale=self.scaler.scale))
             if self.in_backward and p in self._seen:
                 # p got a second gradient: a param shared by two reentrant-checkpoint segments of one backward
                 # (an outer backward that will close the pass is still running), or a new backward pass (the

@@ -18,7 +18,7 @@ import math
 import os
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -75,7 +75,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     Usage: build after the model is on its device (all params on one device), passing the model itself
     (`ZeroOffloadAdamW(model, ...)`) or its parameters / param groups with `module=model`; then per iteration
-    `opt.backward(loss)` (or `loss.backward()` without a loss scale) one or more times, `opt.step()`.
+    `opt.backward(loss)` (or `loss.backward()` without a loss scale; with one it is refused) one or more times,
+    `opt.step()` (or `opt.step(closure)`, as torch's optimizers: the closure runs first, with grad enabled).
 
     Semantics:
     - Construction takes the fp32 masters from the params' current values (rank 0's, broadcast), casts the
@@ -646,7 +647,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if not loss.requires_grad:
             raise ValueError("loss does not require grad: nothing to backpropagate")
         self._check_alive()
-        (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
+        self.grads.scaled_backward = True
+        try:
+            (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
+        finally:
+            self.grads.scaled_backward = False
         self.grads.close_pass()  # a backward whose gradients all arrived in nested (reentrant) backwards
 
     @torch.compiler.disable  # a compiled train step calls it eagerly: it runs hooks, copies, threads
@@ -667,14 +672,25 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     @torch.compiler.disable
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        """Consume the accumulated gradients: overflow check, clip, CPU update, parameters back to the device."""
-        if closure is not None:
-            raise ValueError("ZeroOffloadAdamW.step() takes no closure: call opt.backward(loss) first")
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run the closure if given (with grad enabled, as torch's optimizers: Lightning's forward and backward),
+        then consume the accumulated gradients; returns the closure's result."""
+        if closure is not None and not callable(closure):
+            raise TypeError(f"closure must be callable or None, got {type(closure).__name__}")
         self._check_alive()
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError("step() was called during backward")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._step()
+        return loss
+
+    def _step(self) -> None:
+        """Consume the accumulated gradients: overflow check, clip, CPU update, parameters back to the device."""
+        self._check_alive()
         self.grads.check_untouched()
         self.grads.check_connected()
         self._check_groups()
