@@ -37,8 +37,8 @@ def patch() -> bool:
         from triton.runtime import interpreter
     except ImportError:
         return False
-    if not _index_fails(interpreter):
-        return False
+    if not hasattr(interpreter, "_LangPatchScope") or not _index_fails(interpreter):
+        return False  # (an interpreter older than 3.6, e.g. 3.0's, is another code: see README "Versions")
     original = interpreter._patch_lang_tensor
 
     def patch_lang_tensor(tensor, scope) -> None:

@@ -8,7 +8,11 @@ import sys
 
 import pytest
 
-pytest.importorskip("triton")
+from zo_kernels.versions import triton_too_old
+
+triton = pytest.importorskip("triton")
+if triton_too_old(triton.__version__):
+    pytest.skip(f"{triton_too_old(triton.__version__)}: nothing of it is compiled", allow_module_level=True)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

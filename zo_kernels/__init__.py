@@ -1,5 +1,9 @@
 """zo_kernels: hand-written kernels for ZeRO-Offload style training on one GPU plus the host CPU."""
 
+from .versions import require_torch
+
+require_torch()  # first: a torch older than the oldest checked one is refused before anything else is imported
+
 from .activations import ActivationBuffers, checkpoint
 from .buckets import Packed, cast, pack, unpack
 from .checkpoint_io import load_checkpoint, save_checkpoint

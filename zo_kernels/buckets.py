@@ -19,6 +19,7 @@ import torch
 
 from .cpu_adam import _real, bump_version, check_no_overlap
 from .kernels.plan import Packed, PackPlan, check_float, check_writable
+from .versions import triton_too_old
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 IMPLS = ("triton", "torch")
@@ -40,18 +41,29 @@ def _choose_impl(impl: str | None, device: torch.device) -> str:
         if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"impl='triton' on {device.type} tensors needs TRITON_INTERPRET=1 (set before "
                              "triton is imported); without it only CUDA tensors can run the kernels")  # fmt: skip
+        if impl == "triton":
+            old = _triton_problem()
+            if old:
+                raise ValueError(f"impl='triton': {old}")
         return impl
     if device.type != "cuda":
         return "torch"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    problem = _triton_problem()
+    if problem:
         if not _warned_fallback:
-            warnings.warn("triton is not installed: zo_kernels packs CUDA tensors with the multi-pass torch "
-                          "path (pip install 'zo-kernels[triton]')", stacklevel=3)  # fmt: skip
+            warnings.warn(f"{problem}: zo_kernels packs CUDA tensors with the multi-pass torch path", stacklevel=3)
             _warned_fallback = True
         return "torch"
     return "triton"
+
+
+def _triton_problem() -> str | None:
+    """Why the Triton kernels cannot run here (not installed, too old), or None."""
+    try:
+        import triton
+    except ImportError:
+        return "triton is not installed (pip install 'zo-kernels[triton]')"
+    return triton_too_old(triton.__version__)
 
 
 def _check_dtype(dtype, name: str = "dtype") -> torch.dtype:
