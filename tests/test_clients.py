@@ -373,6 +373,9 @@ def test_accelerate_save_load_state_resume(tmp_path):
 
 def test_torch_compile_aot_eager():
     need("transformers")
+    if not hasattr(torch.compiler, "is_exporting"):  # transformers >= 4.5x calls it inside the compiled forward
+        pytest.skip(f"torch {torch.__version__} lacks torch.compiler.is_exporting, which transformers' masks call "
+                    "when compiled (a transformers/torch pairing, not zo_kernels)")  # fmt: skip
     m0 = tiny_gpt2(0)
     data = group(token_batches(STEPS * MICRO), MICRO)
     ref = copy.deepcopy(m0)
