@@ -94,6 +94,7 @@ class Life:
     length: int
     world: int = 1  # 2: two gloo ranks, each with its own data; the reference trains on both (their mean loss)
     dpu: int | None = None  # delay_update_after (only where nothing is compared with the reference: see NO_OPS)
+    state_dtype: str = "fp32"  # "bf16" / "8bit": judged only bit for bit against itself (NO_OPS), not torch's AdamW
 
     @property
     def id(self) -> str:
@@ -122,7 +123,7 @@ class Pair:
         self.opt = zk.ZeroOffloadAdamW(self.model, **ADAMW, dtype=torch.float32, gpu_fraction=life.gpu_fraction,
                                        bucket_numel=300, **stage_args(life.stage, life.offload), **extra,
                                        process_group=dist.group.WORLD if life.world > 1 else None,
-                                       delay_update_after=life.dpu)  # fmt: skip
+                                       delay_update_after=life.dpu, state_dtype=life.state_dtype)  # fmt: skip
         self.ref_opt = torch.optim.AdamW(self.ref.parameters(), foreach=False, **ADAMW)
         self.g = torch.Generator().manual_seed(life.seed)
         self.g_eval = torch.Generator().manual_seed(life.seed + 1)  # what is not trained on: steps' data unchanged
@@ -479,8 +480,16 @@ def test_a_param_unfrozen_after_construction_is_refused_by_name(stage: str, tmp_
 NO_OP_LIVES = [dataclasses.replace(x, world=1, dpu=random.Random(x.seed).choice((None, 0, 1))) for x in RANDOM_LIVES]
 
 
+# The moments in bf16 or 8-bit (no DPU nor gpu_fraction: they need fp32 moments): resume and round trips are bitwise
+# within one format.
+NO_OP_LIVES += [dataclasses.replace(x, world=1, dpu=None, gpu_fraction=0.0,
+                                    state_dtype=random.Random(x.seed + 3).choice(("bf16", "8bit")))
+                for x in RANDOM_LIVES]  # fmt: skip
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("life", NO_OP_LIVES, ids=[f"random-noop-{x.id}-dpu={x.dpu}" for x in NO_OP_LIVES])
+@pytest.mark.parametrize("life", NO_OP_LIVES,
+                         ids=[f"random-noop-{x.id}-dpu={x.dpu}-{x.state_dtype}-{i}" for i, x in enumerate(NO_OP_LIVES)])
 def test_random_no_ops_change_nothing(life: Life) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         errors = no_op_errors(life, tmp)
