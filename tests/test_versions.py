@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from zo_kernels import buckets
+from zo_kernels import buckets, versions
+from zo_kernels.kernels.plan import PackPlan
 from zo_kernels.versions import MIN_TORCH, MIN_TRITON, check_torch, release, triton_too_old
 
 
@@ -36,7 +37,10 @@ def test_importing_under_an_old_torch_fails_at_once_naming_the_versions():
 @pytest.fixture
 def old_triton(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.2.0"))
-    monkeypatch.setattr(buckets, "_warned_fallback", False)
+    monkeypatch.setattr(versions, "_warned_fallback", False)
+    versions.triton_problem.cache_clear()  # (asked once per process)
+    yield
+    versions.triton_problem.cache_clear()
 
 
 def test_an_old_triton_sends_cuda_tensors_down_the_torch_path_with_one_warning(old_triton):
@@ -44,6 +48,9 @@ def test_an_old_triton_sends_cuda_tensors_down_the_torch_path_with_one_warning(o
     with pytest.warns(UserWarning, match=r"triton 3\.2\.0 is older than 3\.6.*torch path"):
         assert buckets._choose_impl(None, torch.device("cuda")) == "torch"
     assert buckets._choose_impl(None, torch.device("cuda")) == "torch"  # (warned once)
+    # the launch plans the offload step packs with take the same path
+    cuda_plan = PackPlan((4,), (torch.float32,), torch.float32, (0,), (4,), 4, torch.device("cuda"))
+    assert cuda_plan.impl == "torch"
 
 
 def test_impl_triton_under_an_old_triton_is_refused_naming_impl(old_triton, monkeypatch):

@@ -9,7 +9,6 @@ All values are computed in fp32 and rounded once: cast(x) == (x.float() * scale)
 from __future__ import annotations
 
 import os
-import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import repeat
@@ -19,7 +18,7 @@ import torch
 
 from .cpu_adam import _real, bump_version, check_no_overlap
 from .kernels.plan import Packed, PackPlan, check_float, check_writable
-from .versions import triton_too_old
+from .versions import default_impl, triton_problem
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 IMPLS = ("triton", "torch")
@@ -30,40 +29,17 @@ _TENSORS = repeat(torch.Tensor)
 
 __all__ = ["Packed", "PackPlan", "cast", "layout", "pack", "plan", "unpack"]
 
-_warned_fallback = False
-
-
 def _choose_impl(impl: str | None, device: torch.device) -> str:
-    global _warned_fallback
-    if impl is not None:
-        if impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
-        if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"impl='triton' on {device.type} tensors needs TRITON_INTERPRET=1 (set before "
-                             "triton is imported); without it only CUDA tensors can run the kernels")  # fmt: skip
-        if impl == "triton":
-            old = _triton_problem()
-            if old:
-                raise ValueError(f"impl='triton': {old}")
-        return impl
-    if device.type != "cuda":
-        return "torch"
-    problem = _triton_problem()
-    if problem:
-        if not _warned_fallback:
-            warnings.warn(f"{problem}: zo_kernels packs CUDA tensors with the multi-pass torch path", stacklevel=3)
-            _warned_fallback = True
-        return "torch"
-    return "triton"
-
-
-def _triton_problem() -> str | None:
-    """Why the Triton kernels cannot run here (not installed, too old), or None."""
-    try:
-        import triton
-    except ImportError:
-        return "triton is not installed (pip install 'zo-kernels[triton]')"
-    return triton_too_old(triton.__version__)
+    if impl is None:
+        return default_impl(device.type)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
+    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"impl='triton' on {device.type} tensors needs TRITON_INTERPRET=1 (set before "
+                         "triton is imported); without it only CUDA tensors can run the kernels")  # fmt: skip
+    if impl == "triton" and triton_problem():
+        raise ValueError(f"impl='triton': {triton_problem()}")
+    return impl
 
 
 def _check_dtype(dtype, name: str = "dtype") -> torch.dtype:

@@ -6,13 +6,12 @@ and on the plan's device, and reads their addresses. The addresses usually repea
 gradients the caching allocator puts where it put them last step); only when they change is the table
 rebuilt: alignment and overlap checked (sorted by address, O(n log n)) and the new table uploaded through
 pinned memory. Nothing else of a call grows with the tensor count but the C++ copy calls of the CPU path.
-This module does not import triton: the CPU path needs none.
+This module does not import triton on the CPU path; a plan for CUDA tensors asks its version (versions.default_impl).
 """
 
 from __future__ import annotations
 
 import bisect
-import importlib.util
 from collections.abc import Sequence
 from operator import attrgetter
 from typing import NamedTuple
@@ -21,6 +20,7 @@ import torch
 
 from .. import _cpu
 from ..cpu_adam import ISAS, _real, best_isa, bump_version, check_memory, sum_squares
+from ..versions import default_impl
 
 CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _DTYPE, _CPU, _NEEDS_GRAD = attrgetter("dtype"), attrgetter("is_cpu"), attrgetter("requires_grad")
@@ -120,7 +120,7 @@ class PackPlan:
         self._writable = False  # the tensors at these addresses were checked writable (unpack on the CPU)
         self._gap_index: torch.Tensor | None = None
         self.uploads = 0  # tensor tables uploaded (a test counts them)
-        self.impl = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+        self.impl = default_impl(device.type)
 
     # ------------------------------------------------------------------ per-call checks
 
