@@ -11,8 +11,9 @@ import pytest
 from zo_kernels.versions import triton_too_old
 
 triton = pytest.importorskip("triton")
-if triton_too_old(triton.__version__):
-    pytest.skip(f"{triton_too_old(triton.__version__)}: nothing of it is compiled", allow_module_level=True)
+TOO_OLD = triton_too_old(triton.__version__)
+if TOO_OLD:
+    pytest.skip(f"{TOO_OLD}: nothing of it is compiled", allow_module_level=True)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -690,7 +690,6 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     def _step(self) -> None:
         """Consume the accumulated gradients: overflow check, clip, CPU update, parameters back to the device."""
-        self._check_alive()
         self.grads.check_untouched()
         self.grads.check_connected()
         self._check_groups()
