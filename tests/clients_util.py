@@ -19,9 +19,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 VOCAB, SEQ = 128, 16
 HP = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)  # the same AdamW for both sides of a run
+LOSS_RTOL = 1e-4  # fp32 vs fp32 (tests/test_clients.py's docstring)
+PARAM_FRAC = 1e-2  # fp32 vs fp32, of the distance travelled (tests/test_clients.py's docstring)
 
 
 # ---------------------------------------------------------------------- models and data
+
+
+def tiny_mlp(seed: int = 0) -> torch.nn.Module:
+    """8 -> 32 -> 1 with a GELU: the regression model of the loop and framework recipes."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+
+
+def regression_batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """n batches of 4 rows (x of 8 features, y of 1) for tiny_mlp."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(n)]
 
 
 def tiny_gpt2(seed: int = 0) -> torch.nn.Module:

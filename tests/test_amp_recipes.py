@@ -13,22 +13,20 @@ import copy
 
 import pytest
 import torch
-from clients_util import HP, assert_params_track, assert_series_close, snapshot
+from clients_util import (
+    HP,
+    LOSS_RTOL,
+    PARAM_FRAC,
+    assert_params_track,
+    assert_series_close,
+    regression_batches,
+    snapshot,
+    tiny_mlp,
+)
 
 import zo_kernels as zk
 
-LOSS_RTOL, PARAM_FRAC = 1e-4, 1e-2
 STEPS = 6
-
-
-def mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
-
-
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(STEPS)]
 
 
 def autocast_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -45,7 +43,7 @@ def torch_run(m0: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.nn.Module,
     opt = torch.optim.AdamW(model.parameters(), foreach=False, **HP)
     scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
     losses, scales = [], []
-    for x, y in batches():
+    for x, y in regression_batches(STEPS):
         loss = autocast_loss(model, x, y, dtype)
         losses.append(loss.item())
         scaler.scale(loss).backward()
@@ -61,13 +59,13 @@ def test_fp32_model_under_autocast_matches_torch(dtype):
     """bf16: loss.backward(), no loss scale. fp16: loss_scale="dynamic" and opt.backward(loss) in place of the
     GradScaler: the same scale, so the fp16 backward rounds the same and the same steps overflow (the first:
     2**16 is too large for this model's fp16 gradients) and are skipped."""
-    m0 = mlp()
+    m0 = tiny_mlp()
     ref, ref_losses, ref_scales = torch_run(m0, dtype)
     model = copy.deepcopy(m0)
     fp16 = dtype == torch.float16
     opt = zk.ZeroOffloadAdamW(model, dtype=torch.float32, loss_scale="dynamic" if fp16 else None, **HP)
     losses, scales = [], []
-    for x, y in batches():
+    for x, y in regression_batches(STEPS):
         loss = autocast_loss(model, x, y, dtype)
         losses.append(loss.item())
         opt.backward(loss) if fp16 else loss.backward()
@@ -86,11 +84,11 @@ def test_fp32_model_under_autocast_matches_torch(dtype):
 def test_grad_scaler_is_refused_with_the_recipe():
     """torch.amp.GradScaler.step(opt) unscales p.grad: refused with a message naming loss_scale="dynamic" (before:
     the MovedGrad placeholder's generic "p.grad supports only a norm..."), and the optimizer is untouched."""
-    model = mlp()
+    model = tiny_mlp()
     opt = zk.ZeroOffloadAdamW(model, dtype=torch.float32, **HP)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     scaler = torch.amp.GradScaler("cpu")
-    x, y = batches()[0]
+    x, y = regression_batches(STEPS)[0]
     scaler.scale(autocast_loss(model, x, y, torch.float16)).backward()
     with pytest.raises(RuntimeError, match=r'GradScaler cannot unscale.*loss_scale="dynamic".*opt\.backward\(loss\)'):
         scaler.step(opt)
@@ -108,10 +106,10 @@ def test_loss_backward_with_a_loss_scale_is_refused(stage):
     would leave gradients 1/scale of the true ones: refused at its first gradient (before: accepted silently, the
     step divided the unscaled gradient by the scale), nothing accumulated, and opt.backward then gives the run a
     clean one gives."""
-    x = batches()[0][0].to(torch.bfloat16)
+    x = regression_batches(STEPS)[0][0].to(torch.bfloat16)
 
     def run(refused_first: bool) -> tuple[list[torch.Tensor], dict]:
-        model = mlp()
+        model = tiny_mlp()
         opt = zk.ZeroOffloadAdamW(model, dtype=torch.bfloat16, stage=stage, loss_scale="dynamic", **HP)
         for _ in range(2):
             if refused_first:

@@ -27,7 +27,9 @@ import pytest
 import torch
 from clients_util import (
     HP,
+    LOSS_RTOL,
     MODELS,
+    PARAM_FRAC,
     MixedPrecisionReference,
     assert_one_name_per_tensor,
     assert_params_track,
@@ -45,8 +47,6 @@ from clients_util import (
 
 import zo_kernels as zk
 
-LOSS_RTOL = 1e-4  # fp32 vs fp32 (module docstring)
-PARAM_FRAC = 1e-2  # fp32 vs fp32, of the distance travelled (module docstring)
 STEPS, MICRO = 4, 2  # optimizer steps per run, micro-batches (backward calls) per step
 
 

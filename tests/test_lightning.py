@@ -14,19 +14,22 @@ import copy
 
 import pytest
 import torch
-from clients_util import HP, assert_params_track, assert_same_tensors, assert_series_close, snapshot
+from clients_util import (
+    HP,
+    LOSS_RTOL,
+    PARAM_FRAC,
+    assert_params_track,
+    assert_same_tensors,
+    assert_series_close,
+    snapshot,
+    tiny_mlp,
+)
 
 import zo_kernels as zk
 
 pl = pytest.importorskip("lightning.pytorch", reason="lightning is not installed (pip install -e '.[dev]')")
 
-LOSS_RTOL, PARAM_FRAC = 1e-4, 1e-2  # fp32 vs fp32 (tests/test_clients.py's docstring)
 ROWS, BATCH, ACCUMULATE = 16, 2, 2  # 8 micro-batches per epoch, 4 optimizer steps
-
-
-def mlp(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
 
 
 def loader() -> torch.utils.data.DataLoader:
@@ -94,7 +97,7 @@ def compare(ref: Regression, got: Regression, m0: torch.nn.Module, what: str) ->
 def test_automatic_optimization_matches_torch(tmp_path, clip):
     """Lightning calls step(closure) (refused before: "takes no closure"), accumulates 2 micro-batches, steps a
     LambdaLR per optimizer step and, with gradient_clip_val, clips p.grad through the MovedGrad placeholders."""
-    m0 = mlp()
+    m0 = tiny_mlp()
     ref = fit("torch", tmp_path, m0, schedule=True, gradient_clip_val=clip)
     got = fit("zo", tmp_path, m0, schedule=True, gradient_clip_val=clip)
     compare(ref, got, m0, f"Lightning automatic optimization, gradient_clip_val={clip}")
@@ -108,7 +111,7 @@ def test_automatic_optimization_matches_torch(tmp_path, clip):
 
 def test_manual_optimization_matches_torch(tmp_path):
     """self.manual_backward(loss), opt.step() (LightningOptimizer passes a do-nothing closure), opt.zero_grad()."""
-    m0 = mlp()
+    m0 = tiny_mlp()
     ref = fit("torch", tmp_path, m0, manual=True, schedule=True)
     got = fit("zo", tmp_path, m0, manual=True, schedule=True)
     compare(ref, got, m0, "Lightning manual optimization")
@@ -117,12 +120,12 @@ def test_manual_optimization_matches_torch(tmp_path):
 def test_checkpoint_resume_is_bit_exact(tmp_path):
     """ModelCheckpoint after epoch 1, then a new module and Trainer fit(ckpt_path=...) to epoch 2: the optimizer's
     state dict (masters, moments, steps) and the scheduler's come back, so the end equals the uninterrupted run's."""
-    full = Regression(mlp(0), "zo", schedule=True)
+    full = Regression(tiny_mlp(0), "zo", schedule=True)
     trainer(tmp_path / "full", epochs=2).fit(full, loader())
-    first = Regression(mlp(0), "zo", schedule=True)
+    first = Regression(tiny_mlp(0), "zo", schedule=True)
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
     trainer(tmp_path / "first", epochs=1, callbacks=[ckpt]).fit(first, loader())
-    resumed = Regression(mlp(1), "zo", schedule=True)  # other weights: the checkpoint must bring them all
+    resumed = Regression(tiny_mlp(1), "zo", schedule=True)  # other weights: the checkpoint must bring them all
     trainer(tmp_path / "resumed", epochs=2).fit(resumed, loader(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert resumed.losses == full.losses[len(first.losses) :], "resumed losses vs the uninterrupted run's"
     assert_same_tensors(snapshot(resumed.net), snapshot(full.net), "Lightning: resumed end vs uninterrupted end")
@@ -133,7 +136,7 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
 def test_compiled_module_matches_torch(tmp_path):
     """Trainer.fit(torch.compile(module, backend="aot_eager")): configure_optimizers builds ZeroOffloadAdamW on the
     module inside; the same run as torch AdamW's (aot_eager runs the same aten ops as eager)."""
-    m0 = mlp()
+    m0 = tiny_mlp()
     runs = {}
     for kind in ("torch", "zo"):
         module = Regression(copy.deepcopy(m0), kind, schedule=True)
@@ -145,7 +148,7 @@ def test_compiled_module_matches_torch(tmp_path):
 
 def test_bf16_mixed_matches_torch(tmp_path):
     """precision="bf16-mixed" (torch.autocast, no GradScaler) on the fp32 model: the same run as torch AdamW's."""
-    m0 = mlp()
+    m0 = tiny_mlp()
     ref = fit("torch", tmp_path, m0, precision="bf16-mixed")
     got = fit("zo", tmp_path, m0, precision="bf16-mixed")
     compare(ref, got, m0, "Lightning bf16-mixed")
@@ -183,9 +186,9 @@ class Zero16(Regression):
 def test_16bit_and_stage3_equal_the_plain_loop(tmp_path, dtype, stage, loss_scale):
     """Lightning (accumulate_grad_batches=2, model summary on) bit-identical to the same optimizer in a plain loop:
     Lightning adds nothing but the loss / 2 of accumulation. The fp16 run's loss scale is the optimizer's."""
-    module = Zero16(mlp(0), dtype, stage, loss_scale)
+    module = Zero16(tiny_mlp(0), dtype, stage, loss_scale)
     trainer(tmp_path, enable_checkpointing=False, enable_model_summary=True).fit(module, loader())
-    net = mlp(0)
+    net = tiny_mlp(0)
     opt = zk.ZeroOffloadAdamW(net, dtype=dtype, stage=stage, loss_scale=loss_scale, **HP)
     losses = []
     for i, (x, y) in enumerate(loader()):
@@ -209,7 +212,7 @@ def test_loss_scale_without_the_backward_override_is_refused(tmp_path):
     class NoOverride(Zero16):
         backward = pl.LightningModule.backward
 
-    module = NoOverride(mlp(0), torch.bfloat16, 2, "dynamic")
+    module = NoOverride(tiny_mlp(0), torch.bfloat16, 2, "dynamic")
     with pytest.raises(RuntimeError, match=r"outside opt\.backward\(loss\).*override LightningModule\.backward"):
         trainer(tmp_path, enable_checkpointing=False).fit(module, loader())
 
@@ -218,12 +221,12 @@ def test_loss_scale_without_the_backward_override_is_refused(tmp_path):
 def test_16bit_checkpoint_resume_is_bit_exact(tmp_path, stage):
     """bf16 at stages 2 and 3: Lightning's checkpoint (model.state_dict() gathers at stage 3 by itself, the
     optimizer's state dict holds the fp32 masters) resumes into a new module to the uninterrupted run's end."""
-    full = Zero16(mlp(0), torch.bfloat16, stage, None)
+    full = Zero16(tiny_mlp(0), torch.bfloat16, stage, None)
     trainer(tmp_path / "full", epochs=2, enable_checkpointing=False).fit(full, loader())
-    first = Zero16(mlp(0), torch.bfloat16, stage, None)
+    first = Zero16(tiny_mlp(0), torch.bfloat16, stage, None)
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
     trainer(tmp_path / "first", epochs=1, callbacks=[ckpt]).fit(first, loader())
-    resumed = Zero16(mlp(1), torch.bfloat16, stage, None)
+    resumed = Zero16(tiny_mlp(1), torch.bfloat16, stage, None)
     trainer(tmp_path / "resumed", epochs=2, enable_checkpointing=False).fit(
         resumed, loader(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))  # fmt: skip
     assert resumed.losses == full.losses[len(first.losses) :], "resumed losses vs the uninterrupted run's"

@@ -13,13 +13,22 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from clients_util import HP, assert_params_track, assert_same_tensors, assert_series_close, snapshot
+from clients_util import (
+    HP,
+    LOSS_RTOL,
+    PARAM_FRAC,
+    assert_params_track,
+    assert_same_tensors,
+    assert_series_close,
+    regression_batches,
+    snapshot,
+    tiny_mlp,
+)
 from torch.optim import lr_scheduler as sched
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import zo_kernels as zk
 
-LOSS_RTOL, PARAM_FRAC = 1e-4, 1e-2
 STEPS = 8
 
 SCHEDULERS: dict[str, Callable] = {
@@ -30,16 +39,6 @@ SCHEDULERS: dict[str, Callable] = {
     "SequentialLR": lambda o: sched.SequentialLR(o, [sched.LinearLR(o, 0.1, total_iters=2),
                                                      sched.ExponentialLR(o, 0.9)], milestones=[2]),  # fmt: skip
 }
-
-
-def mlp(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
-
-
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(STEPS)]
 
 
 def make_opt(kind: str, model: torch.nn.Module, **kw) -> torch.optim.Optimizer:
@@ -71,7 +70,7 @@ def test_scheduler_matches_torch_and_resumes_bit_exact(tmp_path, name):
     """The scheduler drives ZeroOffloadAdamW's lr as torch AdamW's; a checkpoint (torch.save of the model's, the
     optimizer's and the scheduler's state dicts) after half the steps resumes into a new model, optimizer and
     scheduler and ends bit-identical to the uninterrupted run."""
-    m0, data = mlp(0), batches()
+    m0, data = tiny_mlp(0), regression_batches(STEPS)
     runs = {}
     for kind in ("torch", "zo"):
         model = copy.deepcopy(m0)
@@ -90,7 +89,7 @@ def test_scheduler_matches_torch_and_resumes_bit_exact(tmp_path, name):
     path = tmp_path / "ckpt.pt"
     torch.save({"model": first.state_dict(), "opt": opt.state_dict(), "sched": scheduler.state_dict()}, path)
     ckpt = torch.load(path, weights_only=False)  # ReduceLROnPlateau's state holds plain Python objects
-    resumed = mlp(1)  # other weights: the checkpoint must bring them all
+    resumed = tiny_mlp(1)  # other weights: the checkpoint must bring them all
     opt = make_opt("zo", resumed)
     scheduler = SCHEDULERS[name](opt)
     resumed.load_state_dict(ckpt["model"])
@@ -106,7 +105,7 @@ def test_scheduler_matches_torch_and_resumes_bit_exact(tmp_path, name):
 def test_clipping_matches_torch(how):
     """torch.nn.utils.clip_grad_norm_(model.parameters(), c) between backward and step (it multiplies the
     MovedGrad placeholders; its returned norm is the true one), or max_grad_norm=c: torch AdamW + clip_grad_norm_."""
-    m0, data, clip = mlp(0), batches(), 0.05
+    m0, data, clip = tiny_mlp(0), regression_batches(STEPS), 0.05
     norms: dict[str, list[float]] = {"torch": [], "zo": []}
 
     def run(kind: str, own: bool) -> tuple[torch.nn.Module, list[float], torch.optim.Optimizer]:
@@ -138,7 +137,7 @@ def test_ema_of_weights_matches_torch(stage):
     """AveragedModel with an EMA, updated after each step. At stage 3 a parameter is empty outside forward: the
     EMA's copy and update_parameters run inside `with opt.gathered():` (the recipe; without it the copy sizes
     mismatch)."""
-    m0, data = mlp(0), batches()
+    m0, data = tiny_mlp(0), regression_batches(STEPS)
     ema_fn = get_ema_multi_avg_fn(0.9)
 
     ref = copy.deepcopy(m0)
