@@ -263,6 +263,10 @@ def test_stages_on_cuda_bitwise_equal_stage_2(stage):
     assert torch.equal(results[stage][1], results["2"][1]), "masters differ"
 
 
+def _not_landed(fence) -> int | None:
+    return None if fence is None else sum(not ev.done() for ev in fence._events)
+
+
 def test_tiled_dpu_writeback_on_cuda_equals_the_whole_one():
     """DPU with the model known (the writeback in tiles, each module's forward or unit gather waiting for its own
     tiles: stages 2 and 3) against the same run waited whole (stage 2 given only the parameters: no module to hook),
@@ -277,9 +281,12 @@ def test_tiled_dpu_writeback_on_cuda_equals_the_whole_one():
                                   bucket_numel=100_000, tile_numel=1 << 14, delay_update_after=0, stage=stage,
                                   transport=tr, dpu_writeback="per_module")  # fmt: skip
         assert (opt.update.fence is None) == (name == "whole")
-        losses, in_flight = [], []
+        losses, in_flight, where = [], [], []
         for step in make_data(5, batch=4, seed=2):
+            fence = opt.update.fence
+            where.append([_not_landed(fence)])  # (where the tiles land, if the forward finds none in flight)
             x = step[0].to(DEV)
+            where[-1].append(_not_landed(fence))
             loss = model(x[:, :-1], x[:, 1:])
             fence = opt.update.fence
             if fence is not None and fence.in_flight is not None:  # of the writeback this forward waited for
@@ -296,7 +303,8 @@ def test_tiled_dpu_writeback_on_cuda_equals_the_whole_one():
         opt.close()
         tr.close()
         if name == "tiled":
-            assert in_flight and max(in_flight) > 0, "the forward never started before the last tile landed"
+            assert in_flight and max(in_flight) > 0, ("the forward never started before the last tile landed; tiles "
+                                                      f"not landed after each step, then after x.to(): {where}")
     for key in (("tiled", 2), ("tiled", 3)):
         assert results[key][0] == results["whole", 2][0], f"{key}: losses differ"
         assert torch.equal(results[key][1], results["whole", 2][1]), f"{key}: masters differ"

@@ -127,7 +127,10 @@ def check_memory(t: torch.Tensor, name: str, written: bool = False) -> None:
     if storage.nbytes() < need:
         raise ValueError(f"{name}'s storage holds {storage.nbytes()} bytes, its {t.numel()} elements need {need} "
                          "(was the storage resized?)")  # fmt: skip
-    if written and not storage.resizable():  # torch's own allocations are writable; check foreign memory
+    # torch's own allocations are writable, and so is page-locked memory (cudaHostAlloc'd or host-registered, which
+    # needs writable pages): check other foreign memory. (The check reads /proc/self/maps: skipping it for pinned
+    # memory keeps it off the offload step's path, which writes pinned staging tile by tile)
+    if written and not storage.resizable() and not t.is_pinned():
         why = _readonly(storage.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
         if why:
             raise ValueError(f"{name} is read-only memory ({why}); it would be written")
@@ -135,21 +138,26 @@ def check_memory(t: torch.Tensor, name: str, written: bool = False) -> None:
 
 def _readonly(base: int, start: int, nbytes: int) -> str | None:
     """Why [start, start + nbytes) may not be written (a mapping without 'w', a Python bytes object), or None."""
+    # A bytes object's header sits right before its first byte. Peek at it only where Python objects live (anonymous
+    # memory, the heap) and only inside the mapping that holds the buffer: memory in front of a foreign buffer may be
+    # another mapping whose reads fault (a file past its end, a device's: the GPU driver's in front of pinned memory)
+    head = base - bytes.__basicsize__ + 1
+    peek = False
     try:
         with open("/proc/self/maps") as f:
-            maps = [line.split()[:2] for line in f]
+            for line in f:  # ascending addresses: stop past the range
+                fields = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if lo >= start + nbytes:
+                    break
+                perms, path = fields[1], fields[5].strip() if len(fields) > 5 else ""
+                if lo < start + nbytes and start < hi and "w" not in perms:
+                    return f"mapped {perms}"
+                peek = peek or (lo <= head and base < hi and "r" in perms and path in ("", "[heap]"))
     except OSError:
         return None  # no /proc (not Linux): nothing more to check
-    spans = []
-    for rng, perms in maps:
-        lo, hi = (int(x, 16) for x in rng.split("-"))
-        spans.append((lo, hi, perms))
-        if lo < start + nbytes and start < hi and "w" not in perms:
-            return f"mapped {perms}"
-    head = base - bytes.__basicsize__ + 1  # a bytes object's header sits right before its first byte
-    if any(lo <= head and base <= hi and "r" in perms for lo, hi, perms in spans):
-        if ctypes.c_void_p.from_address(head + ctypes.sizeof(ctypes.c_ssize_t)).value == id(bytes):
-            return "the buffer of an immutable bytes object"
+    if peek and ctypes.c_void_p.from_address(head + ctypes.sizeof(ctypes.c_ssize_t)).value == id(bytes):
+        return "the buffer of an immutable bytes object"
     return None
 
 
