@@ -38,7 +38,7 @@ def host_row(bench: dict) -> dict | None:
     for b in bench.get("benchmarks", []):
         info = b.get("extra_info", {})
         if "host_us" in info:
-            return {k: info[k] for k in ("host_us", "cpu_path_us", "launch") if k in info}
+            return {k: info[k] for k in ("host_us", "host_us_launch_stubbed", "cpu_path_us", "launch") if k in info}
     return None
 
 

@@ -260,8 +260,9 @@ class SelectiveUpdate(HostUpdate):
             n_present = int(present.sum())
             k = math.ceil(self.cfg.fraction * n_present)
             self.full[i] = k == n_present
-            top = torch.topk(norms.masked_fill(~present, -1.0), k).indices
-            pieces.append(a + torch.nonzero(torch.isin(col, top)).view(-1))
+            chosen = torch.zeros(cols, dtype=torch.bool)  # (a lookup per element: isin sorted per element)
+            chosen[torch.topk(norms.masked_fill(~present, -1.0), k).indices] = True
+            pieces.append(a + torch.nonzero(chosen[col]).view(-1))
         n = sum(x.numel() for x in pieces)
         sel = self.sel_buf[:n]
         if pieces:
