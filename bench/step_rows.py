@@ -403,9 +403,9 @@ def auto_pick(row: dict, device: torch.device) -> FractionPick:
 
 def measure(size: str, modes: list[str], device: torch.device, batch: int, context: int, rounds: int,
             fractions: tuple[str, ...] = ("0",), gbps: float | None = None, tile_numel: int | None = None,
-            on_row: Callable[[dict], None] | None = None) -> list[dict]:  # fmt: skip
+            on_row: Callable[[dict], None] | None = None, deadline: float | None = None) -> list[dict]:  # fmt: skip
     """The rows of one size: the torch reference once, then one row per mode and gpu_fraction (a number or "auto");
-    on_row(row) is called as each one is done."""
+    on_row(row) is called as each one is done. No row starts past `deadline` (time.perf_counter()): it says so."""
     cfg = config(size, context)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab, (batch, context + 1), generator=g).to(device)
@@ -414,6 +414,14 @@ def measure(size: str, modes: list[str], device: torch.device, batch: int, conte
     for mode in modes:
         plain = None  # this mode's fraction-0 row: what "auto" picks from
         for choice in ("-",) if mode == "selective" else fractions:
+            if deadline is not None and time.perf_counter() > deadline:
+                row = {"size": size, "mode": mode, "skipped": "the time budget for rows was spent"}
+                if mode != "selective":
+                    row["gpu_fraction_choice"] = choice
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+                continue
             try:
                 if mode == "selective":
                     row = selective_row(cfg, x, rounds)
@@ -457,6 +465,8 @@ def line(row: dict) -> str:
     if "error" in row:
         choice = f" gpu_fraction {row['gpu_fraction_choice']}" if "gpu_fraction_choice" in row else ""
         return f"{row['size']:>5} {row.get('mode', '')}{choice}: FAILED {row['error']}"
+    if "skipped" in row:
+        return f"{row['size']:>5} {row.get('mode', '')}: NOT RUN ({row['skipped']})"
     if row["mode"] == "selective":
         return selective_line(row)
     peak = f", peak {row['zo_peak_gib']:.2f} GiB vs {row['torch_peak_gib']:.2f}" if row.get("zo_peak_gib") else ""
@@ -511,8 +521,9 @@ def main(argv: list[str]) -> int:
             status = 1
         else:
             try:
+                # (rows of a started size go on to 1.7x the budget: gpu_check.sh gives the stage 2x it)
                 measure(size, modes, device, a.batch, a.context, a.rounds, fractions, a.copy_engine_gbps,
-                        a.tile_numel, on_row=keep)  # fmt: skip
+                        a.tile_numel, on_row=keep, deadline=t0 + 1.7 * a.budget_s)  # fmt: skip
             except Exception as e:  # e.g. out of memory: the row says why, the other sizes still run
                 print(f"{size}: FAILED {type(e).__name__}: {e}", flush=True)
                 rows.append({"size": size, "error": f"{type(e).__name__}: {e}"[:500]})
