@@ -39,7 +39,8 @@
 #   stages with a command of their own (in the default run they get what the 500 s budget leaves, often nothing):
 #   bench/activation_rows.py (up to 120 s) and bench/anchors.py (the rest, up to 150 s per system; DeepSpeed builds
 #   its CPU Adam on first use) -> OUTDIR/summary.json's "activations" and "anchors" rows.
-# NEVER RUN ON A GPU in this form: written without one; its no-GPU path runs in .ci/run.
+# Run on a GPU in this form once (one H200, 2026-11-26: default and anchors modes; never the scale mode); its no-GPU
+# path runs in .ci/run.
 # Without a GPU it says so, runs the CPU-side compile checks (every Triton kernel to cubin for sm_80/sm_90,
 # cuda/*.cu with nvcc where present) and the benchmarks' collection (the CUDA ones skip, with the reason),
 # and exits with their status (0 when they pass).
@@ -197,7 +198,7 @@ bench() { # bench CAP RESERVE NAME JSON FILE [pytest args]: one benchmark suite 
 }
 bench 60 200 "bench: pack, cast vs copy" bench-pack.json bench/test_bench_buckets.py || status=1
 bench 45 160 "bench: H2D/D2H, writeback hidden" bench-transport.json bench/test_bench_transport.py -k cuda || status=1
-# gpu_fraction 0 and auto (issue 20's Twin-Flow rows; never run on a GPU before: their cap is a guess)
+# gpu_fraction 0 and auto (issue 20's Twin-Flow rows; on the H200 the 95M and 1.3B rows took ~120 s of the 130)
 t=$(stage_s 130 110)  # (no size started past half the stage's limit; a size cut short keeps its finished rows)
 limited 130 110 "bench: step in parts (step_rows)" "$py" bench/step_rows.py "$out/step.json" \
   --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes "${ZO_STEP_MODES:-sync,dpu,selective}" --budget-s "$((t / 2))" \

@@ -24,8 +24,8 @@ it crossed a link of that many GB/s): the only way the writeback overlaps anythi
 gpu_fraction (Twin-Flow): each mode runs once per --gpu-fractions entry: a number, or "auto" (zo_kernels.auto_fraction's
 pick from this run's fraction-0 row: its forward+backward time and CPU Adam kernel rate, torch's fused AdamW rate
 measured on the device, the device memory that row left); those rows add gpu_fraction, tokens_per_s, tokens_vs_torch
-and, for "auto", the pick's reasons. NEVER RUN ON A GPU so far: every figure of a gpu_fraction row in this repository
-comes from device = CPU (bench/test_bench_step.py); the GPU's are NOT MEASURED.
+and, for "auto", the pick's reasons. Run on a GPU once (one H200, 2026-11-26:
+bench/results/gpu-2026-11-26-H200.json).
 
 Mode "selective" (issue 20): ZeroOffloadAdamW(model, selective=SELECTIVE), an approximation of AdamW: step time,
 phases and peak against torch_fused and fwd_bwd (selective_row; targets: >= 0.8x torch's tokens/s at <= 0.35x its
