@@ -1,10 +1,12 @@
 """One GPT training step measured in parts, in one process: the "step" rows of gpu_check.sh's summary.json.
 
-Per size and mode (sync, or DPU in steady state), in this order on a fresh model each time:
+Per size and mode (sync, or DPU in steady state), in this order on a fresh model each time (training steps: the mean
+of `rounds` steps run back to back, the device synchronized before the first and after the last only, as a training
+loop runs; the parts alone: median of calls synchronized one by one):
   torch_fused   the no-offload reference: bf16 working model, fp32 masters, torch.optim.AdamW(fused=True) on the
                 same device (ReferenceLoop below, also bench/test_bench_step.py's); step time and peak device memory
   fwd_bwd       forward + backward alone on the bf16 model, no optimizer, no hooks
-  zo            ZeroOffloadAdamW(model): step time (forward + opt.backward + opt.step, device synchronized), its
+  zo            ZeroOffloadAdamW(model): step time (forward + opt.backward + opt.step, back to back), its
                 phase times (PhaseTimes: stats["time_*"], median over the timed steps) and peak device memory
   cpu_adam      CPU Adam alone over the optimizer's own partition, with its tiled writeback to the device
                 (HostUpdate.cpu_update, the copies waited for); and the bare kernel, untiled, no copies
@@ -95,7 +97,7 @@ def _median(xs: list[float]) -> float:
 
 
 def _timed(fn: Callable[[], None], device: torch.device, warmup: int, rounds: int) -> list[float]:
-    """Seconds of each timed call of fn (device synchronized after each)."""
+    """Seconds of each timed call of fn (device synchronized after each): an operation alone."""
     for _ in range(warmup):
         fn()
         _sync(device)
@@ -106,6 +108,27 @@ def _timed(fn: Callable[[], None], device: torch.device, warmup: int, rounds: in
         _sync(device)
         out.append(time.perf_counter() - t0)
     return out
+
+
+def _steps(fn: Callable[[], None], device: torch.device, warmup: int, rounds: int) -> list[float]:
+    """Seconds of each of `rounds` training steps run back to back, as a training loop runs them: the device is
+    synchronized before the first and after the last only (a sync after each step would end every DPU step with its
+    writeback landed, leaving nothing for the next forward to overlap). Each is the host's time between step ends,
+    the last one's including the final wait; their mean is the loop's time per step."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    out, t0 = [], time.perf_counter()
+    for _ in range(rounds):
+        fn()
+        out.append(time.perf_counter())
+    _sync(device)
+    out[-1] = time.perf_counter()
+    return [b - a for a, b in zip([t0, *out], out)]
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
 
 
 def _free(device: torch.device) -> None:
@@ -143,27 +166,27 @@ class ReferenceLoop:
 
 
 def torch_fused(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
-    """The no-offload reference: median step ms and peak device GiB."""
+    """The no-offload reference: mean step ms (back to back) and peak device GiB."""
     device = x.device
     loop = ReferenceLoop(_model(cfg, device))
     _reset_peak(device)
-    times = _timed(lambda: loop.step(x), device, warmup=2, rounds=rounds)
-    out = {"torch_fused_ms": _median(times) * 1e3, "torch_peak_gib": _peak_gib(device)}
+    times = _steps(lambda: loop.step(x), device, warmup=2, rounds=rounds)
+    out = {"torch_fused_ms": _mean(times) * 1e3, "torch_peak_gib": _peak_gib(device)}
     loop = None  # freed before the next model is built
     _free(device)
     return out
 
 
 def fwd_bwd(model: GPT, x: torch.Tensor, rounds: int) -> float:
-    """Median seconds of forward + backward on the (bf16) model alone."""
+    """Mean seconds of forward + backward on the (bf16) model alone, back to back."""
 
     def run() -> None:
         model.zero_grad(set_to_none=True)
         model(x[:, :-1], x[:, 1:]).backward()
 
-    times = _timed(run, x.device, warmup=2, rounds=rounds)
+    times = _steps(run, x.device, warmup=2, rounds=rounds)
     model.zero_grad(set_to_none=True)
-    return _median(times)
+    return _mean(times)
 
 
 def cpu_adam_alone(opt: zk.ZeroOffloadAdamW, rounds: int) -> tuple[float, float]:
@@ -279,10 +302,10 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
             phases.append({k[5:]: v for k, v in opt.stats.items() if k.startswith("time_")})
 
         _reset_peak(device)
-        times = _timed(step, device, warmup=3 if mode == "dpu" else 2, rounds=rounds)
+        times = _steps(step, device, warmup=3 if mode == "dpu" else 2, rounds=rounds)
         row["zo_peak_gib"] = _peak_gib(device)
         phases = phases[-rounds:]
-        zo_s = _median(times)
+        zo_s = _mean(times)
         row["zo_ms"] = zo_s * 1e3
         row["tokens_per_s"] = row["tokens"] / zo_s
         row["phases"] = {k: _median([p.get(k, 0.0) for p in phases]) * 1e3 for k in PHASES}
@@ -350,7 +373,7 @@ def selective_row(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
         window = SELECTIVE["apply_every"]
         _reset_peak(device)
         # warm-up: the first selection and two windows (the background update then runs in steady state)
-        times = _timed(step, device, warmup=1 + 2 * window, rounds=max(rounds, 1) * window)
+        times = _steps(step, device, warmup=1 + 2 * window, rounds=max(rounds, 1) * window)
         row["zo_peak_gib"] = _peak_gib(device)
         row["zo_ms"] = sum(times) / len(times) * 1e3  # a mean: every step of a window counts once
         row["zo_ms_median"] = _median(times) * 1e3
