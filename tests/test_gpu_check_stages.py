@@ -82,7 +82,7 @@ def test_anchors_rows_not_run_have_the_issue_keys(tmp_path):
         assert r["note"].startswith("NOT RUN") and r["ms"] is None
 
 
-def _stand_in_gpu_check(tmp_path, mode: str, budget_s: int) -> dict[str, tuple[int, str]]:
+def _stand_in_gpu_check(tmp_path, mode: str, budget_s: int, **env_extra: str) -> dict[str, tuple[int, str]]:
     """bench/gpu_check.sh OUT MODE on a pretend GPU machine (a stand-in interpreter that answers the GPU probes and
     runs nothing): {stage: (its `timeout` limit, its command)}."""
     import re
@@ -93,7 +93,7 @@ def _stand_in_gpu_check(tmp_path, mode: str, budget_s: int) -> dict[str, tuple[i
                     "  *torch.__version__*) echo '2.11.0 13.0' ;;\nesac\nexit 0\n")  # fmt: skip
     fake.chmod(0o755)
     out = tmp_path / f"out-{mode}"
-    env = {**os.environ, "PYTHON": str(fake), "ZO_CHECK_BUDGET_S": str(budget_s)}
+    env = {**os.environ, "PYTHON": str(fake), "ZO_CHECK_BUDGET_S": str(budget_s), **env_extra}
     script = os.path.join(HERE, "..", "bench", "gpu_check.sh")
     subprocess.run(["bash", script, str(out), mode], env=env, capture_output=True, text=True, timeout=300)
     stages = re.findall(r"^=== (.*?): timeout -s INT -k 5 (\d+) (.*)$", (out / "gpu_check.log").read_text(), re.M)
@@ -226,3 +226,17 @@ def test_step_rows_a_failing_row_leaves_the_others(tmp_path, monkeypatch):
         ("sync", "0", False), ("sync", "auto", True), ("dpu", "0", False), ("dpu", "auto", True)]
     assert "injected" in rows[1]["error"] and rows[2]["zo_ms"] > 0
     print("\n" + "\n".join(step_rows.line(r) for r in rows))
+
+
+def test_gpu_check_leaves_the_compile_to_ci_and_can_reuse_a_build(tmp_path):
+    """The default run does not compile the Triton kernels for sm_80/sm_90 (CI does, on the CPU; 57 s of the H200's
+    470 s budget) unless ZO_CHECK_COMPILE=1; ZO_SKIP_BUILD=1 uses the build already there (the anchors mode after a
+    default run on the same machine: its build, cut at 22 s by the budget's reserves, failed there)."""
+    compile_stage, build = "triton kernels -> cubin sm_80/90", "build (pip install -e .)"
+    for sub in "abc":
+        (tmp_path / sub).mkdir()
+    plain = _stand_in_gpu_check(tmp_path / "a", "default", 480)
+    assert build in plain and compile_stage not in plain, sorted(plain)
+    assert compile_stage in _stand_in_gpu_check(tmp_path / "b", "default", 480, ZO_CHECK_COMPILE="1")
+    reused = _stand_in_gpu_check(tmp_path / "c", "anchors", 230, ZO_SKIP_BUILD="1")
+    assert build not in reused and "bench: anchors (same GPT)" in reused, sorted(reused)
