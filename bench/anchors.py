@@ -9,10 +9,13 @@ compute, fp32 masters and Adam state): the "anchors" rows of gpu_check.sh's summ
   fsdp2           FSDP2 (fully_shard) on one rank with CPUOffloadPolicy and MixedPrecisionPolicy(bf16): the sharded
                   fp32 params, grads and AdamW state in host memory, the step on the CPU
   zo, zo_dpu      ZeroOffloadAdamW(model), synchronous and with the delayed parameter update (steady state)
-Each system runs in a fresh process (host memory is its own, a crash or a hang is its row's note): step ms (median
-of the timed steps, device synchronized), tokens/s, peak device GiB (torch.cuda.max_memory_allocated over the
-steps, model included), host GiB (resident-set growth from before the model was built to after the last step, the
-CUDA context excluded). A system that cannot be imported or run gets a row with the reason.
+  zo_dpu_8bit     zo_dpu with state_dtype="8bit" (block-wise 8-bit moments: about half the bytes CPU Adam moves per
+                  parameter; an approximation of AdamW, last: the others are the same optimizer)
+Each system runs in a fresh process (host memory is its own, a crash or a hang is its row's note): step ms (the mean
+of 5 steps run back to back, the device synchronized before and after them only), tokens/s, peak device GiB
+(torch.cuda.max_memory_allocated over the steps, model included), host GiB (resident-set growth from before the
+model was built to after the last step, the CUDA context excluded). A system that cannot be imported or run gets a
+row with the reason.
 
 Usage: python bench/anchors.py OUT.json [--size 95M] [--systems all] [--batch 8] [--context 512]
        [--timeout-s 120] [--device cuda]
@@ -35,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-SYSTEMS = ("torch_fused", "zo", "zo_dpu", "deepspeed", "torchao", "fsdp2")
+SYSTEMS = ("torch_fused", "zo", "zo_dpu", "deepspeed", "torchao", "fsdp2", "zo_dpu_8bit")
 LR = 1e-4
 ADAMW = dict(lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
@@ -55,18 +58,18 @@ def _sync(device: torch.device) -> None:
 
 
 def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, rounds: int) -> float:
+    """Seconds per step: the mean of `rounds` steps run back to back (the device synchronized before the first and
+    after the last only, as a training loop runs them: a system's overlap across steps counts, as it would)."""
     for _ in range(warmup):
         step()
-        _sync(device)
+    _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    t0 = time.perf_counter()
     for _ in range(rounds):
-        t0 = time.perf_counter()
         step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    _sync(device)
+    return (time.perf_counter() - t0) / rounds
 
 
 def _rendezvous() -> None:
@@ -99,17 +102,20 @@ def sys_torch_fused(cfg, x):
     return (lambda: loop.step(x)), "bf16 working model, fp32 masters + AdamW(fused=True) state on the device"
 
 
-def _zo(cfg, x, dpu: bool):
+def _zo(cfg, x, dpu: bool, state_dtype: str = "fp32"):
     import zo_kernels as zk
 
     model = build(cfg, x.device)
-    opt = zk.ZeroOffloadAdamW(model, **ADAMW, delay_update_after=0 if dpu else None)
+    opt = zk.ZeroOffloadAdamW(model, **ADAMW, delay_update_after=0 if dpu else None, state_dtype=state_dtype)
 
     def step():
         opt.backward(model(x[:, :-1], x[:, 1:]))
         opt.step()
 
-    return step, "ZeroOffloadAdamW(model), bf16, " + ("delayed parameter update (k=0)" if dpu else "synchronous")
+    note = "ZeroOffloadAdamW(model), bf16, " + ("delayed parameter update (k=0)" if dpu else "synchronous")
+    if state_dtype != "fp32":  # (not AdamW bit for bit: block-wise 8-bit moments, as bitsandbytes' 8-bit Adam)
+        note += f", state_dtype={state_dtype!r} (moments in 8 bits: an approximation of AdamW)"
+    return step, note
 
 
 def sys_zo(cfg, x):
@@ -118,6 +124,10 @@ def sys_zo(cfg, x):
 
 def sys_zo_dpu(cfg, x):
     return _zo(cfg, x, dpu=True)
+
+
+def sys_zo_dpu_8bit(cfg, x):
+    return _zo(cfg, x, dpu=True, state_dtype="8bit")
 
 
 def sys_deepspeed(cfg, x):
