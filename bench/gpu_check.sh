@@ -18,8 +18,8 @@
 #                                        and dtype, each in its own process (wheels from .whl/ when carried)
 # and writes OUTDIR/summary.json (bench/summary.py --summary-json: device, date, commit, pack, step, anchors,
 # activations, targets; the step, anchor and activation rows are folded into it), OUTDIR/gpu_check.log
-# (everything), OUTDIR/tests.xml and OUTDIR/summary.txt (one line per stage, then bench/summary.py's ratios):
-# 6 files (7 with ZO_CHECK_COMPILE=1, which also compiles every Triton kernel for sm_80/sm_90 as CI does on the CPU:
+# (everything), OUTDIR/tests.xml, tests-two-ranks.xml and OUTDIR/summary.txt (one line per stage, then
+# bench/summary.py's ratios): 7 files (8 with ZO_CHECK_COMPILE=1, which also compiles every Triton kernel for sm_80/sm_90 as CI does on the CPU:
 # 57 s on the H200), under the device's 8. ZO_SKIP_BUILD=1 (a second command on the same warm machine): the build the
 # first one left is used.
 # Commit OUTDIR/summary.json as bench/results/gpu-DATE-DEVICE.json (the script prints the name).
@@ -197,11 +197,14 @@ fi
 # (not tests/test_gpu_shaped.py nor test_activations.py's CopyEngineTransport tests: CPU only, 37 s on a loaded
 # 2-core machine, run by every default pytest; nor tests/test_buckets.py: with a GPU it runs only the torch path on
 # CPU tensors, test_gpu.py runs the compiled kernels. The stage's 150 s are for what needs the GPU)
-limited 150 240 "tests: GPU, two ranks, CUDA" "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/tests.xml" \
+# two commands: a crash in one (the H200's first run: SIGSEGV in test_gpu.py) does not hide the other's results
+limited 110 270 "tests: GPU, CUDA" "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/tests.xml" \
   tests/test_gpu.py tests/test_transport.py \
-  tests/test_activations.py::test_cuda_offload_bitwise_no_per_step_allocation_and_lower_peak \
-  tests/test_gpu_two_ranks.py || status=1  # the two-process test last: if it stalls, the others have reported
-grep -E "passed|failed|error" "$log" | grep -E "^[0-9=]" | tail -4 >>"$summary"
+  tests/test_activations.py::test_cuda_offload_bitwise_no_per_step_allocation_and_lower_peak || status=1
+grep -E "passed|failed|error" "$log" | grep -E "^[0-9=]" | tail -2 >>"$summary"
+limited 60 240 "tests: two ranks on one GPU" "$py" -m pytest -q -rs -p no:cacheprovider \
+  --junitxml="$out/tests-two-ranks.xml" tests/test_gpu_two_ranks.py || status=1
+grep -E "passed|failed|error" "$log" | grep -E "^[0-9=]" | tail -1 >>"$summary"
 # --- README examples marked "# needs a GPU" (tests/readme_blocks.py; the CPU ones run in the default pytest) ---
 limited 120 120 "README: the GPU examples" "$py" tests/readme_blocks.py --gpu || status=1
 # --- end of the README examples ---

@@ -201,9 +201,10 @@ def test_gpu_check_tests_stage_names_tests_that_exist(tmp_path):
     command (exit 4, nothing run) on the GPU machine. Every path it names collects here."""
     import subprocess
 
-    limit, cmd = _stand_in_gpu_check(tmp_path, "default", 500)["tests: GPU, two ranks, CUDA"]
-    paths = [w for w in cmd.split() if w.startswith("tests/")]
-    assert len(paths) >= 3 and any("::" in p for p in paths), paths
+    stages = _stand_in_gpu_check(tmp_path, "default", 500)
+    paths = [w for name in ("tests: GPU, CUDA", "tests: two ranks on one GPU") for w in stages[name][1].split()
+             if w.startswith("tests/")]  # fmt: skip
+    assert len(paths) >= 4 and any("::" in p for p in paths), paths
     root = os.path.join(HERE, "..")
     r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *paths],
                        cwd=root, capture_output=True, text=True, timeout=600)  # fmt: skip
