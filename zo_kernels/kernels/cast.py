@@ -30,8 +30,11 @@ def as_kernel_arg(t: torch.Tensor) -> torch.Tensor:
 
 
 def on_device(t: torch.Tensor):
-    """Triton launches on the current CUDA device: make it the tensor's (a no-op for CPU tensors)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """Triton launches on the current CUDA device: make it the tensor's (a no-op for CPU tensors and when it is
+    already: entering torch.cuda.device sets the device twice, several microseconds of a launch's host time)."""
+    if not t.is_cuda or t.get_device() == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
 
 
 def cast(x: torch.Tensor, out: torch.Tensor, scale: float) -> None:
