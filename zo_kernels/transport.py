@@ -428,7 +428,8 @@ def _cuda_query(handle: int) -> bool:
 class CudaTransport(Transport):
     """Pinned host buffers, a D2H and an H2D stream, events: through zo_kernels._cuda (cuda/copy.cu).
 
-    NEVER RUN ON A GPU (no GPU where this was written): its error paths are tested without a device.
+    Run on a GPU twice (an H100 and an H200: tests/test_gpu.py, the step benchmarks); its error paths are also tested
+    without a device.
     Every stream, event and allocation is made on the transport's device, whatever the current one.
 
     Args:
