@@ -89,6 +89,7 @@ def test_pinned_memory_is_not_parsed_per_call(monkeypatch):
     cpu_adam_step(p, g, m, v, step=1, lr=0.1, param_out=out)
     k = len(parsed)
     assert k >= 1, "foreign memory that is not pinned is checked"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: self.data_ptr() == out.data_ptr())
     cpu_adam_step(p, g, m, v, step=2, lr=0.1, param_out=out)
     assert len(parsed) == k, "pinned memory was checked again"

@@ -129,8 +129,9 @@ def check_memory(t: torch.Tensor, name: str, written: bool = False) -> None:
                          "(was the storage resized?)")  # fmt: skip
     # torch's own allocations are writable, and so is page-locked memory (cudaHostAlloc'd or host-registered, which
     # needs writable pages): check other foreign memory. (The check reads /proc/self/maps: skipping it for pinned
-    # memory keeps it off the offload step's path, which writes pinned staging tile by tile)
-    if written and not storage.resizable() and not t.is_pinned():
+    # memory keeps it off the offload step's path, which writes pinned staging tile by tile. No memory is pinned
+    # before CUDA is initialized, and asking then could create a CUDA context in a CPU-only run)
+    if written and not storage.resizable() and not (torch.cuda.is_initialized() and t.is_pinned()):
         why = _readonly(storage.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
         if why:
             raise ValueError(f"{name} is read-only memory ({why}); it would be written")
