@@ -147,6 +147,31 @@ def test_writebacks_wait_for_a_delayed_h2d_stream(full):
     tr.close()
 
 
+def test_h2d_tiles_one_event_per_tile_behind_a_sleeping_stream():
+    """CudaTransport.h2d_tiles (the DPU writeback's batched copies): each tile lands where it belongs and nothing
+    else is written; every tile's event is pending while the H2D stream sleeps; the compute stream reads a tile
+    only after device_wait on its event."""
+    tr = CudaTransport()
+    n = 1 << 20
+    src = tr.pool.take(n, torch.bfloat16)
+    src.copy_(torch.randn(n, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16))
+    dst = torch.full((n,), float("nan"), dtype=torch.bfloat16, device=DEV)
+    tiles = [(0, 1000), (4096, 70000), (70000, n - 7)]
+    with torch.cuda.stream(tr.h2d_stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    events = tr.h2d_tiles(dst, src, tiles)
+    assert len(events) == len(tiles) and not any(ev.done() for ev in events), "a tile landed behind a sleep"
+    tr.device_wait(events[1])
+    second = dst[4096:70000].clone()  # on the compute stream, after tile 1's copy
+    tr.synchronize()
+    want = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+    for a, b in tiles:
+        want[a:b] = src[a:b]
+    assert_bits_equal(dst.cpu(), want, "dst after h2d_tiles")
+    assert_bits_equal(second.cpu(), src[4096:70000], "tile 1 read after device_wait")
+    tr.close()
+
+
 def test_synchronize_waits_for_both_streams():
     tr = CudaTransport()
     n = 1 << 22

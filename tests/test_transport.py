@@ -337,3 +337,30 @@ def test_no_cuda_import_needed_on_cpu():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_h2d_tiles_copies_each_tile_and_refuses_bad_tiles():
+    """Transport.h2d_tiles (the DPU writeback's copies): one event per tile, each tile copied and nothing else;
+    tiles out of order, overlapping, empty or past the end are refused before any copy is queued."""
+    from zo_kernels.transport import CopyEngineTransport
+
+    tr = CopyEngineTransport(delay_s=0.001)
+    n = 1000
+    src = tr.pool.take(n, torch.float32)
+    src.copy_(torch.arange(n, dtype=torch.float32))
+    dst = torch.full((n,), -1.0)
+    tiles = [(0, 10), (10, 300), (512, n)]
+    events = tr.h2d_tiles(dst, src, tiles)
+    assert len(events) == 3
+    tr.synchronize()
+    want = torch.full((n,), -1.0)
+    for a, b in tiles:
+        want[a:b] = src[a:b]
+    assert torch.equal(dst, want)
+    for bad in ([(10, 20), (0, 5)], [(0, 20), (10, 30)], [(5, 5)], [(900, n + 1)], [(-1, 4)]):
+        dst.fill_(-1.0)
+        with pytest.raises(ValueError, match="tiles"):
+            tr.h2d_tiles(dst, src, bad)
+        tr.synchronize()
+        assert (dst == -1.0).all(), bad
+    tr.close()

@@ -198,6 +198,15 @@ class Event:
         return True if h is None else h.is_set() if isinstance(h, threading.Event) else _cuda_query(h)
 
 
+def _check_tiles(tiles: list[tuple[int, int]], numel: int) -> None:
+    end = 0
+    for i, (a, b) in enumerate(tiles):
+        if not end <= a < b <= numel:
+            raise ValueError(f"tiles[{i}] = ({a}, {b}): tiles must be ascending, disjoint, non-empty ranges within "
+                             f"[0, {numel})")  # fmt: skip
+        end = b
+
+
 def _check_pair(dst: torch.Tensor, src: torch.Tensor) -> None:
     _check_tensor_any(dst, "dst")
     _check_tensor_any(src, "src")
@@ -231,6 +240,12 @@ class Transport:
     def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         """Queue dst (host) <- src (device), after the work already queued on the compute stream."""
         raise NotImplementedError
+
+    def h2d_tiles(self, dst: torch.Tensor, src: torch.Tensor, tiles: list[tuple[int, int]]) -> list[Event]:
+        """Queue dst[a:b] <- src[a:b] for each tile (a, b), in order (ascending, disjoint, non-empty, within both):
+        one event per tile. The same as one h2d per tile; a transport may check and order the copies once."""
+        _check_tiles(tiles, min(dst.numel(), src.numel()))
+        return [self.h2d(dst[a:b], src[a:b]) for a, b in tiles]
 
     def tile_sink(self, dst: torch.Tensor, src: torch.Tensor) -> TileSink | None:
         """A C tile sink queueing the H2D copy of each finished tile of src to dst, or None (copies from Python)."""
@@ -519,6 +534,24 @@ class CudaTransport(Transport):
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         return self._copy(dst, src, True)
+
+    def h2d_tiles(self, dst: torch.Tensor, src: torch.Tensor, tiles: list[tuple[int, int]]) -> list[Event]:
+        """The DPU writeback's tiles: the endpoints checked and the copy stream ordered after the compute stream
+        once, then one copy and one event per tile (per tile through h2d: ~75 us of host time each on the H200's
+        host, 48 ms for the 1.3B GPT's 626 tiles, on the step's critical path)."""
+        _check_tiles(tiles, min(dst.numel(), src.numel()))
+        self._check_endpoints(dst, src, True)
+        stream = self.h2d_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # after the forward reading dst
+        dst.record_stream(stream)
+        d, h, size, raw = dst.data_ptr(), src.data_ptr(), dst.element_size(), stream.cuda_stream
+        events = []
+        for a, b in tiles:
+            self._cu.h2d_async(d + a * size, h + a * size, (b - a) * size, raw, self._index)
+            events.append(self._event(stream))
+        if events:  # one stream: the last event covers every copy out of src's block
+            self.pool.fence(src, "h2d", events[-1])
+        return events
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         return self._copy(dst, src, False)

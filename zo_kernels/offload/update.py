@@ -509,14 +509,13 @@ class HostUpdate(StateViews):
     def _write_tiles(self) -> Event:
         """Staging -> the device tile by tile, each copy's event in the fence, nothing waited for here: the next
         forward's readers wait for the tiles they use. Returns the last copy's event (it covers them all)."""
-        fence, own, n = self.fence, self.own, self.numel
+        fence, n = self.fence, self.numel
         fence.reset()
-        event = None
-        for x in range(0, n, self.tile_numel):
-            for a, b in self._pieces(x, min(n, x + self.tile_numel)):
-                event = self.transport.h2d(own[a:b], self.out_buf[a:b])
-                fence.add(a, b, event)
-        return event
+        tiles = [t for x in range(0, n, self.tile_numel) for t in self._pieces(x, min(n, x + self.tile_numel))]
+        events = self.transport.h2d_tiles(self.own[:n], self.out_buf[:n], tiles) if tiles else []
+        for (a, b), event in zip(tiles, events):
+            fence.add(a, b, event)
+        return events[-1] if events else None
 
     def _pieces(self, x: int, y: int) -> Iterator[tuple[int, int]]:
         """[x, y) in the pieces holding new parameters: all of it in staging; in the landing buffer, the ranges the
