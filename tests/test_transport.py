@@ -281,7 +281,7 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
         assert r.returncode == 0, f"nvcc failed on {src}:\n{r.stderr[-4000:]}"
 
 
-needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (none here: these tests have never run)")
+needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (bench/gpu_check.sh runs these on one)")
 
 
 @needs_gpu
