@@ -58,12 +58,14 @@ def test_readonly_check_still_refuses_bytes_and_readonly_mappings(tmp_path):
     n = 1024
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        small = torch.frombuffer(bytes(4 * n), dtype=torch.float32)  # small and large bytes objects live in
-        large = torch.frombuffer(bytes(4 << 20), dtype=torch.float32)[:n]  # different allocators
+        tiny = torch.frombuffer(bytes(256), dtype=torch.float32)  # bytes objects of every allocator: pymalloc,
+        small = torch.frombuffer(bytes(4 * n), dtype=torch.float32)  # malloc's heap, its own mmap
+        large = torch.frombuffer(bytes(4 << 20), dtype=torch.float32)[:n]
     path = tmp_path / "ro.bin"
     path.write_bytes(np.zeros(n, dtype=np.float32).tobytes())
     mapped = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="r", shape=(n,)))
-    for ro, where in ((small, "bytes object"), (large, "bytes object"), (mapped, "mapped r")):
+    for ro, where in ((tiny, "bytes object"), (small, "bytes object"), (large, "bytes object"), (mapped, "mapped r")):
+        n = ro.numel()
         p, g, v = torch.ones(n), torch.full((n,), 0.5), torch.zeros(n)
         with pytest.raises(ValueError, match=f"exp_avg is read-only memory .*{where}"):
             cpu_adam_step(p, g, ro, v, step=1, lr=0.1)
@@ -72,8 +74,9 @@ def test_readonly_check_still_refuses_bytes_and_readonly_mappings(tmp_path):
 
 def test_pinned_memory_is_not_parsed_per_call(monkeypatch):
     """The offload step writes pinned staging once per run or landed tile (39 kernel calls a step for the 95M GPT's
-    selective update): each call parsed /proc/self/maps, milliseconds in a CUDA process. Pinned memory is writable by
-    construction: never parsed. (No pinned memory without CUDA: is_pinned is stubbed for a foreign buffer.)"""
+    selective update): each call parsed /proc/self/maps twice, milliseconds in a CUDA process. A pinned storage is
+    parsed once, as a whole, then remembered. (No pinned memory without CUDA: is_pinned is stubbed for a foreign
+    buffer.)"""
     import ctypes
 
     import torch
@@ -91,6 +94,38 @@ def test_pinned_memory_is_not_parsed_per_call(monkeypatch):
     assert k >= 1, "foreign memory that is not pinned is checked"
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: self.data_ptr() == out.data_ptr())
-    cpu_adam_step(p, g, m, v, step=2, lr=0.1, param_out=out)
-    assert len(parsed) == k, "pinned memory was checked again"
+    for step in (2, 3, 4):
+        cpu_adam_step(p, g, m, v, step=step, lr=0.1, param_out=out)
+    assert len(parsed) == k + 1, f"pinned memory parsed {len(parsed) - k} times in 3 calls (once: its whole storage)"
     assert torch.equal(out, p.bfloat16())
+
+
+def test_pinned_memory_still_refused_when_read_only(tmp_path, monkeypatch):
+    """Page-locked memory can be read-only (cudaHostRegister with cudaHostRegisterReadOnly over a read-only mapping):
+    a pinned storage is remembered only once found writable; before CUDA is initialized is_pinned is not asked."""
+    import warnings
+
+    import numpy as np
+    import torch
+
+    from zo_kernels import cpu_adam, cpu_adam_step
+
+    n = 1024
+    path = tmp_path / "ro.bin"
+    path.write_bytes(np.zeros(n, dtype=np.float32).tobytes())
+    with warnings.catch_warnings():  # (torch warns once per process that the array is not writable)
+        warnings.simplefilter("ignore")
+        ro = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="r", shape=(n,)))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)
+    for fn in ("adam_step", "adam_step_tiled"):  # a check that let it through fails here, not with SIGSEGV
+        monkeypatch.setattr(cpu_adam._cpu, fn, lambda *a, **k: pytest.fail("read-only memory reached the kernel"))
+    p, g, v = torch.ones(n), torch.full((n,), 0.5), torch.zeros(n)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="exp_avg is read-only memory"):
+            cpu_adam_step(p, g, ro, v, step=1, lr=0.1)
+    assert torch.equal(p, torch.ones(n)) and not v.any()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: pytest.fail("is_pinned asked before CUDA init"))
+    with pytest.raises(ValueError, match="exp_avg is read-only memory"):
+        cpu_adam_step(p, g, ro, v, step=1, lr=0.1)

@@ -127,14 +127,32 @@ def check_memory(t: torch.Tensor, name: str, written: bool = False) -> None:
     if storage.nbytes() < need:
         raise ValueError(f"{name}'s storage holds {storage.nbytes()} bytes, its {t.numel()} elements need {need} "
                          "(was the storage resized?)")  # fmt: skip
-    # torch's own allocations are writable, and so is page-locked memory (cudaHostAlloc'd or host-registered, which
-    # needs writable pages): check other foreign memory. (The check reads /proc/self/maps: skipping it for pinned
-    # memory keeps it off the offload step's path, which writes pinned staging tile by tile. No memory is pinned
-    # before CUDA is initialized, and asking then could create a CUDA context in a CPU-only run)
-    if written and not storage.resizable() and not (torch.cuda.is_initialized() and t.is_pinned()):
-        why = _readonly(storage.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
-        if why:
-            raise ValueError(f"{name} is read-only memory ({why}); it would be written")
+    # torch's own allocations are writable: check foreign memory. The check reads /proc/self/maps (milliseconds in
+    # a CUDA process), and the offload step writes pinned staging tile by tile: a pinned storage found writable as a
+    # whole is remembered (pinned blocks live long: the pool's). (No memory is pinned before CUDA is initialized, and
+    # asking then could create a CUDA context in a CPU-only run)
+    if written and not storage.resizable():
+        pinned = torch.cuda.is_initialized() and t.is_pinned()
+        if not (pinned and _writable_pinned(storage.data_ptr(), storage.nbytes())):
+            why = _readonly(storage.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
+            if why:
+                raise ValueError(f"{name} is read-only memory ({why}); it would be written")
+
+
+_PINNED_WRITABLE: dict[tuple[int, int], None] = {}  # (address, bytes) of pinned storages found writable
+
+
+def _writable_pinned(base: int, nbytes: int) -> bool:
+    """Whether the pinned storage [base, base + nbytes) is writable as a whole: checked once per storage."""
+    key = (base, nbytes)
+    if key in _PINNED_WRITABLE:
+        return True
+    if _readonly(base, base, nbytes) is not None:
+        return False  # (the exact range is checked by the caller, every time)
+    if len(_PINNED_WRITABLE) >= 4096:  # bounded: storages freed since are forgotten with the rest
+        _PINNED_WRITABLE.clear()
+    _PINNED_WRITABLE[key] = None
+    return True
 
 
 def _readonly(base: int, start: int, nbytes: int) -> str | None:
@@ -154,7 +172,8 @@ def _readonly(base: int, start: int, nbytes: int) -> str | None:
                 perms, path = fields[1], fields[5].strip() if len(fields) > 5 else ""
                 if lo < start + nbytes and start < hi and "w" not in perms:
                     return f"mapped {perms}"
-                peek = peek or (lo <= head and base < hi and "r" in perms and path in ("", "[heap]"))
+                python_memory = path in ("", "[heap]") or path.startswith("[anon")  # (allocators may name theirs)
+                peek = peek or (lo <= head and base < hi and "r" in perms and python_memory)
     except OSError:
         return None  # no /proc (not Linux): nothing more to check
     if peek and ctypes.c_void_p.from_address(head + ctypes.sizeof(ctypes.c_ssize_t)).value == id(bytes):
