@@ -159,8 +159,14 @@ def test_h2d_tiles_one_event_per_tile_behind_a_sleeping_stream():
     tiles = [(0, 1000), (4096, 70000), (70000, n - 7)]
     with torch.cuda.stream(tr.h2d_stream):
         torch.cuda._sleep(SLEEP_CYCLES)
-    events = tr.h2d_tiles(dst, src, tiles)
+    for bad in ([(5, 5)], [(0, 10), (5, 20)], [(n - 1, n + 1)]):
+        with pytest.raises(ValueError, match="tiles"):
+            tr.h2d_tiles(dst, src, bad)
+    seen = []
+    events = tr.h2d_tiles(dst, src, tiles, on_tile=lambda a, b, ev: seen.append((a, b, ev)))
     assert len(events) == len(tiles) and not any(ev.done() for ev in events), "a tile landed behind a sleep"
+    assert [(a, b) for a, b, _ in seen] == tiles and [ev for _, _, ev in seen] == events
+    assert tr.pool.events(src) == [events[-1]], "the pinned block is not fenced by the last copy"
     tr.device_wait(events[1])
     second = dst[4096:70000].clone()  # on the compute stream, after tile 1's copy
     tr.synchronize()

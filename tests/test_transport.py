@@ -364,3 +364,23 @@ def test_h2d_tiles_copies_each_tile_and_refuses_bad_tiles():
         tr.synchronize()
         assert (dst == -1.0).all(), bad
     tr.close()
+
+
+def test_h2d_tiles_failing_part_way_leaves_the_queued_tiles_known(monkeypatch):
+    """A copy that fails at the third tile: the two already queued were given to on_tile (the DPU writeback's fence
+    then waits for them before staging is rewritten or the forward reads them)."""
+    from zo_kernels.transport import CopyEngineTransport
+
+    tr = CopyEngineTransport(delay_s=0.01)
+    n = 300
+    src, dst = tr.pool.take(n, torch.float32), torch.zeros(n)
+    src.fill_(1.0)
+    seen, real = [], tr.h2d
+    monkeypatch.setattr(tr, "h2d", lambda d, s: real(d, s) if len(seen) < 2 else (_ for _ in ()).throw(OSError("x")))
+    with pytest.raises(OSError):
+        tr.h2d_tiles(dst, src, [(0, 100), (100, 200), (200, 300)], on_tile=lambda a, b, ev: seen.append((a, b, ev)))
+    assert [(a, b) for a, b, _ in seen] == [(0, 100), (100, 200)]
+    for _, _, ev in seen:
+        tr.wait(ev)
+    assert (dst[:200] == 1.0).all() and (dst[200:] == 0.0).all()
+    tr.close()

@@ -512,9 +512,8 @@ class HostUpdate(StateViews):
         fence, n = self.fence, self.numel
         fence.reset()
         tiles = [t for x in range(0, n, self.tile_numel) for t in self._pieces(x, min(n, x + self.tile_numel))]
-        events = self.transport.h2d_tiles(self.own[:n], self.out_buf[:n], tiles) if tiles else []
-        for (a, b), event in zip(tiles, events):
-            fence.add(a, b, event)
+        # each tile in the fence as soon as it is queued: a failure part-way leaves the queued ones waited for
+        events = self.transport.h2d_tiles(self.own[:n], self.out_buf[:n], tiles, on_tile=fence.add) if tiles else []
         return events[-1] if events else None
 
     def _pieces(self, x: int, y: int) -> Iterator[tuple[int, int]]:
