@@ -14,7 +14,7 @@ import sys
 
 TARGET_OF_COPY = {10_000_000: 0.60, 100_000_000: 0.85}
 KEYS = ("numel", "tensors", "align", "zo_ms", "copy_ms", "torch_ref_ms", "zo_pack_ms", "of_copy", "vs_torch_ref",
-        "zo_GBps", "copy_GBps", "timer", "device")  # fmt: skip
+        "zo_GBps", "copy_GBps", "timer", "device", "zo_graph_ms", "graph_of_copy", "zo_graph_error")  # fmt: skip
 
 
 def pack_rows(bench: dict) -> list[dict]:
