@@ -381,7 +381,7 @@ def selective_row(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
         # warm-up: the first selection and two windows (the background update then runs in steady state)
         times = _steps(step, device, warmup=1 + 2 * window, rounds=max(rounds, 1) * window)
         row["zo_peak_gib"] = _peak_gib(device)
-        row["zo_ms"] = sum(times) / len(times) * 1e3  # a mean: every step of a window counts once
+        row["zo_ms"] = _mean(times) * 1e3  # a mean: every step of a window counts once
         row["zo_ms_median"] = _median(times) * 1e3
         row["phases"] = {k: _median([p.get(k, 0.0) for p in phases[-len(times) :]]) * 1e3 for k in PHASES}
         row["selected_numel"] = opt.update.sel.numel() if opt.update.sel is not None else 0

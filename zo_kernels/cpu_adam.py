@@ -170,7 +170,7 @@ def _readonly(base: int, start: int, nbytes: int) -> str | None:
                 if lo >= start + nbytes:
                     break
                 perms, path = fields[1], fields[5].strip() if len(fields) > 5 else ""
-                if lo < start + nbytes and start < hi and "w" not in perms:
+                if start < hi and "w" not in perms:  # (lo < start + nbytes: the loop stopped otherwise)
                     return f"mapped {perms}"
                 python_memory = path in ("", "[heap]") or path.startswith("[anon")  # (allocators may name theirs)
                 peek = peek or (lo <= head and base < hi and "r" in perms and python_memory)
