@@ -184,3 +184,32 @@ def test_cpu_adam_formats_ratios(n):
         bar = f"<= {FORMAT_BARS[fmt]}x, >= 0.90" if fmt in FORMAT_BARS else ""
         print(f"  {fmt:<6}{nbytes:>9.2f}{t * 1e3:>10.2f}{nbytes * n / t / 1e9:>8.1f}{t / base:>8.2f}x"
               f"{c / t:>16.2f}{bar:>20}")  # fmt: skip
+
+
+# --- the sum of gradients on the host (gradient accumulation, selective's window): acc (fp32) += alpha * g (bf16)
+ACCUMULATE = {
+    "zo": lambda acc, g, t: zk.accumulate(acc, g, alpha=0.5, threads=t),
+    "torch_add": lambda acc, g, t: acc.add_(g, alpha=0.5),  # torch's mixed-dtype path (what zo called until 2026-11-26)
+    "torch_upcast_add": lambda acc, g, t: acc.add_(g.float(), alpha=0.5),  # an fp32 copy, then the fp32 add
+}
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_accumulate_ratios(n):
+    """zo.accumulate against torch's two ways, bf16 into fp32 (10 bytes per element moved), timed interleaved, best of
+    7 rounds, at torch's thread count (zo's too)."""
+    threads = torch.get_num_threads()
+    acc, g = torch.zeros(n), torch.randn(n).to(torch.bfloat16)
+    best = dict.fromkeys(ACCUMULATE, float("inf"))
+    for fn in ACCUMULATE.values():
+        fn(acc, g, threads)
+    for _ in range(7):
+        for name, fn in ACCUMULATE.items():
+            t0 = time.perf_counter()
+            fn(acc, g, threads)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    print(f"\naccumulate, n={size_label(n)}, bf16 into fp32, threads={threads}: " + ", ".join(
+        f"{k} {v * 1e3:.2f} ms ({10 * n / v / 1e9:.1f} GB/s)" for k, v in best.items())
+        + f"; zo {best['torch_add'] / best['zo']:.1f}x faster than torch's add_, "
+        f"{best['torch_upcast_add'] / best['zo']:.1f}x than upcast + add")  # fmt: skip
+    assert best["zo"] > 0

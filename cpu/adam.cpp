@@ -277,6 +277,18 @@ double sumsq(const void* x, void* y, int64_t lo, int64_t hi, int* bad) {
   return s;
 }
 
+// acc[i] = fma(alpha, x[i], acc[i]) over [lo, hi): acc fp32, x of dtype DT (upcast exactly); one rounding.
+template <int DT>
+void axpy(float* acc, const void* x, float alpha, int64_t lo, int64_t hi) {
+  for (int64_t i = lo; i < hi; ++i) {
+    float v;
+    if (DT == kF32) v = static_cast<const float*>(x)[i];
+    else if (DT == kF16) v = half_to_float(static_cast<const uint16_t*>(x)[i]);
+    else v = bf16_to_float(static_cast<const uint16_t*>(x)[i]);
+    acc[i] = std::fmaf(alpha, v, acc[i]);
+  }
+}
+
 }  // namespace scalar
 
 #pragma GCC push_options
@@ -504,6 +516,19 @@ double sumsq(const void* x, void* y, int64_t lo, int64_t hi, int* bad) {
   return s + scalar::sumsq<DT>(x, y, i, hi, bad);
 }
 
+template <int DT>
+void axpy(float* acc, const void* x, float alpha, int64_t lo, int64_t hi) {
+  const __m256 a = _mm256_set1_ps(alpha);
+  int64_t i = lo;
+  for (; i + 32 <= hi; i += 32) {
+    for (int u = 0; u < 4; ++u) {
+      float* d = acc + i + 8 * u;
+      _mm256_storeu_ps(d, _mm256_fmadd_ps(a, load8(x, i + 8 * u, DT), _mm256_loadu_ps(d)));
+    }
+  }
+  scalar::axpy<DT>(acc, x, alpha, i, hi);
+}
+
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -725,6 +750,17 @@ double sumsq(const void* x, void* y, int64_t lo, int64_t hi, int* bad) {
   return double(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]))));
 }
 
+template <int DT>
+void axpy(float* acc, const void* x, float alpha, int64_t lo, int64_t hi) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  for (int64_t i = lo; i < hi; i += 16) {
+    const int64_t n = std::min<int64_t>(16, hi - i);
+    const __mmask16 k = __mmask16(n >= 16 ? 0xffff : (1u << n) - 1u);
+    const __m512 y = _mm512_maskz_loadu_ps(k, acc + i);
+    _mm512_mask_storeu_ps(acc + i, k, _mm512_fmadd_ps(a, load16(x, i, DT, k), y));
+  }
+}
+
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -927,6 +963,31 @@ SumSquares sum_squares(const void* x, void* y, int dtype, int64_t n, int isa, in
 #pragma omp parallel for num_threads(t) reduction(+ : total) reduction(| : bad) schedule(static)
   for (int64_t c = 0; c < chunks; ++c) total += fn(x, y, c * kChunk, std::min(n, (c + 1) * kChunk), &bad);
   return {total, bad != 0};
+}
+
+void accumulate(float* acc, const void* x, int dtype, double alpha, int64_t n, int isa, int threads) {
+  require(n >= 0, "n must be >= 0, got " + std::to_string(n));
+  require(dtype == kF32 || dtype == kF16 || dtype == kBF16, "x dtype code must be 0, 1 or 2");
+  require(isa >= kScalar && isa <= kAvx512 && isa_supported(isa), "isa " + std::to_string(isa) + " is not supported");
+  require(threads >= 1, "threads must be >= 1, got " + std::to_string(threads));
+  if (n == 0) return;
+  require(acc != nullptr && x != nullptr, "acc or x address is null");
+  using AxpyFn = void (*)(float*, const void*, float, int64_t, int64_t);
+  const AxpyFn table[3][3] = {
+      {scalar::axpy<kF32>, scalar::axpy<kF16>, scalar::axpy<kBF16>},
+      {avx2::axpy<kF32>, avx2::axpy<kF16>, avx2::axpy<kBF16>},
+      {avx512::axpy<kF32>, avx512::axpy<kF16>, avx512::axpy<kBF16>},
+  };
+  const AxpyFn fn = table[isa][dtype];
+  const float a = float(alpha);
+  const int t = int(std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread)));
+  if (t == 1) { fn(acc, x, a, 0, n); return; }
+  const int64_t chunk = ((n + t - 1) / t + kGrain - 1) / kGrain * kGrain;
+#pragma omp parallel num_threads(t)
+  {
+    const int64_t lo = std::min<int64_t>(n, omp_get_thread_num() * chunk);
+    fn(acc, x, a, lo, std::min<int64_t>(n, lo + chunk));
+  }
 }
 
 }  // namespace zo

@@ -187,6 +187,14 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("x"), py::arg("y"), py::arg("dtype"), py::arg("n"), py::arg("isa"), py::arg("threads"),
       "(sum of squares, any inf/NaN) of n values at x, copying them to y (if not 0) in the same pass.");
   m.def(
+      "accumulate",
+      [](uintptr_t acc, uintptr_t x, int dtype, double alpha, int64_t n, int isa, int threads) {
+        py::gil_scoped_release release;
+        zo::accumulate(reinterpret_cast<float*>(acc), reinterpret_cast<const void*>(x), dtype, alpha, n, isa, threads);
+      },
+      py::arg("acc"), py::arg("x"), py::arg("dtype"), py::arg("alpha"), py::arg("n"), py::arg("isa"),
+      py::arg("threads"), "acc[i] = fma(alpha, x[i], acc[i]): n fp32 at acc, n values of dtype at x.");
+  m.def(
       "stream_pass",
       [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
          uintptr_t param_out, int out_dtype, int64_t n, int isa, int threads, const py::tuple& state) {

@@ -353,6 +353,41 @@ def test_sum_squares_and_nonfinite_flag(isa, dtype, n):
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=str)
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 4097, 100_003])
+@pytest.mark.parametrize("alpha", [1.0, 0.37, -2.5e-3])
+def test_accumulate_is_one_rounding_of_acc_plus_alpha_x(isa, dtype, n, alpha):
+    """acc + alpha * x with one rounding: against float64 (the product of an fp32 alpha and a value of <= 24 bits is
+    exact there), bit for bit; torch's fp32 add_ gives the same bits. Three threads: split ranges join exactly."""
+    gen = torch.Generator().manual_seed(n)
+    acc = torch.randn(n, generator=gen) * 5
+    x = (torch.randn(n, generator=gen) * 3).to(dtype)
+    a32 = torch.tensor(alpha, dtype=torch.float32).item()  # the kernel's alpha: rounded to fp32 once
+    ref = (acc.double() + a32 * x.double()).float()
+    got = acc.clone()
+    assert zk.accumulate(got, x, alpha=alpha, isa=isa, threads=3) is got
+    assert_bits_equal(got, ref, "fma(alpha, x, acc)")
+    assert_bits_equal(got, acc.clone().add_(x.float(), alpha=a32), "torch's add_ in fp32")
+
+
+def test_accumulate_refuses_bad_arguments_before_writing():
+    acc, x = torch.zeros(8), torch.ones(8, dtype=torch.bfloat16)
+    for args, kw, err, words in (
+        ((acc.double(), x), {}, TypeError, "acc must have dtype float32"),
+        ((acc, x[:4]), {}, ValueError, "x has 4 elements, expected 8"),
+        ((acc, x.int()), {}, TypeError, "x must have dtype"),
+        ((acc, acc), {}, ValueError, "acc and x overlap"),
+        ((acc, x), {"alpha": float("nan")}, ValueError, "alpha must be finite"),
+        ((acc, x), {"alpha": "2"}, TypeError, "alpha must be a real number"),
+        ((acc, x), {"threads": 0}, ValueError, "threads must be >= 1"),
+        ((torch.zeros(16)[::2], x), {}, ValueError, "acc must be contiguous"),
+    ):
+        with pytest.raises(err, match=words):
+            zk.accumulate(*args, **kw)
+    assert torch.equal(acc, torch.zeros(8))
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
 @pytest.mark.parametrize("tile", [1, 100, 4096, 5000])
 def test_c_tile_sink_runs_the_tile_loop_in_cpp(isa, tile):
     """A C sink (here the host copy one; on a GPU the H2D one) sees every finished tile, bit for bit."""

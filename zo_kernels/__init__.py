@@ -7,7 +7,7 @@ require_torch()  # first: a torch older than the oldest checked one is refused b
 from .activations import ActivationBuffers, checkpoint
 from .buckets import Packed, cast, pack, unpack
 from .checkpoint_io import load_checkpoint, save_checkpoint
-from .cpu_adam import CPUAdam, available_isas, best_isa, cpu_adam_step, stream_pass, sum_squares
+from .cpu_adam import CPUAdam, accumulate, available_isas, best_isa, cpu_adam_step, stream_pass, sum_squares
 from .offload import MemoryReport, ParamInit, ZeroOffloadAdafactor, ZeroOffloadAdamW
 from .param_views import MovedGrad
 from .planner import Plan, plan
@@ -37,5 +37,6 @@ __all__ = [
     "save_checkpoint",
     "stream_pass",
     "sum_squares",
+    "accumulate",
     "unpack",
 ]
