@@ -8,7 +8,12 @@ Prints the validation loss of each run (fixed held-out windows, every --eval-eve
 the fp32-state run (targets: bf16 within 1%, 8bit and selective within 2%), and the curves; --plot FILE.png draws
 them. --variants picks the runs (fp32 always runs: the others are judged against it).
 
+--finetune N: a fine-tuning run instead of one from scratch (ZenFlow's setting). Each model is first pretrained
+N steps with torch.optim.AdamW (lr --lr) on the first half of the training text; every variant then starts from those
+weights and trains --steps steps at --ft-lr on the second half (a later part of the same text), no warm-up.
+
     python bench/convergence.py [--steps 400] [--variants fp32,bf16,8bit,selective] [--plot curves.png]
+    python bench/convergence.py --finetune 400 --ft-lr 3e-4 --steps 300 --variants fp32,selective --selective '{}'
 """
 
 from __future__ import annotations
@@ -59,13 +64,29 @@ def validate(kind: str, model: torch.nn.Module, val: list[torch.Tensor]) -> floa
     return out
 
 
-def run(kind: str, fmt: str, train: list[torch.Tensor], val: list[torch.Tensor], args: argparse.Namespace,
-        vocab: int) -> dict:  # fmt: skip
+def pretrain(kind: str, train: list[torch.Tensor], args: argparse.Namespace, vocab: int) -> dict:
+    """The fine-tuning runs' starting weights: torch.optim.AdamW over `train` (clip 1.0), from the usual seed."""
     model = make_model(kind, vocab, args.context, args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    for x in train:
+        loss = loss_of(kind, model, x)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run(kind: str, fmt: str, train: list[torch.Tensor], val: list[torch.Tensor], args: argparse.Namespace,
+        vocab: int, start: dict | None = None) -> dict:  # fmt: skip
+    model = make_model(kind, vocab, args.context, args.seed)
+    if start is not None:
+        model.load_state_dict(start)
     variant = dict(selective=args.selective) if fmt == "selective" else VARIANTS[fmt]
-    opt = ZeroOffloadAdamW(model, lr=args.lr, weight_decay=0.01, dtype=torch.float32, max_grad_norm=1.0,
+    lr = args.lr if start is None else args.ft_lr
+    opt = ZeroOffloadAdamW(model, lr=lr, weight_decay=0.01, dtype=torch.float32, max_grad_norm=1.0,
                            **variant)  # fmt: skip
-    curve, train_losses = [], []
+    curve, train_losses = [(0, validate(kind, model, val))] if start is not None else [], []
     t0 = time.perf_counter()
     for i, x in enumerate(train, 1):
         loss = loss_of(kind, model, x)
@@ -81,10 +102,16 @@ def run(kind: str, fmt: str, train: list[torch.Tensor], val: list[torch.Tensor],
 
 
 def _job(kind: str, fmt: str, train: list[torch.Tensor], val: list[torch.Tensor], args: argparse.Namespace,
-         vocab: int) -> dict:  # fmt: skip
+         vocab: int, start: dict | None = None) -> dict:  # fmt: skip
     if args.jobs > 1:
         torch.set_num_threads(1)
-    return run(kind, fmt, train, val, args, vocab)
+    return run(kind, fmt, train, val, args, vocab, start)
+
+
+def _pretrain_job(kind: str, train: list[torch.Tensor], args: argparse.Namespace, vocab: int) -> dict:
+    if args.jobs > 1:
+        torch.set_num_threads(1)
+    return pretrain(kind, train, args, vocab)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--selective", type=json.loads, default=SELECTIVE, metavar="JSON",
                     help=f"the selective run's configuration (default {json.dumps(SELECTIVE)})")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (one thread each)")
+    ap.add_argument("--finetune", type=int, default=0, metavar="N",
+                    help="pretrain N steps with torch AdamW on the first half of the text, then fine-tune on the rest")
+    ap.add_argument("--ft-lr", type=float, default=3e-4, help="the fine-tuning runs' lr (with --finetune)")
     args = ap.parse_args(argv)
     variants = ["fp32"] + [v for v in args.variants.split(",") if v != "fp32"]
     if set(variants) - set(VARIANTS):
@@ -109,15 +139,28 @@ def main(argv: list[str] | None = None) -> int:
     chars = "".join(sorted(set(text)))
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
     split = int(0.9 * data.numel())
-    train = batches(data[:split], args.steps, args.batch, args.context, args.seed)
     val = batches(data[split:], 8, 32, args.context, 1234)
-    print(f"{args.steps} steps of {args.batch} x {args.context} characters (Jargon File), lr {args.lr}, clip 1.0, "
+    kinds = args.models.split(",")
+    starts: dict[str, dict | None] = {kind: None for kind in kinds}
+    if args.finetune:
+        half = split // 2
+        pre = batches(data[:half], args.finetune, args.batch, args.context, args.seed + 1)
+        train = batches(data[half:split], args.steps, args.batch, args.context, args.seed)
+        print(f"pretraining {args.finetune} steps of {args.batch} x {args.context} characters with torch AdamW, lr "
+              f"{args.lr}, on the first half of the training text; fine-tuning {args.steps} steps at lr "
+              f"{args.ft_lr} on the second half", flush=True)  # fmt: skip
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            starts = dict(zip(kinds, pool.starmap(_pretrain_job, [(k, pre, args, len(chars)) for k in kinds])))
+    else:
+        train = batches(data[:split], args.steps, args.batch, args.context, args.seed)
+    lr = args.ft_lr if args.finetune else args.lr
+    print(f"{args.steps} steps of {args.batch} x {args.context} characters (Jargon File), lr {lr}, clip 1.0, "
           f"fp32 parameters, seed {args.seed}; validation: {len(val)} x 32 held-out windows; torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads")  # fmt: skip
     results: dict[str, dict[str, dict]] = {}
-    runs = [(kind, fmt) for kind in args.models.split(",") for fmt in variants]
+    runs = [(kind, fmt) for kind in kinds for fmt in variants]
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:  # one thread each: fair on a shared machine
-        done = pool.starmap(_job, [(kind, fmt, train, val, args, len(chars)) for kind, fmt in runs])
+        done = pool.starmap(_job, [(kind, fmt, train, val, args, len(chars), starts[kind]) for kind, fmt in runs])
     for (kind, fmt), r in zip(runs, done):
         results.setdefault(kind, {})[fmt] = r
         print(f"  {kind:9s} {fmt:9s} final val {r['curve'][-1][1]:.4f}  ({r['seconds']:.0f} s, "
