@@ -37,6 +37,37 @@ def test_step_rows_cut_short_keep_every_finished_row(tmp_path, monkeypatch):
     assert row["mode"] == "sync" and row["zo_ms"] > 0 and row["torch_fused_ms"] > 0
 
 
+def test_step_rows_checkpointed_rows_train_the_same_model(tmp_path):
+    """--checkpoint: the checkpointed forward is the model's own loss bit for bit, and its gradients are; each row
+    gets the ckpt_* figures and their targets beside the plain ones."""
+    import torch
+
+    from zo_kernels.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=32, context=16, layers=2, width=32, heads=2))
+    x = torch.randint(0, 32, (2, 17))
+    plain = model(x[:, :-1], x[:, 1:])
+    plain.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    ck = step_rows.checkpointed(model, x[:, :-1], x[:, 1:])
+    ck.backward()
+    assert torch.equal(ck, plain)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    out = tmp_path / "step.json"
+    argv = [str(out), "--sizes", "2e5", "--device", "cpu", "--batch", "2", "--context", "16", "--rounds", "2",
+            "--modes", "sync,dpu,selective", "--checkpoint"]  # fmt: skip
+    assert step_rows.main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [r["mode"] for r in rows] == ["sync", "dpu", "selective"]
+    keys = {"sync": "ckpt_sync_vs_fwd_bwd_plus_adam", "dpu": "ckpt_dpu_vs_max_fwd_bwd_adam",
+            "selective": "ckpt_tokens_per_s_vs_torch"}  # fmt: skip
+    for r in rows:
+        assert r["ckpt_zo_ms"] > 0 and r["ckpt_fwd_bwd_ms"] > 0
+        assert r["targets"][keys[r["mode"]]]["value"] > 0
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
