@@ -39,8 +39,10 @@
 #   runs) and says so.
 # Anchors mode: bash bench/gpu_check.sh OUTDIR anchors  builds, installs .whl/, then the default run's last two
 #   stages with a command of their own (in the default run they get what the 500 s budget leaves, often nothing):
-#   bench/activation_rows.py (up to 120 s) and bench/anchors.py (the rest, up to 150 s per system; DeepSpeed builds
-#   its CPU Adam on first use) -> OUTDIR/summary.json's "activations" and "anchors" rows.
+#   bench/anchors.py (up to 170 s, 150 s per system; DeepSpeed builds its CPU Adam on first use), step rows at
+#   batch ZO_BIG_BATCH x 512 (default 32: DPU, gpu_fraction 0 and auto, --checkpoint; up to 90 s) and
+#   bench/activation_rows.py (the rest, up to 120 s) -> OUTDIR/summary.json's "anchors", "step" and "activations"
+#   rows.
 # Run on a GPU in this form once (one H200, 2026-11-26: default and anchors modes; never the scale mode); its no-GPU
 # path runs in .ci/run.
 # Without a GPU it says so, runs the CPU-side compile checks (every Triton kernel to cubin for sm_80/sm_90,
@@ -159,14 +161,19 @@ anchors_stage() { # anchors_stage CAP RESERVE TIMEOUT: bench/anchors.py, each sy
     CUDA_HOME="${CUDA_HOME:-$nvcc_dir}" DS_SKIP_CUDA_CHECK="${DS_SKIP_CUDA_CHECK:-1}" "$py" bench/anchors.py \
     "$out/anchors.json" --size "${ZO_ANCHOR_SIZE:-95M}" --timeout-s "$3" --budget-s "$((t - 10))" "${step_args[@]}"
 }
-if [ "$mode" = anchors ]; then  # the default run's last two stages, given a command of their own
-  # (reserves: the anchors keep >= 180 s, so ZO_CHECK_BUDGET_S=300 still gives the activations 60 s after a build)
+if [ "$mode" = anchors ]; then  # the default run's last two stages, given a command of their own, and step rows at a
+  # batch whose forward + backward covers CPU Adam (ZO_BIG_BATCH, default 32 x 512: issue 20's rows)
+  # (reserves, with ZO_SKIP_BUILD=1 and ZO_CHECK_BUDGET_S=330: anchors 170 s, the step rows 90 s, activations the rest)
   build_stage 150 200 || status=1
   install_wheels || status=1
-  activations_stage 120 180 || status=1
-  anchors_stage 400 5 150 || status=1
+  anchors_stage 170 160 150 || status=1
+  t=$(stage_s 90 60)
+  limited 90 60 "bench: step rows at batch ${ZO_BIG_BATCH:-32}" "$py" bench/step_rows.py "$out/step.json" \
+    --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes dpu --gpu-fractions 0,auto --checkpoint --budget-s "$((t / 2))" \
+    --batch "${ZO_BIG_BATCH:-32}" --context "${ZO_STEP_CONTEXT:-512}" || status=1
+  activations_stage 120 5 || status=1
   ZO_DEVICE="$gpu" ZO_COMMIT="$commit" "$py" bench/summary.py --summary-json "$out" 2>>"$log" | tee -a "$summary" \
-    && rm -f "$out/anchors.json" "$out/activations.json" || status=1
+    && rm -f "$out/anchors.json" "$out/activations.json" "$out/step.json" || status=1
   say "commit it as bench/results/gpu-$(date -u +%Y-%m-%d)-${device_tag:-GPU}-anchors.json"
   say "result: $([ $status = 0 ] && echo 'anchors and activations passed' || echo 'anchors or activations FAILED')" \
     "on $gpu in $(($(date +%s) - start))s"
