@@ -817,12 +817,20 @@ constexpr int64_t kMinPerThread = 1 << 14;
 constexpr int64_t kGrain = 128;
 
 // 8-bit state: the split also falls on block boundaries.
+// The team may be smaller than asked (OMP_THREAD_LIMIT, OMP_DYNAMIC=true, a nested region): the split is made from
+// the threads the team has, so every element is covered whatever it got (each range's result does not depend on
+// the split: the kernels are elementwise, 8-bit blocks whole).
+int64_t team_chunk(int64_t n, int64_t grain) {
+  const int64_t t = omp_get_num_threads();
+  return ((n + t - 1) / t + grain - 1) / grain * grain;
+}
+
 void run_parallel(RangeFn fn, const Coef& c, const Bufs& b, int64_t n, int threads, int64_t grain) {
   const int t = int(std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread)));
   if (t == 1) { fn(c, b, 0, n); return; }
-  const int64_t chunk = ((n + t - 1) / t + grain - 1) / grain * grain;
 #pragma omp parallel num_threads(t)
   {
+    const int64_t chunk = team_chunk(n, grain);
     const int64_t lo = std::min<int64_t>(n, omp_get_thread_num() * chunk);
     fn(c, b, lo, std::min<int64_t>(n, lo + chunk));
   }
@@ -982,9 +990,9 @@ void accumulate(float* acc, const void* x, int dtype, double alpha, int64_t n, i
   const float a = float(alpha);
   const int t = int(std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread)));
   if (t == 1) { fn(acc, x, a, 0, n); return; }
-  const int64_t chunk = ((n + t - 1) / t + kGrain - 1) / kGrain * kGrain;
 #pragma omp parallel num_threads(t)
   {
+    const int64_t chunk = team_chunk(n, kGrain);
     const int64_t lo = std::min<int64_t>(n, omp_get_thread_num() * chunk);
     fn(acc, x, a, lo, std::min<int64_t>(n, lo + chunk));
   }

@@ -6,6 +6,9 @@ Casts and the ISA variants against one another are compared bit for bit.
 """
 
 import math
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -368,6 +371,42 @@ def test_accumulate_is_one_rounding_of_acc_plus_alpha_x(isa, dtype, n, alpha):
     assert zk.accumulate(got, x, alpha=alpha, isa=isa, threads=3) is got
     assert_bits_equal(got, ref, "fma(alpha, x, acc)")
     assert_bits_equal(got, acc.clone().add_(x.float(), alpha=a32), "torch's add_ in fp32")
+
+
+_TEAM_SCRIPT = """
+import torch, zo_kernels as zk
+from zo_kernels import Quantized8bit
+n = 200_003
+g = torch.Generator().manual_seed(0)
+p0, gr = torch.randn(n, generator=g), torch.randn(n, generator=g).bfloat16()
+def run(threads, fmt):
+    p = p0.clone()
+    if fmt == "8bit":
+        m, v = Quantized8bit.empty(n, signed=True), Quantized8bit.empty(n, signed=False)
+    else:
+        m, v = torch.zeros(n), torch.zeros(n)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    for step in (1, 2):
+        zk.cpu_adam_step(p, gr, m, v, step=step, lr=1e-2, param_out=out, threads=threads)
+    return p, out
+for fmt in ("fp32", "8bit"):
+    (a, ao), (b, bo) = run(1, fmt), run(4, fmt)
+    assert torch.equal(a, b) and torch.equal(ao, bo), fmt
+x = zk.accumulate(torch.zeros(n), gr, alpha=0.5, threads=1)
+assert torch.equal(x, zk.accumulate(torch.zeros(n), gr, alpha=0.5, threads=4)), "accumulate"
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("env", [{"OMP_THREAD_LIMIT": "1"}, {"OMP_DYNAMIC": "true", "OMP_THREAD_LIMIT": "2"}],
+                         ids=["thread_limit", "dynamic"])  # fmt: skip
+def test_a_smaller_openmp_team_still_covers_every_element(env):
+    """OpenMP may give a region fewer threads than asked (OMP_THREAD_LIMIT, OMP_DYNAMIC=true, as clusters set
+    them): the split is made from the team's own size, so 4 threads asked under a limit of 1 or 2 update every
+    element, bit for bit as one thread does (they left 3/4 of the parameters untouched, silently, until 2026-11-26)."""
+    r = subprocess.run([sys.executable, "-c", _TEAM_SCRIPT], env={**os.environ, **env}, capture_output=True,
+                       text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 def test_accumulate_refuses_bad_arguments_before_writing():
