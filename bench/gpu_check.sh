@@ -40,7 +40,7 @@
 # Anchors mode: bash bench/gpu_check.sh OUTDIR anchors  builds, installs .whl/, then the default run's last two
 #   stages with a command of their own (in the default run they get what the 500 s budget leaves, often nothing):
 #   bench/anchors.py (up to 170 s, 150 s per system; DeepSpeed builds its CPU Adam on first use), step rows at
-#   batch ZO_BIG_BATCH x 512 (default 32: DPU, gpu_fraction 0 and auto, --checkpoint; up to 90 s) and
+#   batch ZO_BIG_BATCH x 512 (default 32: DPU, gpu_fraction 0 and auto, --checkpoint; up to 120 s) and
 #   bench/activation_rows.py (the rest, up to 120 s) -> OUTDIR/summary.json's "anchors", "step" and "activations"
 #   rows.
 # Run on a GPU in this form once (one H200, 2026-11-26: default and anchors modes; never the scale mode); its no-GPU
@@ -163,19 +163,21 @@ anchors_stage() { # anchors_stage CAP RESERVE TIMEOUT: bench/anchors.py, each sy
 }
 if [ "$mode" = anchors ]; then  # the default run's last two stages, given a command of their own, and step rows at a
   # batch whose forward + backward covers CPU Adam (ZO_BIG_BATCH, default 32 x 512: issue 20's rows)
-  # (reserves, with ZO_SKIP_BUILD=1 and ZO_CHECK_BUDGET_S=330: anchors 170 s, the step rows 90 s, activations the rest)
+  # (reserves, with ZO_SKIP_BUILD=1 and ZO_CHECK_BUDGET_S=360: anchors 170 s, the step rows 120 s (the 1.3B rows
+  # build a model and pin ~20 GB of host memory each), the activations the rest)
   build_stage 150 200 || status=1
   install_wheels || status=1
-  anchors_stage 170 160 150 || status=1
-  t=$(stage_s 90 60)
-  limited 90 60 "bench: step rows at batch ${ZO_BIG_BATCH:-32}" "$py" bench/step_rows.py "$out/step.json" \
+  anchors_stage 170 190 150 || status=1
+  t=$(stage_s 120 60)
+  limited 120 60 "bench: step rows at batch ${ZO_BIG_BATCH:-32}" "$py" bench/step_rows.py "$out/step.json" \
     --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes dpu --gpu-fractions 0,auto --checkpoint --budget-s "$((t / 2))" \
     --batch "${ZO_BIG_BATCH:-32}" --context "${ZO_STEP_CONTEXT:-512}" || status=1
   activations_stage 120 5 || status=1
   ZO_DEVICE="$gpu" ZO_COMMIT="$commit" "$py" bench/summary.py --summary-json "$out" 2>>"$log" | tee -a "$summary" \
     && rm -f "$out/anchors.json" "$out/activations.json" "$out/step.json" || status=1
   say "commit it as bench/results/gpu-$(date -u +%Y-%m-%d)-${device_tag:-GPU}-anchors.json"
-  say "result: $([ $status = 0 ] && echo 'anchors and activations passed' || echo 'anchors or activations FAILED')" \
+  say "result: $([ $status = 0 ] && echo 'anchors, step rows and activations passed' \
+    || echo 'anchors, step rows or activations FAILED')" \
     "on $gpu in $(($(date +%s) - start))s"
   exit $status
 fi

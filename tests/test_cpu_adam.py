@@ -361,7 +361,8 @@ def test_sum_squares_and_nonfinite_flag(isa, dtype, n):
 @pytest.mark.parametrize("alpha", [1.0, 0.37, -2.5e-3])
 def test_accumulate_is_one_rounding_of_acc_plus_alpha_x(isa, dtype, n, alpha):
     """acc + alpha * x with one rounding: against float64 (the product of an fp32 alpha and a value of <= 24 bits is
-    exact there), bit for bit; torch's fp32 add_ gives the same bits. Three threads: split ranges join exactly."""
+    exact there; for these randn-range values its sum then rounds to fp32 once, as the fma does), bit for bit;
+    torch's fp32 add_ gives the same bits. Three threads: split ranges join exactly."""
     gen = torch.Generator().manual_seed(n)
     acc = torch.randn(n, generator=gen) * 5
     x = (torch.randn(n, generator=gen) * 3).to(dtype)
@@ -420,6 +421,7 @@ def test_accumulate_refuses_bad_arguments_before_writing():
         ((acc, x), {"alpha": "2"}, TypeError, "alpha must be a real number"),
         ((acc, x), {"threads": 0}, ValueError, "threads must be >= 1"),
         ((torch.zeros(16)[::2], x), {}, ValueError, "acc must be contiguous"),
+        ((torch.zeros(8, requires_grad=True), x), {}, RuntimeError, "acc requires grad"),
     ):
         with pytest.raises(err, match=words):
             zk.accumulate(*args, **kw)

@@ -573,6 +573,9 @@ def accumulate(acc: torch.Tensor, x: torch.Tensor, *, alpha: float = 1.0, thread
     path for a 16-bit x: ~10x slower on one core. This is the sum of a window of gradients on the host.
     """
     _check_tensor(acc, "acc", (torch.float32,), None, written=True)
+    if acc.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError("acc requires grad: it cannot be written in place here (use torch.no_grad() or "
+                           "acc.detach())")  # fmt: skip
     _check_tensor(x, "x", tuple(_DTYPE_CODE), acc.numel(), like="acc")
     check_no_overlap({"acc": acc, "x": x})
     alpha = _real(alpha, "alpha")
