@@ -42,9 +42,12 @@ def test_pick_is_bounded_by_time_then_by_memory():
     assert pick.fraction == pytest.approx(0.5) and pick.by_time == pytest.approx(0.5) and pick.by_memory == 1.0
     assert pick.cpu_s == pytest.approx(0.0115) and pick.device_s == pytest.approx(0.5 * P / 5e10)
     assert "forward+backward" in pick.explain() and "0.500" in pick.explain()
+    assert pick.tokens_to_cover == pytest.approx(2.0) and "at 2.0x this step's tokens" in pick.explain()
     tight = pick_fraction(P, cpu, 5e10, 0.0115, 0.2 * DEVICE_BYTES_PER_ELEMENT * P)
     assert tight.fraction == pytest.approx(0.2) and "memory" in tight.explain()
-    assert pick_fraction(P, cpu, 5e10, 1.0, 1e12).fraction == 0.0  # the CPU keeps up: nothing on the GPU
+    keeps_up = pick_fraction(P, cpu, 5e10, 1.0, 1e12)
+    assert keeps_up.fraction == 0.0 and "covers CPU Adam over the whole partition already" in keeps_up.explain()
+    assert tight.tokens_to_cover == pytest.approx(2.0)  # (the memory bound does not change the batch that hides it)
     assert pick_fraction(P, cpu, 5e10, 0.0115, -1.0).fraction == 0.0  # no memory left
     for bad in (0, -1.0, math.nan, math.inf):
         with pytest.raises(ValueError, match="fwd_bwd_s"):

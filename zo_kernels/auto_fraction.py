@@ -39,13 +39,25 @@ class FractionPick:
     device_s: float  # the device update's time at the pick
     fwd_bwd_s: float
 
+    @property
+    def tokens_to_cover(self) -> float:
+        """How many times this step's tokens make forward+backward as long as CPU Adam over the whole partition
+        (gpu_fraction 0), forward+backward taken as proportional to the tokens: at that batch the delayed update
+        hides CPU Adam with nothing on the device (<= 1: it does already)."""
+        cpu_all = self.cpu_s / (1.0 - self.fraction) if self.fraction < 1.0 else math.inf
+        return cpu_all / self.fwd_bwd_s
+
     def explain(self) -> str:
-        """One paragraph: the pick, its two bounds, the times."""
+        """One paragraph: the pick, its two bounds, the times, and the batch at which no device part is needed."""
         limit = "the device memory left" if self.by_memory < self.by_time else "forward+backward's time"
+        cover = self.tokens_to_cover
+        batch = ("forward+backward covers CPU Adam over the whole partition already" if cover <= 1.0 else
+                 f"forward+backward would cover CPU Adam over the whole partition (gpu_fraction 0) at {cover:.1f}x "
+                 "this step's tokens, if its time grows with them" if math.isfinite(cover) else "")  # fmt: skip
         return (f"gpu_fraction {self.fraction:.3f} (bounded by {limit}): the CPU part must take <= "
                 f"forward+backward {self.fwd_bwd_s * 1e3:.1f} ms -> fraction >= {self.by_time:.3f}; the device memory "
                 f"left holds at most {self.by_memory:.3f}. At {self.fraction:.3f}: CPU Adam {self.cpu_s * 1e3:.1f} ms, "
-                f"device AdamW {self.device_s * 1e3:.2f} ms per step")  # fmt: skip
+                f"device AdamW {self.device_s * 1e3:.2f} ms per step" + (f". {batch}" if batch else ""))  # fmt: skip
 
 
 def pick_fraction(params_per_rank: float, cpu_rate: float, device_rate: float, fwd_bwd_s: float,
