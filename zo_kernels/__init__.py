@@ -26,6 +26,7 @@ __all__ = [
     "Quantized8bit",
     "ZeroOffloadAdafactor",
     "ZeroOffloadAdamW",
+    "accumulate",
     "available_isas",
     "best_isa",
     "cast",
@@ -37,6 +38,5 @@ __all__ = [
     "save_checkpoint",
     "stream_pass",
     "sum_squares",
-    "accumulate",
     "unpack",
 ]

@@ -273,7 +273,7 @@ class GradPath:
             self.accum[s] = self.landing[s].to(torch.float32, copy=True)
         elif self.n_micro == 1:
             self.accum[s].copy_(self.landing[s])
-        elif self.landing[s].numel():  # (a 16-bit landing buffer: torch's mixed-dtype add_ is ~10x slower)
+        elif self.landing[s].numel():  # (a 16-bit landing buffer: torch's mixed-dtype add_ is ~5x slower)
             accumulate(self.accum[s], self.landing[s], threads=self.threads)
         if self.device_landing:  # the device's tail accumulates on the device
             if self.device_accum[s] is None:
