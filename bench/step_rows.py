@@ -210,6 +210,11 @@ def fwd_bwd(model: GPT, x: torch.Tensor, rounds: int, loss_of: Callable = plain)
     return _mean(times)
 
 
+def _uploads(opt: zk.ZeroOffloadAdamW) -> int:
+    """Tensor tables the optimizer's pack plans have uploaded (one per plan, plus one per change of address)."""
+    return sum(getattr(p, "uploads", 0) for p in opt.grads.plans.values())
+
+
 def cpu_adam_alone(opt: zk.ZeroOffloadAdamW, rounds: int) -> tuple[float, float]:
     """(median seconds of the optimizer's CPU Adam with its tiled writeback to the device, copies waited for;
     median seconds of the bare kernel over the partition, untiled, no copies). Moves the optimizer's state."""
@@ -321,6 +326,7 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
     try:
         phases: list[dict] = []
         tiles: list[tuple[int, int]] = []  # (tiles, in flight when the forward's first module came) per step
+        uploads = [_uploads(opt)]  # pack tables uploaded so far, after each step
 
         def step() -> None:
             loss = model(x[:, :-1], x[:, 1:])
@@ -329,6 +335,7 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
             opt.backward(loss)
             opt.step()
             phases.append({k[5:]: v for k, v in opt.stats.items() if k.startswith("time_")})
+            uploads.append(_uploads(opt))
 
         _reset_peak(device)
         times = _steps(step, device, warmup=3 if mode == "dpu" else 2, rounds=rounds)
@@ -342,6 +349,9 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
         row["writeback_tiles"] = _median([t for t, _ in tiles]) if tiles else None
         row["writeback_in_flight_at_forward"] = _median([f for _, f in tiles]) if tiles else None
         row["copy_engine_gbps"] = gbps
+        # pack tables rebuilt because a bucket's gradients came at new addresses: 0 when the allocator hands the
+        # same blocks every step (each rebuild costs ~4x a pack call's host time: 97 against 23 us for 64 tensors)
+        row["pack_table_uploads_per_step"] = (uploads[-1] - uploads[-1 - rounds]) / rounds
         if ckpt:  # the same optimizer, every block checkpointed: the activations' share of the peak, the recompute's
             # share of the step
 

@@ -66,6 +66,7 @@ def test_step_rows_checkpointed_rows_train_the_same_model(tmp_path):
     for r in rows:
         assert r["ckpt_zo_ms"] > 0 and r["ckpt_fwd_bwd_ms"] > 0
         assert r["targets"][keys[r["mode"]]]["value"] > 0
+        assert r["mode"] == "selective" or r["pack_table_uploads_per_step"] >= 0
 
 
 def _alive(pid: int) -> bool:
