@@ -163,13 +163,13 @@ anchors_stage() { # anchors_stage CAP RESERVE TIMEOUT: bench/anchors.py, each sy
 }
 if [ "$mode" = anchors ]; then  # the default run's last two stages, given a command of their own, and step rows at a
   # batch whose forward + backward covers CPU Adam (ZO_BIG_BATCH, default 32 x 512: issue 20's rows)
-  # (reserves, with ZO_SKIP_BUILD=1 and ZO_CHECK_BUDGET_S=360: anchors 170 s, the step rows 120 s (the 1.3B rows
-  # build a model and pin ~20 GB of host memory each), the activations the rest)
+  # (reserves, with ZO_SKIP_BUILD=1 and ZO_CHECK_BUDGET_S=340: anchors 170 s, the step rows 120 s (the 1.3B rows
+  # build a model and pin ~20 GB of host memory each), the activations the rest: 50 s or more)
   build_stage 150 200 || status=1
   install_wheels || status=1
-  anchors_stage 170 190 150 || status=1
-  t=$(stage_s 120 60)
-  limited 120 60 "bench: step rows at batch ${ZO_BIG_BATCH:-32}" "$py" bench/step_rows.py "$out/step.json" \
+  anchors_stage 170 170 150 || status=1
+  t=$(stage_s 120 50)
+  limited 120 50 "bench: step rows at batch ${ZO_BIG_BATCH:-32}" "$py" bench/step_rows.py "$out/step.json" \
     --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes dpu --gpu-fractions 0,auto --checkpoint --budget-s "$((t / 2))" \
     --batch "${ZO_BIG_BATCH:-32}" --context "${ZO_STEP_CONTEXT:-512}" || status=1
   activations_stage 120 5 || status=1
@@ -226,8 +226,10 @@ bench 60 200 "bench: pack, cast vs copy" bench-pack.json bench/test_bench_bucket
 bench 45 160 "bench: H2D/D2H, writeback hidden" bench-transport.json bench/test_bench_transport.py -k cuda || status=1
 # gpu_fraction 0 and auto (issue 20's Twin-Flow rows; on the H200 the 95M and 1.3B rows took ~120 s of the 130), each
 # row also checkpointed (--checkpoint: a few more steps; the 57 s of the sm_80/90 compile stage are CI's now)
-t=$(stage_s 150 110)  # (no size started past half the stage's limit; a size cut short keeps its finished rows)
-limited 150 110 "bench: step in parts (step_rows)" "$py" bench/step_rows.py "$out/step.json" \
+# (reserve 20 s: the activations and anchors after it have a command of their own, the anchors mode; here they get
+# what is left) (no size started past half the stage's limit; a size cut short keeps its finished rows)
+t=$(stage_s 150 20)
+limited 150 20 "bench: step in parts (step_rows)" "$py" bench/step_rows.py "$out/step.json" \
   --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes "${ZO_STEP_MODES:-sync,dpu,selective}" --budget-s "$((t / 2))" \
   --gpu-fractions "${ZO_STEP_FRACTIONS:-0,auto}" --checkpoint \
   "${step_args[@]}" || status=1
