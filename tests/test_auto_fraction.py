@@ -82,6 +82,10 @@ def test_cli_auto_prints_the_pick_and_plans_with_it(capsys):
     (["--gpu-fraction", "x"], "--gpu-fraction must be a number"),
     (["--auto", "--fwd-bwd-ms", "0"], "--fwd-bwd-ms must be a number > 0"),
     (["--auto", "--fwd-bwd-ms", "5", "--device-adam-rate", "inf"], "--device-adam-rate must be a number > 0"),
+    # the optimizer keeps the device part in fp32: a plan with compressed moments there would not be its own
+    (["--gpu-fraction", "0.5", "--state-dtype", "8bit"], "--gpu-fraction 0.5 needs k = 12"),
+    (["--gpu-fraction", "0.5", "--k", "8"], "--gpu-fraction 0.5 needs k = 12"),
+    (["--auto", "--fwd-bwd-ms", "5", "--state-dtype", "bf16"], "--auto picks a gpu_fraction, which needs fp32"),
 ])  # fmt: skip
 def test_cli_bad_values_one_line_exit_2(capsys, argv, message):
     assert main(["plan", "--params", "95e6", *argv]) == 2

@@ -214,7 +214,7 @@ PLAN_OPTIONS = {"params": "--params", "gpus": "--gpus", "gpu_mem": "--gpu-mem", 
                 "workspace": "--workspace", "reserve": "--reserve", "bucket_bytes": "--buckets", "nvme": "--nvme",
                 "layer_params": "--layer-params", "prefetch": "--prefetch", "io_pool": "--io-pool", "seq": "--seq",
                 "batch": "--batch", "hidden": "--hidden", "layers": "--layers", "heads": "--heads", "vocab": "--vocab",
-                "attention": "--attention", "selective": "--selective"}  # fmt: skip
+                "attention": "--attention", "selective": "--selective", "gpu_fraction": "--gpu-fraction"}  # fmt: skip
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
@@ -242,6 +242,10 @@ def cmd_plan(a: argparse.Namespace) -> int:
                         "too (without them the activations are --activations, default 4GiB)")
         if selective and a.auto:
             raise argparse.ArgumentTypeError("--auto picks a gpu_fraction, which --selective refuses: give one")
+        if a.auto and k != 12:
+            raise argparse.ArgumentTypeError(f"--auto picks a gpu_fraction, which needs fp32 moments (--state-dtype "
+                                             f"fp32, K = 12; got K = {k:g}): ZeroOffloadAdamW refuses gpu_fraction "
+                                             "with compressed moments")  # fmt: skip
         auto = _auto_rates(a) if a.auto else None
     except argparse.ArgumentTypeError as e:
         raise UsageError(str(e)) from None
