@@ -128,8 +128,9 @@ def test_gpu_shaped_transport_has_buckets_and_no_staging():
 def test_selective_holds_its_selection_on_both_sides(micro):
     """selective (GPU-shaped): on the device the selection's p32, m, v (12S), index (8S) and gathered fp32 gradient
     (4S, + 4S once accumulated); on the host two fp32 window sums (8P), the p16 staging (2P), the selection's index
-    (8S) and its pinned shuttle (12S). S: the selection's elements, one rank (k of c columns x rows per param; the
-    0/1-dim params whole). Before: none of it was counted (14 B/param printed)."""
+    (8S), its pinned shuttle (12S) and a second gradient landing buffer (2P: the window sum reads one beside the next
+    backward; with accumulation, an fp32 accumulator for each, 2·4P). S: the selection's elements, one rank (k of c
+    columns x rows per param; the 0/1-dim params whole). Before: none of it was counted (14 B/param printed)."""
     model = make_model()
     transport = CopyEngineTransport()
     frac = 0.25
@@ -139,11 +140,12 @@ def test_selective_holds_its_selection_on_both_sides(micro):
     f, p, b = sizes(opt)
     s = sum(math.ceil(frac * (q.numel() // q.shape[0])) * q.shape[0] if q.dim() > 1 else q.numel()
             for q in model.parameters())  # fmt: skip
-    acc = 4 * p if micro > 1 else 0
+    acc = 2 * 4 * p if micro > 1 else 0
     check(opt, 2 * f + 2 * 2 * b + (12 + 8 + 4) * s + (4 * s if micro > 1 else 0),
-          12 * p + 2 * p + 2 * p + 8 * p + (8 + 12) * s + acc,
+          12 * p + 2 * 2 * p + 2 * p + 8 * p + (8 + 12) * s + acc,
           text=("12S (p32, m, v of the selection)", "8S (selection index)", "4S (selected gradient)",
-                "2·4P (fp32 window sums x2)", "12S (selection shuttle, pinned)"))  # fmt: skip
+                "2·4P (fp32 window sums x2)", "12S (selection shuttle, pinned)",
+                "2·2P (gradient landing x2, selective's sums)"))  # fmt: skip
     assert opt.device_bytes.now == opt.memory_report().device_bytes - (4 * s if micro > 1 else 0)
     opt.close()
     transport.close()

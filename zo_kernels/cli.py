@@ -274,7 +274,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
         print(f"\nselective {selective:g}: the ZeRO-2 + offload row holds the selection's p32, m, v, index and "
               "gradient on the GPU\n(24 B per selected element, 28 with --accumulation) and two fp32 window sums, "
               "the p16 staging,\nthe selection's index and its pinned shuttle on the host (10 B/param + 20 B per "
-              "selected element, / N)")
+              "selected element, / N),\nand a second gradient landing buffer (+ 2 B/param, and a second fp32 "
+              "accumulator with --accumulation, / N)")
     return 0
 
 

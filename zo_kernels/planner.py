@@ -289,7 +289,8 @@ def _selective_extra(f: float, n: int, accumulation: bool) -> tuple[float, float
     selected elements of a partition P = params / N (zo_kernels/offload/selective.py and selected.py; a model's
     0/1-dim params, selected whole, not counted). GPU: the selection's p32, m, v (12S), its index (8S), its gathered
     fp32 gradient (4S, + 4S with accumulation). Host: two fp32 window sums (8P), the p16 staging the writeback
-    copies from (2P), the selection's index (8S) and the pinned shuttle of its state (12S)."""
+    copies from (2P), the selection's index (8S) and the pinned shuttle of its state (12S). (Its second gradient
+    landing buffer and accumulator are DPU's: `_host_extra`.)"""
     return (24 + (4 if accumulation else 0)) * f / n, (10 + 20 * f) / n
 
 
@@ -412,7 +413,8 @@ def plan(
     w, w_fixed = (working_set_per_layer_param(prefetch), 0.0) if not unit else (4.0, 2.0 * prefetch * unit)
     for s in STRATEGIES:
         g, h, v = _per_param(s, p.k, gpus)
-        extra = _host_extra(s, gpus, accumulation, dpu)
+        # (selective's window sum reads one landing buffer beside the next backward: two, as under DPU)
+        extra = _host_extra(s, gpus, accumulation, dpu or (bool(selective) and s == "ZeRO-2 + offload"))
         if s in ("ZeRO-2 + offload", "ZeRO-3 + offload"):  # gpu_fraction moves f of the partition's host buffers
             # to the GPU (p32, m, v, g16 landing and accumulators) except the stage-3 shard, which stays whole, and the
             # p16 staging (ZeRO-3 + offload under DPU), which the tail does not need (the GPU casts its masters

@@ -86,7 +86,10 @@ class GradPath:
         self.split = split = layout.part if split is None else split
         self.selected = selected
         self.scaled_backward = False  # inside opt.backward(loss): the loss was multiplied by the loss scale
-        assert selected is None or (slots == 1 and split == layout.part), "selective: one landing slot, no tail"
+        assert selected is None or split == layout.part, "selective: no tail"
+        # told before a backward writes a landing buffer (and its accumulator): selective's window sum may still be
+        # reading it (selective.py, wait_readers)
+        self.before_write: Callable[[list[torch.Tensor]], None] | None = None
         self.landing = [transport.pool.take(split, dtype) if split else torch.zeros(0, dtype=dtype)
                         for _ in range(slots)]  # fmt: skip
         self.device_landing = [torch.zeros(layout.part - split, dtype=dtype, device=device)
@@ -245,6 +248,8 @@ class GradPath:
         """Before landing buffer s is written: the copies still reading it (the writeback of the parameters the
         update wrote there) are done, for the device's copy streams (backward's copies queue after the compute
         stream) or, with host=True, for the host."""
+        if self.before_write is not None:
+            self.before_write([t for t in (self.landing[s], self.accum[s]) if t is not None])
         for ev in self.transport.pool.events(self.landing[s]):
             if host:
                 self.transport.wait(ev)

@@ -405,7 +405,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             selected = None if self.selective is None else SelectedGrad(
                 selection_bound(self.layout, self.selective.fraction), self.device)  # fmt: skip
             self.grads = GradPath(self.layout, self.dtype, self.device, self.transport, self.comm, self.scaler,
-                                  self._times, slots=2 if self.delay_update_after is not None else 1,
+                                  self._times,  # (a second landing buffer: DPU's update, selective's sum read one)
+                                  slots=2 if self.delay_update_after is not None or self.selective is not None else 1,
                                   threads=self.threads, guard=self._check_alive, connected=connected,
                                   all_reduce=self.stage == 1, on_grad=shards and shards.on_grad,
                                   on_pass_end=shards and shards.on_pass_end, split=self.split,
@@ -423,6 +424,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         except BaseException:
             self._release_transports()
             raise
+        if isinstance(self.update, SelectiveUpdate):  # its window sum reads a landing buffer beside the next backward
+            self.grads.before_write = self.update.wait_readers
         if self.update.params_over_grads:  # a state loaded between a delayed update and its writeback keeps its
             grads, host = self.grads, getattr(self.update, "host", self.update)  # parameters in the landing buffer
             slots = len(grads.landing)  # the next backward does not write (TwinUpdate: its host part)

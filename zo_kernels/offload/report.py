@@ -139,8 +139,9 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
         add("host", "NVMe pool", f"3·{k + extra:g}T", round(3 * (k + extra) * swapper.tile_numel),
             update.host_state_bytes)  # fmt: skip
     slots = len(grads.landing)
-    add("host", "gradient landing" + (" x2, DPU" if slots > 1 else ""), f"{slots}·{e}{p_}" if slots > 1 else f"{e}{p_}",
-        slots * e * part, nbytes(grads.landing))  # fmt: skip
+    why = ", selective's sums" if getattr(grads, "selected", None) is not None else ", DPU"  # (what reads the other)
+    add("host", "gradient landing" + (f" x2{why}" if slots > 1 else ""),
+        f"{slots}·{e}{p_}" if slots > 1 else f"{e}{p_}", slots * e * part, nbytes(grads.landing))  # fmt: skip
     if not update.staging_in_place and update.staging_buf is not None:  # (GPU path, state in memory: none)
         add("host", "p16 staging", f"{e}{p_}", e * part, nbytes([update.staging_buf]))
     if shards is not None and shards.offload == "cpu":

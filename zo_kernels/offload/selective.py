@@ -2,7 +2,9 @@
 
 Per step, the columns of each parameter with the largest gradient norm (the "selected" fraction) are updated on the
 device at once, from fp32 masters and moments held there while they are selected. The rest's gradients are summed
-on the host over a window of `apply_every` steps and applied by CPU Adam in the background while the next window's
+on the host over a window of `apply_every` steps (each step's sum on a thread of its own, beside the next forward and
+backward: a second gradient landing buffer lets the next backward land while the sum reads the last one, and the
+backward after it waits for that sum) and applied by CPU Adam in the background while the next window's
 forward/backward run; their new values reach the device at the end of that next window. Every `select_every` steps
 the columns are chosen again from that step's gradient: the host first applies the rest of the open window at once
 (no overlap on that step), then the state of the columns moves between host and device.
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
@@ -47,7 +49,7 @@ import torch
 from ..cpu_adam import accumulate, cpu_adam_step
 from .layout import FlatLayout, Run
 from .selected import SelectedGrad
-from .update import HostUpdate
+from .update import HostUpdate, stopped_waiting
 
 KEYS = ("fraction", "select_every", "apply_every", "warmup")
 # host_ranges: a gap of fully selected params shorter than this is summed anyway. Measured (2 cores): an accumulate
@@ -179,6 +181,11 @@ class SelectiveUpdate(HostUpdate):
         self._hparams: list[dict] = []
         self.full = [False] * len(self.layout.params)  # every element of this rank's piece of param i is selected
         self._host_ranges: list[tuple[int, int]] = []  # partition ranges summed on the host: the params not full
+        # the window sums run on a thread of their own, beside the next forward and backward (a step's gradient
+        # is read there until its sum ends: the backward that lands in that buffer again waits for it, wait_readers)
+        self._sum_executor: ThreadPoolExecutor | None = None
+        self._sum_reading: dict[int, Future] = {}  # address of a gradient buffer -> the sum still reading it
+        self._last_sum: Future | None = None  # the last sum submitted (they run in order: it covers the others)
 
     @property
     def sel(self) -> torch.Tensor | None:
@@ -212,12 +219,12 @@ class SelectiveUpdate(HostUpdate):
         self._hparams = hparams  # (a drain applies the open window with the hyper-parameters of its last step)
         self._device_update(selected, grad_scale, runs, hparams)
         closes = self.in_window + 1 == self.cfg.apply_every
-        if closes:  # the last window's update, waited for before the sum below: two thread teams on the same
-            super().finish_pending(write=False)  # cores slow each other down (its parameters go down below)
-        acc, window = self.acc[self.cur], self.window[self.cur]
-        for _, a, b, _, factor in runs:
-            for x, y in self._host_part(a, b):  # (the fully selected params' gradient is never applied from acc)
-                accumulate(acc[x:y], grad[x:y], alpha=grad_scale * factor, threads=self.threads)
+        if closes:  # the last window's update (its parameters go down below)
+            super().finish_pending(write=False)
+        # (the fully selected params' gradient is never applied from acc)
+        pieces = [(x, y, grad_scale * factor) for _, a, b, _, factor in runs for x, y in self._host_part(a, b)]
+        self._submit_sum(self.acc[self.cur], grad, pieces)
+        window = self.window[self.cur]
         for i, g in enumerate(got):
             window[i] += g
         self.since_select += 1
@@ -228,6 +235,50 @@ class SelectiveUpdate(HostUpdate):
         # (the background update's own time is "cpu_update", added when it is waited for)
         self.times.add("selective", time.perf_counter() - t0)
         self.publish()
+
+    def _submit_sum(self, acc: torch.Tensor, grad: torch.Tensor, pieces: list[tuple[int, int, float]]) -> None:
+        """acc[x:y] += alpha * grad[x:y] for each piece, on the sum thread: the step returns at once."""
+        if self._sum_executor is None:
+            self._sum_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-selective-sum")
+
+        def job() -> None:
+            for x, y, alpha in pieces:
+                accumulate(acc[x:y], grad[x:y], alpha=alpha, threads=self.threads)
+
+        self._last_sum = self._sum_reading[grad.data_ptr()] = self._sum_executor.submit(job)
+
+    def _wait_sum(self, fut: Future) -> None:
+        """Wait for a window sum; its failure stops the optimizer (as a background update's does) and forgets every
+        sum, whose buffers then hold part of a window (a loaded state replaces them: see drain)."""
+        try:
+            fut.result(timeout=self.timeout_s)
+        except TimeoutError:  # (it may still be writing the sums: fatal, as a background update's timeout)
+            self.failed = TimeoutError(f"a window sum of the selective update did not finish within "
+                                       f"{self.timeout_s:g} s (update_timeout_s)")  # fmt: skip
+            raise self.failed from None
+        except BaseException as e:
+            if stopped_waiting(fut, e):  # Ctrl-C in the wait: the sum goes on, waited for again next time
+                raise
+            self.stopped = e
+            self._sum_reading, self._last_sum = {}, None
+            for buf in range(2):
+                self.acc[buf].zero_()
+                self.window[buf] = [0] * len(self.layout.params)
+            raise
+
+    def wait_readers(self, tensors: list[torch.Tensor]) -> None:
+        """Before a backward writes these gradient buffers: the window sum still reading one of them is done."""
+        for t in tensors:
+            fut = self._sum_reading.get(t.data_ptr())
+            if fut is not None:
+                self._wait_sum(fut)
+                self._sum_reading.pop(t.data_ptr(), None)
+
+    def _wait_all_sums(self) -> None:
+        """Every window sum submitted is done (they run in order: the last one's end is all of theirs)."""
+        if self._last_sum is not None:
+            self._wait_sum(self._last_sum)
+            self._sum_reading, self._last_sum = {}, None
 
     def _host_part(self, a: int, b: int) -> list[tuple[int, int]]:
         """Partition range [a, b) intersected with the host-summed ranges."""
@@ -331,9 +382,12 @@ class SelectiveUpdate(HostUpdate):
         # layout.runs cuts where the group, steps[i] + 1 or factor[i] changes: t and w are passed as those two
         return self.layout.runs([x > 0 for x in w], [s - 1 for s in self.steps], [float(x) for x in w])
 
-    def _apply(self, buf: int, runs: list[Run], hparams: list[dict]) -> float:
+    def _apply(self, buf: int, runs: list[Run], hparams: list[dict], sums: Future | None = None) -> float:
         """CPU Adam over the rest with the window's mean gradient (moments as w steps, one step: see the module
-        docstring), into staging; the window's buffer is zeroed for reuse. Returns its wall time."""
+        docstring), into staging, once `sums` (the window's last sum) is done; the window's buffer is zeroed for
+        reuse. Returns its wall time."""
+        if sums is not None:
+            sums.result()  # (its failure is this update's: finish_pending raises it)
         t0 = time.perf_counter()
         self.transport.wait(self._staging_read)  # the last copy out of staging has read it
         master, exp_avg, exp_avg_sq = self._state
@@ -358,7 +412,7 @@ class SelectiveUpdate(HostUpdate):
         self.cur, self.in_window = 1 - buf, 0
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-selective")
-        self._pending = self._executor.submit(self._apply, buf, runs, hparams)
+        self._pending = self._executor.submit(self._apply, buf, runs, hparams, self._last_sum)
 
     def _send_staging(self) -> None:
         """Staging (the last update's parameters) -> this rank's device parameters; published by the caller."""
@@ -370,6 +424,7 @@ class SelectiveUpdate(HostUpdate):
     def drain(self) -> None:
         """The synchronisation point: the background update waited for, the open window applied at once, the
         selected state back on the host, the selection dropped (the next step selects), the parameters sent."""
+        self._wait_all_sums()
         super().finish_pending(write=False)
         applied = self.staged
         if any(self.window[self.cur]):
@@ -400,3 +455,8 @@ class SelectiveUpdate(HostUpdate):
         """Every reader and writer of the state (state_dict, opt.state, load, synchronize, close) drains first."""
         self.drain()
 
+    def close(self) -> None:
+        """Stop the sum thread and the background worker (after finish_pending)."""
+        if self._sum_executor is not None:
+            self._sum_executor.shutdown(wait=True)
+        super().close()
