@@ -638,3 +638,48 @@ def test_the_window_sum_runs_beside_the_next_backward(monkeypatch):
     for i in want["state"]:
         for key in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(got["state"][i][key], want["state"][i][key]), (i, key)
+
+
+@pytest.mark.parametrize("where", ["backward", "state_dict"])
+def test_ctrl_c_while_waiting_for_a_window_sum_loses_nothing(where):
+    """Ctrl-C while the host waits for a window sum (the backward landing in the buffer it reads, or a
+    synchronisation point): the sum goes on and is waited for again; the run ends where an uninterrupted one does."""
+    from test_interrupted import _CtrlCWhileWaiting
+
+    cfg = {"fraction": 0.5, "select_every": 100, "apply_every": 4}
+    data = make_data(5)
+
+    def step(model, opt, batch):
+        opt.backward(model(*_xy(batch[0])))
+        opt.step()
+
+    model, opt = make_model(), None
+    opt = zk.ZeroOffloadAdamW(model, selective=cfg, **HP)
+    for batch in data[:2]:
+        step(model, opt, batch)
+    u = opt.update
+    if where == "backward":  # the next backward lands in the buffer the sum of two steps ago reads
+        ptr = opt.grads.landing[opt.grads.slot].data_ptr()
+        u._sum_reading[ptr] = _CtrlCWhileWaiting(u._sum_reading[ptr])
+        with pytest.raises(KeyboardInterrupt):
+            step(model, opt, data[2])
+        opt.zero_grad()  # (the interrupted backward's gradients dropped: the step again)
+    else:
+        u._last_sum = _CtrlCWhileWaiting(u._last_sum)
+        with pytest.raises(KeyboardInterrupt):
+            opt.state_dict()
+        opt.state_dict()  # (again: the sum waited for this time, the open window applied)
+    for batch in data[2:]:
+        step(model, opt, batch)
+    got = opt.state_dict()
+    opt.close()
+    ref_model = make_model()
+    ref = zk.ZeroOffloadAdamW(ref_model, selective=cfg, **HP)
+    for i, batch in enumerate(data):
+        step(ref_model, ref, batch)
+        if where == "state_dict" and i == 1:
+            ref.state_dict()  # (a synchronisation point: the open window applied at once, as in the interrupted run)
+    want = ref.state_dict()
+    ref.close()
+    for i in want["state"]:
+        assert torch.equal(got["state"][i]["master"], want["state"][i]["master"]), i
