@@ -683,3 +683,98 @@ def test_ctrl_c_while_waiting_for_a_window_sum_loses_nothing(where):
     ref.close()
     for i in want["state"]:
         assert torch.equal(got["state"][i]["master"], want["state"][i]["master"]), i
+
+
+def _numbered_sums(monkeypatch, behaviour: dict):
+    """Window sums numbered in submission order (a marker job runs before each on the sum thread); sum k fails
+    (behaviour[k] == "fail") or sleeps first (a float: seconds)."""
+    import time
+
+    from zo_kernels.offload import selective as sel_mod
+    from zo_kernels.offload.selective import SelectiveUpdate
+
+    current, count, slept = [-1], [0], set()
+    real_submit, real_accumulate = SelectiveUpdate._submit_sum, sel_mod.accumulate
+
+    def submit(self, acc, grad, pieces):
+        real_submit(self, acc, grad, [])  # (starts the sum thread; an empty sum)
+        k, count[0] = count[0], count[0] + 1
+        self._sum_executor.submit(current.__setitem__, 0, k)
+        real_submit(self, acc, grad, pieces)
+
+    def accumulate(*args, **kwargs):
+        b = behaviour.get(current[0])
+        if b == "fail":
+            raise RuntimeError(f"injected failure in sum {current[0]}")
+        if isinstance(b, float) and current[0] not in slept:
+            slept.add(current[0])
+            time.sleep(b)
+        return real_accumulate(*args, **kwargs)
+
+    monkeypatch.setattr(SelectiveUpdate, "_submit_sum", submit)
+    monkeypatch.setattr(sel_mod, "accumulate", accumulate)
+
+
+def test_a_failed_window_sum_is_recovered_by_one_load(monkeypatch):
+    """A window sum that raises (in the background) stops the optimizer like a failed background update: the next
+    wait raises it once; one load_state_dict then resumes bit for bit as a fresh optimizer loading the same state,
+    though a later sum queued behind the failed one was still running (it is waited for before the window buffers
+    are emptied). Found by a second reading: the queued sum wrote the emptied buffer after the load, and the first
+    load re-raised the old error."""
+    import copy
+
+    cfg = {"fraction": 0.5, "select_every": 100, "apply_every": 4}
+    data = make_data(8)
+
+    def step(model, opt, batch):
+        opt.backward(model(*_xy(batch[0])))
+        opt.step()
+
+    model = make_model()
+    opt = zk.ZeroOffloadAdamW(model, selective=cfg, **HP)
+    for batch in data[:2]:
+        step(model, opt, batch)  # sums 0 and 1
+    ck_opt, ck_model = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    _numbered_sums(monkeypatch, {0: "fail", 1: 1.0})  # (numbered from here: steps 2 and 3's sums)
+    step(model, opt, data[2])
+    step(model, opt, data[3])
+    with pytest.raises(RuntimeError, match="injected failure in sum 0"):
+        step(model, opt, data[4])  # its backward lands in the buffer the failed sum read
+    opt.zero_grad()
+    model.load_state_dict(ck_model)
+    opt.load_state_dict(ck_opt)  # once
+    monkeypatch.undo()
+    for batch in data[5:8]:
+        step(model, opt, batch)
+    got = opt.state_dict()
+    opt.close()
+    ref_model = make_model()
+    ref = zk.ZeroOffloadAdamW(ref_model, selective=cfg, **HP)
+    ref_model.load_state_dict(ck_model)
+    ref.load_state_dict(ck_opt)
+    for batch in data[5:8]:
+        step(ref_model, ref, batch)
+    want = ref.state_dict()
+    ref.close()
+    for i in want["state"]:
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["state"][i][key], want["state"][i][key]), (i, key)
+
+
+def test_a_window_sum_past_its_timeout_is_fatal_and_close_still_closes(monkeypatch):
+    """A sum past update_timeout_s makes the optimizer unusable (it may still be writing), as a background update's
+    timeout does; close() then waits for it and closes, once (it waited the timeout again and raised, every call)."""
+    cfg = {"fraction": 0.5, "select_every": 100, "apply_every": 4}
+    data = make_data(3)
+    model = make_model()
+    opt = zk.ZeroOffloadAdamW(model, selective=cfg, update_timeout_s=0.2, **HP)
+    opt.backward(model(*_xy(data[0][0])))
+    opt.step()
+    _numbered_sums(monkeypatch, {0: 1.5})
+    opt.backward(model(*_xy(data[1][0])))
+    opt.step()
+    with pytest.raises(TimeoutError, match="did not finish within 0.2 s"):
+        opt.synchronize()
+    opt.close()
+    assert opt._closed
+    opt.close()  # (again: nothing)

@@ -42,6 +42,8 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from typing import Any, NamedTuple
 
 import torch
@@ -252,19 +254,30 @@ class SelectiveUpdate(HostUpdate):
         sum, whose buffers then hold part of a window (a loaded state replaces them: see drain)."""
         try:
             fut.result(timeout=self.timeout_s)
-        except TimeoutError:  # (it may still be writing the sums: fatal, as a background update's timeout)
+        except FutureTimeout:  # (it may still be writing the sums: fatal, as a background update's timeout)
             self.failed = TimeoutError(f"a window sum of the selective update did not finish within "
                                        f"{self.timeout_s:g} s (update_timeout_s)")  # fmt: skip
+            self._sum_reading, self._last_sum, self._pending = {}, None, None  # (close's shutdown waits for them)
             raise self.failed from None
         except BaseException as e:
             if stopped_waiting(fut, e):  # Ctrl-C in the wait: the sum goes on, waited for again next time
                 raise
             self.stopped = e
-            self._sum_reading, self._last_sum = {}, None
-            for buf in range(2):
-                self.acc[buf].zero_()
-                self.window[buf] = [0] * len(self.layout.params)
+            self._quiesce()
             raise
+
+    def _quiesce(self) -> None:
+        """After a failed sum: the sums queued behind it and the background update (which reads its buffer) end,
+        their errors this one's; then the window buffers are emptied (a loaded state replaces the rest)."""
+        pending = [f for f in (self._last_sum, self._pending) if f is not None]
+        if wait_futures(pending, timeout=self.timeout_s).not_done:
+            self.failed = TimeoutError(f"a window sum of the selective update did not finish within "
+                                       f"{self.timeout_s:g} s (update_timeout_s)")  # fmt: skip
+        self._sum_reading, self._last_sum, self._pending = {}, None, None
+        for buf in range(2):
+            self.acc[buf].zero_()
+            self.window[buf] = [0] * len(self.layout.params)
+        self.in_window = 0
 
     def wait_readers(self, tensors: list[torch.Tensor]) -> None:
         """Before a backward writes these gradient buffers: the window sum still reading one of them is done."""
@@ -424,6 +437,10 @@ class SelectiveUpdate(HostUpdate):
     def drain(self) -> None:
         """The synchronisation point: the background update waited for, the open window applied at once, the
         selected state back on the host, the selection dropped (the next step selects), the parameters sent."""
+        if self.failed is not None:  # (a sum or update past the timeout may still write: nothing is read)
+            return
+        if self.stopped is not None:  # a failure already raised: not again (a load or close follows)
+            self._quiesce()
         self._wait_all_sums()
         super().finish_pending(write=False)
         applied = self.staged
