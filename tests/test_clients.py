@@ -478,3 +478,50 @@ def test_safetensors_save_model_load_model(tmp_path, dtype):
     train(model, opt, data[1:])  # the optimizer's own model moves on, then is restored from the file
     load_model(model, path)
     assert_same_tensors(model.state_dict(), at_save, "load_model into the optimizer's own model")
+
+
+def test_trainer_with_selective_equals_its_synchronous_sums(tmp_path, monkeypatch):
+    """selective= inside HF Trainer (accumulation 2, Trainer's own clipping on the placeholders, linear decay,
+    model.zero_grad between steps): the window sums on their own thread give the bits, and the losses, the same run
+    gets with each sum waited for inside step()."""
+    need("transformers", "accelerate")
+    from zo_kernels.offload.selective import SelectiveUpdate
+
+    cfg = {"fraction": 0.5, "select_every": 100, "apply_every": 2}
+    m0 = tiny_gpt2(0)
+
+    def run(out):
+        model = copy.deepcopy(m0)
+        losses, handle = record_losses(model)
+        opt = zo_adamw(model, selective=cfg)
+        make_trainer(model, opt, out).train()
+        handle.remove()
+        state = opt.state_dict()
+        opt.close()
+        return state, losses
+
+    import time
+
+    from zo_kernels.offload import selective as sel_mod
+
+    slow = sel_mod.accumulate
+
+    def late(*args, **kwargs):  # each sum late: a backward that did not wait for it would land under it
+        time.sleep(0.05)
+        return slow(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(sel_mod, "accumulate", late)
+        got, losses = run(tmp_path / "async")
+    real = SelectiveUpdate._submit_sum
+
+    def waited(self, acc, grad, pieces):
+        real(self, acc, grad, pieces)
+        self._last_sum.result()
+
+    monkeypatch.setattr(SelectiveUpdate, "_submit_sum", waited)
+    want, want_losses = run(tmp_path / "sync")
+    assert losses == want_losses and len(losses) == STEPS * MICRO
+    for i in want["state"]:
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["state"][i][key], want["state"][i][key]), (i, key)
