@@ -129,3 +129,37 @@ def test_pinned_memory_still_refused_when_read_only(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: pytest.fail("is_pinned asked before CUDA init"))
     with pytest.raises(ValueError, match="exp_avg is read-only memory"):
         cpu_adam_step(p, g, ro, v, step=1, lr=0.1)
+
+
+@pytest.mark.parametrize("refcnt, extra, nul, refused", [
+    (0, 8, True, False), (1, -8, True, False), (1, 8, False, False), (1, 8, True, True),
+], ids=["freed", "too-short", "no-trailing-nul", "looks-live"])  # fmt: skip
+def test_a_stale_bytes_header_in_front_of_writable_memory_is_no_bytes_object(refcnt, extra, nul, refused):
+    """Memory in front of a writable foreign buffer that reads as bytes' type, but not as a live bytes object holding
+    the buffer (its reference count 0, as a freed one's; its size shorter than the buffer; no NUL where its size ends,
+    as every bytes object has): the buffer is written. A fresh CI process once refused a write this way, naming a
+    torch buffer an immutable bytes object (only the type was compared). A header with all four is taken for one."""
+    import ctypes
+
+    import torch
+
+    from zo_kernels import cpu_adam_step
+
+    n = 256
+    mem = (ctypes.c_uint8 * (32 + 4 * n + 16))()  # writable heap memory: a fake header, the buffer, 16 bytes more
+    word = ctypes.sizeof(ctypes.c_ssize_t)
+    base = ctypes.addressof(mem)
+    size = 4 * n + extra
+    ctypes.c_ssize_t.from_address(base).value = refcnt
+    ctypes.c_void_p.from_address(base + word).value = id(bytes)
+    ctypes.c_ssize_t.from_address(base + 2 * word).value = size
+    mem[32 + size] = 0 if nul else 7
+    m = torch.frombuffer((ctypes.c_uint8 * (4 * n)).from_address(base + 32), dtype=torch.float32)  # not resizable
+    m.zero_()
+    p, g, v = torch.ones(n), torch.full((n,), 0.5), torch.zeros(n)
+    if refused:
+        with pytest.raises(ValueError, match="exp_avg is read-only memory"):
+            cpu_adam_step(p, g, m, v, step=1, lr=0.1)
+        return
+    cpu_adam_step(p, g, m, v, step=1, lr=0.1)
+    assert torch.equal(m, torch.full((n,), 0.05)), "exp_avg was not written"

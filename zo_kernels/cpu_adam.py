@@ -161,7 +161,7 @@ def _readonly(base: int, start: int, nbytes: int) -> str | None:
     # memory, the heap) and only inside the mapping that holds the buffer: memory in front of a foreign buffer may be
     # another mapping whose reads fault (a file past its end, a device's: the GPU driver's in front of pinned memory)
     head = base - bytes.__basicsize__ + 1
-    peek = False
+    peek = 0  # the end of the Python memory mapping holding the header and the buffer's start (0: none)
     try:
         with open("/proc/self/maps") as f:
             for line in f:  # ascending addresses: stop past the range
@@ -173,12 +173,26 @@ def _readonly(base: int, start: int, nbytes: int) -> str | None:
                 if start < hi and "w" not in perms:  # (lo < start + nbytes: the loop stopped otherwise)
                     return f"mapped {perms}"
                 python_memory = path in ("", "[heap]") or path.startswith("[anon")  # (allocators may name theirs)
-                peek = peek or (lo <= head and base < hi and "r" in perms and python_memory)
+                if not peek and lo <= head and base < hi and "r" in perms and python_memory:
+                    peek = hi
     except OSError:
         return None  # no /proc (not Linux): nothing more to check
-    if peek and ctypes.c_void_p.from_address(head + ctypes.sizeof(ctypes.c_ssize_t)).value == id(bytes):
+    if peek and _is_bytes_header(head, start + nbytes - base, peek):
         return "the buffer of an immutable bytes object"
     return None
+
+
+def _is_bytes_header(head: int, covered: int, end: int) -> bool:
+    """Whether a live bytes object starts at `head` whose buffer covers `covered` bytes, the whole object before
+    `end` (the end of the readable mapping holding it): its type is bytes, its reference count positive, its size at
+    least `covered`, and the NUL every bytes object ends with where its size says. (The type alone was compared until
+    2026-11-26: a fresh CI process refused a write to a torch buffer whose allocation left a stale header in front.)"""
+    word = ctypes.sizeof(ctypes.c_ssize_t)
+    data = head + bytes.__basicsize__ - 1
+    if ctypes.c_void_p.from_address(head + word).value != id(bytes) or ctypes.c_ssize_t.from_address(head).value <= 0:
+        return False
+    size = ctypes.c_ssize_t.from_address(head + 2 * word).value
+    return covered <= size and data + size < end and ctypes.c_uint8.from_address(data + size).value == 0
 
 
 def moment_format(exp_avg: Any, exp_avg_sq: Any) -> int:
