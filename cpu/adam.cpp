@@ -816,24 +816,26 @@ constexpr int64_t kMinPerThread = 1 << 14;
 // Threads split the range on multiples of one unrolled AVX-512 iteration (128 floats = 8 lines).
 constexpr int64_t kGrain = 128;
 
-// 8-bit state: the split also falls on block boundaries.
-// The team may be smaller than asked (OMP_THREAD_LIMIT, OMP_DYNAMIC=true, a nested region): the split is made from
-// the threads the team has, so every element is covered whatever it got (each range's result does not depend on
-// the split: the kernels are elementwise, 8-bit blocks whole).
-int64_t team_chunk(int64_t n, int64_t grain) {
-  const int64_t t = omp_get_num_threads();
-  return ((n + t - 1) / t + grain - 1) / grain * grain;
-}
-
-void run_parallel(RangeFn fn, const Coef& c, const Bufs& b, int64_t n, int threads, int64_t grain) {
+// fn(lo, hi) over [0, n) split into one range per thread, each a multiple of `grain` long but the last. The team may
+// be smaller than asked (OMP_THREAD_LIMIT, OMP_DYNAMIC=true, a nested region): the split is made from the threads the
+// team has, so every element is covered whatever it got (each range's result does not depend on the split: the
+// kernels are elementwise, 8-bit blocks whole).
+template <class F>
+void for_ranges(int64_t n, int threads, int64_t grain, F fn) {
   const int t = int(std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread)));
-  if (t == 1) { fn(c, b, 0, n); return; }
+  if (t == 1) { fn(int64_t(0), n); return; }
 #pragma omp parallel num_threads(t)
   {
-    const int64_t chunk = team_chunk(n, grain);
+    const int64_t team = omp_get_num_threads();
+    const int64_t chunk = ((n + team - 1) / team + grain - 1) / grain * grain;
     const int64_t lo = std::min<int64_t>(n, omp_get_thread_num() * chunk);
-    fn(c, b, lo, std::min<int64_t>(n, lo + chunk));
+    fn(lo, std::min<int64_t>(n, lo + chunk));
   }
+}
+
+// 8-bit state: the split also falls on block boundaries (grain).
+void run_parallel(RangeFn fn, const Coef& c, const Bufs& b, int64_t n, int threads, int64_t grain) {
+  for_ranges(n, threads, grain, [&](int64_t lo, int64_t hi) { fn(c, b, lo, hi); });
 }
 
 }  // namespace
@@ -988,14 +990,7 @@ void accumulate(float* acc, const void* x, int dtype, double alpha, int64_t n, i
   };
   const AxpyFn fn = table[isa][dtype];
   const float a = float(alpha);
-  const int t = int(std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread)));
-  if (t == 1) { fn(acc, x, a, 0, n); return; }
-#pragma omp parallel num_threads(t)
-  {
-    const int64_t chunk = team_chunk(n, kGrain);
-    const int64_t lo = std::min<int64_t>(n, omp_get_thread_num() * chunk);
-    fn(acc, x, a, lo, std::min<int64_t>(n, lo + chunk));
-  }
+  for_ranges(n, threads, kGrain, [&](int64_t lo, int64_t hi) { fn(acc, x, a, lo, hi); });
 }
 
 }  // namespace zo

@@ -56,7 +56,7 @@ struct SumSquares {
 SumSquares sum_squares(const void* x, void* y, int dtype, int64_t n, int isa, int threads);
 
 // acc[i] = fma(alpha, x[i], acc[i]) for n fp32 acc and fp32/fp16/bf16 x (upcast exactly, one rounding): a sum of
-// gradients in fp32 without torch's mixed-dtype path (~10x slower for a 16-bit x).
+// gradients in fp32 without torch's mixed-dtype path (~5x slower for a 16-bit x).
 void accumulate(float* acc, const void* x, int dtype, double alpha, int64_t n, int isa, int threads);
 
 }  // namespace zo

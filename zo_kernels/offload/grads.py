@@ -278,7 +278,7 @@ class GradPath:
             self.accum[s] = self.landing[s].to(torch.float32, copy=True)
         elif self.n_micro == 1:
             self.accum[s].copy_(self.landing[s])
-        elif self.landing[s].numel():  # (a 16-bit landing buffer: torch's mixed-dtype add_ is ~5x slower)
+        else:  # (a 16-bit landing buffer: torch's mixed-dtype add_ is ~5x slower)
             accumulate(self.accum[s], self.landing[s], threads=self.threads)
         if self.device_landing:  # the device's tail accumulates on the device
             if self.device_accum[s] is None:
@@ -437,7 +437,7 @@ class GradPath:
         self.iteration += 1
         grad, device_grad = self.landing[s], self._dev(self.landing, s)
         if self.n_micro > 1:
-            grad = accumulate(self.accum[s], self.landing[s], threads=self.threads) if grad.numel() else self.accum[s]
+            grad = accumulate(self.accum[s], self.landing[s], threads=self.threads)
             if device_grad is not None:
                 device_grad = self.device_accum[s].add_(device_grad)
         selected = self.selected.total(self.n_micro) if self._gathering() else None

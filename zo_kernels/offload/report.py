@@ -139,7 +139,8 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
         add("host", "NVMe pool", f"3·{k + extra:g}T", round(3 * (k + extra) * swapper.tile_numel),
             update.host_state_bytes)  # fmt: skip
     slots = len(grads.landing)
-    why = ", selective's sums" if getattr(grads, "selected", None) is not None else ", DPU"  # (what reads the other)
+    sel = getattr(grads, "selected", None)
+    why = ", selective's sums" if sel is not None else ", DPU"  # (what reads the other landing buffer)
     add("host", "gradient landing" + (f" x2{why}" if slots > 1 else ""),
         f"{slots}·{e}{p_}" if slots > 1 else f"{e}{p_}", slots * e * part, nbytes(grads.landing))  # fmt: skip
     if not update.staging_in_place and update.staging_buf is not None:  # (GPU path, state in memory: none)
@@ -161,7 +162,6 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
         if n_dev:
             add("device", "tail fp32 accumulation" + (f" x{n_dev}" if n_dev > 1 else ""),
                 f"{n_dev}·4D" if n_dev > 1 else "4D", 4 * n_dev * tail, nbytes(grads.device_accum))  # fmt: skip
-    sel = getattr(grads, "selected", None)
     if sel is not None:  # selective (selected.py, selective.py): buffers for the largest selection, S, made once
         s = sel.capacity
         add("device", "p32, m, v of the selection", "12S", 12 * s, nbytes([update.state_device]))

@@ -255,10 +255,8 @@ class SelectiveUpdate(HostUpdate):
         try:
             fut.result(timeout=self.timeout_s)
         except FutureTimeout:  # (it may still be writing the sums: fatal, as a background update's timeout)
-            self.failed = TimeoutError(f"a window sum of the selective update did not finish within "
-                                       f"{self.timeout_s:g} s (update_timeout_s)")  # fmt: skip
             self._sum_reading, self._last_sum, self._pending = {}, None, None  # (close's shutdown waits for them)
-            raise self.failed from None
+            raise self._timed_out() from None
         except BaseException as e:
             if stopped_waiting(fut, e):  # Ctrl-C in the wait: the sum goes on, waited for again next time
                 raise
@@ -271,13 +269,18 @@ class SelectiveUpdate(HostUpdate):
         their errors this one's; then the window buffers are emptied (a loaded state replaces the rest)."""
         pending = [f for f in (self._last_sum, self._pending) if f is not None]
         if wait_futures(pending, timeout=self.timeout_s).not_done:
-            self.failed = TimeoutError(f"a window sum of the selective update did not finish within "
-                                       f"{self.timeout_s:g} s (update_timeout_s)")  # fmt: skip
+            self._timed_out()
         self._sum_reading, self._last_sum, self._pending = {}, None, None
         for buf in range(2):
             self.acc[buf].zero_()
             self.window[buf] = [0] * len(self.layout.params)
         self.in_window = 0
+
+    def _timed_out(self) -> TimeoutError:
+        """A window sum (or the update behind it) is past update_timeout_s: the optimizer is unusable (`failed`)."""
+        self.failed = TimeoutError(f"a window sum of the selective update did not finish within {self.timeout_s:g} s "
+                                   "(update_timeout_s)")  # fmt: skip
+        return self.failed
 
     def wait_readers(self, tensors: list[torch.Tensor]) -> None:
         """Before a backward writes these gradient buffers: the window sum still reading one of them is done."""
