@@ -40,7 +40,8 @@
 # Anchors mode: bash bench/gpu_check.sh OUTDIR anchors  builds, installs .whl/, then the default run's last two
 #   stages with a command of their own (in the default run they get what the 500 s budget leaves, often nothing):
 #   bench/anchors.py (up to 170 s, 150 s per system; DeepSpeed builds its CPU Adam on first use), step rows at
-#   batch ZO_BIG_BATCH x 512 (default 32: DPU, gpu_fraction 0 and auto, --checkpoint; up to 120 s) and
+#   batch ZO_BIG_BATCH x 512 (default 32: DPU, gpu_fraction 0 and auto, --checkpoint, 8-bit moments on the host and
+#   in the device's tail, ZO_BIG_STATE_DTYPE; up to 120 s) and
 #   bench/activation_rows.py (the rest, up to 120 s) -> OUTDIR/summary.json's "anchors", "step" and "activations"
 #   rows.
 # Run on a GPU in this form once (one H200, 2026-11-26: default and anchors modes; never the scale mode); its no-GPU
@@ -171,7 +172,8 @@ if [ "$mode" = anchors ]; then  # the default run's last two stages, given a com
   t=$(stage_s 120 50)
   limited 120 50 "bench: step rows at batch ${ZO_BIG_BATCH:-32}" "$py" bench/step_rows.py "$out/step.json" \
     --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes dpu --gpu-fractions 0,auto --checkpoint --budget-s "$((t / 2))" \
-    --batch "${ZO_BIG_BATCH:-32}" --context "${ZO_STEP_CONTEXT:-512}" || status=1
+    --batch "${ZO_BIG_BATCH:-32}" --context "${ZO_STEP_CONTEXT:-512}" --state-dtype "${ZO_BIG_STATE_DTYPE:-8bit}" \
+    || status=1
   activations_stage 120 5 || status=1
   ZO_DEVICE="$gpu" ZO_COMMIT="$commit" "$py" bench/summary.py --summary-json "$out" 2>>"$log" | tee -a "$summary" \
     && rm -f "$out/anchors.json" "$out/activations.json" "$out/step.json" || status=1

@@ -39,8 +39,12 @@ Mode "selective" (issue 20): ZeroOffloadAdamW(model, selective=SELECTIVE), an ap
 phases and peak against torch_fused and fwd_bwd (selective_row; targets: >= 0.8x torch's tokens/s at <= 0.35x its
 peak device memory).
 
+--state-dtype fp32|bf16|8bit: the moments' format of the sync and DPU rows, on the host and in gpu_fraction's tail
+(issue 20 at batch 8: 8-bit moments move ~16 of CPU Adam's 28 bytes per parameter, so a smaller device share hides
+the CPU part, and the tail holds 6 bytes per element instead of 12).
+
 Usage: python bench/step_rows.py OUT.json [--sizes 95M,1.3B] [--modes sync,dpu,selective] [--device cuda]
-       [--batch 8] [--context 512] [--budget-s 200] [--gpu-fractions 0,auto]
+       [--batch 8] [--context 512] [--budget-s 200] [--gpu-fractions 0,auto] [--state-dtype 8bit]
        [--copy-engine-gbps 25] [--tile-numel 2097152]
 Writes OUT.json after every row (a run cut short, e.g. by gpu_check.sh's limit, keeps every row that finished);
 prints one line per row.
@@ -64,6 +68,7 @@ import zo_kernels as zk
 from zo_kernels.auto_fraction import FractionPick, measure_device_adam_rate, pick_fraction
 from zo_kernels.gpt import GPT, GPTConfig, num_params
 from zo_kernels.offload.twin import split_runs
+from zo_kernels.planner import state_k
 from zo_kernels.transport import CopyEngineTransport, Transport
 
 # 1.3B: 26 layers of width 2048 (12 * 26 * 2048^2 = 1.31e9); torch's fused AdamW on fp32 masters with a bf16
@@ -236,7 +241,10 @@ def cpu_adam_alone(opt: zk.ZeroOffloadAdamW, rounds: int) -> tuple[float, float]
         u.transport.synchronize()
 
     with_writeback = _median(_timed(tiled, device, warmup=1, rounds=rounds))
-    p, m, v = (torch.empty_like(t).copy_(t) for t in u.state())
+    if u.fmt == "fp32":
+        p, m, v = (torch.empty_like(t).copy_(t) for t in u.state())
+    else:  # (the moments in their format: the kernel moves the format's bytes)
+        p, (m, v) = u.state()[0].clone(), u.moments.pair
     out = torch.empty(p.numel(), dtype=opt.dtype)
     bare = []
     for i in range(rounds + 1):
@@ -298,14 +306,17 @@ def copy_engine(gbps: float | None) -> Transport | None:
 
 
 def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fraction: float = 0.0,
-            gbps: float | None = None, tile_numel: int | None = None, ckpt: bool = False) -> dict:  # fmt: skip
+            gbps: float | None = None, tile_numel: int | None = None, ckpt: bool = False,
+            state_dtype: str = "fp32") -> dict:  # fmt: skip
     """fwd_bwd alone, then ZeroOffloadAdamW (sync or DPU steady state): step, phases, peak; CPU Adam alone, D2H
     alone on the same optimizer's buffers. `gbps`: on the CPU, the GPU's data flow (copy_engine); `tile_numel`: the
-    optimizer's (None: its default); `ckpt`: the same with every block checkpointed too (ckpt_* keys)."""
+    optimizer's (None: its default); `ckpt`: the same with every block checkpointed too (ckpt_* keys); `state_dtype`:
+    the moments' format, on the host and in gpu_fraction's tail."""
     device = x.device
     model = _model(cfg, device).to(torch.bfloat16)
     params = num_params(model)
-    row: dict = {"params": params, "mode": mode, "config": cfg.__dict__, "tokens": x[:, :-1].numel()}
+    row: dict = {"params": params, "mode": mode, "config": cfg.__dict__, "tokens": x[:, :-1].numel(),
+                 "state_dtype": state_dtype}  # fmt: skip
     _reset_peak(device)
     row["fwd_bwd_ms"] = fwd_bwd(model, x, rounds) * 1e3
     # the bf16 model, its gradients and the activations, no optimizer: what any of the three peaks holds anyway
@@ -319,7 +330,7 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
     transport = copy_engine(gbps)
     dpu = mode == "dpu"  # the DPU rows tile the writeback under the next forward (dpu_writeback="per_module")
     opt = zk.ZeroOffloadAdamW(model, lr=1e-4, delay_update_after=0 if dpu else None, transport=transport,
-                              tile_numel=tile_numel, gpu_fraction=gpu_fraction,
+                              tile_numel=tile_numel, gpu_fraction=gpu_fraction, state_dtype=STATE_DTYPES[state_dtype],
                               dpu_writeback="per_module" if dpu else "whole")  # fmt: skip
     row["gpu_fraction"], row["partition"] = gpu_fraction, opt.part
     fence = getattr(opt.update, "fence", None)  # DPU with real copies: the tiled writeback (None: waited for whole)
@@ -401,6 +412,7 @@ TARGETS.update({"ckpt_" + k: v for k, v in TARGETS.items() if k != "orchestratio
 # a configuration bench/convergence.py measured within 2% of exact AdamW when fine-tuning (--finetune 400: 1.005-1.015
 # over 3 seeds, both models; README "selective: convergence"); the CPU applies the rest once per 4 steps. (The
 # first GPU run's {0.5, 100, apply_every 1} is the one within 2% from scratch, with 100 warm-up steps.)
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": "8bit"}  # --state-dtype
 SELECTIVE = {"fraction": 0.25, "select_every": 100, "apply_every": 4}
 
 
@@ -503,22 +515,26 @@ def targets(row: dict) -> dict:
 
 
 def auto_pick(row: dict, device: torch.device) -> FractionPick:
-    """gpu_fraction "auto" from a fraction-0 row: its forward+backward time and CPU Adam kernel rate, torch's fused
-    AdamW rate measured on the device, the device memory that row's peak left (unbounded on the CPU)."""
+    """gpu_fraction "auto" from a fraction-0 row: its forward+backward time and CPU Adam kernel rate, the tail's AdamW
+    rate measured on the device in the row's moment format, the device memory that row's peak left (unbounded on the
+    CPU)."""
     cpu_rate = row["partition"] / (row["cpu_adam_kernel_ms"] / 1e3)
     free = 1e18
     if device.type == "cuda":
         usable = torch.cuda.get_device_properties(device).total_memory * 0.95
         free = usable - row["zo_peak_gib"] * 2**30
-    return pick_fraction(row["partition"], cpu_rate, measure_device_adam_rate(device), row["fwd_bwd_ms"] / 1e3, free)
+    fmt = row.get("state_dtype", "fp32")
+    return pick_fraction(row["partition"], cpu_rate, measure_device_adam_rate(device, state_dtype=fmt),
+                         row["fwd_bwd_ms"] / 1e3, free, state_k(fmt) + 2)  # fmt: skip
 
 
 def measure(size: str, modes: list[str], device: torch.device, batch: int, context: int, rounds: int,
             fractions: tuple[str, ...] = ("0",), gbps: float | None = None, tile_numel: int | None = None,
             on_row: Callable[[dict], None] | None = None, deadline: float | None = None,
-            ckpt: bool = False) -> list[dict]:  # fmt: skip
+            ckpt: bool = False, state_dtype: str = "fp32") -> list[dict]:  # fmt: skip
     """The rows of one size: the torch reference once, then one row per mode and gpu_fraction (a number or "auto");
-    on_row(row) is called as each one is done. No row starts past `deadline` (time.perf_counter()): it says so."""
+    on_row(row) is called as each one is done. No row starts past `deadline` (time.perf_counter()): it says so.
+    `state_dtype`: the moments' format of the sync and DPU rows (selective keeps fp32 moments)."""
     cfg = config(size, context)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab, (batch, context + 1), generator=g).to(device)
@@ -543,10 +559,10 @@ def measure(size: str, modes: list[str], device: torch.device, batch: int, conte
                 else:
                     pick = None
                     if choice == "auto":
-                        zero = zero or zo_step(cfg, x, mode, rounds, 0.0, gbps, tile_numel)
+                        zero = zero or zo_step(cfg, x, mode, rounds, 0.0, gbps, tile_numel, state_dtype=state_dtype)
                         pick = auto_pick(zero, device)
                     row = zo_step(cfg, x, mode, rounds, pick.fraction if pick else float(choice), gbps, tile_numel,
-                                  ckpt)  # fmt: skip
+                                  ckpt, state_dtype)  # fmt: skip
                     zero = row if choice != "auto" and float(choice) == 0.0 else zero
                     row.update(ref, size=size, device=str(device), batch=[batch, context], gpu_fraction_choice=choice)
                     row["tokens_vs_torch"] = ref["torch_fused_ms"] / row["zo_ms"]
@@ -600,6 +616,7 @@ def line(row: dict) -> str:
         t += (f"; writeback {row['writeback_tiles']} tiles, {row['writeback_in_flight_at_forward']} in flight at "
               f"forward, forward waited {row['phases']['forward_writeback_wait']:.2f} ms")  # fmt: skip
     twin = f" gpu_fraction {row['gpu_fraction']:.3f} ({row['gpu_fraction_choice']})" if row.get("gpu_fraction") else ""
+    twin += f" {row['state_dtype']} moments" if row.get("state_dtype", "fp32") != "fp32" else ""
     return (f"{row['size']:>5} {row['params'] / 1e6:8.1f}M {row['mode']:<4}{twin}: zo {row['zo_ms']:8.2f} ms, fwd+bwd "
             f"{row['fwd_bwd_ms']:7.2f}, cpu adam {row['cpu_adam_ms']:7.2f} (kernel {row['cpu_adam_kernel_ms']:.2f}), "
             f"d2h {row['d2h_ms']:.2f}, pack {row['pack_ms']:.2f}, orchestration {row['orchestration_ms']:.2f}, "
@@ -620,6 +637,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--copy-engine-gbps", type=float, default=None,
                     help="device cpu: the GPU's data flow, copies delayed as over a link of this many GB/s")
     ap.add_argument("--tile-numel", type=int, default=None, help="the optimizer's tile_numel (default: its own)")
+    ap.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default="fp32",
+                    help="the moments' format of the sync and DPU rows (host and gpu_fraction's tail)")
     ap.add_argument("--checkpoint", action="store_true",
                     help="each row also trains with every block checkpointed (ckpt_* keys)")
     a = ap.parse_args(argv)
@@ -649,7 +668,8 @@ def main(argv: list[str]) -> int:
             try:
                 # (rows of a started size go on to 1.7x the budget: gpu_check.sh gives the stage 2x it)
                 measure(size, modes, device, a.batch, a.context, a.rounds, fractions, a.copy_engine_gbps,
-                        a.tile_numel, on_row=keep, deadline=t0 + 1.7 * a.budget_s, ckpt=a.checkpoint)  # fmt: skip
+                        a.tile_numel, on_row=keep, deadline=t0 + 1.7 * a.budget_s, ckpt=a.checkpoint,
+                        state_dtype=a.state_dtype)  # fmt: skip
             except Exception as e:  # e.g. out of memory: the row says why, the other sizes still run
                 print(f"{size}: FAILED {type(e).__name__}: {e}", flush=True)
                 rows.append({"size": size, "error": f"{type(e).__name__}: {e}"[:500]})

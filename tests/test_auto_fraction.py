@@ -2,10 +2,16 @@
 against hand-computed figures."""
 
 import math
+import re
 
 import pytest
 
-from zo_kernels.auto_fraction import DEVICE_BYTES_PER_ELEMENT, measure_cpu_adam_rate, pick_fraction
+from zo_kernels.auto_fraction import (
+    DEVICE_BYTES_PER_ELEMENT,
+    measure_cpu_adam_rate,
+    measure_device_adam_rate,
+    pick_fraction,
+)
 from zo_kernels.cli import main
 from zo_kernels.planner import plan
 
@@ -54,9 +60,31 @@ def test_pick_is_bounded_by_time_then_by_memory():
             pick_fraction(P, cpu, 5e10, bad, 1e9)
 
 
-def test_measured_cpu_adam_rate_is_a_rate():
-    rate = measure_cpu_adam_rate(numel=1 << 16, repeats=1)
-    assert math.isfinite(rate) and rate > 1e5
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "8bit"])
+def test_measured_rates_are_rates(fmt):
+    for rate in (measure_cpu_adam_rate(numel=1 << 16, repeats=1, state_dtype=fmt),
+                 measure_device_adam_rate("cpu", numel=1 << 16, repeats=1, state_dtype=fmt)):  # fmt: skip
+        assert math.isfinite(rate) and rate > 1e5
+
+
+@pytest.mark.parametrize("fmt, k", [("bf16", 8.0), ("8bit", 6.03125)])
+def test_compressed_moments_move_k_bytes_to_the_gpu(fmt, k, capsys):
+    """With bf16 / 8-bit moments the tail keeps them in that format on the device (offload/device_adam.py): the offload
+    rows move K + 2 bytes per element of the tail; --auto's memory bound divides by K + 2 as well."""
+    params, f = 1.3e9, 0.4
+    z2 = plan(params, 1, "80GiB", "768GiB", k=k, gpu_fraction=f).row("ZeRO-2 + offload")
+    assert z2.gpu_states == pytest.approx((2 + f * (k + 2)) * params, rel=1e-12)
+    assert z2.host == pytest.approx((1 - f) * (2 + k) * params, rel=1e-12)
+    P, cpu = 95e6, 95e6 / 0.023
+    assert pick_fraction(P, cpu, 5e10, 0.0115, 0.2 * (k + 2) * P, k + 2).by_memory == pytest.approx(0.2)
+    held = {}
+    for state_dtype in ("fp32", fmt):  # (the same free device memory: --auto's bound scales as 14 / (K + 2))
+        argv = ["plan", "--params", "95e6", "--gpu-mem", "6GiB", "--auto", "--fwd-bwd-ms", "1", "--state-dtype",
+                state_dtype, "--cpu-adam-rate", str(95e6 / 0.023)]  # fmt: skip
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        held[state_dtype] = float(re.search(r"the device memory left holds at most ([0-9]+\.[0-9]+)", out)[1])
+    assert 0.1 < held["fp32"] < 0.5 and held[fmt] == pytest.approx(held["fp32"] * 14 / (k + 2), abs=2e-3)
 
 
 def rows_of(text):
@@ -82,10 +110,7 @@ def test_cli_auto_prints_the_pick_and_plans_with_it(capsys):
     (["--gpu-fraction", "x"], "--gpu-fraction must be a number"),
     (["--auto", "--fwd-bwd-ms", "0"], "--fwd-bwd-ms must be a number > 0"),
     (["--auto", "--fwd-bwd-ms", "5", "--device-adam-rate", "inf"], "--device-adam-rate must be a number > 0"),
-    # the optimizer keeps the device part in fp32: a plan with compressed moments there would not be its own
-    (["--gpu-fraction", "0.5", "--state-dtype", "8bit"], "--gpu-fraction 0.5 needs k = 12"),
-    (["--gpu-fraction", "0.5", "--k", "8"], "--gpu-fraction 0.5 needs k = 12"),
-    (["--auto", "--fwd-bwd-ms", "5", "--state-dtype", "bf16"], "--auto picks a gpu_fraction, which needs fp32"),
+    (["--auto", "--fwd-bwd-ms", "5", "--selective", "0.1"], "--auto picks a gpu_fraction, which --selective"),
 ])  # fmt: skip
 def test_cli_bad_values_one_line_exit_2(capsys, argv, message):
     assert main(["plan", "--params", "95e6", *argv]) == 2
@@ -95,7 +120,7 @@ def test_cli_bad_values_one_line_exit_2(capsys, argv, message):
 
 @pytest.mark.parametrize("argv, message", [
     (["--gpu-fraction", "2"], "--gpu-fraction must be in [0, 1]"),
-    (["--gpu-fraction", "0.5", "--state-dtype", "8bit"], "--gpu-fraction needs --state-dtype fp32"),
+    (["--gpu-fraction", "-0.5"], "--gpu-fraction must be in [0, 1]"),
 ])  # fmt: skip
 def test_demo_gpu_fraction_bad_values_one_line_exit_2(capsys, argv, message):
     assert main(["demo", "--steps", "1", *argv]) == 2

@@ -965,7 +965,7 @@ for _name, _kw, _exc, _arg, _owner in [
     ("gpu-fraction-str", dict(gpu_fraction="0.3"), TypeError, "gpu_fraction", None),
     ("gpu-fraction-bool", dict(gpu_fraction=True), TypeError, "gpu_fraction", None),
     ("gpu-fraction-none", dict(gpu_fraction=None), TypeError, "gpu_fraction", None),
-    ("gpu-fraction-bf16-state", dict(gpu_fraction=0.5, state_dtype=torch.bfloat16), ValueError, "gpu_fraction",
+    ("gpu-fraction-with-selective", dict(gpu_fraction=0.5, selective={"fraction": 0.5}), ValueError, "gpu_fraction",
      None),
 ]:
 

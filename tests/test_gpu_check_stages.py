@@ -61,12 +61,25 @@ def test_step_rows_checkpointed_rows_train_the_same_model(tmp_path):
     assert step_rows.main(argv) == 0
     rows = json.loads(out.read_text())
     assert [r["mode"] for r in rows] == ["sync", "dpu", "selective"]
+    assert all(r.get("state_dtype", "fp32") == "fp32" for r in rows)
     keys = {"sync": "ckpt_sync_vs_fwd_bwd_plus_adam", "dpu": "ckpt_dpu_vs_max_fwd_bwd_adam",
             "selective": "ckpt_tokens_per_s_vs_torch"}  # fmt: skip
     for r in rows:
         assert r["ckpt_zo_ms"] > 0 and r["ckpt_fwd_bwd_ms"] > 0
         assert r["targets"][keys[r["mode"]]]["value"] > 0
         assert r["mode"] == "selective" or r["pack_table_uploads_per_step"] >= 0
+
+
+def test_step_rows_with_compressed_moments_and_auto(tmp_path):
+    """--state-dtype 8bit: the DPU rows (fraction 0, then auto) run with 8-bit moments on the host and in the tail;
+    auto's rate is the tail's in that format."""
+    out = tmp_path / "step.json"
+    argv = [str(out), "--sizes", "2e5", "--device", "cpu", "--batch", "2", "--context", "16", "--rounds", "2",
+            "--modes", "dpu", "--gpu-fractions", "0,0.5", "--state-dtype", "8bit"]  # fmt: skip
+    assert step_rows.main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["state_dtype"], r["gpu_fraction"]) for r in rows] == [("8bit", 0.0), ("8bit", 0.5)]
+    assert all(r["cpu_adam_kernel_ms"] > 0 and r["zo_ms"] > 0 for r in rows)
 
 
 def _alive(pid: int) -> bool:
@@ -162,11 +175,14 @@ def test_gpu_check_anchors_mode_runs_the_last_two_stages_alone(tmp_path):
     assert stages["bench: anchors (same GPT)"][0] == 170 and stages["bench: activations (issue 21)"][0] == 120
     assert "--timeout-s 150" in stages["bench: anchors (same GPT)"][1]
     assert "--batch 32" in stages[step][1] and "--checkpoint" in stages[step][1]
+    assert "--state-dtype 8bit" in stages[step][1]  # (issue 20: the host moves fewer bytes, the tail holds fewer)
     for name in ("bench: activations (issue 21)", "bench: anchors (same GPT)", step):
         _budget_under_limit(stages, name)
     (tmp_path / "out-anchors").rename(tmp_path / "first")
     stages = _stand_in_gpu_check(tmp_path, "anchors", 340, ZO_SKIP_BUILD="1")
-    assert stages["bench: anchors (same GPT)"][0] == 170 and stages[step][0] == 120
+    # (the anchors' limit is 340 - 170 reserved - the seconds already spent: 170 on a quiet machine, a little less on a
+    # loaded one, where the stand-in's first stages take a second or more)
+    assert 160 <= stages["bench: anchors (same GPT)"][0] <= 170 and stages[step][0] == 120
     assert stages["bench: activations (issue 21)"][0] >= 50
 
 

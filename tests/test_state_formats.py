@@ -110,6 +110,7 @@ class Case:
     transport: str = "host"
     groups: bool = False
     nvme: str | None = None  # "state": offload_optimizer="nvme"; "state+params": and offload_param="nvme" (stage 3)
+    gpu_fraction: float = 0.0  # the partition's tail on the device, its moments in the format (device_adam.py)
 
     @property
     def id(self) -> str:
@@ -152,6 +153,15 @@ CASES = [
     Case("bf16", nvme="state", world=2, stage=3, dpu=2),
     Case("8bit", nvme="state", world=2, dtype="bf16", clip=True, scale="dynamic"),
     Case("8bit", nvme="state+params", world=2, dtype="bf16", stage=3),
+] + [
+    # gpu_fraction: the tail's moments in the format on the device, encoded as the host encodes them
+    Case("8bit", gpu_fraction=0.4),
+    Case("bf16", gpu_fraction=0.5, dtype="bf16", micro=2, clip=True, dpu=2, transport="copy_engine"),
+    Case("8bit", gpu_fraction=1.0, scale="dynamic", stage=3, micro=2),
+    Case("bf16", gpu_fraction=0.3, stage=1, groups=True, scale="static"),
+    Case("8bit", gpu_fraction=0.5, nvme="state", micro=2, dpu=2),
+    Case("8bit", gpu_fraction=0.3, world=2, clip=True, dpu=2),
+    Case("bf16", gpu_fraction=0.6, world=2, dtype="bf16", stage=3, micro=2),
 ]
 
 
@@ -173,7 +183,8 @@ def run_zo(case: Case, rank: int, group) -> dict:
         extra["offload_param"] = "nvme"
     opt = zk.ZeroOffloadAdamW(params, **ADAMW, dtype=DTYPES[case.dtype], state_dtype=FORMATS[case.fmt],
                               stage=case.stage, process_group=group, transport=transport, bucket_numel=1_000,
-                              collective_timeout_s=60.0, **case.options(), **extra)  # fmt: skip
+                              collective_timeout_s=60.0, gpu_fraction=case.gpu_fraction, **case.options(),
+                              **extra)  # fmt: skip
     try:
         losses = []
         for step in case.batches():
@@ -280,7 +291,10 @@ def check(case: Case, zo: dict, want: dict, other: dict, plain: dict) -> list[st
 DEFAULT = {Case("bf16"), Case("8bit"), Case("8bit", dtype="bf16", micro=2, clip=True),
            Case("bf16", scale="dynamic", dpu=2, transport="copy_engine"), Case("8bit", stage=3, micro=2, dpu=2),
            Case("8bit", nvme="state", micro=2, clip=True, dpu=2), Case("8bit", nvme="state+params", dtype="bf16",
-                                                                      stage=3, micro=2)}  # fmt: skip
+                                                                      stage=3, micro=2),
+           Case("8bit", gpu_fraction=0.4), Case("bf16", gpu_fraction=0.5, dtype="bf16", micro=2, clip=True, dpu=2,
+                                                transport="copy_engine"),
+           Case("8bit", gpu_fraction=1.0, scale="dynamic", stage=3, micro=2)}  # fmt: skip
 # the rest (the 2-rank ones: one launch of two processes) in the slow run; a few seconds each on a quiet machine
 
 
@@ -300,6 +314,25 @@ def test_format_matches_oracle(case: Case, tmp_path_factory) -> None:
     zo = dict(zo, losses=[[res["losses"][s] for res in results] for s in range(STEPS)])
     plain = run_oracle(dataclasses.replace(case, fmt="fp32"), dtype)  # the same training with fp32 moments
     errors = check(case, zo, want, other, plain)
+    assert not errors, "\n".join(errors[:10])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel on CPU tensors needs Triton's "
+                    "interpreter (with a GPU the tail runs it on CUDA: tests/test_gpu.py)")  # fmt: skip
+@pytest.mark.parametrize("case", [Case("bf16", gpu_fraction=0.5, dtype="bf16", micro=2, scale="dynamic", dpu=2,
+                                       transport="copy_engine"),
+                                  Case("8bit", gpu_fraction=0.7, clip=True, stage=3)], ids=lambda c: c.id)  # fmt: skip
+def test_the_tail_through_the_kernel_matches_oracle(case: Case, monkeypatch) -> None:
+    """The tail's update as on a GPU, through zo_kernels/kernels/adam.py (interpreted), judged as above."""
+    import zo_kernels.offload.device_adam as device_adam
+
+    monkeypatch.setattr(device_adam, "IMPL", "triton")
+    zo = run_zo(case, 0, None)
+    dtype = DTYPES[case.dtype]
+    perturb = dict(foreach=True, reverse_sums=True, nudge=True) if dtype == torch.float32 else {}
+    other = run_oracle(case, dtype if dtype == torch.float32 else torch.float32, sr_seed=1, **perturb)
+    plain = run_oracle(dataclasses.replace(case, fmt="fp32"), dtype)
+    errors = check(case, dict(zo, losses=[[s] for s in zo["losses"]]), run_oracle(case, dtype), other, plain)
     assert not errors, "\n".join(errors[:10])
 
 

@@ -75,3 +75,14 @@ def test_no_float_atomics(report):
     by the last program), so a GPU run with clipping is bitwise reproducible; a float atomic would break that."""
     bad = {(c["kernel"], c["target"]) for c in report["compiled"] if c["float_atomics"]}
     assert not bad, f"float atomics in {sorted(bad)}"
+
+
+def test_adam_kernel_is_ieee_arithmetic(report):
+    """kernels/adam.py is CPU Adam's arithmetic bit for bit only if every fp32 operation rounds as written: no
+    approximate division or square root, no mul/add/sub left for ptxas to contract (each carries .rn), and the
+    explicit fmas present (4 per element: m, v, the denominator, the parameter)."""
+    got = [c for c in report["compiled"] if c["kernel"] == "adam._adam_kernel"]
+    assert {c["target"] for c in got} == {"sm_80", "sm_90"}
+    for c in got:
+        assert c["inexact_f32"] == 0, f"{c['target']} {c['case']}: {c['inexact_f32']} inexact or contractable ops"
+        assert c["fma_f32"] >= 4, f"{c['target']} {c['case']}: {c['fma_f32']} fma.rn.f32"

@@ -84,9 +84,8 @@ def test_bad_gpu_fraction_is_refused_before_the_model_is_touched(bad):
         check_gpu_fraction(bad)
 
 
-@pytest.mark.parametrize("kw", [dict(state_dtype=torch.bfloat16), dict(state_dtype="8bit"),
-                                dict(stage=3, offload_param="nvme", offload_optimizer="nvme")],
-                         ids=["bf16-moments", "8bit-moments", "shard-on-nvme"])  # fmt: skip
+@pytest.mark.parametrize("kw", [dict(stage=3, offload_param="nvme", offload_optimizer="nvme")],
+                         ids=["shard-on-nvme"])  # fmt: skip
 def test_refused_combinations_name_gpu_fraction(kw, tmp_path):
     model = FeatureNet()
     if "nvme_dir" not in kw and kw.get("offload_optimizer") == "nvme":
@@ -150,11 +149,20 @@ def assert_same_state(a: dict, b: dict, what: str) -> None:
         assert st.keys() == b["state"][i].keys(), f"{what}: param {i} keys"
         for k, v in st.items():
             assert torch.equal(v, b["state"][i][k]), f"{what}: param {i} {k} differs"
+    exact = a["zero_offload"].get("moments")  # 8-bit: the codes and scales, bit for bit
+    assert (exact is None) == (b["zero_offload"].get("moments") is None), what
+    for i, raw in (exact or {}).items():
+        for k, v in raw.items():
+            assert torch.equal(v, b["zero_offload"]["moments"][i][k]), f"{what}: param {i} {k} differs"
 
 
-def _load_on_two_ranks(rank: int, world: int, path: str, fraction: float, out: str) -> None:
+FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": "8bit"}
+K = {"fp32": 12, "bf16": 8, "8bit": 6.03125}  # bytes per element of p32, m, v in the format (8-bit: one scale per 256)
+
+
+def _load_on_two_ranks(rank: int, world: int, path: str, fraction: float, out: str, fmt: str) -> None:
     model = FeatureNet(unused=True)
-    opt = zk.ZeroOffloadAdamW(model, **ADAMW, bucket_numel=1000, gpu_fraction=fraction)
+    opt = zk.ZeroOffloadAdamW(model, **ADAMW, bucket_numel=1000, gpu_fraction=fraction, state_dtype=FORMATS[fmt])
     opt.load_state_dict(torch.load(path, weights_only=False))
     sd = opt.state_dict()
     if rank == 0:
@@ -162,24 +170,26 @@ def _load_on_two_ranks(rank: int, world: int, path: str, fraction: float, out: s
     opt.close()
 
 
-def test_checkpoints_do_not_depend_on_the_fraction_or_the_world_size(tmp_path):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_checkpoints_do_not_depend_on_the_fraction_or_the_world_size(fmt, tmp_path):
     """Saved at 0.3, loaded at 0, 0.7, 1 and on two ranks at 0.5: the same state dict bit for bit, torch's keys only
-    (as saved at 0)."""
-    _, opt = _train(0.3, delay_update_after=1)  # (a state saved between a delayed update and its writeback)
+    (as saved at 0), and with 8-bit moments the same codes and scales."""
+    sd = FORMATS[fmt]
+    _, opt = _train(0.3, delay_update_after=1, state_dtype=sd)  # (saved between a delayed update and its writeback)
     saved = opt.state_dict()
     opt.close()
-    _, plain = _train(0.0)
+    _, plain = _train(0.0, state_dtype=sd)
     assert saved["state"].keys() == plain.state_dict()["state"].keys()
     assert all(st.keys() == {"step", "exp_avg", "exp_avg_sq", "master"} for st in saved["state"].values())
     plain.close()
     for fraction in (0.0, 0.7, 1.0):
-        _, other = _train(fraction, steps=0)
+        _, other = _train(fraction, steps=0, state_dtype=sd)
         other.load_state_dict(saved)
         assert_same_state(other.state_dict(), saved, f"loaded at gpu_fraction={fraction}")
         other.close()
     path, out = str(tmp_path / "sd.pt"), str(tmp_path / "out.pt")
     torch.save(saved, path)
-    spawn_ranks(_load_on_two_ranks, 2, tmp_path, path, 0.5, out)
+    spawn_ranks(_load_on_two_ranks, 2, tmp_path, path, 0.5, out, fmt)
     assert_same_state(torch.load(out, weights_only=False), saved, "two ranks at gpu_fraction=0.5")
 
 
@@ -213,9 +223,13 @@ def test_resumed_at_another_fraction_trains_on_as_the_oracle():
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(delay_update_after=0), dict(stage=3, offload_param="cpu"),
-                                dict(stage=1, transport="copy_engine")], ids=["zero2", "dpu", "zero3+cpu", "zero1"])
+                                dict(stage=1, transport="copy_engine"), dict(state_dtype="8bit"),
+                                dict(state_dtype=torch.bfloat16, delay_update_after=0)],
+                         ids=["zero2", "dpu", "zero3+cpu", "zero1", "8bit", "bf16-dpu"])  # fmt: skip
 def test_memory_report_accounts_the_tail(kw):
-    """measured == formula for every term, the tail's 12 bytes per element on the device, the host's state shrunk."""
+    """measured == formula for every term, the tail's K bytes per element on the device (12 with fp32 moments, 8
+    bf16, 6.03 8-bit), the host's state shrunk as much."""
+    k = K[{torch.float32: "fp32", torch.bfloat16: "bf16", "8bit": "8bit"}[kw.get("state_dtype", torch.float32)]]
     tr = CopyEngineTransport() if kw.pop("transport", None) else None
     reports = {}
     for fraction in (0.0, 0.5):
@@ -235,9 +249,9 @@ def test_memory_report_accounts_the_tail(kw):
     (r0, part, _), (r5, _, split) = reports[0.0], reports[0.5]
     tail = part - split
     assert tail == part // 2 or abs(tail - part / 2) <= opt.align
-    assert r5.device_state == 12 * tail and r5.host_state == r0.host_state - 12 * tail
+    assert r5.device_state == k * tail and r5.host_state == r0.host_state - k * tail
     assert r5.host_bytes < r0.host_bytes and r5.device_bytes > r0.device_bytes
-    assert "12D" in r5.formula("device") and "(P-D)" in r5.formula("host")
+    assert f"{k:g}D" in r5.formula("device") and "(P-D)" in r5.formula("host")
 
 
 # ---------------------------------------------------------------------- the GPU-shaped schedule
@@ -273,7 +287,7 @@ def test_a_missing_wait_on_the_device_stream_is_caught(dpu, monkeypatch):
     comparison with the oracle fails, synchronous and delayed."""
 
     def no_wait(self):  # _write_tail without self._wait_device()
-        self.own[self.split :].copy_(self.device_state[0])
+        self.own[self.split :].copy_(self.device_state.master)
 
     monkeypatch.setattr(TwinUpdate, "_write_tail", no_wait)
     c = dataclasses.replace(GPU_SHAPED, dpu=dpu)
@@ -304,16 +318,19 @@ def test_fraction_one_holds_nothing_on_the_host():
 
 
 
-def test_the_tail_update_in_chunks_is_bitwise_the_same(monkeypatch):
-    """The tail's fused AdamW runs CHUNK_NUMEL elements per call (bounded device workspace): elementwise, so chunks
-    give the same bits. (Chunks whose size is a multiple of the vector width, as CHUNK_NUMEL = 2**24 is: torch's CPU
-    kernel computes a chunk's last partial vector differently, measured: chunks of 100 differ in the last bit.)"""
-    import zo_kernels.offload.twin as twin
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_tail_update_in_chunks_is_bitwise_the_same(fmt, monkeypatch):
+    """The tail's fused AdamW runs CHUNK_NUMEL elements per call (bounded device workspace; a quarter of it with bf16
+    and 8-bit moments): elementwise (8-bit: by whole blocks; bf16's random bits hashed from the element's index in the
+    tail), so chunks give the same bits. (Chunks whose size is a multiple of the vector width, as CHUNK_NUMEL = 2**24
+    is: torch's CPU kernel computes a chunk's last partial vector differently, measured: chunks of 100 differ in the
+    last bit.)"""
+    import zo_kernels.offload.device_adam as device_adam
 
-    _, whole = _train(0.5, steps=3, max_grad_norm=0.5)
+    _, whole = _train(0.5, steps=3, max_grad_norm=0.5, state_dtype=FORMATS[fmt])
     want = whole.state_dict()
     whole.close()
-    monkeypatch.setattr(twin, "CHUNK_NUMEL", 64)
-    _, chunked = _train(0.5, steps=3, max_grad_norm=0.5)
+    monkeypatch.setattr(device_adam, "CHUNK_NUMEL", 64)  # (compressed moments: chunks of 256, one block)
+    _, chunked = _train(0.5, steps=3, max_grad_norm=0.5, state_dtype=FORMATS[fmt])
     assert_same_state(chunked.state_dict(), want, "chunks of 64 elements")
     chunked.close()

@@ -26,6 +26,10 @@ TARGETS = (80, 90)  # compute capabilities compiled for: A100 and H100 class
 VECTOR = re.compile(r"\b(ld|st)\.global(?:\.[a-z0-9]+)*\.v([248])\.")
 FLOAT_ATOMIC = re.compile(r"\b(?:atom|red)(?:\.[a-z0-9:_]+)*\.f(?:16|32|64)\b")  # order-dependent float sums
 INT_ATOMIC = re.compile(r"\batom(?:\.[a-z0-9:_]+)*\.(?:add\.)?[us]32\b")
+# fp32 arithmetic that is not IEEE round-to-nearest as written: approximate division and square root, and a mul, add
+# or sub without .rn, which ptxas may contract into an fma (what enable_fp_fusion=False rules out)
+INEXACT = re.compile(r"\b(?:(?:div|sqrt|rsqrt)\.(?:approx|full)(?:\.ftz)?\.f32|(?:mul|add|sub)(?:\.ftz)?\.f32)\b")
+FMA = re.compile(r"\bfma\.rn(?:\.ftz)?\.f32\b")
 
 
 class StandInDriver:
@@ -118,6 +122,22 @@ def cases():
         sixteen = tensors([out_dtype] * 16, [100] * 16, 0)
         out.append((f"pack/unpack 16 tensors ->{name[out_dtype]} align 8",
                     lambda t=sixteen, o=out_dtype: run_pack(t, o, 8, 0)))
+    # gpu_fraction's tail with compressed moments (kernels/adam.py): each format, each gradient dtype, with and without
+    # weight decay, a call ending inside a block
+    from zo_kernels.kernels.adam import adam_step
+
+    def run_adam(fmt, gdtype, wd, n=256 * 3 + 77):
+        nb = -(-n // 256)
+        moments = ([torch.zeros(n, dtype=torch.int8), torch.zeros(nb), torch.zeros(n, dtype=torch.uint8),
+                    torch.zeros(nb)] if fmt == "8bit" else [torch.zeros(n, dtype=torch.bfloat16)] * 2)  # fmt: skip
+        adam_step(torch.zeros(n), torch.zeros(n, dtype=gdtype), moments, fmt, step=3, lr=1e-3, betas=(0.9, 0.999),
+                  eps=1e-8, weight_decay=wd, key=2**32 - 5, index0=4096)  # fmt: skip
+
+    for fmt in ("8bit", "bf16"):
+        for gdtype in floats:
+            for wd in (0.0, 0.1):
+                out.append((f"adam {fmt} moments, {name[gdtype]} gradient, weight decay {wd}",
+                            lambda f=fmt, g=gdtype, w=wd: run_adam(f, g, w)))
     return out
 
 
@@ -159,7 +179,8 @@ def compile_all() -> dict:
                         info = {"kernel": k, "target": f"sm_{cc}", "signature": str(key).split("{")[0],
                                 "cubin_bytes": len(ck.asm["cubin"]), "vector_ops": vec,
                                 "float_atomics": len(FLOAT_ATOMIC.findall(ptx)),
-                                "int_atomics": len(INT_ATOMIC.findall(ptx)), "case": label}
+                                "int_atomics": len(INT_ATOMIC.findall(ptx)), "inexact_f32": len(INEXACT.findall(ptx)),
+                                "fma_f32": len(FMA.findall(ptx)), "case": label}
                         entry["kernels"].append(info)
                         report["compiled"].append(info)
                 report["cases"].append(entry)

@@ -5,9 +5,10 @@ The rule. Per rank, P = params / N elements are updated per step; with gpu_fract
 `cpu_rate` params/s while the device updates f P at `device_rate` after the backward. The CPU part is hidden when it
 takes no longer than forward+backward (the delayed update overlaps it with the next forward and backward; without it,
 that is where the step's floor lies), so the smallest such f is f_time = 1 - T_fb * cpu_rate / P, clamped to [0, 1];
-more would only add device time. The device must also hold 12 + 2 bytes per element of the tail (fp32 master, moments
-and the 16-bit gradient landing: `DEVICE_BYTES_PER_ELEMENT`): f_mem = free device bytes / (14 P). The pick is
-min(f_time, f_mem).
+more would only add device time. The device must also hold K + 2 bytes per element of the tail (fp32 master, the
+moments in their format and the 16-bit gradient landing: 14 with fp32 moments, `DEVICE_BYTES_PER_ELEMENT`; 10 bf16,
+8.03 8-bit): f_mem = free device bytes / ((K + 2) P). The pick is min(f_time, f_mem). Both rates are measured in the
+moments' format (compressed moments move fewer bytes on the host; on the device they add the decode and encode).
 """
 
 from __future__ import annotations
@@ -61,27 +62,30 @@ class FractionPick:
 
 
 def pick_fraction(params_per_rank: float, cpu_rate: float, device_rate: float, fwd_bwd_s: float,
-                  free_device_bytes: float) -> FractionPick:  # fmt: skip
-    """The fraction by the module's rule (all arguments > 0 except free_device_bytes >= 0)."""
+                  free_device_bytes: float, bytes_per_element: float = DEVICE_BYTES_PER_ELEMENT) -> FractionPick:
+    """The fraction by the module's rule (all arguments > 0 except free_device_bytes >= 0); bytes_per_element: the
+    device's per element of the tail, K + 2."""  # fmt: skip
     for name, v in (("params_per_rank", params_per_rank), ("cpu_rate", cpu_rate), ("device_rate", device_rate),
-                    ("fwd_bwd_s", fwd_bwd_s)):  # fmt: skip
+                    ("fwd_bwd_s", fwd_bwd_s), ("bytes_per_element", bytes_per_element)):  # fmt: skip
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
             raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
     if not (isinstance(free_device_bytes, (int, float)) and math.isfinite(free_device_bytes)):
         raise ValueError(f"free_device_bytes must be a finite number, got {free_device_bytes!r}")
     by_time = min(1.0, max(0.0, 1.0 - fwd_bwd_s * cpu_rate / params_per_rank))
-    by_memory = min(1.0, max(0.0, free_device_bytes / (DEVICE_BYTES_PER_ELEMENT * params_per_rank)))
+    by_memory = min(1.0, max(0.0, free_device_bytes / (bytes_per_element * params_per_rank)))
     f = min(by_time, by_memory)
     return FractionPick(f, by_time, by_memory, (1 - f) * params_per_rank / cpu_rate, f * params_per_rank / device_rate,
                         fwd_bwd_s)  # fmt: skip
 
 
-def measure_cpu_adam_rate(numel: int = 1 << 22, repeats: int = 3, threads: int | None = None) -> float:
-    """CPU Adam's rate on this host, params/s: the best of `repeats` fp32 steps over `numel` elements."""
-    from .cpu_adam import cpu_adam_step
+def measure_cpu_adam_rate(numel: int = 1 << 22, repeats: int = 3, threads: int | None = None,
+                          state_dtype: str = "fp32") -> float:  # fmt: skip
+    """CPU Adam's rate on this host, params/s: the best of `repeats` steps over `numel` elements with the moments in
+    `state_dtype` ("fp32", "bf16", "8bit")."""
+    from .cpu_adam import cpu_adam_step, zero_moments
 
     p, g = torch.randn(numel), torch.randn(numel) * 1e-3
-    m, v = torch.zeros(numel), torch.zeros(numel)
+    m, v = zero_moments(p, {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": "8bit"}[state_dtype])
     kw = {} if threads is None else {"threads": threads}
     best = math.inf
     for step in range(1, repeats + 2):  # (the first warms the pages up)
@@ -92,20 +96,25 @@ def measure_cpu_adam_rate(numel: int = 1 << 22, repeats: int = 3, threads: int |
     return numel / best
 
 
-def measure_device_adam_rate(device: torch.device, numel: int | None = None, repeats: int = 3) -> float:
-    """torch's fused AdamW rate on `device`, params/s (fp32 state and gradient, as gpu_fraction's tail runs it): the
-    best of `repeats` steps over `numel` elements (default 2**24 on a GPU, 2**20 on the CPU)."""
+def measure_device_adam_rate(device: torch.device, numel: int | None = None, repeats: int = 3,
+                             state_dtype: str = "fp32") -> float:  # fmt: skip
+    """The rate of gpu_fraction's tail update on `device`, params/s, as the tail runs it (offload/device_adam.py:
+    torch's fused AdamW with fp32 moments; bf16 / 8-bit moments through the Triton kernel on a GPU, in torch ops
+    elsewhere; a 16-bit gradient): the best of `repeats` steps over `numel` elements (default 2**24 on a GPU, 2**20
+    on the CPU)."""
+    from .offload.device_adam import DeviceState
+
     device = torch.device(device)
     numel = numel or (1 << 24 if device.type == "cuda" else 1 << 20)
-    p, g, m, v = (torch.rand(numel, device=device) for _ in range(4))
+    tail = DeviceState(state_dtype, torch.rand(numel, device=device))
+    g = torch.rand(numel, device=device).to(torch.bfloat16)
+    hparams = [dict(lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-8, maximize=False)]
     best = math.inf
     for i in range(repeats + 1):  # (the first warms up)
-        step = torch.full((), float(i + 1), device=device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.0,
-                            eps=1e-8, amsgrad=False, maximize=False)  # fmt: skip
+        tail.step(g, 1.0, [(0, 0, numel, i + 1, 1.0)], hparams)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i:

@@ -242,10 +242,6 @@ def cmd_plan(a: argparse.Namespace) -> int:
                         "too (without them the activations are --activations, default 4GiB)")
         if selective and a.auto:
             raise argparse.ArgumentTypeError("--auto picks a gpu_fraction, which --selective refuses: give one")
-        if a.auto and k != 12:
-            raise argparse.ArgumentTypeError(f"--auto picks a gpu_fraction, which needs fp32 moments (--state-dtype "
-                                             f"fp32, K = 12; got K = {k:g}): ZeroOffloadAdamW refuses gpu_fraction "
-                                             "with compressed moments")  # fmt: skip
         auto = _auto_rates(a) if a.auto else None
     except argparse.ArgumentTypeError as e:
         raise UsageError(str(e)) from None
@@ -260,7 +256,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
             fwd_bwd_s, cpu_rate, device_rate = auto
             row = plan(a.params, gpus, a.gpu_mem, a.host_mem, **kw).row("ZeRO-2 + offload")
             free = p.gpu_mem * (1 - p.reserve) - row.gpu_total
-            pick = pick_fraction(p.params / gpus, cpu_rate, device_rate, fwd_bwd_s, free)
+            pick = pick_fraction(p.params / gpus, cpu_rate, device_rate, fwd_bwd_s, free, k + 2)
             p = plan(a.params, gpus, a.gpu_mem, a.host_mem, gpu_fraction=pick.fraction, **kw)
     except ValueError as e:
         raise UsageError(re.sub(r"^\w+", lambda m: PLAN_OPTIONS.get(m[0], m[0]), str(e))) from None
@@ -301,7 +297,9 @@ def _auto_rates(a: argparse.Namespace) -> tuple[float, float, float]:
             raise argparse.ArgumentTypeError(f"{name} must be a number > 0, got {text!r}")
         rates.append(value)
     fwd_bwd_ms, cpu_rate, device_rate = rates
-    return fwd_bwd_ms / 1e3, cpu_rate if cpu_rate is not None else measure_cpu_adam_rate(), device_rate
+    if cpu_rate is None:
+        cpu_rate = measure_cpu_adam_rate(state_dtype=a.state_dtype or "fp32")
+    return fwd_bwd_ms / 1e3, cpu_rate, device_rate
 
 
 def bench_dir() -> Path:
@@ -377,9 +375,6 @@ def cmd_demo(a: argparse.Namespace) -> int:
         a.gpu_fraction = _fraction_in("--gpu-fraction")(a.gpu_fraction)
     except argparse.ArgumentTypeError as e:
         raise UsageError(str(e)) from None
-    if a.gpu_fraction and a.state_dtype != "fp32":
-        raise UsageError(f"--gpu-fraction needs --state-dtype fp32 (the device part keeps fp32 moments), got "
-                         f"--state-dtype {a.state_dtype}")  # fmt: skip
     if a.plot:
         _check_output_dir(Path(a.plot), "--plot")
         try:

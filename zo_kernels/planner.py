@@ -383,10 +383,6 @@ def plan(
         raise ValueError(f"gpu_fraction must be a number in [0, 1], got {gpu_fraction!r}")
     if isinstance(selective, bool) or not isinstance(selective, (int, float)) or not 0 <= selective <= 1:
         raise ValueError(f"selective must be a number in [0, 1] (0: off), got {selective!r}")
-    if gpu_fraction and k != 12:
-        raise ValueError(f"gpu_fraction {gpu_fraction:g} needs k = 12 (fp32 moments; got k = {k:g}, e.g. from "
-                         "--state-dtype): ZeroOffloadAdamW refuses gpu_fraction with compressed moments (its device "
-                         "part keeps fp32 state)")  # fmt: skip
     if selective and (gpu_fraction or dpu or k != 12):
         raise ValueError("selective is refused with gpu_fraction > 0, dpu and moments other than fp32 (k = 12), "
                          "as ZeroOffloadAdamW refuses them")  # fmt: skip

@@ -28,6 +28,31 @@ def num_blocks(numel: int, block: int) -> int:
     return -(-numel // block)
 
 
+def quantize(t: torch.Tensor, *, signed: bool, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of the 1-D fp32 values `t` (a moment: m, or v >= 0 when unsigned), on t's device, in blocks of
+    `block` from t's first element, as the kernels quantize (see Quantized8bit). A NaN gets code 0 (as the kernels'
+    conversion gives it) and makes its block's scale NaN."""
+    n = t.numel()
+    x = t if signed else t.sqrt()
+    pad = num_blocks(n, block) * block - n
+    xb = torch.nn.functional.pad(x, (0, pad)).view(-1, block)
+    amax = xb.abs().amax(1) if n else torch.zeros(0, device=t.device)
+    small = amax < TINY
+    scales = torch.where(small, torch.zeros_like(amax), amax)
+    # (a tensor divided: a Python number over a tensor is computed as reciprocal x number, rounded twice)
+    mult = torch.where(small, torch.zeros_like(amax), torch.full_like(amax, _levels(signed)) / amax)
+    codes = torch.round(xb * mult[:, None]).flatten()[:n].nan_to_num_(0.0)
+    return codes.to(torch.int8 if signed else torch.uint8), scales.contiguous()
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, *, signed: bool, block: int) -> torch.Tensor:
+    """The fp32 values of (codes, scales), on their device: scale / levels in fp32, times the code (squared when
+    unsigned: the codes hold sqrt(v))."""
+    d = (scales / _levels(signed)).repeat_interleave(block)[: codes.numel()]
+    x = codes.float() * d
+    return x if signed else x * x
+
+
 class Quantized8bit:
     """One Adam moment stored blockwise in 8 bits: `codes` (one byte per element) and `scales` (fp32 per block).
 
@@ -88,22 +113,12 @@ class Quantized8bit:
             raise ValueError("t must be finite")
         if not signed and bool((t < 0).any()):
             raise ValueError("t must be >= 0 for an unsigned (exp_avg_sq) moment")
-        n = t.numel()
-        x = t if signed else t.sqrt()
-        pad = num_blocks(n, block) * block - n
-        xb = torch.nn.functional.pad(x, (0, pad)).view(-1, block)
-        amax = xb.abs().amax(1) if n else torch.zeros(0)
-        small = amax < TINY
-        scales = torch.where(small, torch.zeros_like(amax), amax)
-        mult = torch.where(small, torch.zeros_like(amax), torch.tensor(_levels(signed)) / amax)
-        codes = torch.round(xb * mult[:, None]).flatten()[:n]
-        return cls(codes.to(torch.int8 if signed else torch.uint8), scales.contiguous(), signed=signed, block=block)
+        codes, scales = quantize(t, signed=signed, block=block)
+        return cls(codes, scales, signed=signed, block=block)
 
     def to_float(self) -> torch.Tensor:
         """The dequantized values, fp32, [numel] (what the kernel reads)."""
-        d = (self.scales / _levels(self.signed)).repeat_interleave(self.block)[: self.numel]
-        x = self.codes.float() * d
-        return x if self.signed else x * x
+        return dequantize(self.codes, self.scales, signed=self.signed, block=self.block)
 
     def narrow(self, start: int, length: int) -> Quantized8bit:
         """Elements [start, start + length) as a view sharing codes and scales (whole blocks only)."""

@@ -164,11 +164,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             of the model exists (frozen params and buffers left on meta are made whole, in `dtype`). The values do
             not depend on the world size. Needs the model; offload_optimizer="cpu".
         gpu_fraction: Twin-Flow (ZeRO-Offload++): this fraction of each rank's partition (its tail) keeps its fp32
-            master and moments on the device (12 bytes per parameter there, that much less on the host) and is
-            updated there by torch's fused AdamW on a device stream while CPU Adam updates the rest; its gradients
-            never go to the host. The same AdamW step (one clipping norm, overflow flag and loss scale over both
-            parts; the same delay under DPU); checkpoints do not depend on it. 0.0 (default): all on the host.
-            Needs fp32 moments (state_dtype=torch.float32) and the 16-bit shard not on NVMe.
+            master and moments, in state_dtype's format, on the device (K = 12, 8 or 6.03 bytes per parameter there,
+            that much less on the host) and is updated there by torch's fused AdamW on a device stream while CPU
+            Adam updates the rest; its gradients never go to the host. The same AdamW step (one clipping norm,
+            overflow flag and loss scale over both parts; the same delay under DPU; bf16 and 8-bit moments stored
+            as the host stores them); checkpoints do not depend on it. 0.0 (default): all on the host. Needs the
+            16-bit shard not on NVMe.
         dpu_writeback: under the delayed parameter update, how the next forward waits for the new parameters'
             copies to the device. "whole" (default): step() makes the device wait for the whole writeback, so any
             read of the parameters after step() (an EMA, a norm, a logger) sees the new values. "per_module"
@@ -264,10 +265,6 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             if self._update_class is not HostUpdate:
                 raise ValueError(f"gpu_fraction is AdamW's: {type(self).__name__} keeps its whole state on the host "
                                  "(use gpu_fraction=0.0)")  # fmt: skip
-            if self.state_format != "fp32":
-                raise ValueError(f"gpu_fraction={gpu_fraction} with state_dtype={state_dtype!r} is not supported: the "
-                                 "device part keeps fp32 moments, and a checkpoint must not depend on the fraction "
-                                 "(use state_dtype=torch.float32)")  # fmt: skip
             if offload_param == "nvme":
                 raise ValueError(f"gpu_fraction={gpu_fraction} with offload_param='nvme' is not supported: the "
                                  "16-bit shard's file is written by the host update alone")  # fmt: skip

@@ -51,10 +51,10 @@ class MemoryReport:
             with offload_param="nvme").
         nvme_read_per_step, nvme_written_per_step: bytes a step's update reads from and writes to those files (one
             pass over them: K bytes per element, the 16-bit shard's 2 included).
-        device_state, device_grads: gpu_fraction's tail on the device: its p32, m, v (12 bytes per element), and its
-            gradient landing buffers (+ fp32 accumulation once gradients were accumulated); selective's selection
-            on the device: its p32, m, v and index (12 + 8 bytes per element), its gathered fp32 gradient (4, + 4
-            once gradients were accumulated).
+        device_state, device_grads: gpu_fraction's tail on the device: its p32, m, v (K bytes per element, as on
+            the host), and its gradient landing buffers (+ fp32 accumulation once gradients were accumulated);
+            selective's selection on the device: its p32, m, v and index (12 + 8 bytes per element), its gathered
+            fp32 gradient (4, + 4 once gradients were accumulated).
         host_selection: selective's host buffers of the selection: its index and the pinned shuttle of its state
             (8 + 12 bytes per element; its two fp32 window sums, 8P, are in host_accumulator).
         formula_device, formula_host, formula_nvme: the same by the formulas. terms: every buffer, one Term each.
@@ -155,7 +155,7 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
         add("host", "fp32 accumulation" + (f" x{n_accum}" if n_accum > 1 else ""),
             f"{n_accum}·4{p_}" if n_accum > 1 else f"4{p_}", 4 * n_accum * part, nbytes(grads.accum))  # fmt: skip
     if tail:  # gpu_fraction: the tail's state and gradients stay on the device
-        add("device", "p32, m, v of the tail", "12D", 12 * tail, update.device_state_bytes)
+        add("device", "p32, m, v of the tail", f"{k:g}D", round(k * tail), update.device_state_bytes)
         add("device", "tail gradient landing" + (" x2, DPU" if slots > 1 else ""),
             f"{slots}·{e}D" if slots > 1 else f"{e}D", slots * e * tail, nbytes(grads.device_landing))  # fmt: skip
         n_dev = sum(a is not None for a in grads.device_accum)

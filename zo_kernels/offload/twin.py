@@ -1,8 +1,10 @@
 """gpu_fraction (Twin-Flow, ZeRO-Offload++): the tail of this rank's partition keeps its fp32 master and Adam's moments
-on the device and is updated there by torch's fused AdamW, on a device stream, while CPU Adam updates the head.
+(in the run's state_dtype) on the device and is updated there (device_adam.py: torch's fused AdamW; bf16 and 8-bit
+moments on a GPU through a Triton kernel), on a device stream, while CPU Adam updates the head.
 
 The partition [0, part) is cut at `split`: the head [0, split) is an ordinary HostUpdate (host memory or NVMe), the
-tail [split, part) three fp32 device tensors. Its gradients never leave the device (GradPath's `device_landing`).
+tail [split, part) a DeviceState (fp32 masters, moments in the head's format). Its gradients never leave the device
+(GradPath's `device_landing`).
 The step is the same AdamW step as the host's: one overflow flag, one clipping norm and one loss scale over the whole
 partition (grads.py sums both parts), each parameter's own step count; only the rounding of the kernel differs.
 
@@ -25,12 +27,10 @@ from typing import Any
 
 import torch
 
+from .device_adam import DeviceState
+from .formats import block_of, bytes_per_element
 from .layout import FlatLayout, Run
 from .update import HostUpdate, MasterFill, StateViews, stopped_waiting
-
-# Elements per fused AdamW call on the tail: its fp32 scaled gradient is a copy of this many elements (64 MiB of device
-# workspace, whatever the tail's size; a 1.3B model's tail would otherwise need a copy of gigabytes).
-CHUNK_NUMEL = 1 << 24
 
 
 def check_gpu_fraction(x: Any) -> float:
@@ -128,6 +128,7 @@ class TwinUpdate(StateViews):
         device: the device of the tail's state.
         delayed: the delayed parameter update is on (the tail's parameters are then written with the head's).
         timeout_s: the longest the host waits for the tail's update.
+        state_fmt: the moments' format, the same on both sides (formats.py).
         host_kwargs: HostUpdate's other keyword arguments.
     """
 
@@ -135,8 +136,8 @@ class TwinUpdate(StateViews):
 
     def __init__(self, layout: FlatLayout, own: torch.Tensor, master: torch.Tensor | MasterFill, transport: Any,
                  publish: Callable[[], None], *, split: int, device: torch.device, delayed: bool, timeout_s: float,
-                 **host_kwargs: Any) -> None:  # fmt: skip
-        self.layout, self.own, self.split, self.delayed = layout, own, split, delayed
+                 state_fmt: str = "fp32", **host_kwargs: Any) -> None:  # fmt: skip
+        self.layout, self.own, self.split, self.delayed, self.fmt = layout, own, split, delayed, state_fmt
         self._publish_all = publish
         tail = layout.part - split
         values = torch.zeros(tail, dtype=torch.float32)
@@ -144,9 +145,9 @@ class TwinUpdate(StateViews):
             values.copy_(master[split:])
         else:
             master(split, layout.part, values)
-        # the device tail's fp32 master, exp_avg, exp_avg_sq (12 bytes per element of the tail)
-        self.device_state = (values.to(device), *(torch.zeros(tail, dtype=torch.float32, device=device)
-                                                  for _ in range(2)))  # fmt: skip
+        # the device tail's fp32 master, exp_avg, exp_avg_sq in the format (K bytes per element of the tail); bf16's
+        # rounding seeded as the host's tiles are, by the partition offset
+        self.device_state = DeviceState(state_fmt, values.to(device), seed=(layout.rank << 40) + split)
         self.stream = DeviceStream(device, timeout_s)
         self.steps = [0] * len(layout.params)
         self._failed: BaseException | None = None
@@ -156,7 +157,7 @@ class TwinUpdate(StateViews):
             # (a copy: a view would keep the whole partition's fp32 masters alive, the tail's 4 bytes per element too)
             head_master = master[:split].clone() if isinstance(master, torch.Tensor) else master
             self.host = HostUpdate(layout, own[:split], head_master, transport, self._publish, delayed=delayed,
-                                   timeout_s=timeout_s, numel=split, **host_kwargs)  # fmt: skip
+                                   timeout_s=timeout_s, numel=split, state_fmt=state_fmt, **host_kwargs)  # fmt: skip
 
     # ------------------------------------------------------------------ what the other parts read
 
@@ -177,7 +178,6 @@ class TwinUpdate(StateViews):
     def staged(self) -> bool:
         return self._staged
 
-    fmt = "fp32"
     params_in_swapper = False
     moments = None
 
@@ -201,12 +201,15 @@ class TwinUpdate(StateViews):
     def host_state_bytes(self) -> int:
         return self.host.host_state_bytes if self.host is not None else 0
 
-    state_bytes_per_param = 12.0  # K of the head (fp32 moments: gpu_fraction refuses the other formats)
+    @property
+    def state_bytes_per_param(self) -> float:
+        """K, on both sides: the masters' 4 bytes and the moments' in their format."""
+        return 4 + bytes_per_element(self.fmt)
 
     @property
     def device_state_bytes(self) -> int:
-        """Device bytes of the tail's state: fp32 master, exp_avg, exp_avg_sq."""
-        return sum(t.numel() * t.element_size() for t in self.device_state)
+        """Device bytes of the tail's state: fp32 master, exp_avg, exp_avg_sq in their format."""
+        return self.device_state.nbytes
 
     # ------------------------------------------------------------------ state over the whole partition
 
@@ -214,7 +217,8 @@ class TwinUpdate(StateViews):
         """(master, exp_avg, exp_avg_sq) of the whole partition: copies (write changes back with save_state)."""
         self._wait_device()
         head = self.host.state() if self.host is not None else (torch.empty(0),) * 3
-        return tuple(torch.cat([h[: self.split], d.cpu()]) for h, d in zip(head, self.device_state))
+        tail = (self.device_state.master, *self.device_state.get(0, self.device_state.numel))
+        return tuple(torch.cat([h[: self.split], d.cpu()]) for h, d in zip(head, tail))
 
     def copy_state(self, ranges: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]) -> None:
         """HostUpdate.copy_state over the whole partition: the head's pieces from the host, the tail's from the
@@ -226,17 +230,44 @@ class TwinUpdate(StateViews):
                                   for a, b, outs in ranges if a < s])  # fmt: skip
         for a, b, outs in ranges:
             if b > s and b > a:
-                x = max(a, s)
-                for out, src in zip(outs, self.device_state):
-                    out[x - a :].copy_(src[x - s : b - s])
+                x = max(a, s)  # (a parameter's start or the split: on a block)
+                tail = (self.device_state.master[x - s : b - s], *self.device_state.get(x - s, b - s))
+                for out, src in zip(outs, tail):
+                    out[x - a :].copy_(src)
 
     def save_state(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Make these (whole partition) the state."""
         self._wait_device()
         if self.host is not None:
             self.host.save_state(*(t[: self.split] for t in (master, exp_avg, exp_avg_sq)))
-        for mine, new in zip(self.device_state, (master, exp_avg, exp_avg_sq)):
-            mine.copy_(new[self.split :])
+        s, d = self.split, self.device_state
+        d.master.copy_(master[s:])
+        d.set(0, d.numel, exp_avg[s:], exp_avg_sq[s:])
+
+    def raw_moments(self) -> list[torch.Tensor]:
+        """The partition's moments bit for bit (formats.Moments.tensors() of the whole partition): the head's, then
+        the tail's (the split is on a block: the head's last scale is its own)."""
+        self._wait_device()
+        tail = self.device_state.raw()
+        if self.host is None:
+            return tail
+        return [torch.cat([h, t]) for h, t in zip(self.host.raw_moments(), tail)]
+
+    def set_raw(self, pieces: list[tuple[int, int, dict[str, torch.Tensor]]]) -> None:
+        """Partition ranges [a, b) (each on a block) of the moments from formats.Moments.raw() bits."""
+        self._wait_device()
+        s, block = self.split, block_of(self.fmt)
+        head, tail = [], []
+        for a, b, raw in pieces:
+            for lo, hi, side, base in ((a, min(b, s), head, 0), (max(a, s), b, tail, s)):
+                if lo < hi:  # (lo - a is on a block)
+                    cut = {k: t[(lo - a) // block : -(-(hi - a) // block)] if "scales" in k else t[lo - a : hi - a]
+                           for k, t in raw.items()}  # fmt: skip
+                    side.append((lo - base, hi - base, cut))
+        if head:
+            self.host.set_raw(head)
+        for a, b, raw in tail:
+            self.device_state.set_raw(a, b, raw)
 
     def wait_written(self) -> None:
         """The head's writeback (the tail is written by the device update, on the compute stream's order)."""
@@ -248,7 +279,7 @@ class TwinUpdate(StateViews):
         self._wait_device()
         if self.host is not None:
             self.host.save_master(master[: self.split])
-        self.device_state[0].copy_(master[self.split :])
+        self.device_state.master.copy_(master[self.split :])
 
     # ------------------------------------------------------------------ the update
 
@@ -276,21 +307,7 @@ class TwinUpdate(StateViews):
     def _launch(self, grad: torch.Tensor | None, grad_scale: float, runs: list[Run], hparams: list[dict]) -> None:
         if not runs:
             return
-        master, exp_avg, exp_avg_sq = self.device_state
-
-        def job() -> None:
-            for gi, a, b, step, factor in runs:
-                h = hparams[gi]
-                steps = torch.full((), float(step), dtype=torch.float32, device=master.device)
-                for x in range(a, b, CHUNK_NUMEL):
-                    y = min(b, x + CHUNK_NUMEL)
-                    g = grad[x:y].float() * (grad_scale * factor)  # (a copy: the landing buffer keeps the gradient)
-                    torch._fused_adamw_([master[x:y]], [g], [exp_avg[x:y]], [exp_avg_sq[x:y]], [], [steps],
-                                        lr=float(h["lr"]), beta1=float(h["betas"][0]), beta2=float(h["betas"][1]),
-                                        weight_decay=float(h["weight_decay"]), eps=float(h["eps"]), amsgrad=False,
-                                        maximize=bool(h["maximize"]))  # fmt: skip
-
-        self.stream.launch(job)
+        self.stream.launch(lambda: self.device_state.step(grad, grad_scale, runs, hparams))
 
     def _wait_device(self) -> None:
         """The tail's launched update done (ordered on the compute stream); its failure makes the optimizer unusable."""
@@ -304,7 +321,7 @@ class TwinUpdate(StateViews):
     def _write_tail(self) -> None:
         """The tail's masters, cast, into its parameters."""
         self._wait_device()
-        self.own[self.split :].copy_(self.device_state[0])
+        self.own[self.split :].copy_(self.device_state.master)
 
     def _publish(self) -> None:
         """The head's new parameters are in `own`: the tail's too, then the all-gather."""
@@ -362,7 +379,7 @@ class TwinUpdate(StateViews):
         self.finish_pending(write=False)
         if self.host is not None:
             self.host.refresh_from_model()
-        self.device_state[0].copy_(self.own[self.split :])
+        self.device_state.master.copy_(self.own[self.split :])
         self._staged = False
 
     def close(self) -> None:

@@ -1,0 +1,136 @@
+"""AdamW with bf16 or 8-bit moments in one pass over the device's memory: gpu_fraction's tail on a GPU
+(zo_kernels/offload/device_adam.py).
+
+Each element is read once (fp32 master, 16-bit or fp32 gradient, the moments' 2 or 4 bytes, 8-bit: its block's two
+scales) and written once: 16 bytes per element moved with 8-bit moments, 18 with bf16, where decoding to fp32, a
+fused AdamW and encoding back in separate kernels move ~100. The arithmetic is CPU Adam's (cpu/adam.cpp,
+adam_math), operation for operation: the same fp32 coefficients (derived in double, rounded once), the same fused
+multiply-adds (tl.fma), IEEE division and square root (div_rn, sqrt_rn; no contraction of the rest:
+enable_fp_fusion=False), so the tail's update equals the host's bit for bit:
+- 8-bit: one program per block of 256 (the format's block, BLOCK_8BIT): dequantize with the block's scales (scale /
+  levels, times the code; exp_avg_sq's codes hold sqrt(v)), update, take the block's new absmax from the bits of
+  |m| and sqrt(v) (NaN > inf > finite, as the kernel's integer max), requantize: mult = levels / absmax, code =
+  round-half-even(x * mult) (NaN -> 0), a block below 2^-100 stored as zeros with scale 0;
+- bf16: the stochastic rounding of the host kernel: 16 bits of mix32(uint32(index) ^ key) added to the fp32 bits,
+  exp_avg the low half, exp_avg_sq the high, then truncated; NaN -> 0x7fc0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .cast import as_kernel_arg, on_device
+from .utils import BF16, F16, F32, bf16_bits_to_f32, load_f32
+
+FMT_BF16, FMT_8BIT = 1, 2
+BLOCK_8BIT = 256  # one program per 8-bit block: its scale is the program's
+BLOCK_BF16 = 1024
+KIND = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
+
+
+@triton.jit
+def _mix32(x):
+    """cpu/adam.cpp's mix32 on uint32 (multiplication wraps modulo 2^32)."""
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x ^= x >> 15
+    x *= 0x846CA68B
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def _sr_bits(x, r):
+    """fp32 -> bf16 bits (int16) rounded up in magnitude with probability (dropped bits) / 2^16: r (< 2^16) added,
+    then truncated; NaN -> 0x7fc0."""
+    b = (x.to(tl.uint32, bitcast=True) + r) >> 16
+    b = tl.where(x != x, 0x7FC0, b)
+    return b.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def _requant(x, mask, levels):
+    """A block's fp32 values -> (codes as int32, scale): absmax from the bits of |x| (integer max), codes
+    round-half-even(x * levels / absmax), NaN -> 0. A block whose absmax bits are below (127 - 100) << 23 (2^-100)
+    is stored as zeros; 12582912 = 1.5 * 2^23: y + it - it rounds |y| < 2^22 to an integer, half to even."""
+    bits = tl.where(mask, x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, 0)
+    amax_bits = tl.max(bits, 0)
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    small = amax_bits < 226492416
+    scale = tl.where(small, 0.0, amax)
+    mult = tl.where(small, 0.0, tl.math.div_rn(levels, tl.where(small, 1.0, amax)))
+    y = x * mult
+    code = (y + 12582912.0) - 12582912.0
+    code = tl.where(y != y, 0.0, code)
+    return code.to(tl.int32), scale
+
+
+@triton.jit
+def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, n, index0, key_flipped, grad_scale, decay, omb1, omb2,
+                 b2, inv_bc2_sqrt, eps, neg_step_size, G_KIND: tl.constexpr, FMT: tl.constexpr, DECAY: tl.constexpr,
+                 BLOCK: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = load_f32(g_ptr, offs, mask, G_KIND) * grad_scale
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    if FMT == 2:
+        dm = tl.math.div_rn(tl.load(ms_ptr + pid), 127.0)
+        dr = tl.math.div_rn(tl.load(vs_ptr + pid), 255.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.float32) * dm
+        r = tl.load(v_ptr + offs, mask=mask, other=0).to(tl.float32) * dr
+        v = r * r
+    else:
+        m = bf16_bits_to_f32(tl.load(m_ptr + offs, mask=mask, other=0))
+        v = bf16_bits_to_f32(tl.load(v_ptr + offs, mask=mask, other=0))
+    if DECAY:
+        p = p * decay
+    m = tl.fma(g - m, omb1, m)
+    v = tl.fma(g * omb2, g, v * b2)
+    r = tl.sqrt_rn(v)
+    denom = tl.fma(r, inv_bc2_sqrt, eps)
+    p = tl.fma(tl.math.div_rn(m, denom), neg_step_size, p)
+    tl.store(p_ptr + offs, p, mask=mask)
+    if FMT == 2:
+        cm, sm = _requant(m, mask, 127.0)
+        cr, sr = _requant(r, mask, 255.0)
+        tl.store(m_ptr + offs, cm.to(tl.int8), mask=mask)
+        tl.store(v_ptr + offs, cr.to(tl.uint8), mask=mask)
+        tl.store(ms_ptr + pid, sm)
+        tl.store(vs_ptr + pid, sr)
+    else:
+        key = key_flipped.to(tl.uint32, bitcast=True) ^ 0x80000000
+        h = _mix32((index0 + offs).to(tl.uint32) ^ key)
+        tl.store(m_ptr + offs, _sr_bits(m, h & 0xFFFF), mask=mask)
+        tl.store(v_ptr + offs, _sr_bits(v, h >> 16), mask=mask)
+
+
+def adam_step(master: torch.Tensor, grad: torch.Tensor, moments: list[torch.Tensor], fmt: str, *, step: int,
+              lr: float, betas: tuple[float, float], eps: float, weight_decay: float, grad_scale: float = 1.0,
+              maximize: bool = False, key: int = 0, index0: int = 0) -> None:  # fmt: skip
+    """One AdamW step in place on contiguous 1-D tensors of one device: `master` fp32, `grad` fp32/fp16/bf16,
+    `moments` [exp_avg, exp_avg_sq] bf16 (fmt "bf16") or [exp_avg codes int8, their scales, exp_avg_sq codes uint8,
+    their scales] (fmt "8bit": master[0] starts a block; the last block may be short). `key`: bf16's rounding key
+    (offload.device_adam.sr_key(seed, step)), `index0`: the hash index of element 0. Checked by the caller."""
+    n = master.numel()
+    if n == 0:
+        return
+    b1, b2 = float(betas[0]), float(betas[1])
+    bc1, bc2 = 1.0 - b1 ** float(step), 1.0 - b2 ** float(step)
+    coef = dict(grad_scale=-float(grad_scale) if maximize else float(grad_scale), decay=1.0 - lr * weight_decay,
+                omb1=1.0 - b1, omb2=1.0 - b2, b2=b2, inv_bc2_sqrt=1.0 / math.sqrt(bc2), eps=float(eps),
+                neg_step_size=-lr / bc1)  # fmt: skip
+    is8 = fmt == "8bit"
+    block = BLOCK_8BIT if is8 else BLOCK_BF16
+    m, v = (moments[0], moments[2]) if is8 else (as_kernel_arg(moments[0]), as_kernel_arg(moments[1]))
+    ms, vs = (moments[1], moments[3]) if is8 else (master, master)  # (unused pointers with bf16)
+    with on_device(master):
+        _adam_kernel[(triton.cdiv(n, block),)](
+            master, as_kernel_arg(grad), m, v, ms, vs, n, index0, (key & 0xFFFFFFFF) - (1 << 31), **coef,
+            G_KIND=KIND[grad.dtype], FMT=FMT_8BIT if is8 else FMT_BF16, DECAY=weight_decay != 0.0, BLOCK=block,
+            num_warps=2 if is8 else 4, enable_fp_fusion=False,
+        )  # fmt: skip

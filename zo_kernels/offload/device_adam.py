@@ -1,0 +1,199 @@
+"""gpu_fraction's tail on the device: its fp32 masters and Adam's moments in the run's format (state_dtype), and the
+AdamW step that updates them there.
+
+The tail keeps its moments in the format the host keeps the head's (formats.py), so a checkpoint holds the same bits
+whatever the fraction. fp32 moments are updated in place by torch's fused AdamW. bf16 and 8-bit moments:
+- on a GPU, by zo_kernels/kernels/adam.py's Triton kernel in one pass (16-18 bytes per element): CPU Adam's
+  arithmetic operation for operation, so each element's new master and moments are the host kernel's bits;
+- elsewhere (the CPU stand-in for the device, and the reference the kernel is compared with), in torch ops: decoded
+  to fp32 a chunk at a time, updated by the fused kernel, and encoded back as CPU Adam stores them (cpu/adam.cpp):
+- bf16: rounded stochastically: 16 random bits added to the fp32 bits, then truncated; the bits come from the host
+  kernel's counter hash of (seed, step, element index), exp_avg's from its low 16 bits, exp_avg_sq's from its high
+  16; one seed for the tail (from its partition offset, as the host's tiles have theirs) and the element's index in
+  the tail, so the bits do not depend on the chunks;
+- 8-bit: requantized per block of BLOCK_8BIT from the block's new absmax (zo_kernels.quant8.quantize); a parameter
+  starts on a block, the split and every chunk too, so every block is whole in one chunk.
+In torch ops only the update's fp32 rounding differs from the host's (torch's fused kernel against ours), as with
+fp32 moments.
+
+Device workspace: none for the Triton kernel; in torch ops, per chunk of CHUNK_NUMEL / 4 elements, its fp32 gradient,
+the two decoded moments and (bf16) the rounding's 64-bit integers: about 40 bytes per element, 160 MiB; fp32 moments
+need only the gradient's copy, 64 MiB.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant8 import dequantize, num_blocks, quantize
+from ..versions import default_impl
+from .formats import BLOCK_8BIT, MOMENTS, block_of
+
+# Elements per fused AdamW call on the tail: its fp32 scaled gradient is a copy of this many elements (64 MiB of device
+# workspace, whatever the tail's size; a 1.3B model's tail would otherwise need a copy of gigabytes).
+CHUNK_NUMEL = 1 << 24
+M32 = 0xFFFFFFFF
+# How bf16 / 8-bit moments are updated: "auto" (the Triton kernel on CUDA where Triton runs it, torch ops elsewhere:
+# versions.default_impl), "triton" (tests: the kernel on CPU tensors, through Triton's interpreter), "torch".
+IMPL = "auto"
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32) and a 32-bit constant c, without leaving int64's range."""
+    return ((x & 0xFFFF) * c + (((x >> 16) * (c & 0xFFFF)) << 16)) & M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """cpu/adam.cpp's mix32 (xor-shift-multiply) on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mix32_int(x: int) -> int:
+    x &= M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)
+
+
+def sr_key(seed: int, step: int) -> int:
+    """cpu/adam.cpp's sr_key: the hash of (seed, step) that each element's index is mixed with."""
+    h = _mix32_int((seed & M32) ^ 0x9E3779B9)
+    h = _mix32_int(h ^ ((seed >> 32) & M32))
+    h = _mix32_int(h ^ (step & M32))
+    return _mix32_int(h ^ ((step >> 32) & M32))
+
+
+def round_bf16_sr(m: torch.Tensor, v: torch.Tensor, seed: int, step: int,
+                  index0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """exp_avg and exp_avg_sq (1-D fp32, one length) rounded to bf16 as CPU Adam rounds the elements of a call with this
+    seed at this step whose first element has index `index0`: element i's hash h = mix32(uint32(index0 + i) ^ key),
+    exp_avg adds h's low 16 bits, exp_avg_sq its high 16, then the low 16 bits are dropped; NaN becomes 0x7fc0."""
+    index = torch.arange(index0, index0 + m.numel(), dtype=torch.int64, device=m.device) & M32
+    h = _mix32(index ^ sr_key(seed, step))
+    out = []
+    for x, r in ((m, h & 0xFFFF), (v, h >> 16)):
+        bits = ((x.view(torch.int32).long() & M32) + r) >> 16
+        bits = torch.where(x.isnan(), 0x7FC0, bits & 0xFFFF)
+        out.append(torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.bfloat16))
+    return out[0], out[1]
+
+
+class DeviceState:
+    """The tail's fp32 masters and moments on the device, in format `fmt` ("fp32", "bf16", "8bit"), moments zero.
+
+    Args:
+        fmt: the moments' format.
+        master: the tail's fp32 masters, on the device (kept, not copied).
+        seed: bf16's stochastic rounding: the seed of the tail (its elements hashed by their index in the tail).
+    """
+
+    def __init__(self, fmt: str, master: torch.Tensor, seed: int = 0) -> None:
+        self.fmt, self.master, self.seed = fmt, master, seed
+        self.numel, self.block = master.numel(), block_of(fmt)
+        n, dev = self.numel, master.device
+        if fmt == "8bit":
+            nb = num_blocks(n, BLOCK_8BIT)
+            self.moments = [torch.zeros(n, dtype=torch.int8, device=dev), torch.zeros(nb, device=dev),
+                            torch.zeros(n, dtype=torch.uint8, device=dev), torch.zeros(nb, device=dev)]  # fmt: skip
+        else:
+            dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+            self.moments = [torch.zeros(n, dtype=dtype, device=dev) for _ in MOMENTS]
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the masters and the moments (8-bit: codes and scales)."""
+        return sum(t.numel() * t.element_size() for t in (self.master, *self.moments))
+
+    def _widen(self, b: int) -> int:
+        """The end of [a, b)'s last block (a is on a block boundary; the tail's last block may be short)."""
+        return min(self.numel, -(-b // self.block) * self.block)
+
+    def get(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 values of elements [a, b) of both moments, on the device (copies; a on a block boundary)."""
+        if self.fmt != "8bit":
+            return tuple(t[a:b].float() for t in self.moments)
+        hi, blk = self._widen(b), BLOCK_8BIT
+        mc, ms, vc, vs = self.moments
+        return tuple(dequantize(c[a:hi], s[a // blk : -(-hi // blk)], signed=signed, block=blk)[: b - a]
+                     for c, s, signed in ((mc, ms, True), (vc, vs, False)))  # fmt: skip
+
+    def set(self, a: int, b: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int | None = None) -> None:
+        """Elements [a, b) from fp32 values (any device): rounded to nearest even (bf16; with the update's `step`,
+        stochastically as the update stores them) or quantized (8-bit: a on a block boundary, the rest of the last
+        block keeps its values, a parameter's padding: zeros)."""
+        dev = self.master.device
+        m, v = (x.reshape(-1).to(dev, torch.float32) for x in (exp_avg, exp_avg_sq))
+        if self.fmt == "fp32" or (self.fmt == "bf16" and step is None):
+            for dst, x in zip(self.moments, (m, v)):
+                dst[a:b].copy_(x)
+            return
+        if self.fmt == "bf16":
+            for dst, x in zip(self.moments, round_bf16_sr(m, v, self.seed, step, index0=a)):
+                dst[a:b].copy_(x)
+            return
+        hi, blk = self._widen(b), BLOCK_8BIT
+        for (codes, scales), x, signed in zip((self.moments[:2], self.moments[2:]), (m, v), (True, False)):
+            if hi > b:  # the rest of the last block as it is
+                x = torch.cat([x, dequantize(codes[b:hi], scales[(hi - 1) // blk : (hi - 1) // blk + 1],
+                                             signed=signed, block=blk)])  # fmt: skip
+            c, s = quantize(x, signed=signed, block=blk)
+            codes[a:hi].copy_(c)
+            scales[a // blk : -(-hi // blk)].copy_(s)
+
+    def raw(self) -> list[torch.Tensor]:
+        """Host copies of the tensors holding the moments' bits (formats.Moments.tensors()'s order)."""
+        return [t.cpu() for t in self.moments]
+
+    def set_raw(self, a: int, b: int, raw: dict[str, torch.Tensor]) -> None:
+        """Elements [a, b) from formats.Moments.raw() bits (8-bit: a on a block boundary, the scales of its blocks)."""
+        if self.fmt != "8bit":
+            for name, t in zip(MOMENTS, self.moments):
+                t[a:b].copy_(raw[name])
+            return
+        blk = BLOCK_8BIT
+        for i, name in enumerate(MOMENTS):
+            self.moments[2 * i][a:b].copy_(raw[f"{name}_codes"])
+            self.moments[2 * i + 1][a // blk : -(-b // blk)].copy_(raw[f"{name}_scales"])
+
+    def _views(self, a: int, b: int) -> list[torch.Tensor]:
+        """The moments' tensors of elements [a, b) (8-bit: a on a block; the scales of its blocks)."""
+        if self.fmt != "8bit":
+            return [t[a:b] for t in self.moments]
+        blk = BLOCK_8BIT
+        mc, ms, vc, vs = self.moments
+        return [mc[a:b], ms[a // blk : -(-b // blk)], vc[a:b], vs[a // blk : -(-b // blk)]]
+
+    def step(self, grad: torch.Tensor, grad_scale: float, runs: list, hparams: list[dict]) -> None:
+        """AdamW over `runs` (tail coordinates: (group, a, b, step, factor)) with the device gradient `grad` (16-bit or
+        fp32, the tail's), on the current stream."""
+        master = self.master
+        if self.fmt != "fp32" and (IMPL if IMPL != "auto" else default_impl(master.device.type)) == "triton":
+            from ..kernels.adam import adam_step
+
+            for gi, a, b, step, factor in runs:
+                h = hparams[gi]
+                adam_step(master[a:b], grad[a:b], self._views(a, b), self.fmt, step=step, lr=float(h["lr"]),
+                          betas=h["betas"], eps=float(h["eps"]), weight_decay=float(h["weight_decay"]),
+                          grad_scale=grad_scale * factor, maximize=bool(h["maximize"]), key=sr_key(self.seed, step),
+                          index0=a)  # fmt: skip
+            return
+        chunk = CHUNK_NUMEL if self.fmt == "fp32" else max(BLOCK_8BIT, CHUNK_NUMEL >> 2)
+        for gi, a, b, step, factor in runs:
+            h = hparams[gi]
+            steps = torch.full((), float(step), dtype=torch.float32, device=master.device)
+            for x in range(a, b, chunk):
+                y = min(b, x + chunk)
+                g = grad[x:y].float() * (grad_scale * factor)  # (a copy: the landing buffer keeps the gradient)
+                m, v = (t[x:y] for t in self.moments) if self.fmt == "fp32" else self.get(x, y)
+                torch._fused_adamw_([master[x:y]], [g], [m], [v], [], [steps], lr=float(h["lr"]),
+                                    beta1=float(h["betas"][0]), beta2=float(h["betas"][1]),
+                                    weight_decay=float(h["weight_decay"]), eps=float(h["eps"]), amsgrad=False,
+                                    maximize=bool(h["maximize"]))  # fmt: skip
+                if self.fmt != "fp32":
+                    self.set(x, y, m, v, step=step)
