@@ -56,7 +56,8 @@ def test_the_key_depends_on_every_half():
 def _host_state(fmt: str, n: int):
     if fmt == "8bit":
         return Quantized8bit.empty(n, signed=True), Quantized8bit.empty(n, signed=False)
-    return torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+    return torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)
 
 
 def _bits(fmt: str, m, v, d: DeviceState) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -139,11 +140,12 @@ def _kernel_moments(fmt: str, n: int) -> list[torch.Tensor]:
     if fmt == "8bit":
         nb = -(-n // 256)
         return [torch.zeros(n, dtype=torch.int8), torch.zeros(nb), torch.zeros(n, dtype=torch.uint8), torch.zeros(nb)]
-    return [torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)]
+    dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+    return [torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)]
 
 
 @needs_interpreter
-@pytest.mark.parametrize("fmt", ["8bit", "bf16"])
+@pytest.mark.parametrize("fmt", ["8bit", "bf16", "fp32"])
 @pytest.mark.parametrize("gdtype, weight_decay, maximize", [(torch.float32, 0.1, False), (torch.bfloat16, 0.0, True),
                                                             (torch.float16, 0.1, False)])  # fmt: skip
 def test_triton_kernel_is_the_host_kernel_bit_for_bit(fmt, gdtype, weight_decay, maximize):
@@ -165,24 +167,27 @@ def test_triton_kernel_is_the_host_kernel_bit_for_bit(fmt, gdtype, weight_decay,
         adam_step(p_dev, g, dev, fmt, step=step, **hp, grad_scale=0.25, maximize=maximize,
                   key=sr_key(5, step))  # fmt: skip
     assert torch.equal(p_dev, p_host), f"masters differ at {int((p_dev != p_host).sum())} elements"
-    host = [m.codes, m.scales, v.codes, v.scales] if fmt == "8bit" else [m.view(torch.int16), v.view(torch.int16)]
+    host = ([m.codes, m.scales, v.codes, v.scales] if fmt == "8bit" else [m, v] if fmt == "fp32"
+            else [m.view(torch.int16), v.view(torch.int16)])  # fmt: skip
     for a, b in zip(dev, host):
         assert torch.equal(a.view(b.dtype), b)
 
 
 @needs_interpreter
-def test_with_the_kernel_the_8bit_tail_is_the_host_only_run_bit_for_bit(monkeypatch):
-    """The tail's 8-bit update through the kernel (interpreted) is CPU Adam's arithmetic: gpu_fraction 0.5 trains the
-    same masters, codes and scales as 0, bit for bit (no clipping: its norm sums the two parts in another order)."""
-    from test_twin import _train, assert_same_state
+@pytest.mark.parametrize("fmt", ["8bit", "fp32"])
+def test_with_the_kernel_the_tail_is_the_host_only_run_bit_for_bit(fmt, monkeypatch):
+    """The tail's update through the kernel (interpreted) is CPU Adam's arithmetic: gpu_fraction 0.5 trains the same
+    masters and moments (8-bit: codes and scales) as 0, bit for bit (no clipping: its norm sums the two parts in
+    another order; bf16's random bits come from another seed)."""
+    from test_twin import FORMATS, _train, assert_same_state
 
     import zo_kernels.offload.device_adam as device_adam
 
-    _, host_only = _train(0.0, steps=3, state_dtype="8bit")
+    _, host_only = _train(0.0, steps=3, state_dtype=FORMATS[fmt])
     want = host_only.state_dict()
     host_only.close()
     monkeypatch.setattr(device_adam, "IMPL", "triton")
-    _, twin = _train(0.5, steps=3, state_dtype="8bit")
+    _, twin = _train(0.5, steps=3, state_dtype=FORMATS[fmt])
     assert twin.split < twin.part
     assert_same_state(twin.state_dict(), want, "gpu_fraction 0.5 through the kernel")
     twin.close()

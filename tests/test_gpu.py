@@ -451,10 +451,10 @@ def test_gpu_fraction_waits_for_its_side_stream(dpu, monkeypatch):
     assert broken[0] != want[0], "a missing wait on the side stream went unnoticed"
 
 
-@pytest.mark.parametrize("fmt", ["8bit", "bf16"])
+@pytest.mark.parametrize("fmt", ["8bit", "bf16", "fp32"])
 @pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16], ids=str)
 def test_compiled_adam_kernel_is_the_host_kernel_bit_for_bit(fmt, gdtype):
-    """gpu_fraction's tail with compressed moments (NEVER RUN on a GPU): zo_kernels/kernels/adam.py compiled, four
+    """gpu_fraction's tail (NEVER RUN on a GPU): zo_kernels/kernels/adam.py compiled, four
     steps against cpu_adam_step from the same state: masters, codes, scales, bf16 bits equal bit for bit (1M
     elements: thousands of programs, a call ending inside its last block)."""
     from zo_kernels.kernels.adam import adam_step
@@ -467,9 +467,12 @@ def test_compiled_adam_kernel_is_the_host_kernel_bit_for_bit(fmt, gdtype):
     if fmt == "8bit":
         m, v = zk.Quantized8bit.empty(n, signed=True), zk.Quantized8bit.empty(n, signed=False)
         host = lambda: [m.codes, m.scales, v.codes, v.scales]  # noqa: E731
-    else:
+    elif fmt == "bf16":
         m, v = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
         host = lambda: [m.view(torch.int16), v.view(torch.int16)]  # noqa: E731
+    else:
+        m, v = torch.zeros(n), torch.zeros(n)
+        host = lambda: [m, v]  # noqa: E731
     dev = [torch.zeros_like(t, device=DEV) for t in host()]
     dev = [t.view(torch.bfloat16) for t in dev] if fmt == "bf16" else dev
     hp = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
@@ -483,14 +486,15 @@ def test_compiled_adam_kernel_is_the_host_kernel_bit_for_bit(fmt, gdtype):
         assert torch.equal(a.cpu().view(b.dtype), b)
 
 
-def test_gpu_fraction_with_8bit_moments_is_the_host_only_run_on_cuda():
-    """(NEVER RUN on a GPU) The 8-bit tail updated by the compiled kernel on CUDA: gpu_fraction 0.5 gives the masters,
-    codes and scales of gpu_fraction 0, bit for bit."""
+@pytest.mark.parametrize("state_dtype", ["8bit", torch.float32], ids=["8bit", "fp32"])
+def test_gpu_fraction_is_the_host_only_run_on_cuda(state_dtype):
+    """(NEVER RUN on a GPU) The tail updated by the compiled kernel on CUDA: gpu_fraction 0.5 gives the masters and
+    moments (8-bit: codes and scales) of gpu_fraction 0, bit for bit."""
     sds = []
     for fraction in (0.0, 0.5):
         model = make_model(seed=0).to(DEV)
         opt = zk.ZeroOffloadAdamW(model, lr=2e-3, weight_decay=0.01, bucket_numel=100_000, gpu_fraction=fraction,
-                                  state_dtype="8bit")  # fmt: skip
+                                  state_dtype=state_dtype)  # fmt: skip
         for step in make_data(3, batch=4, seed=2):
             x = step[0].to(DEV)
             opt.backward(model(x[:, :-1], x[:, 1:]))
@@ -500,5 +504,5 @@ def test_gpu_fraction_with_8bit_moments_is_the_host_only_run_on_cuda():
     for i, st in sds[0]["state"].items():
         for k, t in st.items():
             assert torch.equal(t, sds[1]["state"][i][k]), (i, k)
-        for k, t in sds[0]["zero_offload"]["moments"][i].items():
+        for k, t in sds[0]["zero_offload"].get("moments", {}).get(i, {}).items():
             assert torch.equal(t, sds[1]["zero_offload"]["moments"][i][k]), (i, k)

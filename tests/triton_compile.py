@@ -128,12 +128,13 @@ def cases():
 
     def run_adam(fmt, gdtype, wd, n=256 * 3 + 77):
         nb = -(-n // 256)
+        dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
         moments = ([torch.zeros(n, dtype=torch.int8), torch.zeros(nb), torch.zeros(n, dtype=torch.uint8),
-                    torch.zeros(nb)] if fmt == "8bit" else [torch.zeros(n, dtype=torch.bfloat16)] * 2)  # fmt: skip
+                    torch.zeros(nb)] if fmt == "8bit" else [torch.zeros(n, dtype=dtype) for _ in range(2)])  # fmt: skip
         adam_step(torch.zeros(n), torch.zeros(n, dtype=gdtype), moments, fmt, step=3, lr=1e-3, betas=(0.9, 0.999),
                   eps=1e-8, weight_decay=wd, key=2**32 - 5, index0=4096)  # fmt: skip
 
-    for fmt in ("8bit", "bf16"):
+    for fmt in ("8bit", "bf16", "fp32"):
         for gdtype in floats:
             for wd in (0.0, 0.1):
                 out.append((f"adam {fmt} moments, {name[gdtype]} gradient, weight decay {wd}",

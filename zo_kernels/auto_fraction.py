@@ -99,9 +99,9 @@ def measure_cpu_adam_rate(numel: int = 1 << 22, repeats: int = 3, threads: int |
 def measure_device_adam_rate(device: torch.device, numel: int | None = None, repeats: int = 3,
                              state_dtype: str = "fp32") -> float:  # fmt: skip
     """The rate of gpu_fraction's tail update on `device`, params/s, as the tail runs it (offload/device_adam.py:
-    torch's fused AdamW with fp32 moments; bf16 / 8-bit moments through the Triton kernel on a GPU, in torch ops
-    elsewhere; a 16-bit gradient): the best of `repeats` steps over `numel` elements (default 2**24 on a GPU, 2**20
-    on the CPU)."""
+    the Triton kernel on a GPU, in every format; elsewhere torch's fused AdamW, with bf16 / 8-bit moments decoded
+    and encoded around it in torch ops; a 16-bit gradient): the best of `repeats` steps over `numel` elements
+    (default 2**24 on a GPU, 2**20 on the CPU)."""
     from .offload.device_adam import DeviceState
 
     device = torch.device(device)

@@ -1,9 +1,10 @@
-"""AdamW with bf16 or 8-bit moments in one pass over the device's memory: gpu_fraction's tail on a GPU
+"""AdamW with fp32, bf16 or 8-bit moments in one pass over the device's memory: gpu_fraction's tail on a GPU
 (zo_kernels/offload/device_adam.py).
 
-Each element is read once (fp32 master, 16-bit or fp32 gradient, the moments' 2 or 4 bytes, 8-bit: its block's two
-scales) and written once: 16 bytes per element moved with 8-bit moments, 18 with bf16, where decoding to fp32, a
-fused AdamW and encoding back in separate kernels move ~100. The arithmetic is CPU Adam's (cpu/adam.cpp,
+Each element is read once (fp32 master, 16-bit or fp32 gradient, the moments' 2, 4 or 8 bytes, 8-bit: its block's
+two scales) and written once: 16 bytes per element moved with 8-bit moments, 18 with bf16, 26 with fp32 (torch's fused
+AdamW, after the fp32 copy of the scaled gradient it needs, 34; decoding to fp32, a fused AdamW and encoding back in
+separate kernels ~100). The arithmetic is CPU Adam's (cpu/adam.cpp,
 adam_math), operation for operation: the same fp32 coefficients (derived in double, rounded once), the same fused
 multiply-adds (tl.fma), IEEE division and square root (div_rn, sqrt_rn; no contraction of the rest:
 enable_fp_fusion=False), so the tail's update equals the host's bit for bit:
@@ -26,7 +27,7 @@ import triton.language as tl
 from .cast import as_kernel_arg, on_device
 from .utils import BF16, F16, F32, bf16_bits_to_f32, load_f32
 
-FMT_BF16, FMT_8BIT = 1, 2
+FMT = {"fp32": 0, "bf16": 1, "8bit": 2}
 BLOCK_8BIT = 256  # one program per 8-bit block: its scale is the program's
 BLOCK_BF16 = 1024
 KIND = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
@@ -84,9 +85,12 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, n, index0, key_flip
         m = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.float32) * dm
         r = tl.load(v_ptr + offs, mask=mask, other=0).to(tl.float32) * dr
         v = r * r
-    else:
+    elif FMT == 1:
         m = bf16_bits_to_f32(tl.load(m_ptr + offs, mask=mask, other=0))
         v = bf16_bits_to_f32(tl.load(v_ptr + offs, mask=mask, other=0))
+    else:
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     if DECAY:
         p = p * decay
     m = tl.fma(g - m, omb1, m)
@@ -102,20 +106,24 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, n, index0, key_flip
         tl.store(v_ptr + offs, cr.to(tl.uint8), mask=mask)
         tl.store(ms_ptr + pid, sm)
         tl.store(vs_ptr + pid, sr)
-    else:
+    elif FMT == 1:
         key = key_flipped.to(tl.uint32, bitcast=True) ^ 0x80000000
         h = _mix32((index0 + offs).to(tl.uint32) ^ key)
         tl.store(m_ptr + offs, _sr_bits(m, h & 0xFFFF), mask=mask)
         tl.store(v_ptr + offs, _sr_bits(v, h >> 16), mask=mask)
+    else:
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
 
 
 def adam_step(master: torch.Tensor, grad: torch.Tensor, moments: list[torch.Tensor], fmt: str, *, step: int,
               lr: float, betas: tuple[float, float], eps: float, weight_decay: float, grad_scale: float = 1.0,
               maximize: bool = False, key: int = 0, index0: int = 0) -> None:  # fmt: skip
     """One AdamW step in place on contiguous 1-D tensors of one device: `master` fp32, `grad` fp32/fp16/bf16,
-    `moments` [exp_avg, exp_avg_sq] bf16 (fmt "bf16") or [exp_avg codes int8, their scales, exp_avg_sq codes uint8,
-    their scales] (fmt "8bit": master[0] starts a block; the last block may be short). `key`: bf16's rounding key
-    (offload.device_adam.sr_key(seed, step)), `index0`: the hash index of element 0. Checked by the caller."""
+    `moments` [exp_avg, exp_avg_sq] fp32 or bf16 (fmt "fp32", "bf16") or [exp_avg codes int8, their scales,
+    exp_avg_sq codes uint8, their scales] (fmt "8bit": master[0] starts a block; the last block may be short).
+    `key`: bf16's rounding key (offload.device_adam.sr_key(seed, step)), `index0`: the hash index of element 0.
+    Checked by the caller."""
     n = master.numel()
     if n == 0:
         return
@@ -131,6 +139,6 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, moments: list[torch.Tens
     with on_device(master):
         _adam_kernel[(triton.cdiv(n, block),)](
             master, as_kernel_arg(grad), m, v, ms, vs, n, index0, (key & 0xFFFFFFFF) - (1 << 31), **coef,
-            G_KIND=KIND[grad.dtype], FMT=FMT_8BIT if is8 else FMT_BF16, DECAY=weight_decay != 0.0, BLOCK=block,
+            G_KIND=KIND[grad.dtype], FMT=FMT[fmt], DECAY=weight_decay != 0.0, BLOCK=block,
             num_warps=2 if is8 else 4, enable_fp_fusion=False,
         )  # fmt: skip

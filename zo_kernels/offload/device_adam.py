@@ -2,11 +2,13 @@
 AdamW step that updates them there.
 
 The tail keeps its moments in the format the host keeps the head's (formats.py), so a checkpoint holds the same bits
-whatever the fraction. fp32 moments are updated in place by torch's fused AdamW. bf16 and 8-bit moments:
-- on a GPU, by zo_kernels/kernels/adam.py's Triton kernel in one pass (16-18 bytes per element): CPU Adam's
-  arithmetic operation for operation, so each element's new master and moments are the host kernel's bits;
-- elsewhere (the CPU stand-in for the device, and the reference the kernel is compared with), in torch ops: decoded
-  to fp32 a chunk at a time, updated by the fused kernel, and encoded back as CPU Adam stores them (cpu/adam.cpp):
+whatever the fraction.
+- On a GPU, every format by zo_kernels/kernels/adam.py's Triton kernel in one pass (16, 18 or 26 bytes per element):
+  CPU Adam's arithmetic operation for operation, so each element's new master and moments are the host kernel's bits
+  (with fp32 and 8-bit moments the run does not depend on the fraction, bit for bit).
+- Elsewhere (the CPU stand-in for the device, and the reference the kernel is compared with), fp32 moments are
+  updated in place by torch's fused AdamW; bf16 and 8-bit moments in torch ops: decoded to fp32 a chunk at a time,
+  updated by the fused kernel, and encoded back as CPU Adam stores them (cpu/adam.cpp):
 - bf16: rounded stochastically: 16 random bits added to the fp32 bits, then truncated; the bits come from the host
   kernel's counter hash of (seed, step, element index), exp_avg's from its low 16 bits, exp_avg_sq's from its high
   16; one seed for the tail (from its partition offset, as the host's tiles have theirs) and the element's index in
@@ -33,7 +35,7 @@ from .formats import BLOCK_8BIT, MOMENTS, block_of
 # workspace, whatever the tail's size; a 1.3B model's tail would otherwise need a copy of gigabytes).
 CHUNK_NUMEL = 1 << 24
 M32 = 0xFFFFFFFF
-# How bf16 / 8-bit moments are updated: "auto" (the Triton kernel on CUDA where Triton runs it, torch ops elsewhere:
+# How the tail is updated: "auto" (the Triton kernel on CUDA where Triton runs it, torch ops elsewhere:
 # versions.default_impl), "triton" (tests: the kernel on CPU tensors, through Triton's interpreter), "torch".
 IMPL = "auto"
 
@@ -173,7 +175,7 @@ class DeviceState:
         """AdamW over `runs` (tail coordinates: (group, a, b, step, factor)) with the device gradient `grad` (16-bit or
         fp32, the tail's), on the current stream."""
         master = self.master
-        if self.fmt != "fp32" and (IMPL if IMPL != "auto" else default_impl(master.device.type)) == "triton":
+        if (IMPL if IMPL != "auto" else default_impl(master.device.type)) == "triton":
             from ..kernels.adam import adam_step
 
             for gi, a, b, step, factor in runs:

@@ -165,11 +165,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             not depend on the world size. Needs the model; offload_optimizer="cpu".
         gpu_fraction: Twin-Flow (ZeRO-Offload++): this fraction of each rank's partition (its tail) keeps its fp32
             master and moments, in state_dtype's format, on the device (K = 12, 8 or 6.03 bytes per parameter there,
-            that much less on the host) and is updated there by torch's fused AdamW on a device stream while CPU
-            Adam updates the rest; its gradients never go to the host. The same AdamW step (one clipping norm,
-            overflow flag and loss scale over both parts; the same delay under DPU; bf16 and 8-bit moments stored
-            as the host stores them); checkpoints do not depend on it. 0.0 (default): all on the host. Needs the
-            16-bit shard not on NVMe.
+            that much less on the host) and is updated there on a device stream (a Triton kernel with CPU Adam's
+            arithmetic; on a CPU device torch's fused AdamW) while CPU Adam updates the rest; its gradients never
+            go to the host. The same AdamW step (one clipping norm, overflow flag and loss scale over both parts;
+            the same delay under DPU; bf16 and 8-bit moments stored as the host stores them); checkpoints do not
+            depend on it. 0.0 (default): all on the host. Needs the 16-bit shard not on NVMe.
         dpu_writeback: under the delayed parameter update, how the next forward waits for the new parameters'
             copies to the device. "whole" (default): step() makes the device wait for the whole writeback, so any
             read of the parameters after step() (an EMA, a norm, a logger) sees the new values. "per_module"

@@ -1,12 +1,13 @@
 """gpu_fraction (Twin-Flow, ZeRO-Offload++): the tail of this rank's partition keeps its fp32 master and Adam's moments
-(in the run's state_dtype) on the device and is updated there (device_adam.py: torch's fused AdamW; bf16 and 8-bit
-moments on a GPU through a Triton kernel), on a device stream, while CPU Adam updates the head.
+(in the run's state_dtype) on the device and is updated there (device_adam.py: on a GPU a Triton kernel with CPU Adam's
+arithmetic; on the CPU stand-in torch's fused AdamW), on a device stream, while CPU Adam updates the head.
 
 The partition [0, part) is cut at `split`: the head [0, split) is an ordinary HostUpdate (host memory or NVMe), the
 tail [split, part) a DeviceState (fp32 masters, moments in the head's format). Its gradients never leave the device
 (GradPath's `device_landing`).
 The step is the same AdamW step as the host's: one overflow flag, one clipping norm and one loss scale over the whole
-partition (grads.py sums both parts), each parameter's own step count; only the rounding of the kernel differs.
+partition (grads.py sums both parts), each parameter's own step count; on a GPU CPU Adam's arithmetic bit for bit, on
+the CPU stand-in torch's fused kernel, whose rounding differs.
 
 Delayed parameter update: the tail follows the head's one-step delay. Update i of the tail runs at step i (on the device
 stream) into the device masters; its 16-bit parameters reach the model together with the head's, when update i's
