@@ -506,3 +506,57 @@ def test_gpu_fraction_is_the_host_only_run_on_cuda(state_dtype):
             assert torch.equal(t, sds[1]["state"][i][k]), (i, k)
         for k, t in sds[0]["zero_offload"].get("moments", {}).get(i, {}).items():
             assert torch.equal(t, sds[1]["zero_offload"]["moments"][i][k]), (i, k)
+
+
+def test_8bit_moments_decode_on_cuda_as_on_the_host():
+    """(NEVER RUN on a GPU) quant8.dequantize on CUDA divides the scale by a tensor: a tensor divided by a Python
+    number is a multiplication by its rounded reciprocal on CUDA, and differed from the host's division for 4.5% of
+    the /127 scales and 72% of the /255 ones (emulated): the checkpoint's fp32 moments of a tail are the host's."""
+    from zo_kernels.quant8 import dequantize
+
+    g_ = torch.Generator().manual_seed(0)
+    scales = torch.rand(4096, generator=g_) * 2.0 ** torch.randint(-30, 5, (4096,), generator=g_)
+    for signed, dtype in ((True, torch.int8), (False, torch.uint8)):
+        codes = torch.randint(-127 if signed else 0, 128 if signed else 256, (4096 * 256,), generator=g_).to(dtype)
+        host = dequantize(codes, scales, signed=signed, block=256)
+        dev = dequantize(codes.to(DEV), scales.to(DEV), signed=signed, block=256).cpu()
+        assert torch.equal(dev, host)
+
+
+def test_loading_a_state_into_an_8bit_tail_allocates_nothing_on_the_device():
+    """(NEVER RUN on a GPU) load_state_dict and state_dict decode and encode the tail's moments on the host: the
+    device's allocation peak during them stays within 1 MiB of what it holds (the fp32 values of the whole tail would
+    be 8 bytes per element)."""
+    model = make_model(seed=0).to(DEV)
+    opt = zk.ZeroOffloadAdamW(model, lr=2e-3, bucket_numel=100_000, gpu_fraction=1.0, state_dtype="8bit")
+    x = next(iter(make_data(1, batch=4, seed=2)))[0].to(DEV)
+    opt.backward(model(x[:, :-1], x[:, 1:]))
+    opt.step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= 1 << 20
+    opt.close()
+
+
+def test_a_job_that_fails_midway_is_still_waited_for():
+    """(NEVER RUN on a GPU) gpu_fraction's device stream: a job that queued work and then raised (a compile error,
+    Ctrl-C, out of memory) leaves an event behind its queued kernels, so the next wait covers them."""
+    from zo_kernels.offload.twin import DeviceStream
+
+    stream = DeviceStream(DEV, timeout_s=60.0)
+    x = torch.zeros(1 << 20, device=DEV)
+
+    def job():
+        torch.cuda._sleep(SLEEP_CYCLES)
+        x.add_(1.0)
+        raise RuntimeError("failed midway")
+
+    with pytest.raises(RuntimeError, match="midway"):
+        stream.launch(job)
+    stream.wait()
+    assert bool((x == 1.0).all()), "the compute stream did not wait for the failed job's kernels"
+    stream.close()

@@ -126,19 +126,23 @@ def cases():
     # weight decay, a call ending inside a block
     from zo_kernels.kernels.adam import adam_step
 
-    def run_adam(fmt, gdtype, wd, n=256 * 3 + 77):
+    def run_adam(fmt, gdtype, wd, n=256 * 3 + 77, key=2**32 - 5, index0=4096):
         nb = -(-n // 256)
         dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
         moments = ([torch.zeros(n, dtype=torch.int8), torch.zeros(nb), torch.zeros(n, dtype=torch.uint8),
                     torch.zeros(nb)] if fmt == "8bit" else [torch.zeros(n, dtype=dtype) for _ in range(2)])  # fmt: skip
         adam_step(torch.zeros(n), torch.zeros(n, dtype=gdtype), moments, fmt, step=3, lr=1e-3, betas=(0.9, 0.999),
-                  eps=1e-8, weight_decay=wd, key=2**32 - 5, index0=4096)  # fmt: skip
+                  eps=1e-8, weight_decay=wd, key=key, index0=index0)  # fmt: skip
 
     for fmt in ("8bit", "bf16", "fp32"):
         for gdtype in floats:
             for wd in (0.0, 0.1):
                 out.append((f"adam {fmt} moments, {name[gdtype]} gradient, weight decay {wd}",
                             lambda f=fmt, g=gdtype, w=wd: run_adam(f, g, w)))
+    # the key argument is key - 2^31: 1 for key 0x80000001 (Triton would make an int equal to 1 a constant), and a
+    # hash index of 1
+    out.append(("adam bf16 moments, key 0x80000001, index 1", lambda: run_adam("bf16", torch.bfloat16, 0.1,
+                                                                               key=0x80000001, index0=1)))
     return out
 
 

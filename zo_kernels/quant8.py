@@ -48,7 +48,8 @@ def quantize(t: torch.Tensor, *, signed: bool, block: int) -> tuple[torch.Tensor
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, *, signed: bool, block: int) -> torch.Tensor:
     """The fp32 values of (codes, scales), on their device: scale / levels in fp32, times the code (squared when
     unsigned: the codes hold sqrt(v))."""
-    d = (scales / _levels(signed)).repeat_interleave(block)[: codes.numel()]
+    # (over a tensor: CUDA divides a tensor by a Python number as a multiplication by its rounded reciprocal)
+    d = (scales / torch.full_like(scales, _levels(signed))).repeat_interleave(block)[: codes.numel()]
     x = codes.float() * d
     return x if signed else x * x
 

@@ -70,7 +70,8 @@ def _requant(x, mask, levels):
     return code.to(tl.int32), scale
 
 
-# (the key and the hash index change with every step and run: one compiled variant for all of their values)
+# (the key and the hash index change with every step and run: one compiled variant for all of their values; and the
+# key argument equal to 1 would become a constant, which the kernel cannot bitcast)
 @triton.jit(do_not_specialize=["index0", "key_flipped"])
 def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, n, index0, key_flipped, grad_scale, decay, omb1, omb2,
                  b2, inv_bc2_sqrt, eps, neg_step_size, G_KIND: tl.constexpr, FMT: tl.constexpr, DECAY: tl.constexpr,

@@ -86,6 +86,35 @@ def round_bf16_sr(m: torch.Tensor, v: torch.Tensor, seed: int, step: int,
     return out[0], out[1]
 
 
+def decode(fmt: str, views: list[torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 values of the first n elements of moments held in `views` (DeviceState._views: exp_avg and exp_avg_sq;
+    8-bit codes and scales from a block's start), on their device (fp32: the views themselves)."""
+    if fmt != "8bit":
+        return tuple(t[:n].float() for t in views)
+    mc, ms, vc, vs = views
+    return tuple(dequantize(c, sc, signed=signed, block=BLOCK_8BIT)[:n]
+                 for c, sc, signed in ((mc, ms, True), (vc, vs, False)))  # fmt: skip
+
+
+def encode(fmt: str, views: list[torch.Tensor], n: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+           sr: tuple[int, int, int] | None = None) -> None:  # fmt: skip
+    """Store fp32 values (on the views' device) as the first n elements of the moments in `views`: bf16 rounded to
+    nearest even, or with sr = (seed, step, index of element 0) stochastically as CPU Adam rounds; 8-bit quantized
+    per block, the rest of the last block (past n) keeping its values."""
+    if fmt == "bf16" and sr is not None:
+        exp_avg, exp_avg_sq = round_bf16_sr(exp_avg, exp_avg_sq, sr[0], sr[1], index0=sr[2])
+    if fmt != "8bit":
+        for dst, x in zip(views, (exp_avg, exp_avg_sq)):
+            dst[:n].copy_(x)
+        return
+    for (codes, scales), x, signed in zip((views[:2], views[2:]), (exp_avg, exp_avg_sq), (True, False)):
+        if codes.numel() > n:  # the rest of the last block as it is
+            x = torch.cat([x, dequantize(codes, scales, signed=signed, block=BLOCK_8BIT)[n:]])
+        c, sc = quantize(x, signed=signed, block=BLOCK_8BIT)
+        codes.copy_(c)
+        scales.copy_(sc)
+
+
 class DeviceState:
     """The tail's fp32 masters and moments on the device, in format `fmt` ("fp32", "bf16", "8bit"), moments zero.
 
@@ -117,36 +146,24 @@ class DeviceState:
         return min(self.numel, -(-b // self.block) * self.block)
 
     def get(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 values of elements [a, b) of both moments, on the device (copies; a on a block boundary)."""
-        if self.fmt != "8bit":
-            return tuple(t[a:b].float() for t in self.moments)
-        hi, blk = self._widen(b), BLOCK_8BIT
-        mc, ms, vc, vs = self.moments
-        return tuple(dequantize(c[a:hi], s[a // blk : -(-hi // blk)], signed=signed, block=blk)[: b - a]
-                     for c, s, signed in ((mc, ms, True), (vc, vs, False)))  # fmt: skip
+        """fp32 values of elements [a, b) of both moments, on the host (copies; a on a block boundary): the bits are
+        copied to the host and decoded there (no device memory beyond them; the host's division, exact)."""
+        views = self._views(a, self._widen(b))
+        local = [t.cpu() for t in views]
+        out = decode(self.fmt, local, b - a)
+        shared = self.fmt == "fp32" and local[0].data_ptr() == views[0].data_ptr()  # (the CPU stand-in's fp32 views)
+        return tuple(x.clone() for x in out) if shared else out
 
-    def set(self, a: int, b: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int | None = None) -> None:
-        """Elements [a, b) from fp32 values (any device): rounded to nearest even (bf16; with the update's `step`,
-        stochastically as the update stores them) or quantized (8-bit: a on a block boundary, the rest of the last
-        block keeps its values, a parameter's padding: zeros)."""
-        dev = self.master.device
-        m, v = (x.reshape(-1).to(dev, torch.float32) for x in (exp_avg, exp_avg_sq))
-        if self.fmt == "fp32" or (self.fmt == "bf16" and step is None):
-            for dst, x in zip(self.moments, (m, v)):
-                dst[a:b].copy_(x)
-            return
-        if self.fmt == "bf16":
-            for dst, x in zip(self.moments, round_bf16_sr(m, v, self.seed, step, index0=a)):
-                dst[a:b].copy_(x)
-            return
-        hi, blk = self._widen(b), BLOCK_8BIT
-        for (codes, scales), x, signed in zip((self.moments[:2], self.moments[2:]), (m, v), (True, False)):
-            if hi > b:  # the rest of the last block as it is
-                x = torch.cat([x, dequantize(codes[b:hi], scales[(hi - 1) // blk : (hi - 1) // blk + 1],
-                                             signed=signed, block=blk)])  # fmt: skip
-            c, s = quantize(x, signed=signed, block=blk)
-            codes[a:hi].copy_(c)
-            scales[a // blk : -(-hi // blk)].copy_(s)
+    def set(self, a: int, b: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Elements [a, b) from fp32 values: encoded on the host (bf16 rounded to nearest even; 8-bit quantized, a on
+        a block boundary, the rest of the last block keeping its values: a parameter's padding, zeros), then the
+        bits copied to the device."""
+        views = self._views(a, self._widen(b))
+        local = [t.cpu() for t in views]
+        encode(self.fmt, local, b - a, exp_avg.reshape(-1).float().cpu(), exp_avg_sq.reshape(-1).float().cpu())
+        for dst, src in zip(views, local):
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
 
     def raw(self) -> list[torch.Tensor]:
         """Host copies of the tensors holding the moments' bits (formats.Moments.tensors()'s order)."""
@@ -192,10 +209,11 @@ class DeviceState:
             for x in range(a, b, chunk):
                 y = min(b, x + chunk)
                 g = grad[x:y].float() * (grad_scale * factor)  # (a copy: the landing buffer keeps the gradient)
-                m, v = (t[x:y] for t in self.moments) if self.fmt == "fp32" else self.get(x, y)
+                views = self._views(x, self._widen(y))
+                m, v = (t[x:y] for t in self.moments) if self.fmt == "fp32" else decode(self.fmt, views, y - x)
                 torch._fused_adamw_([master[x:y]], [g], [m], [v], [], [steps], lr=float(h["lr"]),
                                     beta1=float(h["betas"][0]), beta2=float(h["betas"][1]),
                                     weight_decay=float(h["weight_decay"]), eps=float(h["eps"]), amsgrad=False,
                                     maximize=bool(h["maximize"]))  # fmt: skip
                 if self.fmt != "fp32":
-                    self.set(x, y, m, v, step=step)
+                    encode(self.fmt, views, y - x, m, v, sr=(self.seed, step, x))

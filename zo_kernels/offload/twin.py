@@ -79,9 +79,11 @@ class DeviceStream:
         """Run job() after the work queued so far on the compute stream (the reduce and the copies to the landing)."""
         if self._cuda:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                job()
-            self._event = self._stream.record_event()
+            try:
+                with torch.cuda.stream(self._stream):
+                    job()
+            finally:  # (a job that failed midway has queued some kernels: the next wait covers them too)
+                self._event = self._stream.record_event()
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-twin")
