@@ -25,8 +25,9 @@
 # Commit OUTDIR/summary.json as bench/results/gpu-DATE-DEVICE.json (the script prints the name).
 # Sizes: ZO_BENCH_SIZES (elements/params, default here 1e7,1e8), ZO_BENCH_COPY_MIB (default 64,256,1024),
 # ZO_STEP_SIZES (default 95M,1.3B), ZO_ANCHOR_SIZE (default 95M), batch x context ZO_STEP_BATCH x ZO_STEP_CONTEXT
-# (default 8 x 512). Every stage has a time limit and the whole run a deadline (ZO_CHECK_BUDGET_S, default 500 s)
-# so that it ends within 9 minutes on one H100; each stage prints its progress and seconds; a stage cut short is
+# (default 8 x 512), the step rows' moments ZO_STEP_STATE_DTYPE (default fp32; 8bit: issue 20's rows at batch 8).
+# Every stage has a time limit and the whole run a deadline (ZO_CHECK_BUDGET_S, default 500 s) so that it ends
+# within 9 minutes on one H100; each stage prints its progress and seconds; a stage cut short is
 # reported FAILED (rc 124) and keeps the rows it finished.
 # Scale mode (issue 23), its own device command because the default check uses most of one:
 #   bash bench/gpu_check.sh OUTDIR scale  builds, then bench/scale_check.py: per setting (ZO_SCALE_SETTINGS,
@@ -233,7 +234,7 @@ bench 45 160 "bench: H2D/D2H, writeback hidden" bench-transport.json bench/test_
 t=$(stage_s 150 20)
 limited 150 20 "bench: step in parts (step_rows)" "$py" bench/step_rows.py "$out/step.json" \
   --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes "${ZO_STEP_MODES:-sync,dpu,selective}" --budget-s "$((t / 2))" \
-  --gpu-fractions "${ZO_STEP_FRACTIONS:-0,auto}" --checkpoint \
+  --gpu-fractions "${ZO_STEP_FRACTIONS:-0,auto}" --checkpoint --state-dtype "${ZO_STEP_STATE_DTYPE:-fp32}" \
   "${step_args[@]}" || status=1
 install_wheels || status=1
 activations_stage 60 150 || status=1

@@ -182,6 +182,7 @@ def main(paths: list[str]) -> int:
                 continue
             peak = f", peak {r['zo_peak_gib']:.2f} vs {r['torch_peak_gib']:.2f} GiB" if r.get("zo_peak_gib") else ""
             twin = f" gpu_fraction {r['gpu_fraction']:.3f}" if r.get("gpu_fraction") else ""
+            twin += f" {r['state_dtype']} moments" if r.get("state_dtype", "fp32") != "fp32" else ""
             alone = {k: "-" if r.get(k) is None else f"{r[k]:.1f}" for k in ("cpu_adam_ms", "d2h_ms")}
             print(f"  step {r['params'] / 1e6:.0f}M {r['mode']}{twin}: zo {r['zo_ms']:.1f} ms, "
                   f"fwd+bwd {r['fwd_bwd_ms']:.1f}, CPU Adam {alone['cpu_adam_ms']}, D2H {alone['d2h_ms']}, "
