@@ -126,7 +126,7 @@ def cases():
     # weight decay, a call ending inside a block
     from zo_kernels.kernels.adam import adam_step
 
-    def run_adam(fmt, gdtype, wd, n=256 * 3 + 77, key=2**32 - 5, index0=4096):
+    def run_adam(fmt, gdtype, wd, n=4 * 1024 + 77, key=2**32 - 5, index0=4096):
         nb = -(-n // 256)
         dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
         moments = ([torch.zeros(n, dtype=torch.int8), torch.zeros(nb), torch.zeros(n, dtype=torch.uint8),

@@ -136,11 +136,18 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, moments: list[torch.Tens
                 neg_step_size=-lr / bc1)  # fmt: skip
     is8 = fmt == "8bit"
     block = BLOCK_8BIT if is8 else BLOCK_BF16
-    m, v = (moments[0], moments[2]) if is8 else (as_kernel_arg(moments[0]), as_kernel_arg(moments[1]))
-    ms, vs = (moments[1], moments[3]) if is8 else (master, master)  # (unused pointers with bf16)
-    with on_device(master):
-        _adam_kernel[(triton.cdiv(n, block),)](
-            master, as_kernel_arg(grad), m, v, ms, vs, n, index0, (key & 0xFFFFFFFF) - (1 << 31), **coef,
-            G_KIND=KIND[grad.dtype], FMT=FMT[fmt], DECAY=weight_decay != 0.0, BLOCK=block,
-            num_warps=2 if is8 else 4, enable_fp_fusion=False,
-        )  # fmt: skip
+    # Two launches: the whole blocks, whose length (a multiple of 16) lets Triton prove the mask constant over a
+    # vector, so their loads and stores are 16-byte ones; then the last, short block, masked element by element.
+    full = n // block * block
+    for lo, hi in ((0, full), (full, n)):
+        if lo == hi:
+            continue
+        m, v = (moments[0][lo:hi], moments[2][lo:hi]) if is8 else (as_kernel_arg(t[lo:hi]) for t in moments)
+        ms, vs = ((moments[1][lo // block :], moments[3][lo // block :]) if is8
+                  else (master, master))  # (unused pointers with bf16 / fp32)  # fmt: skip
+        with on_device(master):
+            _adam_kernel[(triton.cdiv(hi - lo, block),)](
+                master[lo:hi], as_kernel_arg(grad[lo:hi]), m, v, ms, vs, hi - lo, index0 + lo,
+                (key & 0xFFFFFFFF) - (1 << 31), **coef, G_KIND=KIND[grad.dtype], FMT=FMT[fmt],
+                DECAY=weight_decay != 0.0, BLOCK=block, num_warps=2 if is8 else 4, enable_fp_fusion=False,
+            )  # fmt: skip
