@@ -480,9 +480,9 @@ def test_a_param_unfrozen_after_construction_is_refused_by_name(stage: str, tmp_
 NO_OP_LIVES = [dataclasses.replace(x, world=1, dpu=random.Random(x.seed).choice((None, 0, 1))) for x in RANDOM_LIVES]
 
 
-# The moments in bf16 or 8-bit (no DPU nor gpu_fraction: they need fp32 moments): resume and round trips are bitwise
-# within one format.
-NO_OP_LIVES += [dataclasses.replace(x, world=1, dpu=None, gpu_fraction=0.0,
+# The moments in bf16 or 8-bit, with the life's gpu_fraction (the tail's moments in the format on the device) and DPU
+# or not: resume and round trips are bitwise within one format.
+NO_OP_LIVES += [dataclasses.replace(x, world=1, dpu=random.Random(x.seed + 4).choice((None, 0, 1)),
                                     state_dtype=random.Random(x.seed + 3).choice(("bf16", "8bit")))
                 for x in RANDOM_LIVES]  # fmt: skip
 
