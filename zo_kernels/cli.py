@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="format of ZeroOffloadAdamW's Adam moments on the host (the fp32 masters stay)")
     d.add_argument("--gpu-fraction", default="0", metavar="FRACTION",
                    help="ZeroOffloadAdamW's gpu_fraction: that part of the optimizer state stays on the device "
-                        "(Twin-Flow; with --state-dtype fp32)")  # fmt: skip
+                        "(Twin-Flow; its moments in --state-dtype's format)")  # fmt: skip
     d.add_argument("--seed", type=_int_in("--seed", 0, 2**63 - 1), default=0, help="model and data seed")
     d.add_argument("--batch", type=_positive_int("--batch", MAX_BATCH), default=16, metavar="SEQUENCES",
                    help="sequences per step")  # fmt: skip
