@@ -4,10 +4,10 @@
 Each element is read once (fp32 master, 16-bit or fp32 gradient, the moments' 2, 4 or 8 bytes, 8-bit: its block's
 two scales) and written once: 16 bytes per element moved with 8-bit moments, 18 with bf16, 26 with fp32 (torch's fused
 AdamW, after the fp32 copy of the scaled gradient it needs, 34; decoding to fp32, a fused AdamW and encoding back in
-separate kernels ~100). The arithmetic is CPU Adam's (cpu/adam.cpp,
-adam_math), operation for operation: the same fp32 coefficients (derived in double, rounded once), the same fused
-multiply-adds (tl.fma), IEEE division and square root (div_rn, sqrt_rn; no contraction of the rest:
-enable_fp_fusion=False), so the tail's update equals the host's bit for bit:
+separate kernels ~100). The arithmetic is CPU Adam's (cpu/adam.cpp, adam_math), operation for operation: the same
+fp32 coefficients (derived in double, rounded once), the same fused multiply-adds (tl.fma), IEEE division and square
+root (div_rn, sqrt_rn; no contraction of the rest: enable_fp_fusion=False), so the tail's update equals the host's
+bit for bit:
 - 8-bit: one program per block of 256 (the format's block, BLOCK_8BIT): dequantize with the block's scales (scale /
   levels, times the code; exp_avg_sq's codes hold sqrt(v)), update, take the block's new absmax from the bits of
   |m| and sqrt(v) (NaN > inf > finite, as the kernel's integer max), requantize: mult = levels / absmax, code =
@@ -29,7 +29,7 @@ from .utils import BF16, F16, F32, bf16_bits_to_f32, load_f32
 
 FMT = {"fp32": 0, "bf16": 1, "8bit": 2}
 BLOCK_8BIT = 256  # one program per 8-bit block: its scale is the program's
-BLOCK_BF16 = 1024
+BLOCK_WIDE = 1024  # elements per program with fp32 or bf16 moments
 KIND = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 
 
@@ -135,7 +135,7 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, moments: list[torch.Tens
                 omb1=1.0 - b1, omb2=1.0 - b2, b2=b2, inv_bc2_sqrt=1.0 / math.sqrt(bc2), eps=float(eps),
                 neg_step_size=-lr / bc1)  # fmt: skip
     is8 = fmt == "8bit"
-    block = BLOCK_8BIT if is8 else BLOCK_BF16
+    block = BLOCK_8BIT if is8 else BLOCK_WIDE
     # Two launches: the whole blocks, whose length (a multiple of 16) lets Triton prove the mask constant over a
     # vector, so their loads and stores are 16-byte ones; then the last, short block, masked element by element.
     full = n // block * block
