@@ -295,6 +295,19 @@ def test_a_missing_wait_on_the_device_stream_is_caught(dpu, monkeypatch):
     assert any("losses" in e or "working params" in e or "model." in e for e in errors), errors[:4]
 
 
+def test_the_next_backward_waits_for_the_device_update_reading_the_tail(monkeypatch):
+    """The tail has one gradient buffer (and one accumulator) also under DPU: the device's update of step i reads it
+    while backward i+1 would land there. With the device stream 50 ms late the run is still the oracle's; with the
+    backward's wait removed (GradPath.tail_free) it lands over the gradient the late update has not read yet, and
+    the comparison fails."""
+    c = dataclasses.replace(GPU_SHAPED, dpu=0, micro=2)
+    errors = judge(c, _gpu_shaped(c, 0.05))
+    assert not errors, "\n".join(errors[:8])
+    monkeypatch.setattr(TwinUpdate, "wait_device", lambda self: None)
+    errors = judge(c, _gpu_shaped(c, 0.05))
+    assert any("losses" in e or "master" in e or "model." in e for e in errors), errors[:4]
+
+
 def test_device_stream_failure_makes_the_optimizer_unusable():
     model, opt = _train(0.5, steps=1)
 

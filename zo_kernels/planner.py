@@ -359,7 +359,9 @@ def plan(
     pre-norm transformer whose blocks are checkpointed the peak is one block, `layer_params`, and the next block's
     first LayerNorm); None: whole layers, as the ZeRO-Infinity paper counts.
     `gpu_fraction` (ZeroOffloadAdamW's Twin-Flow) moves that fraction of the offload rows' partition state and
-    gradients (K + 2 bytes per element, and the same fraction of `_host_extra`) from the host to the GPU.
+    gradients (K + 2 bytes per element, and the same fraction of `_host_extra`) from the host; on the GPU the tail
+    keeps one landing buffer and one accumulator also under DPU, so DPU's second ones leave the host without
+    reaching the GPU.
     `selective` (ZeroOffloadAdamW's selective fraction f, 0: off; stages 1-2, fp32 moments): the ZeRO-2 + offload row
     adds the buffers of `_selective_extra`.
     """
@@ -412,13 +414,15 @@ def plan(
         # (selective's window sum reads one landing buffer beside the next backward: two, as under DPU)
         extra = _host_extra(s, gpus, accumulation, dpu or (bool(selective) and s == "ZeRO-2 + offload"))
         if s in ("ZeRO-2 + offload", "ZeRO-3 + offload"):  # gpu_fraction moves f of the partition's host buffers
-            # to the GPU (p32, m, v, g16 landing and accumulators) except the stage-3 shard, which stays whole, and the
+            # to the GPU (p32, m, v, g16 landing and accumulators) except the stage-3 shard, which stays whole, the
             # p16 staging (ZeRO-3 + offload under DPU), which the tail does not need (the GPU casts its masters
-            # straight into the parameters)
+            # straight into the parameters), and DPU's second landing buffer and accumulator: the tail has one of
+            # each (the device's update reads them at once)
             shard = 2 / gpus if s == "ZeRO-3 + offload" else 0.0
             staging = 2 / gpus if s == "ZeRO-3 + offload" and dpu else 0.0
+            second = (2 / gpus + (4 / gpus if accumulation else 0.0)) if dpu else 0.0
             scaled = h + extra - shard
-            g, h = g + gpu_fraction * (scaled - staging), shard + (1 - gpu_fraction) * scaled
+            g, h = g + gpu_fraction * (scaled - staging - second), shard + (1 - gpu_fraction) * scaled
             if selective and s == "ZeRO-2 + offload":
                 g_sel, h_sel = _selective_extra(selective, gpus, accumulation)
                 g, h = g + g_sel, h + h_sel

@@ -67,7 +67,9 @@ class GradPath:
         on_grad, on_pass_end: told when a param's gradient arrives and when a backward pass (final=True) or a
             part of one ends (ZeRO-3 frees the gathered parameters).
         split: gpu_fraction (twin.py): only the partition's head [0, split) lands on the host; the tail's gradients
-            never leave the device (`device_landing`, partition offset - split). None: all of it lands.
+            never leave the device (`device_landing`, partition offset - split: one buffer, and one fp32
+            accumulator, also under DPU: the device's update reads them at once, and the next backward's first write
+            waits for it, `tail_free`). None: all of it lands.
         selected: selective (selected.py): the held selection's gradient is also gathered on the device from each
             reduced bucket piece and summed there over micro-batches.
     """
@@ -90,14 +92,17 @@ class GradPath:
         # told before a backward writes a landing buffer (and its accumulator): selective's window sum may still be
         # reading it (selective.py, wait_readers)
         self.before_write: Callable[[list[torch.Tensor]], None] | None = None
+        # told before a backward or zero_grad writes the device tail's buffers: the device's update of the last step
+        # may still be reading them (twin.py: the compute stream waits for its stream)
+        self.tail_free: Callable[[], None] | None = None
         self.landing = [transport.pool.take(split, dtype) if split else torch.zeros(0, dtype=dtype)
                         for _ in range(slots)]  # fmt: skip
         self.device_landing = [torch.zeros(layout.part - split, dtype=dtype, device=device)
-                               for _ in range(slots if split < layout.part else 0)]  # fmt: skip
+                               for _ in range(1 if split < layout.part else 0)]  # fmt: skip
         for buf in self.landing:
             buf.zero_()
         self.accum: list[torch.Tensor | None] = [None] * slots
-        self.device_accum: list[torch.Tensor | None] = [None] * slots
+        self.device_accum: list[torch.Tensor | None] = [None]
         # One rank whose device memory is host memory needs no bucket: gradients pack into the landing buffer.
         self.direct_landing = comm.world == 1 and not transport.needs_staging and split == layout.part
         buf_numel = 0 if self.direct_landing else max(b.hi - b.lo for b in layout.buckets)
@@ -250,6 +255,8 @@ class GradPath:
         stream) or, with host=True, for the host."""
         if self.before_write is not None:
             self.before_write([t for t in (self.landing[s], self.accum[s]) if t is not None])
+        if self.tail_free is not None and self.device_landing:
+            self.tail_free()
         for ev in self.transport.pool.events(self.landing[s]):
             if host:
                 self.transport.wait(ev)
@@ -280,13 +287,13 @@ class GradPath:
             self.accum[s].copy_(self.landing[s])
         else:  # (a 16-bit landing buffer: torch's mixed-dtype add_ is ~5x slower)
             accumulate(self.accum[s], self.landing[s], threads=self.threads)
-        if self.device_landing:  # the device's tail accumulates on the device
-            if self.device_accum[s] is None:
-                self.device_accum[s] = self.device_landing[s].to(torch.float32, copy=True)
+        if self.device_landing:  # the device's tail accumulates on the device (one buffer of each: no slot)
+            if self.device_accum[0] is None:
+                self.device_accum[0] = self.device_landing[0].to(torch.float32, copy=True)
             elif self.n_micro == 1:
-                self.device_accum[s].copy_(self.device_landing[s])
+                self.device_accum[0].copy_(self.device_landing[0])
             else:
-                self.device_accum[s].add_(self.device_landing[s])
+                self.device_accum[0].add_(self.device_landing[0])
         gathering = self._gathering()
         if gathering:  # the selection's gradient accumulates on the device, as the host's does
             self.selected.accumulate(first=self.n_micro == 1)
@@ -360,7 +367,7 @@ class GradPath:
                 if head:
                     busy.append(self.transport.d2h(self.landing[self.slot][pa : pa + head], src[:head]))
                 if head < c - a:  # gpu_fraction: on the compute stream, after the reduce; never to the host
-                    self._tail(self.device_landing[self.slot], pa, pa + c - a).copy_(src[head:])
+                    self._tail(self.device_landing[0], pa, pa + c - a).copy_(src[head:])
                 if gathering:  # selective: on the compute stream, after the reduce, before the buffer's reuse
                     self.selected.gather(src, pa)
         self.times.add("reduce", t2 - t1)
@@ -439,7 +446,7 @@ class GradPath:
         if self.n_micro > 1:
             grad = accumulate(self.accum[s], self.landing[s], threads=self.threads)
             if device_grad is not None:
-                device_grad = self.device_accum[s].add_(device_grad)
+                device_grad = self.device_accum[0].add_(device_grad)
         selected = self.selected.total(self.n_micro) if self._gathering() else None
         found_inf, sum_sq, got = self._global_checks(grad, device_grad)
         self.last_got = got
@@ -500,7 +507,7 @@ class GradPath:
             self.landing_free(self.slot, host=True)
             self.landing[self.slot].zero_()
             if self.device_landing:
-                self.device_landing[self.slot].zero_()
+                self.device_landing[0].zero_()
             if self._gathering():
                 self.selected.landing.zero_()
             for i, p in kept.items():
@@ -515,9 +522,10 @@ class GradPath:
         return self.selected is not None and self.selected.sel is not None
 
     def _dev(self, bufs: list[torch.Tensor | None], s: int) -> torch.Tensor | None:
-        """The device tail's buffer beside host buffer list `bufs` (landing or accum) at slot s (gpu_fraction)."""
+        """The device tail's buffer beside host buffer list `bufs` (landing or accum) at slot s (gpu_fraction: the
+        tail has one of each, whatever the slot)."""
         tails = self.device_landing if bufs is self.landing else self.device_accum
-        return tails[s] if len(tails) > s else None
+        return tails[0] if tails else None
 
     def _tail(self, dev: torch.Tensor | None, a: int, b: int) -> torch.Tensor:
         """Partition range [a, b)'s part in the device tail `dev` (empty where none); the host head's part is

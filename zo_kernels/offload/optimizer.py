@@ -423,6 +423,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             raise
         if isinstance(self.update, SelectiveUpdate):  # its window sum reads a landing buffer beside the next backward
             self.grads.before_write = self.update.wait_readers
+        if isinstance(self.update, TwinUpdate):  # the device's update reads the tail's one gradient buffer
+            self.grads.tail_free = self.update.wait_device
         if self.update.params_over_grads:  # a state loaded between a delayed update and its writeback keeps its
             grads, host = self.grads, getattr(self.update, "host", self.update)  # parameters in the landing buffer
             slots = len(grads.landing)  # the next backward does not write (TwinUpdate: its host part)

@@ -156,12 +156,10 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
             f"{n_accum}·4{p_}" if n_accum > 1 else f"4{p_}", 4 * n_accum * part, nbytes(grads.accum))  # fmt: skip
     if tail:  # gpu_fraction: the tail's state and gradients stay on the device
         add("device", "p32, m, v of the tail", f"{k:g}D", round(k * tail), update.device_state_bytes)
-        add("device", "tail gradient landing" + (" x2, DPU" if slots > 1 else ""),
-            f"{slots}·{e}D" if slots > 1 else f"{e}D", slots * e * tail, nbytes(grads.device_landing))  # fmt: skip
-        n_dev = sum(a is not None for a in grads.device_accum)
-        if n_dev:
-            add("device", "tail fp32 accumulation" + (f" x{n_dev}" if n_dev > 1 else ""),
-                f"{n_dev}·4D" if n_dev > 1 else "4D", 4 * n_dev * tail, nbytes(grads.device_accum))  # fmt: skip
+        # (one of each also under DPU: the device's update reads them at once, the next backward waits for it)
+        add("device", "tail gradient landing", f"{e}D", e * tail, nbytes(grads.device_landing))
+        if grads.device_accum[0] is not None:
+            add("device", "tail fp32 accumulation", "4D", 4 * tail, nbytes(grads.device_accum))
     if sel is not None:  # selective (selected.py, selective.py): buffers for the largest selection, S, made once
         s = sel.capacity
         add("device", "p32, m, v of the selection", "12S", 12 * s, nbytes([update.state_device]))

@@ -312,6 +312,11 @@ class TwinUpdate(StateViews):
             return
         self.stream.launch(lambda: self.device_state.step(grad, grad_scale, runs, hparams))
 
+    def wait_device(self) -> None:
+        """Before the tail's gradient buffers are written again (GradPath.tail_free: they are one, also under DPU): the
+        compute stream waits for the update reading them (on the CPU stand-in, the host does)."""
+        self._wait_device()
+
     def _wait_device(self) -> None:
         """The tail's launched update done (ordered on the compute stream); its failure makes the optimizer unusable."""
         try:
