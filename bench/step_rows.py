@@ -68,7 +68,7 @@ import zo_kernels as zk
 from zo_kernels.auto_fraction import FractionPick, measure_device_adam_rate, pick_fraction
 from zo_kernels.gpt import GPT, GPTConfig, num_params
 from zo_kernels.offload.twin import split_runs
-from zo_kernels.planner import state_k
+from zo_kernels.planner import STATE_DTYPES, state_k
 from zo_kernels.transport import CopyEngineTransport, Transport
 
 # 1.3B: 26 layers of width 2048 (12 * 26 * 2048^2 = 1.31e9); torch's fused AdamW on fp32 masters with a bf16
@@ -330,7 +330,7 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
     transport = copy_engine(gbps)
     dpu = mode == "dpu"  # the DPU rows tile the writeback under the next forward (dpu_writeback="per_module")
     opt = zk.ZeroOffloadAdamW(model, lr=1e-4, delay_update_after=0 if dpu else None, transport=transport,
-                              tile_numel=tile_numel, gpu_fraction=gpu_fraction, state_dtype=STATE_DTYPES[state_dtype],
+                              tile_numel=tile_numel, gpu_fraction=gpu_fraction, state_dtype=state_dtype,
                               dpu_writeback="per_module" if dpu else "whole")  # fmt: skip
     row["gpu_fraction"], row["partition"] = gpu_fraction, opt.part
     fence = getattr(opt.update, "fence", None)  # DPU with real copies: the tiled writeback (None: waited for whole)
@@ -412,7 +412,6 @@ TARGETS.update({"ckpt_" + k: v for k, v in TARGETS.items() if k != "orchestratio
 # a configuration bench/convergence.py measured within 2% of exact AdamW when fine-tuning (--finetune 400: 1.005-1.015
 # over 3 seeds, both models; README "selective: convergence"); the CPU applies the rest once per 4 steps. (The
 # first GPU run's {0.5, 100, apply_every 1} is the one within 2% from scratch, with 100 warm-up steps.)
-STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": "8bit"}  # --state-dtype
 SELECTIVE = {"fraction": 0.25, "select_every": 100, "apply_every": 4}
 
 
@@ -637,7 +636,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--copy-engine-gbps", type=float, default=None,
                     help="device cpu: the GPU's data flow, copies delayed as over a link of this many GB/s")
     ap.add_argument("--tile-numel", type=int, default=None, help="the optimizer's tile_numel (default: its own)")
-    ap.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default="fp32",
+    ap.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
                     help="the moments' format of the sync and DPU rows (host and gpu_fraction's tail)")
     ap.add_argument("--checkpoint", action="store_true",
                     help="each row also trains with every block checkpointed (ckpt_* keys)")

@@ -82,10 +82,11 @@ def measure_cpu_adam_rate(numel: int = 1 << 22, repeats: int = 3, threads: int |
                           state_dtype: str = "fp32") -> float:  # fmt: skip
     """CPU Adam's rate on this host, params/s: the best of `repeats` steps over `numel` elements with the moments in
     `state_dtype` ("fp32", "bf16", "8bit")."""
-    from .cpu_adam import cpu_adam_step, zero_moments
+    from .cpu_adam import cpu_adam_step
+    from .offload.formats import Moments
 
     p, g = torch.randn(numel), torch.randn(numel) * 1e-3
-    m, v = zero_moments(p, {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": "8bit"}[state_dtype])
+    m, v = Moments(state_dtype, numel).pair
     kw = {} if threads is None else {"threads": threads}
     best = math.inf
     for step in range(1, repeats + 2):  # (the first warms the pages up)

@@ -25,11 +25,13 @@ need only the gradient's copy, 64 MiB.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..quant8 import dequantize, num_blocks, quantize
 from ..versions import default_impl
-from .formats import BLOCK_8BIT, MOMENTS, block_of
+from .formats import BLOCK_8BIT, MOMENTS, block_of, raw_spec
 
 # Elements per fused AdamW call on the tail: its fp32 scaled gradient is a copy of this many elements (64 MiB of device
 # workspace, whatever the tail's size; a 1.3B model's tail would otherwise need a copy of gigabytes).
@@ -40,13 +42,14 @@ M32 = 0xFFFFFFFF
 IMPL = "auto"
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for int64 x in [0, 2**32) and a 32-bit constant c, without leaving int64's range."""
+def _mul32(x: Any, c: int) -> Any:
+    """(x * c) mod 2**32 for x in [0, 2**32) (an int, or an int64 tensor) and a 32-bit constant c, without leaving
+    int64's range."""
     return ((x & 0xFFFF) * c + (((x >> 16) * (c & 0xFFFF)) << 16)) & M32
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """cpu/adam.cpp's mix32 (xor-shift-multiply) on int64 tensors holding uint32 values."""
+def _mix32(x: Any) -> Any:
+    """cpu/adam.cpp's mix32 (xor-shift-multiply) on a uint32 value: an int, or an int64 tensor holding them."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
@@ -54,21 +57,12 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _mix32_int(x: int) -> int:
-    x &= M32
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & M32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & M32
-    return x ^ (x >> 16)
-
-
 def sr_key(seed: int, step: int) -> int:
     """cpu/adam.cpp's sr_key: the hash of (seed, step) that each element's index is mixed with."""
-    h = _mix32_int((seed & M32) ^ 0x9E3779B9)
-    h = _mix32_int(h ^ ((seed >> 32) & M32))
-    h = _mix32_int(h ^ (step & M32))
-    return _mix32_int(h ^ ((step >> 32) & M32))
+    h = _mix32((seed & M32) ^ 0x9E3779B9)
+    h = _mix32(h ^ ((seed >> 32) & M32))
+    h = _mix32(h ^ (step & M32))
+    return _mix32(h ^ ((step >> 32) & M32))
 
 
 def round_bf16_sr(m: torch.Tensor, v: torch.Tensor, seed: int, step: int,
@@ -166,19 +160,14 @@ class DeviceState:
                 dst.copy_(src)
 
     def raw(self) -> list[torch.Tensor]:
-        """Host copies of the tensors holding the moments' bits (formats.Moments.tensors()'s order)."""
+        """The tensors holding the moments' bits, on the host (copies of a device's; formats.Moments.tensors()'s
+        order)."""
         return [t.cpu() for t in self.moments]
 
     def set_raw(self, a: int, b: int, raw: dict[str, torch.Tensor]) -> None:
         """Elements [a, b) from formats.Moments.raw() bits (8-bit: a on a block boundary, the scales of its blocks)."""
-        if self.fmt != "8bit":
-            for name, t in zip(MOMENTS, self.moments):
-                t[a:b].copy_(raw[name])
-            return
-        blk = BLOCK_8BIT
-        for i, name in enumerate(MOMENTS):
-            self.moments[2 * i][a:b].copy_(raw[f"{name}_codes"])
-            self.moments[2 * i + 1][a // blk : -(-b // blk)].copy_(raw[f"{name}_scales"])
+        for dst, key in zip(self._views(a, b), raw_spec(self.fmt, 0)):  # (the views are in raw()'s key order)
+            dst.copy_(raw[key])
 
     def _views(self, a: int, b: int) -> list[torch.Tensor]:
         """The moments' tensors of elements [a, b) (8-bit: a on a block; the scales of its blocks)."""

@@ -133,6 +133,12 @@ class Moments:
             t.zero_()
 
 
+def cut_raw(raw: dict[str, torch.Tensor], x: int, y: int, block: int) -> dict[str, torch.Tensor]:
+    """Elements [x, y) of raw() bits whose element 0 starts a block (x on a block too): the codes or values of those
+    elements, the scales of the blocks they touch (views)."""
+    return {k: t[x // block : -(-y // block)] if "scales" in k else t[x:y] for k, t in raw.items()}
+
+
 def raw_spec(fmt: str, n: int) -> dict[str, tuple[torch.dtype, int]]:
     """The raw() entries of a parameter of n elements: name -> (dtype, numel)."""
     if fmt == "8bit":

@@ -97,12 +97,12 @@ class GradPath:
         self.tail_free: Callable[[], None] | None = None
         self.landing = [transport.pool.take(split, dtype) if split else torch.zeros(0, dtype=dtype)
                         for _ in range(slots)]  # fmt: skip
-        self.device_landing = [torch.zeros(layout.part - split, dtype=dtype, device=device)
-                               for _ in range(1 if split < layout.part else 0)]  # fmt: skip
+        self.device_landing = (torch.zeros(layout.part - split, dtype=dtype, device=device) if split < layout.part
+                               else None)  # fmt: skip
         for buf in self.landing:
             buf.zero_()
         self.accum: list[torch.Tensor | None] = [None] * slots
-        self.device_accum: list[torch.Tensor | None] = [None]
+        self.device_accum: torch.Tensor | None = None
         # One rank whose device memory is host memory needs no bucket: gradients pack into the landing buffer.
         self.direct_landing = comm.world == 1 and not transport.needs_staging and split == layout.part
         buf_numel = 0 if self.direct_landing else max(b.hi - b.lo for b in layout.buckets)
@@ -191,7 +191,7 @@ class GradPath:
             for buf in (self.landing[s], self.accum[s] if self.n_micro > 1 else None):
                 if buf is not None and a < b:
                     buf[a:b].zero_()  # out of the norm too
-            for buf in (self._dev(self.landing, s), self._dev(self.accum, s) if self.n_micro > 1 else None):
+            for buf in (self.device_landing, self.device_accum if self.n_micro > 1 else None):
                 self._tail(buf, a, b).zero_()
             if self._gathering():
                 self.selected.zero(a, b, summed=self.n_micro > 1)
@@ -255,7 +255,7 @@ class GradPath:
         stream) or, with host=True, for the host."""
         if self.before_write is not None:
             self.before_write([t for t in (self.landing[s], self.accum[s]) if t is not None])
-        if self.tail_free is not None and self.device_landing:
+        if self.tail_free is not None and self.device_landing is not None:
             self.tail_free()
         for ev in self.transport.pool.events(self.landing[s]):
             if host:
@@ -287,20 +287,20 @@ class GradPath:
             self.accum[s].copy_(self.landing[s])
         else:  # (a 16-bit landing buffer: torch's mixed-dtype add_ is ~5x slower)
             accumulate(self.accum[s], self.landing[s], threads=self.threads)
-        if self.device_landing:  # the device's tail accumulates on the device (one buffer of each: no slot)
-            if self.device_accum[0] is None:
-                self.device_accum[0] = self.device_landing[0].to(torch.float32, copy=True)
+        if self.device_landing is not None:  # the device's tail accumulates on the device (one buffer: no slot)
+            if self.device_accum is None:
+                self.device_accum = self.device_landing.to(torch.float32, copy=True)
             elif self.n_micro == 1:
-                self.device_accum[0].copy_(self.device_landing[0])
+                self.device_accum.copy_(self.device_landing)
             else:
-                self.device_accum[0].add_(self.device_landing[0])
+                self.device_accum.add_(self.device_landing)
         gathering = self._gathering()
         if gathering:  # the selection's gradient accumulates on the device, as the host's does
             self.selected.accumulate(first=self.n_micro == 1)
         for i, f in enumerate(self.factor):  # p.grad.mul_(f) so far applies to the sum so far, not to what follows
             if f != 1.0:
                 a, b = self.layout.part_range(self.layout.params[i])
-                self._tail(self._dev(self.accum, s), a, b).mul_(f)
+                self._tail(self.device_accum, a, b).mul_(f)
                 self.accum[s][a:b] *= f
                 if gathering:
                     self.selected.scale(a, b, f)
@@ -367,7 +367,7 @@ class GradPath:
                 if head:
                     busy.append(self.transport.d2h(self.landing[self.slot][pa : pa + head], src[:head]))
                 if head < c - a:  # gpu_fraction: on the compute stream, after the reduce; never to the host
-                    self._tail(self.device_landing[0], pa, pa + c - a).copy_(src[head:])
+                    self._tail(self.device_landing, pa, pa + c - a).copy_(src[head:])
                 if gathering:  # selective: on the compute stream, after the reduce, before the buffer's reuse
                     self.selected.gather(src, pa)
         self.times.add("reduce", t2 - t1)
@@ -442,11 +442,11 @@ class GradPath:
         starts afresh. A step whose gradients overflowed does not count as an iteration."""
         s = self.slot
         self.iteration += 1
-        grad, device_grad = self.landing[s], self._dev(self.landing, s)
+        grad, device_grad = self.landing[s], self.device_landing
         if self.n_micro > 1:
             grad = accumulate(self.accum[s], self.landing[s], threads=self.threads)
             if device_grad is not None:
-                device_grad = self.device_accum[0].add_(device_grad)
+                device_grad = self.device_accum.add_(device_grad)
         selected = self.selected.total(self.n_micro) if self._gathering() else None
         found_inf, sum_sq, got = self._global_checks(grad, device_grad)
         self.last_got = got
@@ -506,8 +506,8 @@ class GradPath:
         if kept:  # zero gradients: the landing buffer holds zeros until the next backward overwrites it
             self.landing_free(self.slot, host=True)
             self.landing[self.slot].zero_()
-            if self.device_landing:
-                self.device_landing[0].zero_()
+            if self.device_landing is not None:
+                self.device_landing.zero_()
             if self._gathering():
                 self.selected.landing.zero_()
             for i, p in kept.items():
@@ -520,12 +520,6 @@ class GradPath:
     def _gathering(self) -> bool:
         """selective holds a selection: its gradient is gathered on the device (selected.py)."""
         return self.selected is not None and self.selected.sel is not None
-
-    def _dev(self, bufs: list[torch.Tensor | None], s: int) -> torch.Tensor | None:
-        """The device tail's buffer beside host buffer list `bufs` (landing or accum) at slot s (gpu_fraction: the
-        tail has one of each, whatever the slot)."""
-        tails = self.device_landing if bufs is self.landing else self.device_accum
-        return tails[0] if tails else None
 
     def _tail(self, dev: torch.Tensor | None, a: int, b: int) -> torch.Tensor:
         """Partition range [a, b)'s part in the device tail `dev` (empty where none); the host head's part is
@@ -553,9 +547,8 @@ class GradPath:
         world = self.comm.world
         if ord not in self._norm_cache:
             last, earlier = self._host_gradient()
-            s = self.slot
-            last_dev = self._dev(self.landing, s)
-            earlier_dev = self._dev(self.accum, s) if earlier is not None else None
+            last_dev = self.device_landing
+            earlier_dev = self.device_accum if earlier is not None else None
             part = torch.zeros(len(self.layout.params), dtype=torch.float64)
             for i, p in enumerate(self.layout.params):
                 a, b = self.layout.part_range(p)
@@ -583,8 +576,7 @@ class GradPath:
             self.zero_grad(set_to_none=False)
             return
         last, earlier = self._host_gradient()
-        s = self.slot
-        tails = (self._dev(self.landing, s), self._dev(self.accum, s) if earlier is not None else None)
+        tails = (self.device_landing, self.device_accum if earlier is not None else None)
         for i in indices:
             a, b = self.layout.part_range(self.layout.params[i])
             for buf, dev in zip((last, earlier), tails):

@@ -430,7 +430,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             slots = len(grads.landing)  # the next backward does not write (TwinUpdate: its host part)
             host.spare_landing = lambda: (grads.landing[(grads.iteration + 1) % slots], slots > 1)
         if self.split < self.part:  # the tail's p32, m, v, gradient landing (its fp32 accumulators: memory_report)
-            tail_grads = sum(t.numel() * t.element_size() for t in self.grads.device_landing)
+            tail_grads = self.grads.device_landing.numel() * self.grads.device_landing.element_size()
             self.device_bytes.add(self.update.device_state_bytes + tail_grads)
         if self.selective is not None:  # the selection's p32, m, v, gradient, index (its accumulator: memory_report)
             self.device_bytes.add(self.update.device_state_bytes)

@@ -157,9 +157,9 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
     if tail:  # gpu_fraction: the tail's state and gradients stay on the device
         add("device", "p32, m, v of the tail", f"{k:g}D", round(k * tail), update.device_state_bytes)
         # (one of each also under DPU: the device's update reads them at once, the next backward waits for it)
-        add("device", "tail gradient landing", f"{e}D", e * tail, nbytes(grads.device_landing))
-        if grads.device_accum[0] is not None:
-            add("device", "tail fp32 accumulation", "4D", 4 * tail, nbytes(grads.device_accum))
+        add("device", "tail gradient landing", f"{e}D", e * tail, nbytes([grads.device_landing]))
+        if grads.device_accum is not None:
+            add("device", "tail fp32 accumulation", "4D", 4 * tail, nbytes([grads.device_accum]))
     if sel is not None:  # selective (selected.py, selective.py): buffers for the largest selection, S, made once
         s = sel.capacity
         add("device", "p32, m, v of the selection", "12S", 12 * s, nbytes([update.state_device]))

@@ -10,7 +10,7 @@ import torch
 from ..cpu_adam import _real, check_hparams
 from ..optim_contract import TORCH_OPTIONS, check_state_dict_layout, check_torch_options, keep_implementation
 from .checks import check_int
-from .formats import BLOCK_8BIT, check_raw, check_state_dtype
+from .formats import BLOCK_8BIT, check_raw, check_state_dtype, cut_raw
 
 if TYPE_CHECKING:
     from .optimizer import ZeroOffloadAdamW
@@ -202,9 +202,7 @@ def _load_checked(opt: ZeroOffloadAdamW, state_dict: dict[str, Any], plan: list,
             raw = extra["moments"].get(i, extra["moments"].get(str(i)))
             off, n = opt.layout.offset[p], opt.layout.shape[p].numel()
             for a, b, pa in opt.layout.owned(off, off + n, opt.rank):  # a - off is on a block boundary
-                x, y = a - off, b - off
-                part = {k: v[x:y] if "codes" in k else v[x // BLOCK_8BIT : -(-y // BLOCK_8BIT)] for k, v in raw.items()}
-                pieces.append((pa, pa + b - a, part))
+                pieces.append((pa, pa + b - a, cut_raw(raw, a - off, b - off, BLOCK_8BIT)))
         opt.update.set_raw(pieces)
     opt._set_group_steps()
     if no_masters and not opt.update.params_in_swapper:

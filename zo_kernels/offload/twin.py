@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .device_adam import DeviceState
-from .formats import block_of, bytes_per_element
+from .formats import block_of, bytes_per_element, cut_raw
 from .layout import FlatLayout, Run
 from .update import HostUpdate, MasterFill, StateViews, stopped_waiting
 
@@ -264,9 +264,7 @@ class TwinUpdate(StateViews):
         for a, b, raw in pieces:
             for lo, hi, side, base in ((a, min(b, s), head, 0), (max(a, s), b, tail, s)):
                 if lo < hi:  # (lo - a is on a block)
-                    cut = {k: t[(lo - a) // block : -(-(hi - a) // block)] if "scales" in k else t[lo - a : hi - a]
-                           for k, t in raw.items()}  # fmt: skip
-                    side.append((lo - base, hi - base, cut))
+                    side.append((lo - base, hi - base, cut_raw(raw, lo - a, hi - a, block)))
         if head:
             self.host.set_raw(head)
         for a, b, raw in tail:

@@ -17,7 +17,7 @@ from ..cpu_adam import cpu_adam_step
 from ..nvme import TILE_MULTIPLE, Moment, NvmeSwapper, UpdateFn, as_float, assign, narrow
 from ..transport import Event, Staging, Transport, tiled_writeback
 from .fence import TileFence
-from .formats import BLOCK_8BIT, Moments, block_of, bytes_per_element
+from .formats import BLOCK_8BIT, Moments, block_of, bytes_per_element, cut_raw
 from .layout import FlatLayout, Run
 from .report import PhaseTimes
 
@@ -281,9 +281,7 @@ class HostUpdate(StateViews):
             for a, b, raw in pieces:
                 x, y = max(a, lo), min(b, hi)
                 if x < y:  # (x - a and x - lo are on block boundaries)
-                    cut = {k: t[(x - a) // block : -(-(y - a) // block)] if "scales" in k else t[x - a : y - a]
-                           for k, t in raw.items()}  # fmt: skip
-                    tile.set_raw(x - lo, y - lo, cut)
+                    tile.set_raw(x - lo, y - lo, cut_raw(raw, x - a, y - a, block))
 
         self.swapper.stream(put)
 
