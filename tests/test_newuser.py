@@ -253,5 +253,11 @@ def test_ctrl_c_during_nvme_steps_exits_and_leaves_no_file(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == -signal.SIGINT and err.strip().endswith("KeyboardInterrupt"), err[-2000:]
+    # the traceback ends in KeyboardInterrupt, followed only by the note cpu_adam_step adds when the signal lands
+    # inside the kernel call (which part of the range holds the new step)
+    lines = err.strip().split("\n")
+    ends = [i for i, line in enumerate(lines) if line == "KeyboardInterrupt"]
+    notes = lines[ends[-1] + 1 :] if ends else ["(no KeyboardInterrupt line)"]
+    assert proc.returncode == -signal.SIGINT and all(n.startswith("cpu_adam_step: updated = (0, ") for n in notes), (
+        err[-2000:])  # fmt: skip
     assert list(tmp_path.iterdir()) == []
