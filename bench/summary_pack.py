@@ -15,6 +15,7 @@ import sys
 TARGET_OF_COPY = {10_000_000: 0.60, 100_000_000: 0.85}
 KEYS = ("numel", "tensors", "align", "zo_ms", "copy_ms", "torch_ref_ms", "zo_pack_ms", "of_copy", "vs_torch_ref",
         "zo_GBps", "copy_GBps", "timer", "device", "zo_graph_ms", "graph_of_copy", "zo_graph_error")  # fmt: skip
+HOST_KEYS = ("host_us", "host_us_launch_stubbed", "host_us_through_triton", "cpu_path_us", "launch")
 
 
 def pack_rows(bench: dict) -> list[dict]:
@@ -38,7 +39,7 @@ def host_row(bench: dict) -> dict | None:
     for b in bench.get("benchmarks", []):
         info = b.get("extra_info", {})
         if "host_us" in info:
-            return {k: info[k] for k in ("host_us", "host_us_launch_stubbed", "cpu_path_us", "launch") if k in info}
+            return {k: info[k] for k in HOST_KEYS if k in info}
     return None
 
 

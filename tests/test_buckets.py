@@ -400,6 +400,53 @@ def test_plan_refuses_other_tensors_before_writing():
         zk.buckets.plan([buf[:5], buf[3:10]]).unpack(torch.zeros(12), [buf[:5], buf[3:10]])
 
 
+@pytest.mark.parametrize("guarded", [True, False], ids=["layout guard", "passes only"])
+def test_plan_refuses_other_tensors_after_good_calls(monkeypatch, guarded):
+    """After good calls the plan reads only addresses while its layout guard (one C++ call) holds; every list the
+    full check refuses must still be refused, with the same message and nothing written. 'passes only': a torch
+    whose guard fails its self-test (the plan keeps its passes)."""
+    from zo_kernels.kernels import layout_guard
+
+    if not guarded:
+        monkeypatch.setattr(layout_guard, "_WORKS", False)
+    ts = [torch.randn(5), torch.randn(7, dtype=torch.float16)]
+    plan = zk.buckets.plan(ts, dtype=torch.float32)
+    out = torch.zeros(12)
+    for _ in range(3):
+        assert torch.equal(plan.pack(ts, out=out).flat, torch.cat([ts[0], ts[1].float()]))
+    if guarded and layout_guard.guard(ts) is not None:
+        assert plan.full_checks == 1, "the layout guard did not spare the full check of the same tensors"
+    else:
+        assert plan.full_checks == 3
+    bad = [
+        ([torch.randn(6), ts[1]], ValueError, r"tensors\[0\] is torch.float32 with 6 elements; the plan was built"),
+        ([ts[0], ts[1].float()], ValueError, r"tensors\[1\] is torch.float32 with 7"),
+        ([ts[0], torch.randn(7, 2, dtype=torch.float16)[:, 0]], ValueError, r"tensors\[1\] must be contiguous"),
+        ([ts[0], "x"], TypeError, r"tensors\[1\] must be a torch.Tensor"),
+        ([ts[0], None], TypeError, r"tensors\[1\] must be a torch.Tensor, got NoneType"),
+        ([ts[0], torch.empty(7, dtype=torch.float16, device="meta")], ValueError, r"tensors\[1\] is on meta"),
+    ]
+    for tensors, exc, match in bad:
+        before = digest(out)
+        with pytest.raises(exc, match=match):
+            plan.pack(tensors, out=out)
+        assert digest(out) == before
+        assert torch.equal(plan.pack(ts, out=out).flat, torch.cat([ts[0], ts[1].float()]))  # the guard is back
+    # negated views: read (resolved) by pack, refused by unpack, whatever the guard held before
+    neg = torch._neg_view(ts[1])
+    assert torch.equal(plan.pack([ts[0], neg], out=out).flat, torch.cat([ts[0], -ts[1].float()]))
+    plan.unpack(out, [ts[0].clone(), ts[1].clone()])
+    with pytest.raises(ValueError, match=r"tensors\[1\] is a negated view"):
+        plan.unpack(out, [ts[0].clone(), torch._neg_view(ts[1].clone())])
+    # another layout of the same sizes and dtypes is checked in full and accepted (then guarded)
+    other = [ts[0].clone().reshape(5, 1), ts[1].clone()]
+    assert torch.equal(plan.pack(other, out=out).flat, torch.cat([ts[0], ts[1].float()]))
+    # the same layout at new addresses: the new memory is checked (overlap with out refused)
+    o = torch.cat([ts[0], torch.zeros(7)])
+    with pytest.raises(ValueError, match="out and a tensor of tensors overlap"):
+        plan.pack([o[:5], ts[1]], out=o)
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="Triton on CPU tensors needs the interpreter (off with a GPU)")
 def test_host_work_per_call_is_independent_of_the_tensor_count(monkeypatch):
     """The host side of a GPU-style pack call (the plan reused, the launch stubbed): the same Python lines run for

@@ -81,6 +81,39 @@ def test_pack_reduction_over_thousands_of_programs_and_its_flag():
     assert_bits_equal(clean.flat, (x * 0.5).to(torch.bfloat16), "flat")
 
 
+@pytest.mark.parametrize("direct", ["1", "0"], ids=["runner", "through-triton"])
+def test_later_launches_through_the_runner_match_triton_bitwise(direct, monkeypatch):
+    """kernels/launch.py: a plan's launches after the first call the compiled kernel's runner (or, with
+    ZO_TRITON_DIRECT_LAUNCH=0, Triton's launch each time); both give the bits of torch's reference, also when the
+    bucket moves to an address 2 bytes off (another specialization: through Triton again, then its own runner)."""
+    from zo_kernels.kernels import pack as kpack
+    from zo_kernels.kernels.launch import Launches
+
+    monkeypatch.setenv("ZO_TRITON_DIRECT_LAUNCH", direct)
+    monkeypatch.setattr(kpack, "_PACK", Launches(kpack._pack_kernel))
+    monkeypatch.setattr(kpack, "_UNPACK", Launches(kpack._unpack_kernel))
+    tensors = [(torch.randn(n, device=DEV) * 10).to(FLOATS[i % 3]) for i, n in enumerate(sizes(64, seed=3))]
+    plan = zk.buckets.plan(tensors, dtype=torch.bfloat16, align=1)
+    ref = torch.zeros(plan.total, dtype=torch.bfloat16, device=DEV)
+    for t, off in zip(tensors, plan.offsets):
+        ref[off : off + t.numel()] = (t.float() * 0.25).to(torch.bfloat16)
+    want_sq = None
+    buf = torch.empty(plan.total + 8, dtype=torch.bfloat16, device=DEV)
+    for out in [buf[: plan.total]] * 3 + [buf[1 : plan.total + 1]] * 3:
+        out.fill_(float("nan"))
+        p = plan.pack(tensors, scale=0.25, out=out, impl="triton")
+        assert_bits_equal(p.flat, ref, "flat")
+        sq = p.sum_sq.view(torch.int32).item()
+        assert want_sq in (None, sq), "sum of squares not bitwise across launches"
+        want_sq = sq
+        back = [torch.full_like(t, float("nan")) for t in tensors]
+        plan.unpack(p.flat, back, impl="triton")
+        for i, (b, t) in enumerate(zip(back, tensors)):
+            assert_bits_equal(b, ref[plan.offsets[i] : plan.offsets[i] + t.numel()].to(t.dtype), f"unpack {i}")
+    through = 2 if direct == "1" else 6
+    assert kpack._PACK.through_triton == through and kpack._UNPACK.through_triton == through
+
+
 def test_offsets_past_2_31():
     big = torch.zeros((1 << 31) + 5, dtype=torch.bfloat16, device=DEV)
     small = torch.randn(3000, device=DEV)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .cast import KIND, on_device
+from .launch import Launches
 from .utils import bf16_bits_to_f32, f32_to_bf16_bits
 
 # 16384 elements per program: 64 KB of fp32 read and 32 KB of bf16 written, ~6k programs at 100M elements
@@ -243,17 +244,26 @@ def pack(table: torch.Tensor, work: torch.Tensor, n_work: int, flat: torch.Tenso
     """One launch on a validated plan: packs, and writes Σx² to sum_sq and the flag to found (n_work >= 1).
 
     part: 2 * n_work fp32 scratch; count: one int32, 0 before the launch and after it."""
+    flat_addr, kind = flat.data_ptr(), KIND[flat.dtype]
+    # the key: all that picks the compiled variant (see launch.py): flat's address (an integer argument: its
+    # divisibility and whether it fits 32 bits) and the pointers' alignment
+    key = (flat.get_device(), n_work, flat_addr % 16, flat_addr >> 31 == 0, kind,
+           _aligned(table, work, part, count, sum_sq, found))
     with on_device(flat):
-        _pack_kernel[(n_work,)](
-            table, work, n_work, flat.data_ptr(), part, count, sum_sq, found, scale,
-            OUT_KIND=KIND[flat.dtype], CHUNK=CHUNK, BLOCK=BLOCK, RBLOCK=RBLOCK, num_warps=NUM_WARPS,
-        )  # fmt: skip
+        _PACK(key, (n_work,), (table, work, n_work, flat_addr, part, count, sum_sq, found, scale),
+              dict(OUT_KIND=kind, CHUNK=CHUNK, BLOCK=BLOCK, RBLOCK=RBLOCK), NUM_WARPS)  # fmt: skip
 
 
 def unpack(table: torch.Tensor, work: torch.Tensor, n_work: int, flat: torch.Tensor) -> None:
     """One launch on a validated plan: every tensor of the table <- its segment of flat (n_work >= 1)."""
+    flat_addr, kind = flat.data_ptr(), KIND[flat.dtype]
+    key = (flat.get_device(), n_work, flat_addr % 16, flat_addr >> 31 == 0, kind, _aligned(table, work))
     with on_device(flat):
-        _unpack_kernel[(n_work,)](
-            table, work, flat.data_ptr(),
-            IN_KIND=KIND[flat.dtype], CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS,
-        )  # fmt: skip
+        _UNPACK(key, (n_work,), (table, work, flat_addr), dict(IN_KIND=kind, CHUNK=CHUNK, BLOCK=BLOCK), NUM_WARPS)
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    return not any(t.data_ptr() % 16 for t in tensors)
+
+
+_PACK, _UNPACK = Launches(_pack_kernel), Launches(_unpack_kernel)

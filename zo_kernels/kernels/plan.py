@@ -1,8 +1,9 @@
 """The launch plan of one bucket: its layout validated, its tables built and uploaded once, reused every call.
 
-A plan is built for tensors of given sizes and dtypes on one device. Each call checks, in a few C-level passes
-over the list (no Python loop per tensor), that the tensors still have those sizes and dtypes, are contiguous
-and on the plan's device, and reads their addresses. The addresses usually repeat (the same parameters, or
+A plan is built for tensors of given sizes and dtypes on one device. Each call checks that the tensors still have
+those sizes and dtypes, are contiguous and on the plan's device, and reads their addresses: in one C++ call (a
+layout guard, see layout_guard.py) while they keep the exact layout last validated, else in a few C-level passes
+over the list (no Python loop per tensor). The addresses usually repeat (the same parameters, or
 gradients the caching allocator puts where it put them last step); only when they change is the table
 rebuilt: alignment and overlap checked (sorted by address, O(n log n)) and the new table uploaded through
 pinned memory. Nothing else of a call grows with the tensor count but the C++ copy calls of the CPU path.
@@ -21,6 +22,7 @@ import torch
 from .. import _cpu
 from ..cpu_adam import ISAS, _real, best_isa, bump_version, check_memory, sum_squares
 from ..versions import default_impl
+from .layout_guard import guard as layout_guard
 
 CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _DTYPE, _CPU, _NEEDS_GRAD = attrgetter("dtype"), attrgetter("is_cpu"), attrgetter("requires_grad")
@@ -120,6 +122,8 @@ class PackPlan:
         self._writable = False  # the tensors at these addresses were checked writable (unpack on the CPU)
         self._gap_index: torch.Tensor | None = None
         self.uploads = 0  # tensor tables uploaded (a test counts them)
+        self._guard = None  # layout_guard of the tensors last validated: while it holds, only addresses are read
+        self.full_checks = 0  # calls whose tensors went through the full check (a test counts them)
         self.impl = default_impl(device.type)
 
     # ------------------------------------------------------------------ per-call checks
@@ -132,6 +136,12 @@ class PackPlan:
             raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
         if len(tensors) != self.n:
             raise ValueError(f"{name} has {len(tensors)} tensors, the plan {self.n}")
+        if self._guard is not None and self._guard.check(*tensors):  # the layout validated last time, exactly
+            ptrs = tuple(map(torch.Tensor.data_ptr, tensors))
+            if ptrs != self._ptrs:
+                self._readdress(tensors, ptrs)
+            return ptrs, tensors
+        self.full_checks += 1
         try:
             numels = tuple(map(torch.Tensor.numel, tensors))  # the descriptor refuses anything but a tensor
         except TypeError:
@@ -158,7 +168,9 @@ class PackPlan:
             if written:
                 i = next(i for i, t in enumerate(tensors) if t.is_neg())
                 raise ValueError(f"{name}[{i}] is a negated view; pass {name}[{i}].resolve_neg()")
-            tensors = [t.resolve_neg() for t in tensors]  # the kernels read raw values
+            tensors = [t.resolve_neg() for t in tensors]  # the kernels read raw values (copies: no guard for them)
+        else:
+            self._guard = layout_guard(tensors)
         ptrs = tuple(map(torch.Tensor.data_ptr, tensors))
         if ptrs != self._ptrs:
             self._readdress(tensors, ptrs)

@@ -1,0 +1,170 @@
+"""kernels/launch.py: launches after the first go to the compiled kernel's runner with the arguments Triton's own
+launch would pass (signature order, constexprs included); a new key goes through Triton again.
+
+Triton here has no GPU, so the jitted kernel is replaced by a recorder that has the real kernel's parameter names
+and binds arguments as Triton does (positional, then keywords, by name); the real pack plan drives it. The runner
+path itself has never run on a GPU (tests/test_gpu.py compares it with Triton's launch there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zo_kernels as zk
+from zo_kernels.kernels import pack as kpack
+from zo_kernels.kernels.launch import Launches
+
+
+class Recorder:
+    """Stands in for a jitted kernel: fn[grid](*args, **kw) binds by name as Triton does and returns a compiled
+    kernel (or None, as the interpreter does) whose runner, kernel[grid3](*args), records what it was given."""
+
+    def __init__(self, fn, compiled=True):
+        self.arg_names, self.__name__ = list(fn.arg_names), fn.__name__
+        self.launches, self.runs, self.compiled = [], [], compiled
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, **kw):
+            bound = dict(zip(self.arg_names, args))
+            assert not set(bound) & set(kw) and set(bound) | set(kw) == set(self.arg_names)
+            bound.update(kw)
+            self.launches.append((grid, {n: bound[n] for n in self.arg_names}))
+            return Compiled(self) if self.compiled else None
+
+        return launch
+
+
+class Compiled:
+    def __init__(self, rec):
+        self.rec = rec
+
+    def __getitem__(self, grid3):
+        def runner(*args):
+            assert len(args) == len(self.rec.arg_names)
+            self.rec.runs.append((grid3, dict(zip(self.rec.arg_names, args))))
+
+        return runner
+
+
+def _recorder(monkeypatch, which="_PACK", compiled=True):
+    rec = Recorder(getattr(kpack, which).fn, compiled)
+    fresh = Launches(rec)
+    monkeypatch.setattr(kpack, which, fresh)
+    return rec, fresh
+
+
+@pytest.mark.parametrize("op", ["pack", "unpack"])
+def test_later_launches_pass_what_triton_would(monkeypatch, op):
+    rec, launches = _recorder(monkeypatch, "_PACK" if op == "pack" else "_UNPACK")
+    ts = [torch.randn(1000 + i) for i in range(5)]
+    plan = zk.buckets.plan(ts, dtype=torch.bfloat16, align=1)
+    outs = [torch.empty(plan.total + 8, dtype=torch.bfloat16) for _ in range(2)]
+
+    def call(out):
+        if op == "pack":
+            plan.pack(ts, out=out, impl="triton")
+        else:
+            plan.unpack(out, ts, impl="triton")
+
+    call(outs[0][: plan.total])
+    call(outs[0][: plan.total])
+    call(outs[0][: plan.total])
+    assert launches.through_triton == 1 and len(rec.launches) == 1 and len(rec.runs) == 2
+    grid, first = rec.launches[0]
+    for grid3, args in rec.runs:
+        assert grid3 == tuple(grid) + (1,) * (3 - len(grid))
+        same = {n: (v.data_ptr() if isinstance(v, torch.Tensor) else v) for n, v in args.items()}
+        want = {n: (v.data_ptr() if isinstance(v, torch.Tensor) else v) for n, v in first.items()}
+        if op == "pack":  # fresh result tensors per call
+            for n in ("sum_ptr", "flag_ptr"):
+                same.pop(n), want.pop(n)
+        assert same == want, "the runner got other arguments than Triton's launch had"
+    call(outs[1][1 : plan.total + 1])  # flat 2 bytes off: another specialization, so through Triton again
+    assert launches.through_triton == 2
+    call(outs[1][1 : plan.total + 1])
+    assert launches.through_triton == 2 and len(rec.runs) == 3
+
+
+def test_without_a_runner_every_launch_goes_through_triton(monkeypatch):
+    ts = [torch.randn(100) for _ in range(3)]
+    plan = zk.buckets.plan(ts, dtype=torch.float32)
+    out = torch.empty(plan.total)
+    rec, launches = _recorder(monkeypatch, compiled=False)  # the interpreter's case: no compiled kernel returned
+    for _ in range(3):
+        plan.pack(ts, out=out, impl="triton")
+    assert launches.through_triton == 3 and not rec.runs
+    monkeypatch.setenv("ZO_TRITON_DIRECT_LAUNCH", "0")
+    rec, launches = _recorder(monkeypatch)
+    for _ in range(3):
+        plan.pack(ts, out=out, impl="triton")
+    assert launches.through_triton == 3 and not rec.runs, "ZO_TRITON_DIRECT_LAUNCH=0 still took the runner"
+
+
+def test_a_compiled_kernel_without_a_runner_turns_the_shortcut_off(monkeypatch):
+    class Bare:
+        pass
+
+    class Fn:
+        arg_names, __name__ = ["a", "K"], "k"
+
+        def __init__(self):
+            self.n = 0
+
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                self.n += 1
+                return Bare()
+
+            return launch
+
+    fn = Fn()
+    launches = Launches(fn)
+    for _ in range(3):
+        launches("key", (4,), (1,), {"K": 2}, 4)
+    assert fn.n == 3 and not launches.direct
+
+
+def test_wrong_constexprs_are_refused():
+    class Fn:
+        arg_names, __name__ = ["a", "K"], "k"
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: object()
+
+    with pytest.raises(TypeError, match=r"constexprs \['J'\] are not its parameters \['K'\]"):
+        Launches(Fn())("key", (4,), (1,), {"J": 2}, 4)
+
+
+def test_runners_are_bounded(monkeypatch):
+    """One runner per key, and keys can carry sizes (a cast's grid): the dict is cleared past MAX_RUNNERS."""
+    from zo_kernels.kernels import launch
+
+    class Fn:
+        arg_names, __name__ = ["a", "K"], "k"
+
+        def __init__(self):
+            self.triton, self.runs = 0, 0
+
+        def __getitem__(self, grid):
+            def launch_(*a, **kw):
+                self.triton += 1
+                return self
+
+            return launch_
+
+        def run(self, *a):
+            self.runs += 1
+
+    class WithRunner(Fn):
+        def __getitem__(self, grid):
+            return self.run if len(grid) == 3 else super().__getitem__(grid)
+
+    fn = WithRunner()
+    launches = Launches(fn)
+    monkeypatch.setattr(launch, "MAX_RUNNERS", 8)
+    for key in range(20):
+        launches(key, (key + 1,), (1,), {"K": 2}, 4)
+        launches(key, (key + 1,), (1,), {"K": 2}, 4)
+        assert len(launches.runners) <= 8
+    assert fn.triton == 20 and fn.runs == 20

@@ -1,0 +1,61 @@
+"""Repeated launches of a jitted kernel, straight to the launcher Triton compiled for it.
+
+`kernel[grid](*args, **constexprs)` binds the arguments, computes their specialization and the cache key, and
+finds the compiled kernel on every launch: several microseconds of host time, the same each time for a pack plan's
+calls (its tables, grid and constexprs never change). The first launch for a key goes through Triton and keeps the
+compiled kernel's runner (`CompiledKernel[grid]`, which Triton's own launch calls after its lookup, with the same
+arguments in signature order); later launches with that key call the runner. The caller's key must name all that
+decides the compiled variant and the grid: the grid, the constexprs, the device, and the specializations Triton
+draws from the values (integers equal to 1 or multiples of 16, pointers aligned to 16 bytes).
+
+Under Triton's interpreter a launch returns no compiled kernel, so every launch goes through Triton.
+`ZO_TRITON_DIRECT_LAUNCH=0` turns the shortcut off (every launch through Triton), as does the first runner that
+cannot be made (another Triton's API); bench/test_bench_buckets.py times both on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable
+
+MAX_RUNNERS = 256  # per kernel; past it the runners are dropped and made again as launches come
+
+
+class Launches:
+    """The launches of one jitted kernel `fn`: `launches(key, grid, args, constexprs, num_warps)`.
+
+    args are the kernel's leading, non-constexpr parameters in order; constexprs the rest, by name.
+    """
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.direct = os.environ.get("ZO_TRITON_DIRECT_LAUNCH", "1") != "0"
+        self.runners: dict[Hashable, object] = {}  # key -> runner(*args) with the constexprs bound
+        self.through_triton = 0  # launches that went through fn[grid] (a test counts them)
+
+    def __call__(self, key: Hashable, grid: tuple[int, ...], args: tuple, constexprs: dict, num_warps: int):
+        runner = self.runners.get(key) if self.direct else None
+        if runner is not None:
+            runner(*args)
+            return
+        self.through_triton += 1
+        kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps)
+        if self.direct and kernel is not None:
+            if len(self.runners) >= MAX_RUNNERS:  # bounded: keys with sizes in them (cast) can be many
+                self.runners.clear()
+            self.runners[key] = self._runner(kernel, grid, len(args), constexprs)
+
+    def _runner(self, kernel, grid: tuple[int, ...], n_args: int, constexprs: dict):
+        """kernel's runner for grid with the constexprs bound in signature order (None, and no more shortcuts,
+        where this Triton's compiled kernel has no runner)."""
+        names = list(self.fn.arg_names)
+        rest = names[n_args:]
+        if sorted(rest) != sorted(constexprs):
+            raise TypeError(f"{self.fn.__name__}: constexprs {sorted(constexprs)} are not its parameters {rest}")
+        bound = tuple(constexprs[n] for n in rest)
+        try:
+            run = kernel[tuple(grid) + (1,) * (3 - len(grid))]
+        except (AttributeError, TypeError, KeyError):
+            self.direct = False
+            return None
+        return lambda *args: run(*args, *bound)
