@@ -168,3 +168,41 @@ def test_runners_are_bounded(monkeypatch):
         launches(key, (key + 1,), (1,), {"K": 2}, 4)
         assert len(launches.runners) <= 8
     assert fn.triton == 20 and fn.runs == 20
+
+
+@pytest.mark.parametrize("op", ["pack", "unpack"])
+def test_equal_keys_mean_equal_specializations(op):
+    """pack.launch_key against Triton's own binder: argument sets whose keys are equal get the same specialization
+    (the compiled variant a runner stands for), over pointers aligned or not one by one, n_work equal to 1, a
+    multiple of 16 or neither, and flat addresses below and above 2**31 at every 16-byte phase."""
+    import itertools
+    import random
+
+    try:
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+    except ImportError as e:
+        pytest.skip(f"this Triton has no binder to compare with: {e}")
+    fn = getattr(kpack, "_pack_kernel" if op == "pack" else "_unpack_kernel")
+    jit = JITFunction(getattr(fn, "fn", fn))  # (under the interpreter, fn is its stand-in)
+    binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+    dtypes = [torch.int64, torch.int64, torch.float32, torch.int32, torch.float32, torch.bool]
+    dtypes = dtypes if op == "pack" else dtypes[:2]  # (table, work, part, count, sum_sq, found)
+    bufs = [torch.zeros(64, dtype=d) for d in dtypes]
+    rng = random.Random(0)
+    seen = {}
+    for n_work, base in itertools.product([1, 5, 16, 17, 32], [16, 2**31 - 16, 2**31, 0x7F00_0000_0000]):
+        for _ in range(12):
+            flat_addr = base + 2 * rng.randrange(8)
+            ptrs = [b[k : k + 4] for b, k in ((b, rng.choice([0, 1, 4])) for b in bufs)]
+            key = kpack.launch_key(0, 2, n_work, flat_addr, *ptrs)
+            if op == "pack":
+                args = (ptrs[0], ptrs[1], n_work, flat_addr, ptrs[2], ptrs[3], ptrs[4], ptrs[5], 0.5)
+                kw = dict(OUT_KIND=2, CHUNK=16, BLOCK=16, RBLOCK=16)
+            else:
+                args = (ptrs[0], ptrs[1], flat_addr)
+                kw = dict(IN_KIND=2, CHUNK=16, BLOCK=16)
+            _, spec, _ = binder(*args, **kw)
+            spec = tuple(tuple(s) if isinstance(s, (list, tuple)) else s for s in spec)
+            assert seen.setdefault(key, spec) == spec, f"key {key} stands for two specializations"
+    assert len(seen) > 20

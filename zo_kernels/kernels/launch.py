@@ -6,11 +6,13 @@ calls (its tables, grid and constexprs never change). The first launch for a key
 compiled kernel's runner (`CompiledKernel[grid]`, which Triton's own launch calls after its lookup, with the same
 arguments in signature order); later launches with that key call the runner. The caller's key must name all that
 decides the compiled variant and the grid: the grid, the constexprs, the device, and the specializations Triton
-draws from the values (integers equal to 1 or multiples of 16, pointers aligned to 16 bytes).
+draws from the values (integers equal to 1, multiples of 16, 32 or 64 bits; pointers aligned to 16 bytes); the
+options Triton reads on every launch (debug, instrumentation) are added to it here.
 
 Under Triton's interpreter a launch returns no compiled kernel, so every launch goes through Triton.
-`ZO_TRITON_DIRECT_LAUNCH=0` turns the shortcut off (every launch through Triton), as does the first runner that
-cannot be made (another Triton's API); bench/test_bench_buckets.py times both on a GPU.
+`ZO_TRITON_DIRECT_LAUNCH=0`, set before zo_kernels is imported, turns the shortcut off (every launch through
+Triton), as does the first runner that cannot be made (another Triton's API); bench/test_bench_buckets.py times both
+on a GPU.
 """
 
 from __future__ import annotations
@@ -18,7 +20,22 @@ from __future__ import annotations
 import os
 from collections.abc import Hashable
 
+try:
+    from triton import knobs
+except ImportError:  # a Triton older than 3.4 (CUDA tensors take the torch path there: versions.default_impl)
+    knobs = None
+
 MAX_RUNNERS = 256  # per kernel; past it the runners are dropped and made again as launches come
+
+
+def _options() -> tuple:
+    """The options Triton's dispatch reads on every launch (another value compiles another variant: debug,
+    instrumentation, a profiler's pass pipeline): part of every key."""
+    if knobs is None:
+        return ()
+    c, r = knobs.compilation, knobs.runtime
+    return (r.debug, c.instrumentation_mode, getattr(c, "fpsan_homomorphic_casts", None),
+            getattr(r, "add_stages_inspection_hook", None))  # fmt: skip
 
 
 class Launches:
@@ -34,12 +51,15 @@ class Launches:
         self.through_triton = 0  # launches that went through fn[grid] (a test counts them)
 
     def __call__(self, key: Hashable, grid: tuple[int, ...], args: tuple, constexprs: dict, num_warps: int):
+        key = (key, _options())
         runner = self.runners.get(key) if self.direct else None
         if runner is not None:
             runner(*args)
             return
         self.through_triton += 1
         kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps)
+        if hasattr(kernel, "result"):  # an asynchronous compile's future (Triton 3.9's AsyncCompileMode)
+            kernel = kernel.result()
         if self.direct and kernel is not None:
             if len(self.runners) >= MAX_RUNNERS:  # bounded: keys with sizes in them (cast) can be many
                 self.runners.clear()

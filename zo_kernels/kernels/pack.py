@@ -245,10 +245,7 @@ def pack(table: torch.Tensor, work: torch.Tensor, n_work: int, flat: torch.Tenso
 
     part: 2 * n_work fp32 scratch; count: one int32, 0 before the launch and after it."""
     flat_addr, kind = flat.data_ptr(), KIND[flat.dtype]
-    # the key: all that picks the compiled variant (see launch.py): flat's address (an integer argument: its
-    # divisibility and whether it fits 32 bits) and the pointers' alignment
-    key = (flat.get_device(), n_work, flat_addr % 16, flat_addr >> 31 == 0, kind,
-           _aligned(table, work, part, count, sum_sq, found))
+    key = launch_key(flat.get_device(), kind, n_work, flat_addr, table, work, part, count, sum_sq, found)
     with on_device(flat):
         _PACK(key, (n_work,), (table, work, n_work, flat_addr, part, count, sum_sq, found, scale),
               dict(OUT_KIND=kind, CHUNK=CHUNK, BLOCK=BLOCK, RBLOCK=RBLOCK), NUM_WARPS)  # fmt: skip
@@ -257,13 +254,16 @@ def pack(table: torch.Tensor, work: torch.Tensor, n_work: int, flat: torch.Tenso
 def unpack(table: torch.Tensor, work: torch.Tensor, n_work: int, flat: torch.Tensor) -> None:
     """One launch on a validated plan: every tensor of the table <- its segment of flat (n_work >= 1)."""
     flat_addr, kind = flat.data_ptr(), KIND[flat.dtype]
-    key = (flat.get_device(), n_work, flat_addr % 16, flat_addr >> 31 == 0, kind, _aligned(table, work))
+    key = launch_key(flat.get_device(), kind, n_work, flat_addr, table, work)
     with on_device(flat):
         _UNPACK(key, (n_work,), (table, work, flat_addr), dict(IN_KIND=kind, CHUNK=CHUNK, BLOCK=BLOCK), NUM_WARPS)
 
 
-def _aligned(*tensors: torch.Tensor) -> bool:
-    return not any(t.data_ptr() % 16 for t in tensors)
+def launch_key(device: int, kind: int, n_work: int, flat_addr: int, *pointers: torch.Tensor) -> tuple:
+    """All that picks the compiled variant of a pack or unpack launch (see launch.py): the device, the bucket's
+    dtype, the integer arguments n_work and flat's address (equal to 1, divisible by 16, 32 or 64 bits) and each
+    pointer's 16-byte alignment (tests/test_launch.py checks it against Triton's own specialization)."""
+    return device, kind, n_work, flat_addr % 16, flat_addr >> 31 == 0, tuple(t.data_ptr() % 16 == 0 for t in pointers)
 
 
 _PACK, _UNPACK = Launches(_pack_kernel), Launches(_unpack_kernel)
