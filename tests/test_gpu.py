@@ -353,7 +353,8 @@ def test_tiled_dpu_writeback_on_cuda_equals_the_whole_one():
         torch.cuda.synchronize()
         for x in xs:
             fence = opt.update.fence
-            where.append([_not_landed(fence)])  # (where the tiles land, if the forward finds none in flight)
+            # (if the forward finds none in flight: the tiles queued, those not landed, then step()'s seconds)
+            where.append([None if fence is None else fence.tiles, _not_landed(fence)])
             loss = model(x[:, :-1], x[:, 1:])
             fence = opt.update.fence
             if fence is not None and fence.in_flight is not None:  # of the writeback this forward waited for
@@ -373,7 +374,8 @@ def test_tiled_dpu_writeback_on_cuda_equals_the_whole_one():
         tr.close()
         if name == "tiled":
             assert in_flight and max(in_flight) > 0, ("the forward never started before the last tile landed; per "
-                                                      f"step: tiles not landed before the forward, step() seconds: "
+                                                      f"step: tiles queued, not landed before the forward, step() "
+                                                      "seconds: "
                                                       f"{where}")
     for key in (("tiled", 2), ("tiled", 3)):
         assert results[key][0] == results["whole", 2][0], f"{key}: losses differ"
