@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+import pytest
+
 from zo_kernels import dashboard
 
 HERE = os.path.dirname(__file__)
@@ -101,6 +103,24 @@ def test_dashboard_renders_gpu_summaries_beside_the_cpu_runs(tmp_path):
     assert "GPU: gpu-2026-01-02-H100.json" in both and "torchao" in both and "MISSED" in both
     alone = dashboard.render([gpu])
     assert "GPU: gpu-2026-01-02-H100.json" in alone and "<script" not in alone
+
+
+def test_dashboard_renders_the_pack_host_time_and_the_activation_rows(tmp_path):
+    """issue 17's host time per pack call and issue 21's activation rows are in summary.json: the page shows them."""
+    gpu = tmp_path / "gpu-2026-01-03-H200.json"
+    gpu.write_text(json.dumps({"device": "H200", "date": "2026-01-03", "commit": "abc", "pack": [], "step": [],
+                               "pack_host": {"host_us": 27.5, "host_us_launch_stubbed": 16.25,
+                                             "host_us_through_triton": 31.75, "launch": "real (CUDA)"},
+                               "activations": [{"provider": "zo", "seq": 2048, "step_ms": 41.5,
+                                                "peak_activation_gib": 0.3125, "longest_seq": 16384},
+                                               {"provider": "save_on_cpu", "seq": 2048, "error": "OOM"}]}))  # fmt: skip
+    page = dashboard.render([gpu])
+    for text in ("host time per call", "27.5", "16.25", "31.75", "host_us_through_triton", "activations",
+                 "save_on_cpu", "0.3125", "16384", "OOM"):  # fmt: skip
+        assert text in page, text
+    gpu.write_text(json.dumps({"step": [], "activations": {"not": "a list"}}))
+    with pytest.raises(ValueError, match="activations must be a list of objects"):
+        dashboard.load_gpu_summary(gpu)
 
 
 def test_summary_json_judges_the_activation_rows(tmp_path):

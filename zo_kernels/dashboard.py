@@ -235,7 +235,7 @@ def is_gpu_summary(path: Path) -> bool:
 def load_gpu_summary(path: Path) -> dict:
     """A GPU summary, checked for the lists the dashboard reads."""
     data = json.loads(Path(path).read_text(encoding="utf-8"))
-    for key in ("pack", "step", "anchors", "scale"):
+    for key in ("pack", "step", "anchors", "scale", "activations"):
         rows = data.get(key, [])
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise ValueError(f"{path}: {key} must be a list of objects")
@@ -265,7 +265,8 @@ SCALE_KEYS = ["setting", "params", "planner_params", "tokens_per_s", "tflops", "
 
 
 def gpu_section(label: str, data: dict) -> str:
-    """One GPU summary: its step rows (with their phases and targets), anchors, pack rows."""
+    """One GPU summary: its step rows (with their phases and targets), anchors, scale, activation and pack rows, and
+    the pack's host time per call."""
     meta = f"{data.get('device', '?')}, {data.get('date', '?')}, commit {data.get('commit', '?')}"
     parts = [f"<section><h2>GPU: {html.escape(label)}</h2><p class='meta'>{html.escape(meta)}</p>"]
     if data.get("note"):
@@ -288,10 +289,18 @@ def gpu_section(label: str, data: dict) -> str:
         rows = [{**r, "mismatch": "; ".join(r.get("mismatch") or []) or None} for r in data["scale"]]
         parts.append("<h3>scale: the largest model per setting, beside the planner</h3>"
                      + _rows_table(rows, SCALE_KEYS))  # fmt: skip
+    if data.get("activations"):
+        parts.append("<h3>activations (checkpointing, offloaded or not)</h3>" + _any_rows(data["activations"]))
     if data.get("pack"):
-        keys = list(dict.fromkeys(k for r in data["pack"] for k in r))
-        parts.append("<h3>pack</h3>" + _rows_table(data["pack"], keys))
+        parts.append("<h3>pack</h3>" + _any_rows(data["pack"]))
+    if isinstance(data.get("pack_host"), dict):
+        parts.append("<h3>pack: host time per call (64 tensors, plan reused; us)</h3>" + _any_rows([data["pack_host"]]))
     return "".join(parts) + "</section>"
+
+
+def _any_rows(rows: list[dict]) -> str:
+    """A table of rows whose keys vary by run: every key any row has, in order of appearance."""
+    return _rows_table(rows, list(dict.fromkeys(k for r in rows for k in r)))
 
 
 def gpu_sections(gpu: list[tuple[Path, dict]]) -> str:
