@@ -63,6 +63,16 @@ def test_pack_and_unpack_use_vector_loads_and_stores(report, kernel):
             assert ops.get("ld.v4") and ops.get("st.v4"), f"{target} {c['case']}: no 16-byte loads and stores ({ops})"
 
 
+def test_pack_into_a_bucket_of_another_phase_uses_8_byte_stores(report):
+    """Where the bucket's address at a chunk is 8-byte but not 16-byte aligned (align 1: the tensor's and the bucket's
+    phases differ), the chunk's whole blocks are stored 8 bytes at a time (a runtime branch, its alignment marked),
+    not element by element."""
+    for target in ("sm_80", "sm_90"):
+        got = [c for c in report["compiled"] if c["kernel"] == "pack._pack_kernel" and c["target"] == target]
+        for c in got:
+            assert c["vector_ops"].get("st.v2"), f"{target} {c['case']}: no 8-byte stores ({c['vector_ops']})"
+
+
 def test_pack_finishes_its_reduction_with_an_integer_ticket(report):
     """The last program sums the partials (one launch, no stats kernel): an integer atomic, no float one."""
     for c in report["compiled"]:

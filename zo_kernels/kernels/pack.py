@@ -11,7 +11,8 @@ first 16-byte aligned element. So every chunk but the last is whole aligned BLOC
 through a pointer marked 16-byte aligned: 16-byte loads (pack) or stores (unpack) of the tensor whatever its
 offset in flat (align=1 included). The flat
 side gets 16-byte accesses too when its address at that point is aligned as well (the kernel checks, per
-program); otherwise it is accessed element by element, still coalesced. tests/test_triton_compile.py checks
+program); otherwise pack stores 8 or 4 bytes at a time where that address allows, else element by element, still
+coalesced (unpack reads it element by element). tests/test_triton_compile.py checks
 the PTX of both paths.
 
 Σx² and the flag: each program writes its partials, then takes a ticket from an integer counter; the program
@@ -73,15 +74,15 @@ def _typed(addr, CODE: tl.constexpr):
 
 
 @triton.jit
-def _typed16(addr, CODE: tl.constexpr):
-    """_typed for an address the caller knows is 16-byte aligned, marked so on the cast itself: Triton 3.6 drops a
-    mark put on a call's result (3.9 keeps it), and a mark on a pointer sum is folded away."""
+def _typed16(addr, CODE: tl.constexpr, ALIGN: tl.constexpr = 16):
+    """_typed for an address the caller knows is ALIGN-byte aligned (16 unless said), marked so on the cast itself:
+    Triton 3.6 drops a mark put on a call's result (3.9 keeps it), and a mark on a pointer sum is folded away."""
     if CODE == 0:
-        return tl.multiple_of(addr.to(tl.pointer_type(tl.float32)), 16)
+        return tl.multiple_of(addr.to(tl.pointer_type(tl.float32)), ALIGN)
     elif CODE == 1:
-        return tl.multiple_of(addr.to(tl.pointer_type(tl.float16)), 16)
+        return tl.multiple_of(addr.to(tl.pointer_type(tl.float16)), ALIGN)
     else:
-        return tl.multiple_of(addr.to(tl.pointer_type(tl.int16)), 16)
+        return tl.multiple_of(addr.to(tl.pointer_type(tl.int16)), ALIGN)
 
 
 @triton.jit
@@ -145,6 +146,16 @@ def _pack_tensor(addr, flat_addr, numel, offset, start, end, aligned, scale,
         if d_addr % 16 == 0:
             d = _typed16(d_addr, OUT_KIND)
             for j in range(0, n_full):  # i = j * BLOCK: visibly a multiple of BLOCK (a loop variable is not)
+                i = j * BLOCK
+                acc, bad = _pack_block(s + i, d + i, lanes, 0, 0, scale, acc, bad, IN_KIND, OUT_KIND, True)
+        elif d_addr % 8 == 0:  # the bucket's phase differs from the tensor's: the widest stores it allows
+            d = _typed16(d_addr, OUT_KIND, 8)
+            for j in range(0, n_full):
+                i = j * BLOCK
+                acc, bad = _pack_block(s + i, d + i, lanes, 0, 0, scale, acc, bad, IN_KIND, OUT_KIND, True)
+        elif OUT_BYTES == 2 and d_addr % 4 == 0:
+            d = _typed16(d_addr, OUT_KIND, 4)
+            for j in range(0, n_full):
                 i = j * BLOCK
                 acc, bad = _pack_block(s + i, d + i, lanes, 0, 0, scale, acc, bad, IN_KIND, OUT_KIND, True)
         else:
