@@ -387,7 +387,7 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
         # bench/test_bench_step.py's earlier measure: every optimizer phase but the kernel, packing and wait included
         outside = ph["offload"] + ph["reduce"] + ph["backward_offload_wait"] + ph["step"] - ph["kernel"]
         row["optimizer_outside_kernel_of_step"] = outside / row["zo_ms"]
-        row["threads"] = opt.threads
+        row["threads"], row["background_threads"] = opt.threads, opt.background_threads
     finally:
         opt.close()
         if transport is not None:
@@ -452,7 +452,7 @@ def selective_row(cfg: GPTConfig, x: torch.Tensor, rounds: int, ckpt: bool = Fal
         row["zo_ms_median"] = _median(times) * 1e3
         row["phases"] = {k: _median([p.get(k, 0.0) for p in phases[-len(times) :]]) * 1e3 for k in PHASES}
         row["selected_numel"] = opt.update.sel.numel() if opt.update.sel is not None else 0
-        row["threads"] = opt.threads
+        row["threads"], row["background_threads"] = opt.threads, opt.background_threads
         if ckpt:  # the same optimizer (its selection held), every block checkpointed, whole windows again
 
             def ckpt_step() -> None:

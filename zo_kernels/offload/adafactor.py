@@ -96,9 +96,9 @@ class AdafactorUpdate(HostUpdate):
         self.save_master(master)
 
     def cpu_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
-                   writeback: bool) -> float:  # fmt: skip
+                   writeback: bool, threads: int | None = None) -> float:  # fmt: skip
         """Adafactor on each parameter of the runs, then (as the in-memory AdamW update) the runs' new 16-bit
-        parameters into staging and, with writeback, to the device."""
+        parameters into staging and, with writeback, to the device. (threads: torch's ops here take torch's.)"""
         t0 = time.perf_counter()
         self.transport.wait(self._staging_read)
         send = writeback and not self.staging_in_place

@@ -120,6 +120,13 @@ def _all_gather_single(output: torch.Tensor, input: torch.Tensor, **kwargs: Any)
     return gather(output, input, **kwargs)
 
 
+def beside_compute(threads: int) -> int:
+    """The threads of an update that runs beside forward and backward (the delayed update, selective's window): one
+    core fewer from 4 up, left to the thread that launches the device's kernels and runs the backward hooks (with
+    every core busy in the update, that thread waits for time slices and the device for it)."""
+    return threads - 1 if threads >= 4 else threads
+
+
 def pin_rank_threads(world: int, rank: int) -> int:
     """Ranks sharing a host split its cores: pin this process to its own slice, return its thread count."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -30,7 +30,7 @@ from ..param_views import alias, is_alias_of
 from ..transport import HostTransport, Transport, default_transport
 from . import report, state
 from .checks import DTYPES, MAX_THREADS, check_int, check_offload, check_params, check_stage, check_trainable
-from .comm import COLLECTIVE_TIMEOUT_S, Comm, pin_rank_threads
+from .comm import COLLECTIVE_TIMEOUT_S, Comm, beside_compute, pin_rank_threads
 from .fence import ForwardWaits, TileFence
 from .formats import block_of, check_state_dtype
 from .grads import GradPath
@@ -120,7 +120,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         bucket_numel: elements per gradient bucket (default 2**24).
         process_group: None for torch.distributed's default group when initialized, else a single rank.
         transport: copy transport (default: CUDA streams on a GPU, plain copies on the CPU).
-        threads: CPU threads for the update (default: this rank's share of the cores).
+        threads: CPU threads for the update (default: this rank's share of the cores; an update running beside
+            forward and backward, DPU's or selective's, leaves one of them, from 4 up, to the thread that drives the
+            device).
         tile_numel: elements per tile of the update/writeback pipeline.
         update_timeout_s: the longest step() waits for a background (DPU) update before raising TimeoutError.
         collective_timeout_s: the longest a collective on a CPU (gloo) group may take before this rank raises
@@ -299,6 +301,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._times = PhaseTimes()  # seconds per phase since the last step
         self.comm = Comm(process_group, device, self.collective_timeout_s, self._times)
         self.threads = threads if threads is not None else pin_rank_threads(self.world, self.rank)
+        # the update beside forward and backward (DPU, selective) leaves a core to the thread that drives the device
+        self.background_threads = threads if threads is not None else beside_compute(self.threads)
         self.tile_numel = tile_numel or DEFAULT_TILE_NUMEL
 
         self._built = False  # add_param_group is refused once the flat layout exists
@@ -417,7 +421,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                        delayed=self.delay_update_after is not None or self.selective is not None,
                                        timeout_s=self.update_timeout_s, times=self._times, nvme_dir=nvme_dir,
                                        params_dtype=self.dtype, state_fmt=self.state_format,
-                                       params_over_grads=update_transport is self.transport, **extra)  # fmt: skip
+                                       params_over_grads=update_transport is self.transport,
+                                       background_threads=self.background_threads, **extra)  # fmt: skip
         except BaseException:
             self._release_transports()
             raise

@@ -245,7 +245,7 @@ class SelectiveUpdate(HostUpdate):
 
         def job() -> None:
             for x, y, alpha in pieces:
-                accumulate(acc[x:y], grad[x:y], alpha=alpha, threads=self.threads)
+                accumulate(acc[x:y], grad[x:y], alpha=alpha, threads=self.bg_threads)
 
         self._last_sum = self._sum_reading[grad.data_ptr()] = self._sum_executor.submit(job)
 
@@ -416,7 +416,7 @@ class SelectiveUpdate(HostUpdate):
             cpu_adam_step(master[a:b], acc[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=1, bias_correction=False,
                           lr=h["lr"] * c2 / c1, betas=(b1**w, b2**w), eps=h["eps"] * c2,
                           weight_decay=h["weight_decay"] * c1 / c2, grad_scale=1.0 / w, maximize=h["maximize"],
-                          param_out=self.staging_buf[a:b], threads=self.threads)  # fmt: skip
+                          param_out=self.staging_buf[a:b], threads=self.bg_threads)  # fmt: skip
         acc.zero_()
         return time.perf_counter() - t0
 

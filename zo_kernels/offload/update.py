@@ -86,7 +86,8 @@ class HostUpdate(StateViews):
                  transport: Transport, publish: Callable[[], None], *, threads: int, tile_numel: int, delayed: bool,
                  timeout_s: float, times: PhaseTimes, nvme_dir: str | None = None,
                  params_dtype: torch.dtype | None = None, state_fmt: str = "fp32",
-                 numel: int | None = None, params_over_grads: bool = False) -> None:  # fmt: skip
+                 numel: int | None = None, params_over_grads: bool = False,
+                 background_threads: int | None = None) -> None:  # fmt: skip
         self.fmt = state_fmt
         self.numel = numel = layout.part if numel is None else numel
         # each group's range of [0, numel) if it is one range there, else None
@@ -96,6 +97,8 @@ class HostUpdate(StateViews):
         tile_numel = -(-tile_numel // block) * block  # (8-bit) tiles start on block boundaries
         self.layout, self.own, self.transport, self.publish, self.times = layout, own, transport, publish, times
         self.threads, self.tile_numel, self.timeout_s = threads, tile_numel, timeout_s
+        # the update's threads in the background, beside forward and backward (DPU, selective's window)
+        self.bg_threads = threads if background_threads is None else background_threads
         if isinstance(master, torch.Tensor):
             fill_master: MasterFill = lambda a, b, out: out.copy_(master[a:b])  # noqa: E731
         elif callable(master):
@@ -317,7 +320,8 @@ class HostUpdate(StateViews):
         self.take_out(out, runs)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-dpu")
-        self._pending = self._executor.submit(self.cpu_update, grad, grad_scale, runs, hparams, False)
+        self._pending = self._executor.submit(self.cpu_update, grad, grad_scale, runs, hparams, False,
+                                              self.bg_threads)  # fmt: skip
 
     def take_out(self, out: torch.Tensor | None, runs: list[Run]) -> None:
         """params_over_grads: the step's landing buffer receives the new parameters of `runs`."""
@@ -335,24 +339,26 @@ class HostUpdate(StateViews):
         return self._out if self.params_over_grads else self.staging_buf
 
     def cpu_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
-                   writeback: bool) -> float:  # fmt: skip
+                   writeback: bool, threads: int | None = None) -> float:  # fmt: skip
         """CPU Adam over the ranges `runs` of this rank's partition; with writeback, tiles go to the device.
+        threads: the kernel's (default: self.threads).
 
         Returns its wall time. Runs in the background thread under DPU: no collectives, no stats here.
         """
         t0 = time.perf_counter()
+        threads = self.threads if threads is None else threads
         if self.swapper is not None:
-            self._stream_update(grad, grad_scale, runs, hparams, writeback)
+            self._stream_update(grad, grad_scale, runs, hparams, writeback, threads)
             return time.perf_counter() - t0
         if self._state is None:
-            self._tile_update(grad, grad_scale, runs, hparams, writeback)
+            self._tile_update(grad, grad_scale, runs, hparams, writeback, threads)
             return time.perf_counter() - t0
         events = []
         master, exp_avg, exp_avg_sq = self._state
         buf = self.out_buf
         for gi, a, b, step, factor in runs:
             staging = self._staging[gi]
-            adam = dict(step=step, grad_scale=grad_scale * factor, threads=self.threads, **hparams[gi])
+            adam = dict(step=step, grad_scale=grad_scale * factor, threads=threads, **hparams[gi])
             if self.params_over_grads:  # the landing buffer: its last reader finished before backward wrote it
                 staging = Staging(buf[a:b], self.tile_numel)
             elif (a, b) != self.group_ranges[gi]:  # part of a group (a param was skipped; ZeRO-3: a group in
@@ -385,7 +391,7 @@ class HostUpdate(StateViews):
             yield a, b
 
     def _tile_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
-                     writeback: bool) -> None:  # fmt: skip
+                     writeback: bool, threads: int) -> None:  # fmt: skip
         """The update of bf16 / 8-bit moments in memory: each run tile by tile (tiles start on blocks), the new
         params into staging; with writeback each tile's copy to the device is queued at once (it overlaps the next
         tile's update) and the compute stream waits for all of them at the end, as in the NVMe update."""
@@ -400,7 +406,7 @@ class HostUpdate(StateViews):
                         pass
                     t0 = time.perf_counter()
                     cpu_adam_step(self._master[x:y], grad[x:y], *self.moments.view(x, y), step=step,
-                                           grad_scale=grad_scale * factor, threads=self.threads,
+                                           grad_scale=grad_scale * factor, threads=threads,
                                            param_out=buf[x:y], seed=self._seed(x),
                                            **hparams[gi])  # fmt: skip
                     if writeback:  # (the background thread under DPU leaves the step's timings alone)
@@ -419,7 +425,7 @@ class HostUpdate(StateViews):
         return (self.layout.rank << 40) + x
 
     def _stream_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
-                       writeback: bool) -> None:  # fmt: skip
+                       writeback: bool, threads: int) -> None:  # fmt: skip
         """The update with the state in NVMe files: the swapper reads tile t+1 and writes tile t-1 while CPU Adam
         updates tile t (each run's part of it) into staging; with writeback, the tile's new params are then queued
         to the device at once (their copy overlaps the next tiles' update) and the compute stream waits for all of
@@ -442,7 +448,7 @@ class HostUpdate(StateViews):
                     t0 = time.perf_counter()
                     out = params[x - lo : y - lo] if params is not None else self.staging_buf[x:y]
                     cpu_adam_step(p[x - lo : y - lo], grad[x:y], narrow(m, x - lo, y - lo), narrow(v, x - lo, y - lo),
-                                  step=step, grad_scale=grad_scale * factor, threads=self.threads, param_out=out,
+                                  step=step, grad_scale=grad_scale * factor, threads=threads, param_out=out,
                                   seed=self._seed(x), **hparams[gi])  # fmt: skip
                     self.times.add("kernel", time.perf_counter() - t0)
                     first, last = x if first is None else first, y
