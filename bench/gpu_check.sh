@@ -38,13 +38,13 @@
 #     measured): run s2-8bit-sync alone, then s2-8bit, then s2-fp32,s3-cpu.
 #   Without a GPU it runs the same script on the CPU at a few million parameters (what tests/test_scale_check.py
 #   runs) and says so.
-# Anchors mode: bash bench/gpu_check.sh OUTDIR anchors  builds, installs .whl/, then the default run's last two
-#   stages with a command of their own (in the default run they get what the 500 s budget leaves, often nothing):
-#   bench/anchors.py (up to 170 s, 150 s per system; DeepSpeed builds its CPU Adam on first use), step rows at
-#   batch ZO_BIG_BATCH x 512 (default 32: DPU, gpu_fraction 0 and auto, --checkpoint, 8-bit moments on the host and
-#   in the device's tail, ZO_BIG_STATE_DTYPE; up to 120 s) and
-#   bench/activation_rows.py (the rest, up to 120 s) -> OUTDIR/summary.json's "anchors", "step" and "activations"
-#   rows.
+# Anchors mode: bash bench/gpu_check.sh OUTDIR anchors  builds, then step rows at batch ZO_BIG_BATCH x 512 (default
+#   32: DPU, gpu_fraction 0 and auto, --checkpoint, 8-bit moments on the host and in the device's tail,
+#   ZO_BIG_STATE_DTYPE; up to 150 s, leaving 70), then the default run's last two stages with a command of their own
+#   (in the default run they get what the budget leaves, often nothing): bench/activation_rows.py (up to 120 s,
+#   leaving 40), installs .whl/, bench/anchors.py (the rest, up to 170 s, 150 s per system; DeepSpeed builds its CPU
+#   Adam on first use) -> OUTDIR/summary.json's "step", "activations" and "anchors" rows. (Order: what was never
+#   measured on a GPU first.)
 # Run on a GPU in this form once (one H200, 2026-11-26: default and anchors modes; never the scale mode); its no-GPU
 # path runs in .ci/run.
 # Without a GPU it says so, runs the CPU-side compile checks (every Triton kernel to cubin for sm_80/sm_90,
@@ -163,19 +163,20 @@ anchors_stage() { # anchors_stage CAP RESERVE TIMEOUT: bench/anchors.py, each sy
     CUDA_HOME="${CUDA_HOME:-$nvcc_dir}" DS_SKIP_CUDA_CHECK="${DS_SKIP_CUDA_CHECK:-1}" "$py" bench/anchors.py \
     "$out/anchors.json" --size "${ZO_ANCHOR_SIZE:-95M}" --timeout-s "$3" --budget-s "$((t - 10))" "${step_args[@]}"
 }
-if [ "$mode" = anchors ]; then  # the default run's last two stages, given a command of their own, and step rows at a
-  # batch whose forward + backward covers CPU Adam (ZO_BIG_BATCH, default 32 x 512: issue 20's rows)
-  # (reserves, with ZO_SKIP_BUILD=1 and ZO_CHECK_BUDGET_S=340: anchors 170 s, the step rows 120 s (the 1.3B rows
-  # build a model and pin ~20 GB of host memory each), the activations the rest: 50 s or more)
-  build_stage 150 200 || status=1
-  install_wheels || status=1
-  anchors_stage 170 170 150 || status=1
-  t=$(stage_s 120 50)
-  limited 120 50 "bench: step rows at batch ${ZO_BIG_BATCH:-32}" "$py" bench/step_rows.py "$out/step.json" \
+if [ "$mode" = anchors ]; then  # step rows at a batch whose forward + backward covers CPU Adam (ZO_BIG_BATCH, default
+  # 32 x 512: issue 20's rows), then the default run's last two stages, given a command of their own, in the order of
+  # what was never measured: the activations (issue 21), then the anchors (measured once, on the H200)
+  # (with ZO_SKIP_BUILD=1 and ZO_CHECK_BUDGET_S=340: the step rows 150 s (the 1.3B rows build a model and pin ~20 GB
+  # of host memory each), the activations 120 s, the anchors the rest: 60 s or more)
+  build_stage 150 250 || status=1
+  t=$(stage_s 150 70)
+  limited 150 70 "bench: step rows at batch ${ZO_BIG_BATCH:-32}" "$py" bench/step_rows.py "$out/step.json" \
     --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes dpu --gpu-fractions 0,auto --checkpoint --budget-s "$((t / 2))" \
     --batch "${ZO_BIG_BATCH:-32}" --context "${ZO_STEP_CONTEXT:-512}" --state-dtype "${ZO_BIG_STATE_DTYPE:-8bit}" \
     || status=1
-  activations_stage 120 5 || status=1
+  activations_stage 120 40 || status=1
+  install_wheels || status=1
+  anchors_stage 170 5 150 || status=1
   ZO_DEVICE="$gpu" ZO_COMMIT="$commit" "$py" bench/summary.py --summary-json "$out" 2>>"$log" | tee -a "$summary" \
     && rm -f "$out/anchors.json" "$out/activations.json" "$out/step.json" || status=1
   say "commit it as bench/results/gpu-$(date -u +%Y-%m-%d)-${device_tag:-GPU}-anchors.json"
@@ -217,9 +218,6 @@ grep -E "passed|failed|error" "$log" | grep -E "^[0-9=]" | tail -2 >>"$summary"
 limited 60 240 "tests: two ranks on one GPU" "$py" -m pytest -q -rs -p no:cacheprovider \
   --junitxml="$out/tests-two-ranks.xml" tests/test_gpu_two_ranks.py || status=1
 grep -E "passed|failed|error" "$log" | grep -E "^[0-9=]" | tail -1 >>"$summary"
-# --- README examples marked "# needs a GPU" (tests/readme_blocks.py; the CPU ones run in the default pytest) ---
-limited 120 120 "README: the GPU examples" "$py" tests/readme_blocks.py --gpu || status=1
-# --- end of the README examples ---
 bench() { # bench CAP RESERVE NAME JSON FILE [pytest args]: one benchmark suite into OUTDIR/JSON
   local cap="$1" reserve="$2" name="$3" json="$out/$4"
   shift 4
@@ -229,15 +227,20 @@ bench 60 200 "bench: pack, cast vs copy" bench-pack.json bench/test_bench_bucket
 bench 45 160 "bench: H2D/D2H, writeback hidden" bench-transport.json bench/test_bench_transport.py -k cuda || status=1
 # gpu_fraction 0 and auto (issue 20's Twin-Flow rows; on the H200 the 95M and 1.3B rows took ~120 s of the 130), each
 # row also checkpointed (--checkpoint: a few more steps; the 57 s of the sm_80/90 compile stage are CI's now)
-# (reserve 20 s: the activations and anchors after it have a command of their own, the anchors mode; here they get
-# what is left) (no size started past half the stage's limit; a size cut short keeps its finished rows)
-t=$(stage_s 150 20)
-limited 150 20 "bench: step in parts (step_rows)" "$py" bench/step_rows.py "$out/step.json" \
+# (reserve 60 s, for the README's GPU examples after it; the activations and anchors have a command of their own, the
+# anchors mode; here they get what is left) (no size started past half the stage's limit; a size cut short keeps its
+# finished rows)
+t=$(stage_s 150 60)
+limited 150 60 "bench: step in parts (step_rows)" "$py" bench/step_rows.py "$out/step.json" \
   --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes "${ZO_STEP_MODES:-sync,dpu,selective}" --budget-s "$((t / 2))" \
   --gpu-fractions "${ZO_STEP_FRACTIONS:-0,auto}" --checkpoint --state-dtype "${ZO_STEP_STATE_DTYPE:-fp32}" \
   "${step_args[@]}" || status=1
+# --- README examples marked "# needs a GPU" (tests/readme_blocks.py; the CPU ones run in the default pytest; they ran
+# on the H200: after the measurements now) ---
+limited 120 70 "README: the GPU examples" "$py" tests/readme_blocks.py --gpu || status=1
+# --- end of the README examples ---
 install_wheels || status=1
-activations_stage 60 150 || status=1
+activations_stage 60 15 || status=1
 anchors_stage 200 5 100 || status=1
 say "--- benchmark ratios (bench/summary.py; best of N rounds)"
 "$py" bench/summary.py "$out"/bench-*.json 2>>"$log" | tee -a "$summary" || status=1
