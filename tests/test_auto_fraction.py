@@ -112,6 +112,9 @@ def test_cli_auto_prints_the_pick_and_plans_with_it(capsys):
     (["--auto", "--fwd-bwd-ms", "0"], "--fwd-bwd-ms must be a number > 0"),
     (["--auto", "--fwd-bwd-ms", "5", "--device-adam-rate", "inf"], "--device-adam-rate must be a number > 0"),
     (["--auto", "--fwd-bwd-ms", "5", "--selective", "0.1"], "--auto picks a gpu_fraction, which --selective"),
+    (["--fwd-bwd-ms", "5"], "--fwd-bwd-ms is read by --auto only"),  # (was ignored without a word)
+    (["--device-adam-rate", "1e9"], "--device-adam-rate is read by --auto only"),
+    (["--cpu-adam-rate", "1e9"], "--cpu-adam-rate is read by --auto only"),
 ])  # fmt: skip
 def test_cli_bad_values_one_line_exit_2(capsys, argv, message):
     assert main(["plan", "--params", "95e6", *argv]) == 2

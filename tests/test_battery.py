@@ -1068,6 +1068,40 @@ _zo_load("state-shape", ValueError, "exp_avg", lambda sd: sd["state"][0].update(
 _zo_load("amsgrad", ValueError, "amsgrad", lambda sd: sd["param_groups"][0].update(amsgrad=True))  # issue 19
 
 
+def _sgd_state(params, steps):
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    for _ in range(steps):
+        for q in params:
+            q.grad = torch.ones_like(q)
+        sgd.step()
+    return sgd.state_dict()
+
+
+# A fresh SGD's state dict has no per-parameter state to trip over: its lr and momentum loaded, the moments
+# started afresh, without a word (a new user's finding); with steps taken it failed on 'exp_avg' already
+for _steps in (0, 1):
+    _zo_load(f"sgd-state-{_steps}-steps", ValueError, "state_dict param group 0 has no",
+             lambda sd, steps=_steps: sd.update(_sgd_state([torch.nn.Parameter(p.detach().float().clone())
+                                                            for p in tiny().parameters()], steps)))
+
+
+@case("zo-adafactor-load-adamw-state", ValueError, "not an Adafactor state dict")
+def _():
+    m = tiny()
+    opt = zk.ZeroOffloadAdafactor(m.parameters())
+    sd = torch.optim.AdamW([torch.nn.Parameter(p.detach().float().clone()) for p in m.parameters()]).state_dict()
+    groups = [dict(g) for g in opt.param_groups]
+
+    def call():
+        try:
+            opt.load_state_dict(sd)
+        finally:
+            if [dict(g) for g in opt.param_groups] != groups:
+                raise Wrong("load_state_dict changed the param groups before refusing")
+
+    return call, [opt.master, opt.flat]
+
+
 @case("cpuadam-load-sgd-state", ValueError, "state_dict")  # issue 19: it wrote, then raised KeyError
 def _():
     p = torch.nn.Parameter(torch.randn(3))

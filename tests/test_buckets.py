@@ -253,7 +253,22 @@ def test_unpack_and_cast_bad_input():
     with pytest.raises(ValueError, match="flat must be 1-D"):
         zk.unpack(flat.reshape(2, 5), t)
     with pytest.raises(ValueError, match="overlap"):
-        zk.unpack(flat, [flat[:4]])
+        zk.unpack(flat, [flat[:4]], offsets=[4])
+    # without offsets: the dense bucket only (a new user unpacked an align=64 bucket so, and got its gaps' zeros)
+    with pytest.raises(ValueError, match=r"flat has 10 elements, the tensors 8: without offsets= .*Packed.offsets"):
+        zk.unpack(flat, t)
+    grads = [torch.randn(4097), torch.randn(3, 5, dtype=torch.float16)]
+    p = zk.pack(grads, dtype=torch.bfloat16, align=64)
+    back = [torch.zeros_like(g) for g in grads]
+    with pytest.raises(ValueError, match="without offsets="):
+        zk.unpack(p.flat, back)
+    assert all(not b.any() for b in back)
+    zk.unpack(p.flat, back, offsets=p.offsets)
+    assert all(torch.equal(b, g.to(torch.bfloat16).to(g.dtype)) for b, g in zip(back, grads))
+    # segments that overlap (offsets wrong for these tensors) are refused, naming both
+    with pytest.raises(ValueError, match=r"the segments of tensors\[0\] and tensors\[1\] overlap"):
+        zk.unpack(p.flat, back, offsets=[0, 10])
+    assert digest(flat, *t) == before
     with pytest.raises(TypeError, match="out has dtype"):
         zk.cast(flat, torch.float16, out=torch.zeros(10))
     with pytest.raises(ValueError, match="out has 9 elements, x has 10"):
@@ -400,6 +415,29 @@ def test_plan_refuses_other_tensors_before_writing():
         zk.buckets.plan([buf[:5], buf[3:10]]).unpack(torch.zeros(12), [buf[:5], buf[3:10]])
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pack_reads_tensors_sharing_memory_unpack_refuses_them(impl):
+    """pack only reads: the same tensor twice, or views that overlap, pack as copies of what they see (a new user's
+    list with one tensor twice was refused). unpack writes: refused, naming both, nothing written. `out` overlapping
+    any of them is refused, also where only a long tensor spanning a later shorter one covers it."""
+    x = torch.randn(7)
+    p = zk.pack([x, x], dtype=torch.float32, impl=impl)
+    assert torch.equal(p.flat, torch.cat([x, x]))
+    buf = torch.randn(100)
+    ts = [buf[:100], buf[10:20], buf[30:40]]  # the first spans the others
+    plan = zk.buckets.plan(ts, dtype=torch.float32)
+    assert torch.equal(plan.pack(ts, impl=impl).flat, torch.cat([t.clone() for t in ts]))
+    before = digest(buf)
+    with pytest.raises(ValueError, match=r"tensors\[0\] and tensors\[1\] overlap in memory; .* to be written"):
+        plan.unpack(torch.zeros(plan.total), ts, impl=impl)
+    assert digest(buf) == before
+    big = torch.zeros(200)
+    inner = [big[:100], big[10:20], big[30:40]]
+    with pytest.raises(ValueError, match="out and a tensor of tensors overlap"):
+        plan.pack(inner, out=big[50:], impl=impl)  # inside inner[0] only, past inner[1] and inner[2]
+    assert not big.any()
+
+
 @pytest.mark.parametrize("guarded", [True, False], ids=["layout guard", "passes only"])
 def test_plan_refuses_other_tensors_after_good_calls(monkeypatch, guarded):
     """After good calls the plan reads only addresses while its layout guard (one C++ call) holds; every list the
@@ -424,6 +462,7 @@ def test_plan_refuses_other_tensors_after_good_calls(monkeypatch, guarded):
         ([ts[0], torch.randn(7, 2, dtype=torch.float16)[:, 0]], ValueError, r"tensors\[1\] must be contiguous"),
         ([ts[0], "x"], TypeError, r"tensors\[1\] must be a torch.Tensor"),
         ([ts[0], None], TypeError, r"tensors\[1\] must be a torch.Tensor, got NoneType"),
+        ([torch.empty(5, device="meta"), ts[1]], ValueError, r"tensors\[0\] is on meta; the plan is for .* cpu"),
         ([ts[0], torch.empty(7, dtype=torch.float16, device="meta")], ValueError, r"tensors\[1\] is on meta"),
     ]
     for tensors, exc, match in bad:

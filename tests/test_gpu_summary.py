@@ -137,3 +137,19 @@ def test_summary_json_judges_the_activation_rows(tmp_path):
     assert t["step_vs_torch_checkpoint"] == {"value": 1.04, "bar": 1.05, "met": True}
     assert t["step_vs_save_on_cpu"]["met"] and t["checkpoint_allocations_per_step"]["met"]
     assert t["longest_seq_vs_torch_checkpoint"] == {"value": 1.5, "bar": 2.0, "met": False}
+
+
+def test_dashboard_tells_rows_of_one_size_and_mode_apart_and_reads_targets(tmp_path):
+    """Two step rows of one size and mode differ by gpu_fraction: the step, phases and targets tables show it (a new
+    user read them as duplicates); a pack row's target shows as MET/MISSED with its bars, not a Python dict."""
+    rows = [{**step_row("sync", 12.0), "gpu_fraction": 0.0}, {**step_row("sync", 9.0), "gpu_fraction": 0.59}]
+    gpu = tmp_path / "gpu-2026-01-04-H200.json"
+    gpu.write_text(json.dumps({"device": "H200", "date": "2026-01-04", "commit": "abc", "step": rows,
+                               "pack": [{"numel": 10_000_000, "zo_ms": 0.1, "copy_ms": 0.024,
+                                         "target": {"min_of_copy": 0.6, "faster_than_torch_ref": True,
+                                                    "met": False}}]}))  # fmt: skip
+    page = dashboard.render([gpu])
+    for table in page.split("<h3>")[1:4]:  # train step, phases, targets
+        assert "<th>gpu_fraction</th>" in table and "0.59" in table, table[:200]
+    assert "MISSED; min_of_copy 0.6; faster_than_torch_ref True" in page
+    assert "{&#x27;" not in page and "{'" not in page

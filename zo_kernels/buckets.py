@@ -152,7 +152,11 @@ def pack(tensors: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None, s
 
 def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], *, offsets: Sequence[int] | None = None,
            impl: str | None = None) -> None:  # fmt: skip
-    """Copy each segment of `flat` back into its tensor, cast to that tensor's dtype (one launch)."""
+    """Copy each segment of `flat` back into its tensor, cast to that tensor's dtype (one launch).
+
+    offsets: where each tensor's segment starts (`Packed.offsets`); segments may not overlap. None: the dense
+    layout of `pack(..., align=1)`, and then `flat` must hold exactly the tensors' elements (a bucket packed with
+    another align has gaps: pass its offsets)."""
     check_float(flat, "flat")
     if flat.dim() != 1:
         raise ValueError(f"flat must be 1-D, got shape {tuple(flat.shape)}")
@@ -161,7 +165,10 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], *, offsets: Sequ
         if not tensors:
             return
     if offsets is None:
-        offsets, _ = layout(tensors, 1)
+        offsets, dense = layout(tensors, 1)
+        if flat.numel() != dense:
+            raise ValueError(f"flat has {flat.numel()} elements, the tensors {dense}: without offsets= flat must be "
+                             "the dense (align=1) bucket; pass offsets= (pack's Packed.offsets)")  # fmt: skip
     if isinstance(offsets, torch.Tensor) or not isinstance(offsets, Sequence) or len(offsets) != len(tensors):
         raise ValueError(f"offsets must be a sequence of {len(tensors)} ints, got {offsets!r}")
     offsets = tuple(offsets)
@@ -179,6 +186,11 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], *, offsets: Sequ
                 raise ValueError(f"offsets[{i}] must be an int >= 0, got {off!r}")
             if off + n > flat.numel():
                 raise ValueError(f"offsets[{i}] + tensors[{i}].numel() = {off + n} > flat.numel() = {flat.numel()}")
+        spans = sorted((o, o + n, i) for i, (o, n) in enumerate(zip(offsets, numels)) if n)
+        for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+            if start < end:
+                raise ValueError(f"offsets: the segments of tensors[{min(i, j)}] and tensors[{max(i, j)}] overlap "
+                                 f"(tensors[{i}] covers flat[{end - numels[i]}:{end}], tensors[{j}] starts at {start})")
         total = max(o + n for o, n in zip(offsets, numels))
         return PackPlan(numels, dtypes, flat.dtype, offsets, numels, total, flat.device)
 

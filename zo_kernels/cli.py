@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--fwd-bwd-ms", default=None, metavar="MS", help="--auto: forward+backward time per step")
     pl.add_argument("--cpu-adam-rate", default=None, metavar="PARAMS/S",
                     help="--auto: CPU Adam's rate per rank (default: measured here, ~1 s)")  # fmt: skip
-    pl.add_argument("--device-adam-rate", default=f"{DEFAULT_DEVICE_ADAM_RATE:g}", metavar="PARAMS/S",
+    pl.add_argument("--device-adam-rate", default=None, metavar="PARAMS/S",
                     help=f"--auto: the GPU's fused AdamW rate (default: {DEFAULT_DEVICE_ADAM_RATE:g}, an H100: "
                          "3.35 TB/s x 0.6 / 40 B per param; not measured)")  # fmt: skip
 
@@ -242,6 +242,11 @@ def cmd_plan(a: argparse.Namespace) -> int:
                         "too (without them the activations are --activations, default 4GiB)")
         if selective and a.auto:
             raise argparse.ArgumentTypeError("--auto picks a gpu_fraction, which --selective refuses: give one")
+        if not a.auto:
+            for flag, given in (("--fwd-bwd-ms", a.fwd_bwd_ms), ("--cpu-adam-rate", a.cpu_adam_rate),
+                                ("--device-adam-rate", a.device_adam_rate)):  # fmt: skip
+                if given is not None:
+                    raise argparse.ArgumentTypeError(f"{flag} is read by --auto only: add --auto, or leave it out")
         auto = _auto_rates(a) if a.auto else None
     except argparse.ArgumentTypeError as e:
         raise UsageError(str(e)) from None
@@ -299,7 +304,7 @@ def _auto_rates(a: argparse.Namespace) -> tuple[float, float, float]:
     fwd_bwd_ms, cpu_rate, device_rate = rates
     if cpu_rate is None:
         cpu_rate = measure_cpu_adam_rate(state_dtype=a.state_dtype or "fp32")
-    return fwd_bwd_ms / 1e3, cpu_rate, device_rate
+    return fwd_bwd_ms / 1e3, cpu_rate, DEFAULT_DEVICE_ADAM_RATE if device_rate is None else device_rate
 
 
 def bench_dir() -> Path:

@@ -242,12 +242,20 @@ def load_gpu_summary(path: Path) -> dict:
     return data
 
 
-def _cell(v: object) -> str:
+def _text(v: object) -> str:
+    """A value as a table shows it: floats to 4 digits, a target's {"met": ...} as MET/MISSED with its bars."""
     if v is None:
-        return "<td>-</td>"
+        return "-"
     if isinstance(v, float):
-        return f"<td>{v:.4g}</td>"
-    return f"<td>{html.escape(str(v))}</td>"
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        head = [] if "met" not in v else ["MET" if v["met"] else "MISSED"]
+        return "; ".join(head + [f"{k} {_text(x)}" for k, x in v.items() if k != "met"])
+    return str(v)
+
+
+def _cell(v: object) -> str:
+    return f"<td>{html.escape(_text(v))}</td>"
 
 
 def _rows_table(rows: list[dict], keys: list[str]) -> str:
@@ -256,8 +264,8 @@ def _rows_table(rows: list[dict], keys: list[str]) -> str:
     return f"<table class='ratios'><tr>{head}</tr>{body}</table>"
 
 
-STEP_KEYS = ["params", "mode", "batch", "zo_ms", "fwd_bwd_ms", "cpu_adam_ms", "d2h_ms", "torch_fused_ms",
-             "zo_peak_gib", "torch_peak_gib", "orchestration_of_step"]  # fmt: skip
+STEP_KEYS = ["params", "mode", "gpu_fraction", "state_dtype", "batch", "zo_ms", "fwd_bwd_ms", "cpu_adam_ms",
+             "d2h_ms", "torch_fused_ms", "zo_peak_gib", "torch_peak_gib", "orchestration_of_step"]  # fmt: skip
 ANCHOR_KEYS = ["system", "params", "ms", "tokens_per_s", "peak_gib", "host_gib", "note"]
 SCALE_KEYS = ["setting", "params", "planner_params", "tokens_per_s", "tflops", "mfu", "peak_gib", "planner_peak_gib",
               "host_gib", "planner_host_gib", "loss_first", "loss_last", "adam_hidden", "mismatch",
@@ -274,15 +282,16 @@ def gpu_section(label: str, data: dict) -> str:
     step = [r for r in data.get("step", []) if "zo_ms" in r]
     if step:
         parts.append("<h3>train step</h3>" + _rows_table(step, STEP_KEYS))
-        phases = [{"params": r.get("params"), "mode": r.get("mode"), **(r.get("phases") or {})} for r in step]
-        keys = ["params", "mode", *sorted({k for r in step for k in (r.get("phases") or {})})]
-        if len(keys) > 2:
+        ids = ["params", "mode", "gpu_fraction", "batch"]  # (what tells two rows of one size and mode apart)
+        phases = [{**{k: r.get(k) for k in ids}, **(r.get("phases") or {})} for r in step]
+        keys = [*ids, *sorted({k for r in step for k in (r.get("phases") or {})})]
+        if len(keys) > len(ids):
             parts.append("<h3>phases of the step (ms)</h3>" + _rows_table(phases, keys))
-        targets = [{"params": r.get("params"), "mode": r.get("mode"), "target": k, "value": t.get("value"),
-                    "bar": t.get("bar"), "met": "MET" if t.get("met") else "MISSED"}
+        targets = [{**{k: r.get(k) for k in ids}, "target": k, "value": t.get("value"), "bar": t.get("bar"),
+                    "met": "MET" if t.get("met") else "MISSED"}
                    for r in step for k, t in (r.get("targets") or {}).items()]  # fmt: skip
         if targets:
-            parts.append("<h3>targets</h3>" + _rows_table(targets, ["params", "mode", "target", "value", "bar", "met"]))
+            parts.append("<h3>targets</h3>" + _rows_table(targets, [*ids, "target", "value", "bar", "met"]))
     if data.get("anchors"):
         parts.append("<h3>anchors (same model, batch, dtype)</h3>" + _rows_table(data["anchors"], ANCHOR_KEYS))
     if data.get("scale"):

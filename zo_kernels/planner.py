@@ -406,6 +406,11 @@ def plan(
     )  # fmt: skip
     if p.gpu_mem <= 0:
         raise ValueError(f"gpu_mem must be > 0, got {gpu_mem!r}")
+    if p.host_mem <= 0:
+        raise ValueError(f"host_mem must be > 0, got {host_mem!r}")
+    if gpus % per_host:
+        raise ValueError(f"gpus_per_host must divide gpus (hosts of {per_host} GPUs each), got {per_host} for "
+                         f"{gpus} GPUs")  # fmt: skip
     host_per_gpu, nvme_per_gpu = p.host_mem / per_host, p.nvme_mem / per_host
     # the working set per layer parameter and its fixed part (units of prefetch_params ahead)
     w, w_fixed = (working_set_per_layer_param(prefetch), 0.0) if not unit else (4.0, 2.0 * prefetch * unit)

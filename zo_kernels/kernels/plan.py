@@ -114,8 +114,9 @@ class PackPlan:
         self.same_dtype = all(d == dtype for d in dtypes)
         self._device_index = device.index if device.type == "cuda" else None
         self._ptrs: tuple[int, ...] | None = None  # the addresses the table and the overlap check are for
-        self._starts: list[int] = []  # sorted non-empty spans of the tensors: the overlap check of `out`
+        self._starts: list[int] = []  # the union of the tensors' spans, sorted, disjoint: the overlap check of `out`
         self._ends: list[int] = []
+        self._overlap: tuple[int, int] | None = None  # two tensors sharing memory (pack reads them; unpack refuses)
         self._device_tables = None  # (work, n_work, part, count, pack work, unpack work) once on a GPU
         self._table: torch.Tensor | None = None
         self._out_checked: tuple[int, int] | None = None  # (address, numel) of an `out` whose memory was checked
@@ -140,6 +141,8 @@ class PackPlan:
             ptrs = tuple(map(torch.Tensor.data_ptr, tensors))
             if ptrs != self._ptrs:
                 self._readdress(tensors, ptrs)
+            if written and self._overlap:
+                self._refuse_overlap()
             return ptrs, tensors
         self.full_checks += 1
         try:
@@ -159,7 +162,7 @@ class PackPlan:
             right = set(map(torch.Tensor.get_device, tensors)) <= {self._device_index}
         if not right:
             i = next(i for i, t in enumerate(tensors) if t.device != self.device)
-            raise ValueError(f"{name}[{i}] is on {tensors[i].device} but {name}[0] is on {self.device}")
+            raise ValueError(f"{name}[{i}] is on {tensors[i].device}; the plan is for tensors on {self.device}")
         if not all(map(torch.Tensor.is_contiguous, tensors)):
             i = next(i for i, t in enumerate(tensors) if not t.is_contiguous())
             t = tensors[i]
@@ -174,21 +177,35 @@ class PackPlan:
         ptrs = tuple(map(torch.Tensor.data_ptr, tensors))
         if ptrs != self._ptrs:
             self._readdress(tensors, ptrs)
+        if written and self._overlap:
+            self._refuse_overlap()
         return ptrs, tensors
 
     def _readdress(self, tensors: Sequence[torch.Tensor], ptrs: tuple[int, ...]) -> None:
-        """New addresses: check them (alignment, storage, overlap: sorted, O(n log n)); the table is rebuilt."""
+        """New addresses: check them (alignment, storage; overlap, sorted, O(n log n): fine to read (pack), refused
+        to write (unpack)); the table is rebuilt."""
         name = self.name
         for i, t in enumerate(tensors):
             check_memory(t, f"{name}[{i}]")
         spans = sorted((p, p + n * t.element_size(), i) for i, (p, n, t) in enumerate(zip(ptrs, self.numels, tensors))
                        if n)  # fmt: skip
-        for (_, a1, i), (b0, _, j) in zip(spans, spans[1:]):
-            if b0 < a1:
-                raise ValueError(f"{name}[{min(i, j)}] and {name}[{max(i, j)}] overlap in memory; each must be its "
-                                 "own buffer")  # fmt: skip
-        self._starts, self._ends = [s[0] for s in spans], [s[1] for s in spans]
+        starts, ends, overlap, reach = [], [], None, -1  # the union of the spans, disjoint and sorted (check_apart)
+        for lo, hi, i in spans:
+            if starts and lo < ends[-1]:
+                overlap = overlap or (reach, i)  # i starts inside the span of `reach`, the furthest-reaching so far
+                if hi > ends[-1]:
+                    ends[-1], reach = hi, i
+            else:
+                starts.append(lo)
+                ends.append(hi)
+                reach = i
+        self._starts, self._ends, self._overlap = starts, ends, overlap
         self._ptrs, self._table, self._writable = ptrs, None, False
+
+    def _refuse_overlap(self) -> None:
+        i, j = sorted(self._overlap)
+        raise ValueError(f"{self.name}[{i}] and {self.name}[{j}] overlap in memory; each must be its own buffer to "
+                         "be written")
 
     def check_apart(self, buf: torch.Tensor, name: str) -> None:
         """buf shares no memory with the tensors of the last check (O(log n): their spans are sorted, disjoint)."""

@@ -94,8 +94,10 @@ def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(f"param group {gi}: state_dict has {len(saved['params'])} params, "
                              f"this optimizer {len(group['params'])}")  # fmt: skip
-        check_hparams(saved.get("lr", group["lr"]), saved.get("betas", group["betas"]),
-                      saved.get("eps", group["eps"]), saved.get("weight_decay", group["weight_decay"]))  # fmt: skip
+        missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in saved]
+        if missing:  # (an SGD state dict would load its lr and start the moments afresh without a word)
+            raise ValueError(f"state_dict param group {gi} has no {missing} (not an Adam/AdamW state dict?)")
+        check_hparams(saved["lr"], saved["betas"], saved["eps"], saved["weight_decay"])
         check_torch_options(saved, f"state_dict param group {gi}", loaded=True)
         if "step" in saved:
             _check_step(saved["step"], f"param group {gi}: 'step'")
