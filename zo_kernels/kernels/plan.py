@@ -138,12 +138,7 @@ class PackPlan:
         if len(tensors) != self.n:
             raise ValueError(f"{name} has {len(tensors)} tensors, the plan {self.n}")
         if self._guard is not None and self._guard.check(*tensors):  # the layout validated last time, exactly
-            ptrs = tuple(map(torch.Tensor.data_ptr, tensors))
-            if ptrs != self._ptrs:
-                self._readdress(tensors, ptrs)
-            if written and self._overlap:
-                self._refuse_overlap()
-            return ptrs, tensors
+            return self._addresses(tensors, written)
         self.full_checks += 1
         try:
             numels = tuple(map(torch.Tensor.numel, tensors))  # the descriptor refuses anything but a tensor
@@ -174,6 +169,10 @@ class PackPlan:
             tensors = [t.resolve_neg() for t in tensors]  # the kernels read raw values (copies: no guard for them)
         else:
             self._guard = layout_guard(tensors)
+        return self._addresses(tensors, written)
+
+    def _addresses(self, tensors: Sequence[torch.Tensor], written: bool) -> tuple[tuple[int, ...], Sequence]:
+        """(addresses, tensors): new addresses checked and the table rebuilt; shared memory refused where written."""
         ptrs = tuple(map(torch.Tensor.data_ptr, tensors))
         if ptrs != self._ptrs:
             self._readdress(tensors, ptrs)
