@@ -55,7 +55,7 @@ def test_the_background_update_leaves_a_core(monkeypatch, kind):
     torch.set_num_threads(4)  # (a 2-core machine too: the count is what is checked, not the speed)
     try:
         extra = (dict(delay_update_after=0) if kind == "dpu"
-                 else dict(selective={"fraction": 0.25, "apply_every": 2}))  # fmt: skip
+                 else dict(selective={"fraction": 0.25, "apply_every": 2, "select_every": 2}))  # fmt: skip
         sync_seen, seen, given_seen = {}, {}, {}
         sync = _train(monkeypatch, sync_seen)
         got = _train(monkeypatch, seen, **extra)
@@ -65,6 +65,10 @@ def test_the_background_update_leaves_a_core(monkeypatch, kind):
     assert sync_seen == {("main", "adam"): {4}}, sync_seen
     background = {k: v for k, v in seen.items() if k[0] == "background"}
     assert background and all(v == {3} for v in background.values()), seen
+    # what runs on the main thread (selective's drain at a new selection, with nothing beside it) keeps every thread
+    assert all(v == {4} for k, v in seen.items() if k[0] == "main"), seen
+    if kind == "selective":
+        assert ("main", "adam") in seen, seen  # (select_every 2 within 3 steps: a drain ran)
     assert all(v == {4} for v in given_seen.values()), given_seen
     assert torch.equal(got, given), "the update's results depend on its thread count"
     if kind == "dpu":

@@ -523,7 +523,7 @@ for _name, _call, _exc, _arg in [
     ("unpack-offsets", lambda x, o: zk.unpack(torch.zeros(12), [x], offsets=[9]), ValueError, "offsets[0]"),
     ("unpack-offset-neg", lambda x, o: zk.unpack(torch.zeros(12), [x], offsets=[-1]), ValueError, "offsets[0]"),
     ("unpack-offsets-len", lambda x, o: zk.unpack(torch.zeros(12), [x], offsets=[0, 1]), ValueError, "offsets"),
-    ("unpack-overlap", lambda x, o: zk.unpack(x, [x[:3]]), ValueError, "flat"),
+    ("unpack-overlap", lambda x, o: zk.unpack(x, [x[:3]], offsets=[0]), ValueError, "flat and a tensor"),
 ]:
 
     @case(_name, _exc, _arg)

@@ -73,7 +73,7 @@ def test_plan_lands_near_the_offload_paper_headline(capsys):
         (["--params", "lots"], "--params: cannot read 'lots' as a count"),
         (["--params", "13e9", "--k", "twelve"], "--k must be a number"),
         (["--params", "13e9", "--gpus", "2", "--gpus-per-host", "3"], "--gpus-per-host must be an int in [1, gpus]"),
-        (["--params", "13e9", "--gpus", "8", "--gpus-per-host", "3"], "--gpus-per-host must divide gpus"),
+        (["--params", "13e9", "--gpus", "8", "--gpus-per-host", "3"], "--gpus-per-host must divide the number of GPUs"),
         (["--params", "13e9", "--host-mem", "0GB"], "--host-mem must be > 0"),
         (["--params", "13e9", "--nvme", "4XB"], "--nvme: cannot read '4XB' as a size"),
         (["--params", "13e9", "--layer-params", "14e9"], "--layer-params must be <= params"),

@@ -409,7 +409,7 @@ def plan(
     if p.host_mem <= 0:
         raise ValueError(f"host_mem must be > 0, got {host_mem!r}")
     if gpus % per_host:
-        raise ValueError(f"gpus_per_host must divide gpus (hosts of {per_host} GPUs each), got {per_host} for "
+        raise ValueError(f"gpus_per_host must divide the number of GPUs (hosts of equal size), got {per_host} for "
                          f"{gpus} GPUs")  # fmt: skip
     host_per_gpu, nvme_per_gpu = p.host_mem / per_host, p.nvme_mem / per_host
     # the working set per layer parameter and its fixed part (units of prefetch_params ahead)

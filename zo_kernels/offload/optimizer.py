@@ -122,7 +122,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         transport: copy transport (default: CUDA streams on a GPU, plain copies on the CPU).
         threads: CPU threads for the update (default: this rank's share of the cores; an update running beside
             forward and backward, DPU's or selective's, leaves one of them, from 4 up, to the thread that drives the
-            device).
+            device; ZeroOffloadAdafactor's update is torch ops, on torch's threads).
         tile_numel: elements per tile of the update/writeback pipeline.
         update_timeout_s: the longest step() waits for a background (DPU) update before raising TimeoutError.
         collective_timeout_s: the longest a collective on a CPU (gloo) group may take before this rank raises

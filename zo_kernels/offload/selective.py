@@ -398,7 +398,8 @@ class SelectiveUpdate(HostUpdate):
         # layout.runs cuts where the group, steps[i] + 1 or factor[i] changes: t and w are passed as those two
         return self.layout.runs([x > 0 for x in w], [s - 1 for s in self.steps], [float(x) for x in w])
 
-    def _apply(self, buf: int, runs: list[Run], hparams: list[dict], sums: Future | None = None) -> float:
+    def _apply(self, buf: int, runs: list[Run], hparams: list[dict], sums: Future | None = None,
+               threads: int | None = None) -> float:  # fmt: skip
         """CPU Adam over the rest with the window's mean gradient (moments as w steps, one step: see the module
         docstring), into staging, once `sums` (the window's last sum) is done; the window's buffer is zeroed for
         reuse. Returns its wall time."""
@@ -416,7 +417,7 @@ class SelectiveUpdate(HostUpdate):
             cpu_adam_step(master[a:b], acc[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=1, bias_correction=False,
                           lr=h["lr"] * c2 / c1, betas=(b1**w, b2**w), eps=h["eps"] * c2,
                           weight_decay=h["weight_decay"] * c1 / c2, grad_scale=1.0 / w, maximize=h["maximize"],
-                          param_out=self.staging_buf[a:b], threads=self.bg_threads)  # fmt: skip
+                          param_out=self.staging_buf[a:b], threads=threads or self.threads)  # fmt: skip
         acc.zero_()
         return time.perf_counter() - t0
 
@@ -428,7 +429,7 @@ class SelectiveUpdate(HostUpdate):
         self.cur, self.in_window = 1 - buf, 0
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-selective")
-        self._pending = self._executor.submit(self._apply, buf, runs, hparams, self._last_sum)
+        self._pending = self._executor.submit(self._apply, buf, runs, hparams, self._last_sum, self.bg_threads)
 
     def _send_staging(self) -> None:
         """Staging (the last update's parameters) -> this rank's device parameters; published by the caller."""
