@@ -74,7 +74,7 @@ def _typed(addr, CODE: tl.constexpr):
 
 
 @triton.jit
-def _typed16(addr, CODE: tl.constexpr, ALIGN: tl.constexpr = 16):
+def _typed_aligned(addr, CODE: tl.constexpr, ALIGN: tl.constexpr = 16):
     """_typed for an address the caller knows is ALIGN-byte aligned (16 unless said), marked so on the cast itself:
     Triton 3.6 drops a mark put on a call's result (3.9 keeps it), and a mark on a pointer sum is folded away."""
     if CODE == 0:
@@ -126,6 +126,21 @@ def _pack_block(src, dst, offs, n_read, n_write, scale, acc, bad,
 
 
 @triton.jit
+def _pack_full(s, d_addr, n_full, lanes, scale, acc, bad, IN_KIND: tl.constexpr, OUT_KIND: tl.constexpr,
+               BLOCK: tl.constexpr, ALIGN: tl.constexpr):  # fmt: skip
+    """A chunk's n_full whole blocks from s (16-byte aligned) to the bucket at d_addr, marked ALIGN-byte aligned (0:
+    not marked); no masks."""
+    if ALIGN > 0:
+        d = _typed_aligned(d_addr, OUT_KIND, ALIGN)
+    else:
+        d = _typed(d_addr, OUT_KIND)
+    for j in range(0, n_full):  # i = j * BLOCK: visibly a multiple of BLOCK (a loop variable is not)
+        i = j * BLOCK
+        acc, bad = _pack_block(s + i, d + i, lanes, 0, 0, scale, acc, bad, IN_KIND, OUT_KIND, True)
+    return acc, bad
+
+
+@triton.jit
 def _pack_tensor(addr, flat_addr, numel, offset, start, end, aligned, scale,
                  IN_KIND: tl.constexpr, OUT_KIND: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Pack elements [start, end) of one tensor (those past numel are the segment's zero gap); (Σx², any bad)."""
@@ -141,28 +156,18 @@ def _pack_tensor(addr, flat_addr, numel, offset, start, end, aligned, scale,
                                OUT_KIND, False)  # fmt: skip
     n_full = tl.maximum(tl.minimum(end, numel) - aligned, 0) // BLOCK
     if n_full > 0:
-        s = _typed16(addr + aligned * IN_BYTES, IN_KIND)  # the head makes it so
+        s = _typed_aligned(addr + aligned * IN_BYTES, IN_KIND)  # the head makes it so
         d_addr = flat_addr + (offset + aligned) * OUT_BYTES
+        # the bucket side marked with the widest alignment its address has (8 or 4 bytes: the bucket's phase
+        # differs from the tensor's; 0: none, element by element)
         if d_addr % 16 == 0:
-            d = _typed16(d_addr, OUT_KIND)
-            for j in range(0, n_full):  # i = j * BLOCK: visibly a multiple of BLOCK (a loop variable is not)
-                i = j * BLOCK
-                acc, bad = _pack_block(s + i, d + i, lanes, 0, 0, scale, acc, bad, IN_KIND, OUT_KIND, True)
-        elif d_addr % 8 == 0:  # the bucket's phase differs from the tensor's: the widest stores it allows
-            d = _typed16(d_addr, OUT_KIND, 8)
-            for j in range(0, n_full):
-                i = j * BLOCK
-                acc, bad = _pack_block(s + i, d + i, lanes, 0, 0, scale, acc, bad, IN_KIND, OUT_KIND, True)
+            acc, bad = _pack_full(s, d_addr, n_full, lanes, scale, acc, bad, IN_KIND, OUT_KIND, BLOCK, 16)
+        elif d_addr % 8 == 0:
+            acc, bad = _pack_full(s, d_addr, n_full, lanes, scale, acc, bad, IN_KIND, OUT_KIND, BLOCK, 8)
         elif OUT_BYTES == 2 and d_addr % 4 == 0:
-            d = _typed16(d_addr, OUT_KIND, 4)
-            for j in range(0, n_full):
-                i = j * BLOCK
-                acc, bad = _pack_block(s + i, d + i, lanes, 0, 0, scale, acc, bad, IN_KIND, OUT_KIND, True)
+            acc, bad = _pack_full(s, d_addr, n_full, lanes, scale, acc, bad, IN_KIND, OUT_KIND, BLOCK, 4)
         else:
-            d = _typed(d_addr, OUT_KIND)
-            for j in range(0, n_full):
-                i = j * BLOCK
-                acc, bad = _pack_block(s + i, d + i, lanes, 0, 0, scale, acc, bad, IN_KIND, OUT_KIND, True)
+            acc, bad = _pack_full(s, d_addr, n_full, lanes, scale, acc, bad, IN_KIND, OUT_KIND, BLOCK, 0)
     for i in range(aligned + n_full * BLOCK, end, BLOCK):  # the last partial block and the gap (read as 0)
         acc, bad = _pack_block(src, dst, i + lanes, numel, end, scale, acc, bad, IN_KIND, OUT_KIND, False)
     return tl.sum(acc, axis=0), tl.max(bad.to(tl.int32), axis=0)
@@ -212,10 +217,10 @@ def _unpack_tensor(addr, flat_addr, offset, start, end, aligned,
         _st(dst + offs, _ld(src + offs, offs < aligned, IN_KIND, False), offs < aligned, OUT_CODE, False)
     n_full = tl.maximum(end - aligned, 0) // BLOCK
     if n_full > 0:
-        d = _typed16(addr + aligned * OUT_BYTES, OUT_CODE)
+        d = _typed_aligned(addr + aligned * OUT_BYTES, OUT_CODE)
         s_addr = flat_addr + (offset + aligned) * IN_BYTES
         if s_addr % 16 == 0:
-            s = _typed16(s_addr, IN_KIND)
+            s = _typed_aligned(s_addr, IN_KIND)
             for j in range(0, n_full):  # see _pack_tensor
                 i = j * BLOCK
                 _st(d + i + lanes, _ld(s + i + lanes, None, IN_KIND, True), None, OUT_CODE, True)
