@@ -243,9 +243,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
         if selective and a.auto:
             raise argparse.ArgumentTypeError("--auto picks a gpu_fraction, which --selective refuses: give one")
         if not a.auto:
-            for flag, given in (("--fwd-bwd-ms", a.fwd_bwd_ms), ("--cpu-adam-rate", a.cpu_adam_rate),
-                                ("--device-adam-rate", a.device_adam_rate)):  # fmt: skip
-                if given is not None:
+            for flag, attr in AUTO_RATES:
+                if getattr(a, attr) is not None:
                     raise argparse.ArgumentTypeError(f"{flag} is read by --auto only: add --auto, or leave it out")
         auto = _auto_rates(a) if a.auto else None
     except argparse.ArgumentTypeError as e:
@@ -290,13 +289,17 @@ def _fraction_in(name: str):
     return parse
 
 
+AUTO_RATES = (("--fwd-bwd-ms", "fwd_bwd_ms"), ("--cpu-adam-rate", "cpu_adam_rate"),
+              ("--device-adam-rate", "device_adam_rate"))  # --auto's measured inputs: (flag, attribute)
+
+
 def _auto_rates(a: argparse.Namespace) -> tuple[float, float, float]:
     """--auto's (forward+backward seconds, CPU Adam params/s, device AdamW params/s)."""
     if a.fwd_bwd_ms is None:
         raise argparse.ArgumentTypeError("--auto needs --fwd-bwd-ms (forward+backward time per step, measured)")
     rates = []
-    for name, text in (("--fwd-bwd-ms", a.fwd_bwd_ms), ("--cpu-adam-rate", a.cpu_adam_rate),
-                       ("--device-adam-rate", a.device_adam_rate)):  # fmt: skip
+    for name, attr in AUTO_RATES:
+        text = getattr(a, attr)
         value = None if text is None else _float(name)(text)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise argparse.ArgumentTypeError(f"{name} must be a number > 0, got {text!r}")

@@ -14,6 +14,7 @@ import torch
 from . import _cpu
 from .optim_contract import (
     TORCH_OPTIONS,
+    check_group_keys,
     check_state_dict_layout,
     check_torch_options,
     keep_implementation,
@@ -847,9 +848,7 @@ class CPUAdam(torch.optim.Optimizer):
                 raise ValueError(f"{where} must be a dict with a 'params' list")
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(f"{where} has {len(saved['params'])} params, this optimizer's {len(group['params'])}")
-            missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in saved]
-            if missing:
-                raise ValueError(f"{where} has no {missing} (not an Adam/AdamW state dict?)")
+            check_group_keys(saved, ("lr", "betas", "eps", "weight_decay"), where, "Adam/AdamW")
             check_hparams(saved["lr"], saved["betas"], saved["eps"], saved["weight_decay"])
             check_torch_options(saved, where, loaded=True)
             for i, p in zip(saved["params"], group["params"]):

@@ -59,6 +59,14 @@ def check_state_dict_layout(state_dict: Any, n_groups: int) -> tuple[list[Any], 
     return groups, state
 
 
+def check_group_keys(saved: dict[str, Any], keys: tuple[str, ...], where: str, kind: str) -> None:
+    """A saved param group holds the rule's hyper-parameters (a state dict of another rule, e.g. SGD's, would load
+    its lr and start the moments afresh without a word)."""
+    missing = [k for k in keys if k not in saved]
+    if missing:
+        raise ValueError(f"{where} has no {missing} (not an {kind} state dict?)")
+
+
 def keep_implementation(saved: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:
     """A saved group to load into `group`: the implementation options stay the loading optimizer's."""
     return {**saved, **{k: group[k] for k in IMPLEMENTATION if k in group}}

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..cpu_adam import _real
-from ..optim_contract import check_state_dict_layout
+from ..optim_contract import check_group_keys, check_state_dict_layout
 from .checks import check_int
 from .comm import Comm
 from .layout import Run
@@ -336,9 +336,8 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
         for gi, (saved, group) in enumerate(zip(groups, self.param_groups)):
             if not isinstance(saved, dict) or len(saved.get("params", ())) != len(group["params"]):
                 raise ValueError(f"param group {gi}: the saved group does not have this optimizer's params")
-            missing = [k for k in ("lr", "beta2_decay", "eps", "d", "weight_decay") if k not in saved]
-            if missing:
-                raise ValueError(f"state_dict param group {gi} has no {missing} (not an Adafactor state dict?)")
+            check_group_keys(saved, ("lr", "beta2_decay", "eps", "d", "weight_decay"), f"state_dict param group {gi}",
+                             "Adafactor")  # fmt: skip
             self._group_hparams({**group, **{k: v for k, v in saved.items() if k != "params"}})
             for i, p in zip(saved["params"], group["params"]):
                 st = state.get(i, state.get(str(i)))

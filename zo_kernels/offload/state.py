@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..cpu_adam import _real, check_hparams
-from ..optim_contract import TORCH_OPTIONS, check_state_dict_layout, check_torch_options, keep_implementation
+from ..optim_contract import (
+    TORCH_OPTIONS,
+    check_group_keys,
+    check_state_dict_layout,
+    check_torch_options,
+    keep_implementation,
+)
 from .checks import check_int
 from .formats import BLOCK_8BIT, check_raw, check_state_dtype, cut_raw
 
@@ -94,9 +100,7 @@ def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(f"param group {gi}: state_dict has {len(saved['params'])} params, "
                              f"this optimizer {len(group['params'])}")  # fmt: skip
-        missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in saved]
-        if missing:  # (an SGD state dict would load its lr and start the moments afresh without a word)
-            raise ValueError(f"state_dict param group {gi} has no {missing} (not an Adam/AdamW state dict?)")
+        check_group_keys(saved, ("lr", "betas", "eps", "weight_decay"), f"state_dict param group {gi}", "Adam/AdamW")
         check_hparams(saved["lr"], saved["betas"], saved["eps"], saved["weight_decay"])
         check_torch_options(saved, f"state_dict param group {gi}", loaded=True)
         if "step" in saved:
