@@ -253,7 +253,9 @@ def main(argv: list[str]) -> int:
     if cuda and a.cap_gib > 0:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.empty_cache()  # the measured steps' cached blocks: the cap counts reserved memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 2**30 / total), device)
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index  # the call wants an index, not "cuda"
+        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 2**30 / total), index)
         left = a.budget_s - (time.perf_counter() - start)
         searched = sorted((r for r in rows if "error" not in r), key=lambda r: SEARCH_ORDER.index(r["provider"]))
         for i, r in enumerate(searched):
