@@ -17,6 +17,7 @@ multi-process test uses. Its start and teardown are made to survive a loaded mac
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
 import signal
@@ -76,6 +77,7 @@ def finish_rank(code: int = 0) -> None:
 
 def _rank_main(fn: Callable[..., Any], rank: int, world: int, store_path: str, args: tuple, timeout_s: float) -> None:
     code = 0
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks, asked for by spawn_ranks
     try:
         init_from_file(store_path, rank, world, timeout_s)
         fn(rank, world, *args)
@@ -101,12 +103,17 @@ def spawn_ranks(fn: Callable[..., Any], world: int, tmp_dir: str | os.PathLike, 
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:  # where each one is stuck: every thread's stack on its stderr, then it is killed
+        os.kill(procs[r].pid, signal.SIGUSR1)
+    if hung:
+        time.sleep(1.0)
     for p in procs:
         if p.is_alive():
             p.kill()
             p.join()
     if hung:
-        raise AssertionError(f"{fn.__name__}: rank(s) {hung} still running after {join_timeout_s:g} s (killed)")
+        raise AssertionError(f"{fn.__name__}: rank(s) {hung} still running after {join_timeout_s:g} s (killed; "
+                             "their stacks are on stderr)")  # fmt: skip
     bad = {r: _describe_exit(p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0}
     if bad:
         raise AssertionError(f"{fn.__name__}: " + "; ".join(f"rank {r} {why}" for r, why in bad.items()))

@@ -77,3 +77,43 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+class WhereBlocked:
+    """Samples, every `every_s` on a thread of its own, the innermost zo_kernels line the calling thread is in while
+    the `with` block runs: where a call that should return at once spends its time (a host wait found by its line).
+    `top(k)` gives the k lines seen most often with their sample counts."""
+
+    def __init__(self, every_s: float = 0.002) -> None:
+        import threading
+        from collections import Counter
+
+        self.every_s, self.seen = every_s, Counter()
+        self._target = threading.get_ident()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import sys
+
+        while not self._stop.wait(self.every_s):
+            frame = sys._current_frames().get(self._target)
+            lines = []
+            while frame is not None and len(lines) < 3:
+                name = frame.f_code.co_filename
+                if "zo_kernels" in name:
+                    lines.append(f"{name.rsplit('zo_kernels', 1)[1].lstrip('/')}:{frame.f_lineno} "
+                                 f"{frame.f_code.co_name}")  # fmt: skip
+                frame = frame.f_back
+            self.seen[" < ".join(lines) or "(outside zo_kernels)"] += 1
+
+    def __enter__(self) -> WhereBlocked:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def top(self, k: int = 2) -> list[tuple[str, int]]:
+        return self.seen.most_common(k)

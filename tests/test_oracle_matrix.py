@@ -274,11 +274,12 @@ def _rank_entry(rank: int, world: int, cases: list[Case], out: str) -> None:
         torch.save(result, os.path.join(out, f"{case.index}.{rank}.pt"))
 
 
-def run_two_ranks(cases: list[Case], out: str) -> dict[int, list[dict]]:
-    """All the cases in one launch of two gloo processes: case index -> each rank's results."""
+def run_two_ranks(cases: list[Case], out: str, **bounds: float) -> dict[int, list[dict]]:
+    """All the cases in one launch of two gloo processes: case index -> each rank's results. bounds: spawn_ranks'
+    timeout_s (rendezvous, each collective) and join_timeout_s (the whole launch)."""
     failure = "no result written"
     try:
-        spawn_ranks(_rank_entry, 2, out, cases, out)
+        spawn_ranks(_rank_entry, 2, out, cases, out, **bounds)
     except AssertionError as e:  # a rank died: every case it did not finish reports this
         failure = f"the 2-rank launch failed: {e}"
     results = {}
