@@ -59,6 +59,30 @@ def test_dashboard_and_summary_take_the_same_baseline_and_ceiling(tmp_path):
     assert "0.25x time of pageable" in page and "100% of ceiling" in page
 
 
+def test_pack_groups_show_the_event_times_of_every_provider(tmp_path):
+    """The pack suite times zo, torch_ref and copy with CUDA events inside one benchmark whose own rounds time only
+    the host's launch on a GPU: the ratio table, summary.py and the dashboard take the event times (providers_ms).
+    Before, they showed the launch as the pack (the H200's 100M pack at 11.8 TB/s, no torch_ref or copy row)."""
+    import json
+
+    import summary  # bench/summary.py
+
+    from zo_kernels import dashboard
+
+    info = {"provider": "zo", "numel": 10**8, "bytes": 6 * 10**8,
+            "providers_ms": {"zo": 0.18, "torch_ref": 0.84, "copy": 0.145}}  # fmt: skip
+    bench = {"group": "pack n=1e+08 64 tensors, align 1", "name": "test_pack[x]",
+             "stats": {"min": 5e-5, "rounds": 10}, "extra_info": info}  # fmt: skip
+    lines = "\n".join(summary.group_lines(bench["group"], {"zo": bench}))
+    assert "0.180 ms" in lines and "0.840 ms" in lines and "81% of copy" in lines, lines
+    assert "0.050 ms" not in lines, lines
+    path = tmp_path / "pack.json"
+    path.write_text(json.dumps({"datetime": "2026-11-27T10:00:00", "machine_info": {}, "benchmarks": [bench]}))
+    recs = {r["provider"]: r for r in dashboard.records(dashboard.load_run(path))}
+    assert set(recs) == {"zo", "torch_ref", "copy"}
+    assert recs["zo"]["value"] == pytest.approx(6e8 / 0.18e-3 / 1e9)
+
+
 @pytest.mark.parametrize("where", ["step_rows", "test_bench_step"])
 def test_reference_loop_holds_its_fp32_grads(where):
     """The training-step reference (bench/step_rows.py's and bench/test_bench_step.py's ReferenceLoop) upcasts into
