@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..cpu_adam import cpu_adam_step
+from ..cpu_adam import cpu_adam_step, plan_adam_step
 from ..nvme import TILE_MULTIPLE, Moment, NvmeSwapper, UpdateFn, as_float, assign, narrow
 from ..transport import Event, Staging, Transport, tiled_writeback
 from .fence import TileFence
@@ -397,6 +397,9 @@ class HostUpdate(StateViews):
         tile's update) and the compute stream waits for all of them at the end, as in the NVMe update."""
         send = writeback and not self.staging_in_place
         buf = self.out_buf
+        if self.fmt == "8bit":  # no random bits: any split of a run gives the same values, so one kernel call a span
+            self._update_8bit(grad, grad_scale, runs, hparams, send, threads)
+            return
         events: list = []
         try:
             for gi, a, b, step, factor in runs:
@@ -413,6 +416,45 @@ class HostUpdate(StateViews):
                         self.times.add("kernel", time.perf_counter() - t0)
                     if send:
                         events.append(self.transport.h2d(self.own[x:y], buf[x:y]))
+        finally:
+            if events:  # copies run in order on one stream: the last one's event covers them all
+                self._staging_read = events[-1]
+        for ev in events:
+            self.transport.device_wait(ev)
+
+    def _update_8bit(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
+                     send: bool, threads: int) -> None:  # fmt: skip
+        """_tile_update for 8-bit moments, whose update has no random bits: the kernel called once per span of
+        staging that is free (all of a run, or the spans whose copies of the last writeback have landed, under
+        DPU's fence), and with `send`, where the transport has a C tile sink, the run's tiles updated and queued
+        to the device by one C++ loop without the GIL (the CUDA copies: no Python between tiles). Each kernel
+        call, and each tile's Python, cost ~0.4 ms of a 2M-element tile on the H200's 16-core host with
+        the bare kernel at 0.3 ms (1.3B, 8-bit: 570 ms tiled against 182 ms for one call)."""
+        buf, tile = self.out_buf, self.tile_numel
+        events: list = []
+        try:
+            for gi, a, b, step, factor in runs:
+                adam = dict(step=step, grad_scale=grad_scale * factor, threads=threads, **hparams[gi])
+                sink = self.transport.tile_sink(self.own[a:b], buf[a:b]) if send and b > a else None
+                if sink is not None:
+                    for _ in self._staging_free(a, b):  # the last writeback's copies out of staging [a, b)
+                        pass
+                    plan = plan_adam_step(self._master[a:b], grad[a:b], *self.moments.view(a, b),
+                                          out_dtype=buf.dtype, **adam)  # fmt: skip
+                    t0 = time.perf_counter()
+                    plan.run_tiled(tile, sink, buf[a:b])
+                    self.times.add("kernel", time.perf_counter() - t0)
+                    events.append(self.transport.record_h2d())
+                    continue
+                for x, y in self._staging_free(a, b):
+                    # copies from Python: tile by tile, each copy overlapping the next tile's update
+                    for u, v in [(u, min(y, u + tile)) for u in range(x, y, tile)] if send else [(x, y)]:
+                        t0 = time.perf_counter()
+                        cpu_adam_step(self._master[u:v], grad[u:v], *self.moments.view(u, v), param_out=buf[u:v],
+                                      **adam)  # fmt: skip
+                        if send:
+                            self.times.add("kernel", time.perf_counter() - t0)
+                            events.append(self.transport.h2d(self.own[u:v], buf[u:v]))
         finally:
             if events:  # copies run in order on one stream: the last one's event covers them all
                 self._staging_read = events[-1]
