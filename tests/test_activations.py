@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import zo_kernels as zk
-from zo_kernels.activations import ActivationBuffers
+from zo_kernels.activations import _ALIGN, ActivationBuffers
 from zo_kernels.transport import CopyEngineTransport, HostTransport
 
 WIDTH = 48
@@ -654,3 +654,19 @@ def test_zero_offload_adamw_every_stage(stage, engine):
     got = train(functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine)))
     assert got[0] == want[0]
     same(got[1], want[1])
+
+
+def test_device_blocks_are_reused_smallest_fit_first():
+    """take_device hands back the smallest free block that fits (an exact size first), allocating only when none
+    does; a block given back is taken again, not a new one."""
+    buf = ActivationBuffers("cpu")
+    big, small = buf.take_device(3 * _ALIGN), buf.take_device(_ALIGN)
+    buf.give_device(big)
+    buf.give_device(small)
+    assert buf.take_device(_ALIGN // 2).data_ptr() == small.data_ptr()  # the smallest that fits
+    assert buf.take_device(2 * _ALIGN).data_ptr() == big.data_ptr()  # no exact size free: the next larger
+    before = buf.device_allocations
+    third = buf.take_device(_ALIGN)  # none free: a new block
+    assert buf.device_allocations == before + 1 and third.numel() == _ALIGN
+    buf.give_device(third)
+    assert buf.take_device(_ALIGN).data_ptr() == third.data_ptr() and buf.device_allocations == before + 1

@@ -57,7 +57,7 @@ class ActivationBuffers:
             raise TypeError(f"transport must be a zo_kernels Transport, got {type(transport).__name__}")
         self.transport = default_transport(device) if transport is None else transport
         self.device = self.transport.device if device.type == "cuda" else device
-        self._free: list[torch.Tensor] = []  # device blocks (uint8) ready for reuse
+        self._free: dict[int, list[torch.Tensor]] = {}  # size -> device blocks (uint8) of that size ready for reuse
         self.device_allocations = 0  # device blocks allocated so far (each once; reused afterwards)
         self.host_allocations = 0  # host blocks the transport's pool allocated for checkpoints
         self.device_bytes = 0  # bytes of device blocks allocated
@@ -110,11 +110,11 @@ class ActivationBuffers:
         """A device block (uint8) of at least `nbytes`: the smallest free one that fits, else a new one."""
         size = -(-nbytes // _ALIGN) * _ALIGN
         block, landing = None, None
-        with self._lock:
-            fits = [b for b in self._free if b.numel() >= size]
-            if fits:
-                block = min(fits, key=torch.Tensor.numel)
-                self._free = [b for b in self._free if b is not block]
+        with self._lock:  # (a step asks for the sizes it gave back: the exact size first, one dict lookup)
+            fit = size if self._free.get(size) else min((n for n, bs in self._free.items() if n >= size and bs),
+                                                        default=None)  # fmt: skip
+            if fit is not None:
+                block = self._free[fit].pop()
                 landing = self._landing.pop(block.data_ptr(), None)
             else:
                 self.device_allocations += 1
@@ -128,7 +128,7 @@ class ActivationBuffers:
     def give_device(self, block: torch.Tensor) -> None:
         """Return a block from `take_device` (the compute stream orders its next use after the current one)."""
         with self._lock:
-            self._free.append(block)
+            self._free.setdefault(block.numel(), []).append(block)
 
     def take_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A pinned host block of `numel` elements from the transport's pool (counted when the pool grows)."""
@@ -298,7 +298,7 @@ class _Segment:
         if self.state == "forward":
             args = list(self.args)
             grads = [i for i in self.slots if args[i].requires_grad]
-            if grads and torch.is_grad_enabled():
+            if self.offload and grads and torch.is_grad_enabled():  # (resident blocks: nothing to release)
                 outs = _Release.apply(self, *(args[i] for i in grads))
                 for i, o in zip(grads, outs, strict=True):
                     args[i] = o
@@ -336,7 +336,7 @@ def _view(block: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch
     numel = 1
     for s in shape:
         numel *= s
-    return block[: numel * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
+    return block[: numel * dtype.itemsize].view(dtype).view(shape)
 
 
 def _offloadable(a: Any, device: torch.device) -> bool:
