@@ -417,8 +417,7 @@ class HostUpdate(StateViews):
                     if send:
                         events.append(self.transport.h2d(self.own[x:y], buf[x:y]))
         finally:
-            if events:  # copies run in order on one stream: the last one's event covers them all
-                self._staging_read = events[-1]
+            self._note_copies(events)
         for ev in events:
             self.transport.device_wait(ev)
 
@@ -456,10 +455,15 @@ class HostUpdate(StateViews):
                             self.times.add("kernel", time.perf_counter() - t0)
                             events.append(self.transport.h2d(self.own[u:v], buf[u:v]))
         finally:
-            if events:  # copies run in order on one stream: the last one's event covers them all
-                self._staging_read = events[-1]
+            self._note_copies(events)
         for ev in events:
             self.transport.device_wait(ev)
+
+    def _note_copies(self, events: list) -> None:
+        """The copies out of staging an update queued (also when it failed part-way): they run in order on one
+        stream, so the last one's event covers them all; the next writer of staging waits for it."""
+        if events:
+            self._staging_read = events[-1]
 
     def _seed(self, x: int) -> int:
         """bf16's stochastic rounding: the seed of a kernel call from partition offset x (the kernel hashes it with
@@ -500,8 +504,7 @@ class HostUpdate(StateViews):
         try:
             self.swapper.stream(update)
         finally:
-            if events:  # copies run in order on one stream: the last one's event covers them all
-                self._staging_read = events[-1]
+            self._note_copies(events)
         for ev in events:
             self.transport.device_wait(ev)
 
