@@ -387,3 +387,20 @@ def test_a_load_under_the_writeback_does_not_change_what_its_copies_send():
     assert pending > 0, "every tile had landed before the load: nothing was tested"
     for k in ref:
         assert torch.equal(got[k], ref[k]), f"{k} differs"
+
+
+def test_a_writeback_is_at_most_max_writeback_tiles_of_whole_update_tiles():
+    """Each writeback queues at most update.MAX_WRITEBACK_TILES copies (on the H200, 626 queued at once held step()
+    for the whole copy), each a whole number of update tiles but the last. Before, one copy per update tile (228
+    for this model)."""
+    seen = []
+
+    def watch(model, opt):
+        fence = opt.update.fence
+        model.register_forward_pre_hook(lambda *a: seen.append(list(zip(fence._lo, fence._hi))))
+
+    train(CopyEngineTransport(), steps=3, on_forward=watch)
+    tiles = [t for t in seen if t][-1]
+    assert 1 < len(tiles) <= getattr(update_module, "MAX_WRITEBACK_TILES", 32), f"{len(tiles)} tiles"
+    assert all((hi - lo) % TILE == 0 for lo, hi in tiles[:-1]) and tiles[0][0] == 0
+    assert all(a[1] == b[0] for a, b in zip(tiles, tiles[1:])), "the tiles do not cover the partition in order"
