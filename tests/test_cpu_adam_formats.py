@@ -239,6 +239,37 @@ def test_bf16_stochastic_rounding_against_spec(isa, grad_dtype, n):
         assert (diff != 0).sum() <= max(2, n // 1000)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+def test_index0_makes_calls_over_parts_round_as_one_call(fmt):
+    """Calls over [0, k) and [k, n), the second given index0=k, give the one call's bits (bf16: the rounding hashes
+    index0 + i); without index0 the second part's bf16 moments round otherwise. 8-bit has no random bits."""
+    n, k = 5000, 2048
+
+    def run(parts, with_index):
+        p, g = make(n, torch.bfloat16, seed=11)
+        m, v = moments(fmt, n)
+        for step in (1, 2, 3):
+            for a, b in parts:
+                mv = [x.narrow(a, b - a) if isinstance(x, Quantized8bit) else x[a:b] for x in (m, v)]
+                cpu_adam_step(p[a:b], g[a:b], *mv, step=step, seed=99, index0=a if with_index else 0, **HP)
+        return digest(p, *(x.codes if isinstance(x, Quantized8bit) else x for x in (m, v)))
+
+    whole = run([(0, n)], True)
+    assert run([(0, k), (k, n)], True) == whole
+    if fmt == "bf16":
+        assert run([(0, k), (k, n)], False) != whole, "the test cannot tell the parts apart"
+
+
+@pytest.mark.parametrize("index0, exc", [(-1, ValueError), (2**63, ValueError), (1.0, TypeError), (True, TypeError)])
+def test_bad_index0_is_refused_before_anything_is_written(index0, exc):
+    p, g = make(64, torch.float32, seed=1)
+    m, v = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.bfloat16)
+    before = p.clone()
+    with pytest.raises(exc, match="index0"):
+        cpu_adam_step(p, g, m, v, step=1, index0=index0, **HP)
+    assert torch.equal(p, before) and not m.any()
+
+
 def test_bf16_stochastic_rounding_is_unbiased():
     """A value between two bf16 neighbours rounds up with probability (its distance from the lower) / (the gap)."""
     n = 1 << 16

@@ -267,16 +267,18 @@ def is_same_place(out: torch.Tensor, grad: torch.Tensor) -> bool:
     return out.data_ptr() == grad.data_ptr() and out.dtype == grad.dtype and out.numel() == grad.numel()
 
 
-def _state_args(exp_avg: Any, exp_avg_sq: Any, start: int, seed: int) -> tuple:
-    """The kernel's `state` argument for elements [start, ...) of these moments (() for fp32)."""
+def _state_args(exp_avg: Any, exp_avg_sq: Any, start: int, seed: int, index0: int = 0) -> tuple:
+    """The kernel's `state` argument for elements [start, ...) of these moments (() for fp32): the 8-bit scales
+    from `start`'s block; the rounding's hash index of element `start` is index0 + start."""
     fmt = moment_format(exp_avg, exp_avg_sq)
     if fmt == STATE_F32:
         return ()
     if fmt == STATE_BF16:
-        return (STATE_BF16, 0, 0, 256, start, seed)
+        return (STATE_BF16, 0, 0, 256, index0 + start, seed)
     block = exp_avg.block
     off = 4 * (start // block)
-    return (STATE_8BIT, exp_avg.scales.data_ptr() + off, exp_avg_sq.scales.data_ptr() + off, block, start, seed)
+    return (STATE_8BIT, exp_avg.scales.data_ptr() + off, exp_avg_sq.scales.data_ptr() + off, block, index0 + start,
+            seed)  # fmt: skip
 
 
 def _moment_address(x: Any, start: int) -> int:
@@ -321,6 +323,7 @@ class AdamPlan(NamedTuple):
     out_dtype: torch.dtype | None
     args: tuple  # step, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw, bias_correction, isa, threads
     seed: int = 0  # bf16 moments: the stochastic rounding's seed
+    index0: int = 0  # bf16 moments: the hash index of element 0 (the rounding hashes seed, step, index0 + i)
 
     @property
     def block(self) -> int:
@@ -365,7 +368,7 @@ class AdamPlan(NamedTuple):
         _cpu.adam_step_tiled(param, grad, self.grad_code, m, v, out_addr,
                              _DTYPE_CODE[out.dtype] if out is not None else _NO_OUT, self.numel, *self.args, tile,
                              sink.capsule, 0 if progress is None else progress.data_ptr(),
-                             _state_args(*self.tensors[2:], 0, self.seed))  # fmt: skip
+                             _state_args(*self.tensors[2:], 0, self.seed, self.index0))  # fmt: skip
 
     def run(self, start: int, end: int, out: torch.Tensor | None = None, progress: torch.Tensor | None = None) -> None:
         """Update elements [start, end); with `out` (end - start elements of the plan's out dtype), write the new
@@ -385,7 +388,7 @@ class AdamPlan(NamedTuple):
         _cpu.adam_step(
             param, grad, self.grad_code, m, v, out_addr, _DTYPE_CODE[out.dtype] if out is not None else _NO_OUT,
             end - start, *self.args, progress=0 if progress is None else progress.data_ptr(),
-            state=_state_args(*self.tensors[2:], start, self.seed),
+            state=_state_args(*self.tensors[2:], start, self.seed, self.index0),
         )  # fmt: skip
 
 
@@ -408,17 +411,19 @@ def plan_adam_step(
     isa: str | None = None,
     maximize: bool = False,
     seed: int = 0,
+    index0: int = 0,
 ) -> AdamPlan:
     """Check every argument of a cpu_adam_step call (raising before anything is touched) and return its plan."""
     return _plan(param, grad, exp_avg, exp_avg_sq, None, step=step, lr=lr, betas=betas, eps=eps,
                  weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction, grad_scale=grad_scale,
-                 out_dtype=out_dtype, threads=threads, isa=isa, maximize=maximize, seed=seed)  # fmt: skip
+                 out_dtype=out_dtype, threads=threads, isa=isa, maximize=maximize, seed=seed,
+                 index0=index0)  # fmt: skip
 
 
 def _plan(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_out: Any, *, step: Any, lr: Any, betas: Any,
           eps: Any, weight_decay: Any, adamw: bool, bias_correction: bool, grad_scale: Any,
           out_dtype: torch.dtype | None, threads: int | None, isa: str | None,
-          maximize: bool = False, seed: Any = 0) -> AdamPlan:  # fmt: skip
+          maximize: bool = False, seed: Any = 0, index0: Any = 0) -> AdamPlan:  # fmt: skip
     """plan_adam_step, also checking `param_out` (whose dtype then is the output dtype) with the other tensors."""
     n = _check_adam_tensors(param, grad, exp_avg, exp_avg_sq, param_out)
     if param_out is not None:
@@ -448,7 +453,11 @@ def _plan(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_out: Any, 
     args = (step, lr, b1, b2, eps, weight_decay, grad_scale, bool(adamw), bool(bias_correction))
     args += (ISAS.index(isa), threads)
     seed = _check_seed(seed)
-    return AdamPlan(n, (param, grad, exp_avg, exp_avg_sq), _DTYPE_CODE[grad.dtype], out_dtype, args, seed)
+    if isinstance(index0, bool) or not isinstance(index0, int):
+        raise TypeError(f"index0 must be an int, got {type(index0).__name__}")
+    if not 0 <= index0 <= MAX_STEP:
+        raise ValueError(f"index0 must be in [0, 2**63 - 1], got {index0}")
+    return AdamPlan(n, (param, grad, exp_avg, exp_avg_sq), _DTYPE_CODE[grad.dtype], out_dtype, args, seed, index0)
 
 
 def cpu_adam_step(
@@ -472,11 +481,14 @@ def cpu_adam_step(
     sink: Callable[[int, int], None] | None = None,
     maximize: bool = False,
     seed: int = 0,
+    index0: int = 0,
 ) -> None:
     """One Adam/AdamW step in a single pass over memory, in place; optionally emits the new param in 16 bits.
 
     The moments are both fp32 tensors, both bf16 tensors (updated in fp32, stored with stochastic rounding:
-    the random bits are a hash of (`seed`, `step`, element index), so a rerun or a resume is bitwise identical),
+    the random bits are a hash of (`seed`, `step`, `index0` + element index), so a rerun or a resume is bitwise
+    identical, and calls over the parts of a tensor, each given its first element's index as `index0`, round as
+    one call over all of it),
     or both `Quantized8bit` (exp_avg signed, exp_avg_sq unsigned, one block size; dequantized, updated in fp32
     and requantized block by block in the same pass; `tile_numel` must then be a multiple of the block).
 
@@ -495,7 +507,7 @@ def cpu_adam_step(
     plan = _plan(
         param, grad, exp_avg, exp_avg_sq, param_out, step=step, lr=lr, betas=betas, eps=eps,
         weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction, grad_scale=grad_scale,
-        out_dtype=None, threads=threads, isa=isa, maximize=maximize, seed=seed,
+        out_dtype=None, threads=threads, isa=isa, maximize=maximize, seed=seed, index0=index0,
     )  # fmt: skip
     c_sink = isinstance(sink, TileSink)
     if sink is not None and (not callable(sink) or type(sink).__name__ == "PyCapsule") and not c_sink:

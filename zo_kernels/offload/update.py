@@ -397,43 +397,15 @@ class HostUpdate(StateViews):
 
     def _tile_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
                      writeback: bool, threads: int) -> None:  # fmt: skip
-        """The update of bf16 / 8-bit moments in memory: each run tile by tile (tiles start on blocks), the new
-        params into staging; with writeback each tile's copy to the device is queued at once (it overlaps the next
-        tile's update) and the compute stream waits for all of them at the end, as in the NVMe update."""
+        """The update of bf16 / 8-bit moments in memory, the new params into staging: the kernel called once per
+        span of staging that is free (all of a run, or, under DPU's fence, the spans whose copies of the last
+        writeback have landed); with writeback, where the transport has a C tile sink (CUDA's), a run's tiles are
+        updated and queued to the device by one C++ loop without the GIL, else tile by tile from Python, each copy
+        overlapping the next tile's update; the compute stream waits for the copies at the end. The values do not
+        depend on the split (8-bit has no random bits; bf16's are hashed from the partition offset: _sr). Before,
+        a kernel call per tile from Python: on the H200 (8-bit, 16-core host) each tile cost ~0.4 ms beside its
+        kernel's 0.3 ms (1.3B: 570 ms tiled against 182 ms for one call)."""
         send = writeback and not self.staging_in_place
-        buf = self.out_buf
-        if self.fmt == "8bit":  # no random bits: any split of a run gives the same values, so one kernel call a span
-            self._update_8bit(grad, grad_scale, runs, hparams, send, threads)
-            return
-        events: list = []
-        try:
-            for gi, a, b, step, factor in runs:
-                for x in range(a, b, self.tile_numel):
-                    y = min(b, x + self.tile_numel)
-                    for _ in self._staging_free(x, y):  # the last update's copies out of staging [x, y)
-                        pass
-                    t0 = time.perf_counter()
-                    cpu_adam_step(self._master[x:y], grad[x:y], *self.moments.view(x, y), step=step,
-                                           grad_scale=grad_scale * factor, threads=threads,
-                                           param_out=buf[x:y], seed=self._seed(x),
-                                           **hparams[gi])  # fmt: skip
-                    if writeback:  # (the background thread under DPU leaves the step's timings alone)
-                        self.times.add("kernel", time.perf_counter() - t0)
-                    if send:
-                        events.append(self.transport.h2d(self.own[x:y], buf[x:y]))
-        finally:
-            self._note_copies(events)
-        for ev in events:
-            self.transport.device_wait(ev)
-
-    def _update_8bit(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
-                     send: bool, threads: int) -> None:  # fmt: skip
-        """_tile_update for 8-bit moments, whose update has no random bits: the kernel called once per span of
-        staging that is free (all of a run, or the spans whose copies of the last writeback have landed, under
-        DPU's fence), and with `send`, where the transport has a C tile sink, the run's tiles updated and queued
-        to the device by one C++ loop without the GIL (the CUDA copies: no Python between tiles). Each kernel
-        call, and each tile's Python, cost ~0.4 ms of a 2M-element tile on the H200's 16-core host with
-        the bare kernel at 0.3 ms (1.3B, 8-bit: 570 ms tiled against 182 ms for one call)."""
         buf, tile = self.out_buf, self.tile_numel
         events: list = []
         try:
@@ -444,19 +416,18 @@ class HostUpdate(StateViews):
                     for _ in self._staging_free(a, b):  # the last writeback's copies out of staging [a, b)
                         pass
                     plan = plan_adam_step(self._master[a:b], grad[a:b], *self.moments.view(a, b),
-                                          out_dtype=buf.dtype, **adam)  # fmt: skip
+                                          out_dtype=buf.dtype, **adam, **self._sr(a))  # fmt: skip
                     t0 = time.perf_counter()
                     plan.run_tiled(tile, sink, buf[a:b])
                     self.times.add("kernel", time.perf_counter() - t0)
                     events.append(self.transport.record_h2d())
                     continue
                 for x, y in self._staging_free(a, b):
-                    # copies from Python: tile by tile, each copy overlapping the next tile's update
                     for u, v in [(u, min(y, u + tile)) for u in range(x, y, tile)] if send else [(x, y)]:
                         t0 = time.perf_counter()
                         cpu_adam_step(self._master[u:v], grad[u:v], *self.moments.view(u, v), param_out=buf[u:v],
-                                      **adam)  # fmt: skip
-                        if send:
+                                      **adam, **self._sr(u))  # fmt: skip
+                        if send:  # (the background thread under DPU leaves the step's timings alone)
                             self.times.add("kernel", time.perf_counter() - t0)
                             events.append(self.transport.h2d(self.own[u:v], buf[u:v]))
         finally:
@@ -470,10 +441,12 @@ class HostUpdate(StateViews):
         if events:
             self._staging_read = events[-1]
 
-    def _seed(self, x: int) -> int:
-        """bf16's stochastic rounding: the seed of a kernel call from partition offset x (the kernel hashes it with
-        the step and the element's index in the call): the same bits at every run and resume of this layout."""
-        return (self.layout.rank << 40) + x
+    def _sr(self, x: int) -> dict:
+        """bf16's stochastic rounding for a kernel call starting at partition offset x: the rank's seed, and x as
+        the index of its first element (the kernel hashes seed, step and index), so each element rounds by its
+        place in the partition whatever the calls' split: the same bits at every run and resume of this layout,
+        tiled or not, in memory or on NVMe."""
+        return {"seed": self.layout.rank << 40, "index0": x}
 
     def _stream_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
                        writeback: bool, threads: int) -> None:  # fmt: skip
@@ -481,8 +454,7 @@ class HostUpdate(StateViews):
         updates tile t (each run's part of it) into staging; with writeback, the tile's new params are then queued
         to the device at once (their copy overlaps the next tiles' update) and the compute stream waits for all of
         them at the end. Elementwise (8-bit: by blocks, and tiles start on blocks), so equal bit for bit to the
-        in-memory update; bf16's random bits are seeded by where each kernel call starts (_seed), so they are the
-        in-memory update's where the calls are the same (each run within one tile of both)."""
+        in-memory update; bf16's random bits are hashed from each element's partition offset (_sr), as there."""
         # staging is full size: within this update each tile writes its own region, which no copy of this update
         # reads yet; only the last update's copies (or write_staging's) may still read it
         self.transport.wait(self._staging_read)
@@ -500,7 +472,7 @@ class HostUpdate(StateViews):
                     out = params[x - lo : y - lo] if params is not None else self.staging_buf[x:y]
                     cpu_adam_step(p[x - lo : y - lo], grad[x:y], narrow(m, x - lo, y - lo), narrow(v, x - lo, y - lo),
                                   step=step, grad_scale=grad_scale * factor, threads=threads, param_out=out,
-                                  seed=self._seed(x), **hparams[gi])  # fmt: skip
+                                  **self._sr(x), **hparams[gi])  # fmt: skip
                     self.times.add("kernel", time.perf_counter() - t0)
                     first, last = x if first is None else first, y
             if send and first is not None:  # one copy per tile: a skipped param between runs holds its current value
