@@ -215,9 +215,10 @@ limited 110 270 "tests: GPU, CUDA" "$py" -m pytest -q -rs -p no:cacheprovider --
   tests/test_gpu.py tests/test_transport.py \
   tests/test_activations.py::test_cuda_offload_bitwise_no_per_step_allocation_and_lower_peak || status=1
 grep -E "passed|failed|error" "$log" | grep -E "^[0-9=]" | tail -2 >>"$summary"
-# (the launch's own bound under the stage's 60 s: a hang ends with both ranks' stacks and the finished cases; the H200
-# run of 2026-11-27 was cut at the stage's limit with no case finished and nothing to say where it stood)
-limited 60 240 "tests: two ranks on one GPU" env ZO_TWO_RANK_JOIN_S=45 "$py" -m pytest -q -rs -p no:cacheprovider \
+# (the launch's own bound, 38 s, under the stage's 60 s with pytest's start and the stacks' dump: a hang ends with
+# both ranks' stacks and the finished cases; the H200 run of 2026-11-27 was cut at the stage's limit with no case
+# finished and nothing to say where it stood)
+limited 60 240 "tests: two ranks on one GPU" env ZO_TWO_RANK_JOIN_S=38 "$py" -m pytest -q -rs -p no:cacheprovider \
   --junitxml="$out/tests-two-ranks.xml" tests/test_gpu_two_ranks.py || status=1
 grep -E "passed|failed|error|no tests ran" "$log" | grep -E "^[0-9=n]" | tail -1 >>"$summary"
 bench() { # bench CAP RESERVE NAME JSON FILE [pytest args]: one benchmark suite into OUTDIR/JSON

@@ -204,14 +204,15 @@ PYBIND11_MODULE(_cuda, m) {
         DeviceGuard guard(device);
         check(cudaEventRecord(as_event(e), as_stream(s)), "cudaEventRecord");
       },
-      py::arg("event"), py::arg("stream"), py::arg("device"));
+      py::arg("event"), py::arg("stream"), py::arg("device"),
+      py::call_guard<py::gil_scoped_release>());  // (a full queue of pending work can block it, as a copy)
   m.def(
       "stream_wait_event",
       [](uintptr_t s, uintptr_t e, int device) {
         DeviceGuard guard(device);
         check(cudaStreamWaitEvent(as_stream(s), as_event(e), 0), "cudaStreamWaitEvent");
       },
-      py::arg("stream"), py::arg("event"), py::arg("device"));
+      py::arg("stream"), py::arg("event"), py::arg("device"), py::call_guard<py::gil_scoped_release>());
   m.def("event_synchronize", [](uintptr_t e) { check(cudaEventSynchronize(as_event(e)), "cudaEventSynchronize"); },
         py::arg("event"), py::call_guard<py::gil_scoped_release>());
   m.def(

@@ -247,7 +247,7 @@ def test_without_hooks_later_launches_go_to_the_launcher_with_addresses(monkeypa
         want = {n: (v.data_ptr() if isinstance(v, torch.Tensor) else v) for n, v in first.items()}
         want.update(sum_ptr=packed.sum_sq.data_ptr(), flag_ptr=packed.found_inf.data_ptr())
         assert args == want and all(type(v) is not torch.Tensor for v in args.values())
-    hook = knobs.runtime.launch_enter_hook  # a profiler's hook: another key (3.6: a function; 3.9: in the chain)
+    hook = knobs.runtime.launch_enter_hook  # a profiler's hook: another key (a HookChain's, or set in its place)
     if hasattr(hook, "calls"):
         monkeypatch.setattr(hook, "calls", [_a_hook])
     else:

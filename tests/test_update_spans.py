@@ -91,3 +91,35 @@ def test_the_synchronous_update_through_a_c_tile_sink(fmt, monkeypatch):
     sink = run(tr, fmt, False, monkeypatch)
     assert tr.sinks > 0 and sink[2] == [0] * len(sink[2]), f"{tr.sinks} sinks, {sink[2]} Python kernel calls"
     assert_same(sink, python, f"{fmt} C sink vs copies from Python")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_kernel_phase_is_timed_with_staging_in_place(fmt):
+    """On the plain CPU transport (the update writes the parameters in place: nothing to send) the step's phases
+    still count the kernel apart from the writeback, as for fp32 moments (the span loop timed it only when it sent
+    copies, and booked the whole update as writeback)."""
+    from zo_kernels.transport import HostTransport
+
+    model = make_model(seed=0)
+    opt = zk.ZeroOffloadAdamW(model, lr=2e-3, transport=HostTransport(), state_dtype=fmt)
+    for step in make_data(2, batch=4, seed=3):
+        opt.backward(model(step[0][:, :-1], step[0][:, 1:]))
+        opt.step()
+    assert opt.stats.get("time_kernel", 0) > 0, opt.stats
+    assert opt.stats["time_writeback"] < opt.stats["time_cpu_update"] / 2, opt.stats
+    opt.close()
+
+
+def test_no_kernel_call_crosses_a_multiple_of_the_rounding_period():
+    """bf16's random bits hash a 32-bit index: calls are cut at multiples of 2**32 and each piece's seed carries
+    its multiple, so elements 2**32 apart in a partition (a model over 4.3B parameters on one rank) round apart."""
+    p = update_module.SR_PERIOD
+    assert list(update_module.sr_pieces(p - 10, 2 * p + 5)) == [(p - 10, p), (p, 2 * p), (2 * p, 2 * p + 5)]
+    assert list(update_module.sr_pieces(3, 3)) == [] and list(update_module.sr_pieces(0, 7)) == [(0, 7)]
+
+    class Fake:
+        layout = type("L", (), {"rank": 1})()
+
+    sr = update_module.HostUpdate._sr
+    assert sr(Fake(), 5) == {"seed": 1 << 40, "index0": 5}
+    assert sr(Fake(), p + 5) == {"seed": (1 << 40) + 1, "index0": 5}

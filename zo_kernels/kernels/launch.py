@@ -44,8 +44,8 @@ def _options() -> tuple:
 
 
 def _unhooked() -> bool:
-    """No launch hook is set (a profiler's, e.g. proton's): None (Triton 3.6) or an empty chain (3.9's HookChain,
-    which its runner calls, with launch metadata it builds, on every launch)."""
+    """No launch hook is set (a profiler's, e.g. proton's): None, or an empty chain (Triton 3.6 and 3.9 keep a
+    HookChain, which their runner passes the launcher to call, with launch metadata it builds, on every launch)."""
     r = knobs.runtime
     return all(h is None or (isinstance(getattr(h, "calls", None), list) and not h.calls)
                for h in (getattr(r, "launch_enter_hook", None), getattr(r, "launch_exit_hook", None)))  # fmt: skip

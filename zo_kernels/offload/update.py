@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..cpu_adam import cpu_adam_step, plan_adam_step
+from ..cpu_adam import bump_version, cpu_adam_step, plan_adam_step
 from ..nvme import TILE_MULTIPLE, Moment, NvmeSwapper, UpdateFn, as_float, assign, narrow
 from ..transport import Event, Staging, Transport, tiled_writeback
 from .fence import TileFence
@@ -26,8 +26,18 @@ UPDATE_TIMEOUT_S = 600.0  # default bound on waiting for the background (DPU) up
 # DPU's writeback queues all its tile copies (each with an event) at once. On the H200 a writeback of 626 tiles
 # (1.3B params) held step() for 48.4 ms, the whole copy's time (48.5 ms alone), while 46 tiles (95M) returned in
 # 0.55 ms with 32 still in flight: queueing that many copies and events blocks the host (a bounded queue of pending
-# operations, the likeliest reading). So a writeback is cut into at most this many tiles (whole update tiles).
+# operations, the likeliest reading). So a writeback is cut into at most this many tiles (whole update tiles; with the
+# parameters over the gradients, one more per break between the last update's runs: a skipped parameter's range).
 MAX_WRITEBACK_TILES = 32
+SR_PERIOD = 1 << 32  # the kernel hashes a 32-bit element index: a kernel call never crosses a multiple of it (_sr)
+
+
+def sr_pieces(x: int, y: int) -> Iterator[tuple[int, int]]:
+    """[x, y) cut at the multiples of SR_PERIOD (one piece below 2**32 elements a partition)."""
+    while x < y:
+        z = min(y, (x // SR_PERIOD + 1) * SR_PERIOD)
+        yield x, z
+        x = z
 
 MasterFill = Callable[[int, int, torch.Tensor], Any]  # (a, b, out): the fp32 masters of partition range [a, b)
 
@@ -409,27 +419,32 @@ class HostUpdate(StateViews):
         buf, tile = self.out_buf, self.tile_numel
         events: list = []
         try:
-            for gi, a, b, step, factor in runs:
+            for gi, a0, b0, step, factor in runs:
                 adam = dict(step=step, grad_scale=grad_scale * factor, threads=threads, **hparams[gi])
-                sink = self.transport.tile_sink(self.own[a:b], buf[a:b]) if send and b > a else None
-                if sink is not None:
-                    for _ in self._staging_free(a, b):  # the last writeback's copies out of staging [a, b)
-                        pass
-                    plan = plan_adam_step(self._master[a:b], grad[a:b], *self.moments.view(a, b),
-                                          out_dtype=buf.dtype, **adam, **self._sr(a))  # fmt: skip
-                    t0 = time.perf_counter()
-                    plan.run_tiled(tile, sink, buf[a:b])
-                    self.times.add("kernel", time.perf_counter() - t0)
-                    events.append(self.transport.record_h2d())
-                    continue
-                for x, y in self._staging_free(a, b):
-                    for u, v in [(u, min(y, u + tile)) for u in range(x, y, tile)] if send else [(x, y)]:
+                for a, b in sr_pieces(a0, b0):
+                    sink = self.transport.tile_sink(self.own[a:b], buf[a:b]) if send else None
+                    if sink is not None:
+                        for _ in self._staging_free(a, b):  # the last writeback's copies out of staging [a, b)
+                            pass
+                        plan = plan_adam_step(self._master[a:b], grad[a:b], *self.moments.view(a, b),
+                                              out_dtype=buf.dtype, **adam, **self._sr(a))  # fmt: skip
                         t0 = time.perf_counter()
-                        cpu_adam_step(self._master[u:v], grad[u:v], *self.moments.view(u, v), param_out=buf[u:v],
-                                      **adam, **self._sr(u))  # fmt: skip
-                        if send:  # (the background thread under DPU leaves the step's timings alone)
-                            self.times.add("kernel", time.perf_counter() - t0)
-                            events.append(self.transport.h2d(self.own[u:v], buf[u:v]))
+                        try:
+                            plan.run_tiled(tile, sink, buf[a:b])
+                        finally:  # (also part-way: the tiles queued so far are covered, their event kept)
+                            events.append(self.transport.record_h2d())
+                            bump_version(self._master, buf, *self.moments.tensors())
+                        self.times.add("kernel", time.perf_counter() - t0)
+                        continue
+                    for x, y in self._staging_free(a, b):
+                        for u, v in [(u, min(y, u + tile)) for u in range(x, y, tile)] if send else [(x, y)]:
+                            t0 = time.perf_counter()
+                            cpu_adam_step(self._master[u:v], grad[u:v], *self.moments.view(u, v),
+                                          param_out=buf[u:v], **adam, **self._sr(u))  # fmt: skip
+                            if writeback:  # (the background thread under DPU leaves the step's timings alone)
+                                self.times.add("kernel", time.perf_counter() - t0)
+                            if send:
+                                events.append(self.transport.h2d(self.own[u:v], buf[u:v]))
         finally:
             self._note_copies(events)
         for ev in events:
@@ -442,11 +457,12 @@ class HostUpdate(StateViews):
             self._staging_read = events[-1]
 
     def _sr(self, x: int) -> dict:
-        """bf16's stochastic rounding for a kernel call starting at partition offset x: the rank's seed, and x as
-        the index of its first element (the kernel hashes seed, step and index), so each element rounds by its
-        place in the partition whatever the calls' split: the same bits at every run and resume of this layout,
-        tiled or not, in memory or on NVMe."""
-        return {"seed": self.layout.rank << 40, "index0": x}
+        """bf16's stochastic rounding for a kernel call starting at partition offset x, within one piece of
+        sr_pieces: the rank's seed with x's multiple of SR_PERIOD, and x's offset in it as the index of the call's
+        first element (the kernel hashes seed, step and a 32-bit index), so each element rounds by its place in the
+        partition whatever the calls' split: the same bits at every run and resume of this layout, tiled or not,
+        in memory or on NVMe, and no two elements of a partition share their random bits."""
+        return {"seed": (self.layout.rank << 40) + x // SR_PERIOD, "index0": x % SR_PERIOD}
 
     def _stream_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
                        writeback: bool, threads: int) -> None:  # fmt: skip
@@ -466,8 +482,7 @@ class HostUpdate(StateViews):
                    params: torch.Tensor | None = None) -> None:  # fmt: skip
             first = last = None
             for gi, a, b, step, factor in runs:
-                x, y = max(a, lo), min(b, hi)
-                if x < y:
+                for x, y in sr_pieces(max(a, lo), min(b, hi)):
                     t0 = time.perf_counter()
                     out = params[x - lo : y - lo] if params is not None else self.staging_buf[x:y]
                     cpu_adam_step(p[x - lo : y - lo], grad[x:y], narrow(m, x - lo, y - lo), narrow(v, x - lo, y - lo),
