@@ -43,7 +43,8 @@
 #   ZO_BIG_STATE_DTYPE; up to 150 s, leaving 70), then the default run's last two stages with a command of their own
 #   (in the default run they get what the budget leaves, often nothing): bench/activation_rows.py (up to 120 s,
 #   leaving 40), installs .whl/, bench/anchors.py (the rest, up to 170 s, 150 s per system; DeepSpeed builds its CPU
-#   Adam on first use) -> OUTDIR/summary.json's "step", "activations" and "anchors" rows. (Order: what was never
+#   Adam on first use) -> OUTDIR/summary.json's "step", "activations" and "anchors" rows; then, with what is left
+#   (up to 120 s), bench/profile_step.py -> OUTDIR/profile.json (the step under torch.profiler). (Order: what was never
 #   measured on a GPU first.)
 # Run on a GPU in this form once (one H200, 2026-11-26: default and anchors modes; never the scale mode); its no-GPU
 # path runs in .ci/run.
@@ -177,9 +178,14 @@ if [ "$mode" = anchors ]; then  # step rows at a batch whose forward + backward 
   activations_stage 120 40 || status=1
   install_wheels || status=1
   anchors_stage 170 5 150 || status=1
+  # then, with what is left (up to 120 s), the step under torch.profiler: where the host blocks and the device idles
+  # (OUTDIR/profile.json, row by row: 95M then 1.3B, sync then DPU)
+  limited 120 3 "bench: the step under torch.profiler" "$py" bench/profile_step.py "$out/profile.json" \
+    --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes sync,dpu --steps 2 || status=1
   ZO_DEVICE="$gpu" ZO_COMMIT="$commit" "$py" bench/summary.py --summary-json "$out" 2>>"$log" | tee -a "$summary" \
     && rm -f "$out/anchors.json" "$out/activations.json" "$out/step.json" || status=1
-  say "commit it as bench/results/gpu-$(date -u +%Y-%m-%d)-${device_tag:-GPU}-anchors.json"
+  say "commit it as bench/results/gpu-$(date -u +%Y-%m-%d)-${device_tag:-GPU}-anchors.json (and profile.json as"
+  say "  bench/results/gpu-$(date -u +%Y-%m-%d)-${device_tag:-GPU}-profile.json)"
   say "result: $([ $status = 0 ] && echo 'anchors, step rows and activations passed' \
     || echo 'anchors, step rows or activations FAILED')" \
     "on $gpu in $(($(date +%s) - start))s"

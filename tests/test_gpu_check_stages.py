@@ -167,11 +167,14 @@ def test_gpu_check_anchors_mode_runs_the_last_two_stages_alone(tmp_path):
     """`gpu_check.sh OUT anchors`: build, then the step rows at batch 32, the activations and the anchors with the
     whole budget (in the default run the last two get what is left of it), in the order of what was never measured
     on a GPU, each script's budget under its stage's limit, 150 s per anchor system (ZO_SKIP_BUILD=1: a second
-    command on a warm machine). The step rows leave 70 s of the budget to the later stages, the activations 40 s."""
+    command on a warm machine), then the step under torch.profiler with what is left. The step rows leave 70 s of
+    the budget to the later stages, the activations 40 s."""
     stages = _stand_in_gpu_check(tmp_path, "anchors", 500)
     step = "bench: step rows at batch 32"
+    profile = "bench: the step under torch.profiler"
     assert list(stages) == ["build (pip install -e .)", step, "bench: activations (issue 21)",
-                            "bench: anchors (same GPT)"]  # fmt: skip
+                            "bench: anchors (same GPT)", profile]  # fmt: skip
+    assert stages[profile][0] == 120 and "bench/profile_step.py" in stages[profile][1]  # (what the others leave)
     assert stages[step][0] == 150 and stages["bench: activations (issue 21)"][0] == 120
     assert stages["bench: anchors (same GPT)"][0] == 170 and "--timeout-s 150" in stages["bench: anchors (same GPT)"][1]
     assert "--batch 32" in stages[step][1] and "--checkpoint" in stages[step][1]
