@@ -3,10 +3,10 @@
 Usage: python bench/profile_step.py OUT.json [--sizes 95M,1.3B] [--modes sync,dpu] [--batch 8] [--context 512]
        [--steps 3] [--device cuda|cpu]
 
-Per size and mode (as bench/step_rows.py builds them: the bf16 GPT, ZeroOffloadAdamW, DPU with the per-module
-writeback), after two warm-up steps, `steps` steps run back to back under the profiler (CPU and CUDA activities),
-and forward + backward alone (no optimizer) the same way. From the trace (read as Chrome trace JSON, kept in a
-temporary file, never in OUT), per run:
+Per size (as bench/step_rows.py builds it: the bf16 GPT) forward + backward alone (no optimizer) under the profiler
+(CPU and CUDA activities), then per mode on the same model a fresh ZeroOffloadAdamW (DPU with the per-module
+writeback): after two warm-up steps, `steps` steps run back to back under the profiler. From the trace (read as
+Chrome trace JSON, kept in a temporary file, never in OUT), per run:
   wall_ms           per step
   busy_ms           the compute stream's kernels (the stream with the most kernel time), their union, per step
   gaps              the compute stream's longest idle spans (top 8, over 50 us), each with the host op running
@@ -73,19 +73,18 @@ def analyse(trace: dict, steps: int) -> dict:
                         "host_op": _innermost(cpu_ops, start), "part": _innermost(parts, start)}
                        for start, end in gaps]  # fmt: skip
     runtime: dict = defaultdict(lambda: {"count": 0, "total_ms": 0.0, "max_ms": 0.0})
-    for e in events:
-        if e.get("cat") == "cuda_runtime" or e.get("cat") == "cuda_driver":
-            r = runtime[e["name"]]
-            r["count"] += 1
-            r["total_ms"] += e["dur"] / 1e3
-            r["max_ms"] = max(r["max_ms"], e["dur"] / 1e3)
-    out["runtime"] = dict(sorted(runtime.items(), key=lambda kv: -kv[1]["total_ms"]))
     copies: dict = defaultdict(lambda: {"count": 0, "total_ms": 0.0})
     for e in events:
-        if e.get("cat") == "gpu_memcpy":
-            c = copies[str(e.get("args", {}).get("stream"))]
-            c["count"] += 1
-            c["total_ms"] += e["dur"] / 1e3
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            r = runtime[e["name"]]
+            r["max_ms"] = max(r["max_ms"], e["dur"] / 1e3)
+        elif e.get("cat") == "gpu_memcpy":
+            r = copies[str(e.get("args", {}).get("stream"))]
+        else:
+            continue
+        r["count"] += 1
+        r["total_ms"] += e["dur"] / 1e3
+    out["runtime"] = dict(sorted(runtime.items(), key=lambda kv: -kv[1]["total_ms"]))
     out["copies"] = dict(copies)
     return out
 
@@ -122,11 +121,8 @@ def _profiled(fn, steps: int, device: torch.device) -> tuple[dict, float]:
     return analyse(trace, steps), wall
 
 
-def run(size: str, mode: str, device: torch.device, batch: int, context: int, steps: int) -> dict:
-    cfg = config(size, context)
-    x = torch.randint(0, cfg.vocab, (batch, context + 1), device=device)
-    model = build_model(cfg, device).to(torch.bfloat16)
-    row: dict = {"size": size, "mode": mode, "batch": [batch, context], "device": str(device)}
+def fwd_bwd(model, x: torch.Tensor, device: torch.device, steps: int) -> dict:
+    """Forward + backward alone (no optimizer) under the profiler, after two warm-up passes."""
 
     def plain() -> None:
         model(x[:, :-1], x[:, 1:]).backward()
@@ -136,7 +132,12 @@ def run(size: str, mode: str, device: torch.device, batch: int, context: int, st
     for _ in range(2):
         plain()
     analysis, wall = _profiled(plain, steps, device)
-    row["fwd_bwd"] = {**analysis, "wall_ms": wall}
+    return {**analysis, "wall_ms": wall}
+
+
+def run(model, x: torch.Tensor, row: dict, mode: str, device: torch.device, steps: int) -> dict:
+    """`row` with the zo step of `mode` on `model` under the profiler (a fresh optimizer, closed after)."""
+    row = {**row, "mode": mode}
     dpu = mode == "dpu"
     opt = zk.ZeroOffloadAdamW(model, lr=1e-4, delay_update_after=0 if dpu else None,
                               dpu_writeback="per_module" if dpu else "whole")  # fmt: skip
@@ -185,9 +186,16 @@ def main(argv: list[str]) -> int:
         print("profile_step: no CUDA device: profiling on the CPU (no kernels, no device gaps)")
     rows = []
     for size in a.sizes.split(","):
+        row: dict = {"size": size, "batch": [a.batch, a.context], "device": str(device)}
+        model = x = None  # (one model and one forward + backward alone per size, for every mode)
         for mode in a.modes.split(","):
             try:
-                rows.append(run(size, mode, device, a.batch, a.context, a.steps))
+                if model is None:
+                    cfg = config(size, a.context)
+                    x = torch.randint(0, cfg.vocab, (a.batch, a.context + 1), device=device)
+                    model = build_model(cfg, device).to(torch.bfloat16)
+                    row["fwd_bwd"] = fwd_bwd(model, x, device, a.steps)
+                rows.append(run(model, x, row, mode, device, a.steps))
                 print("  " + line(rows[-1]), flush=True)
             except Exception as e:  # noqa: BLE001 - a run that fails is a row that says why
                 rows.append({"size": size, "mode": mode, "error": f"{type(e).__name__}: {e}"[:300]})
