@@ -289,11 +289,11 @@ def gpu_section(label: str, data: dict) -> str:
     if step:
         parts.append("<h3>train step</h3>" + _rows_table(step, STEP_KEYS))
         ids = ["params", "mode", "gpu_fraction", "batch"]  # (what tells two rows of one size and mode apart)
-        phases = [{**{k: r.get(k) for k in ids}, **(r.get("phases") or {})} for r in step]
+        phases = [{**{i: r.get(i) for i in ids}, **(r.get("phases") or {})} for r in step]
         keys = [*ids, *sorted({k for r in step for k in (r.get("phases") or {})})]
         if len(keys) > len(ids):
             parts.append("<h3>phases of the step (ms)</h3>" + _rows_table(phases, keys))
-        targets = [{**{k: r.get(k) for k in ids}, "target": k, "value": t.get("value"), "bar": t.get("bar"),
+        targets = [{**{i: r.get(i) for i in ids}, "target": k, "value": t.get("value"), "bar": t.get("bar"),
                     "met": "MET" if t.get("met") else "MISSED"}
                    for r in step for k, t in (r.get("targets") or {}).items()]  # fmt: skip
         if targets:
