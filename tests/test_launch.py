@@ -23,6 +23,7 @@ class Recorder:
     def __init__(self, fn, compiled=True):
         self.arg_names, self.__name__ = list(fn.arg_names), fn.__name__
         self.launches, self.runs, self.compiled = [], [], compiled
+        self.compiled_type = Compiled  # what a launch returns (Launcher: one with a C launcher's attributes)
 
     def __getitem__(self, grid):
         def launch(*args, num_warps, **kw):
@@ -30,7 +31,7 @@ class Recorder:
             assert not set(bound) & set(kw) and set(bound) | set(kw) == set(self.arg_names)
             bound.update(kw)
             self.launches.append((grid, {n: bound[n] for n in self.arg_names}))
-            return Compiled(self) if self.compiled else None
+            return self.compiled_type(self) if self.compiled else None
 
         return launch
 
@@ -231,7 +232,7 @@ def test_without_hooks_later_launches_go_to_the_launcher_with_addresses(monkeypa
     from zo_kernels.kernels import launch
 
     rec, launches = _recorder(monkeypatch)
-    monkeypatch.setattr(Recorder, "__getitem__", _returning(Launcher))
+    rec.compiled_type = Launcher
     monkeypatch.setattr(launch, "_current_stream", lambda: 77)
     ts = [torch.randn(1000 + i) for i in range(5)]
     plan = zk.buckets.plan(ts, dtype=torch.bfloat16, align=1)
@@ -259,16 +260,3 @@ def test_without_hooks_later_launches_go_to_the_launcher_with_addresses(monkeypa
 
 def _a_hook(*a) -> None:
     pass
-
-
-def _returning(compiled_type):
-    def getitem(self, grid):
-        def launch_(*args, num_warps, **kw):
-            bound = dict(zip(self.arg_names, args))
-            bound.update(kw)
-            self.launches.append((grid, {n: bound[n] for n in self.arg_names}))
-            return compiled_type(self)
-
-        return launch_
-
-    return getitem
