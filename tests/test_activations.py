@@ -670,3 +670,19 @@ def test_device_blocks_are_reused_smallest_fit_first():
     assert buf.device_allocations == before + 1 and third.numel() == _ALIGN
     buf.give_device(third)
     assert buf.take_device(_ALIGN).data_ptr() == third.data_ptr() and buf.device_allocations == before + 1
+
+
+def test_host_work_per_segment_does_not_grow_with_the_chain(engine, monkeypatch):
+    """A forward of 60 offloaded segments asks each earlier segment to go to the host once (when the next one has
+    run), not every segment before it at every call (60 * 59 / 2 asks): the bookkeeping is O(1) per segment. The
+    gradients stay torch's."""
+    from zo_kernels import activations
+
+    asks = []
+    real = activations._Segment.to_host
+    monkeypatch.setattr(activations._Segment, "to_host", lambda self: (asks.append(1), real(self))[1])
+    model, x = blocks(60), x_input(2)
+    want = run(model, torch_ck, x)
+    asks.clear()
+    same(run(model, functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine)), x), want)
+    assert len(asks) <= 2 * 60, len(asks)

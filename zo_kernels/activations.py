@@ -27,6 +27,7 @@ as torch's checkpoint does (it would otherwise recompute from the changed values
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Callable
@@ -38,6 +39,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from .transport import Event, Transport, default_transport
 
 _OFFLOADED = (torch.float32, torch.float16, torch.bfloat16)  # what transport.pool can hold
+_ORDER = itertools.count()  # segments' creation order (next() is atomic under the GIL)
 _ALIGN = 512  # device blocks are rounded up to this many bytes, so a slot fits activations of nearby sizes
 
 
@@ -61,8 +63,9 @@ class ActivationBuffers:
         self.device_allocations = 0  # device blocks allocated so far (each once; reused afterwards)
         self.host_allocations = 0  # host blocks the transport's pool allocated for checkpoints
         self.device_bytes = 0  # bytes of device blocks allocated
-        self._order: list[weakref.ref[_Segment]] = []  # offloaded segments alive, in forward order
-        self._lock = threading.Lock()
+        self._last: _Link | None = None  # the newest offloaded segment alive: the tail of the forward order
+        self._held: list[_Link] = []  # the segments whose arguments may still be on the device, oldest first
+        self._lock = threading.RLock()  # (a segment's finalizer gives its blocks back, maybe inside a locked region)
         self._landing: dict[int, Event] = {}  # device block address -> an H2D copy into it no one has waited for
 
     @property
@@ -141,30 +144,69 @@ class ActivationBuffers:
 
     def _register(self, seg: _Segment) -> None:
         """`seg` is the newest offloaded segment (its function about to run: see `_settle`)."""
+        link = seg.link
         with self._lock:
-            self._order = [r for r in self._order if r() is not None]
-            self._order.append(weakref.ref(seg))
+            link.prev, link.linked = self._last, True
+            if self._last is not None:
+                self._last.next = link
+            self._last = link
+            self._held.append(link)
+
+    def _unlink(self, link: _Link) -> None:
+        """A segment leaves the forward order (it died, or will never be recomputed)."""
+        with self._lock:
+            if not link.linked:
+                return
+            if link.prev is not None:
+                link.prev.next = link.next
+            if link.next is not None:
+                link.next.prev = link.prev
+            if self._last is link:
+                self._last = link.prev
+            link.prev = link.next = None
+            link.linked = False
 
     def _settle(self, seg: _Segment, graph: bool) -> None:
         """`seg`'s function has run. graph: its output may need a gradient, so backward will recompute it: the
         segments registered before it go to the host. Otherwise (a graphless forward, a frozen teacher's, say) it is
-        never recomputed: it leaves the order, and the held checkpoint of the pending graph stays where it is."""
+        never recomputed: it leaves the order, and the held checkpoint of the pending graph stays where it is.
+        O(1) per call in a chain: only the segments still holding their arguments are looked at."""
+        link = seg.link
+        if not graph:
+            self._unlink(link)
         with self._lock:
-            live = [s for s in (r() for r in self._order) if s is not None]
-            if not graph:
-                self._order = [weakref.ref(s) for s in live if s is not seg]
-        if graph and seg in live:
-            for s in live[: live.index(seg)]:
+            if not graph or not link.linked:
+                self._held = [h for h in self._held if h is not link]
+                return
+            older = [h for h in self._held if h.order < link.order]
+            self._held = [h for h in self._held if h.order >= link.order]
+        for h in older:
+            s = h.seg()
+            if s is not None:
                 s.to_host()
 
     def _previous(self, seg: _Segment) -> _Segment | None:
         """The live segment registered just before `seg` (the next one backward recomputes)."""
         with self._lock:
-            live = [s for s in (r() for r in self._order) if s is not None]
-        for i, s in enumerate(live):
-            if s is seg:
-                return live[i - 1] if i > 0 else None
+            p = seg.link.prev if seg.link.linked else None
+            while p is not None:
+                s = p.seg()
+                if s is not None:
+                    return s
+                p = p.prev  # died, its finalizer not yet run (collected in a cycle): skipped
         return None
+
+
+class _Link:
+    """A segment's place in the forward order (a node of a doubly linked list; the segment itself held weakly)."""
+
+    __slots__ = ("seg", "order", "prev", "next", "linked")
+
+    def __init__(self, seg: _Segment) -> None:
+        self.seg, self.order = weakref.ref(seg), next(_ORDER)
+        self.prev: _Link | None = None
+        self.next: _Link | None = None
+        self.linked = False
 
 
 class _Release(torch.autograd.Function):
@@ -201,7 +243,8 @@ class _Segment:
         self.changed: str | None = None  # an argument was changed in place before its copy was taken (raised later)
         # forward -> [held ->] stored -> (restoring -> restored -> stored)*   (held: offload, the newest segment)
         self.state = "forward"
-        self._fin = weakref.finalize(self, _free_segment, buffers, self.host, self.device)
+        self.link = _Link(self)
+        self._fin = weakref.finalize(self, _free_segment, buffers, self.host, self.device, self.link)
 
     def store(self) -> None:
         """Copy the arguments into their blocks (host: queued D2H; device: a copy on the compute stream)."""
@@ -325,7 +368,9 @@ def _needs_no_grad(out: Any) -> bool:
     return out is None or isinstance(out, (bool, int, float, str))
 
 
-def _free_segment(buffers: ActivationBuffers, host: list[torch.Tensor], device: list[torch.Tensor]) -> None:
+def _free_segment(buffers: ActivationBuffers, host: list[torch.Tensor], device: list[torch.Tensor],
+                  link: _Link) -> None:  # fmt: skip
+    buffers._unlink(link)
     for h in host:
         buffers.transport.pool.give(h)  # fenced: not handed out again before its copies are done
     for b in device:
