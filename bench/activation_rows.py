@@ -6,17 +6,28 @@ Providers, one model (a stack of pre-norm transformer blocks, bf16 on CUDA, fp32
   save_on_cpu   torch.autograd.graph.save_on_cpu(pin_memory=True): every saved tensor to the host, no prefetch
   zo            zo_kernels.checkpoint(offload=True): block inputs to pinned host blocks, prefetched one block ahead
   zo_resident   zo_kernels.checkpoint(offload=False): torch's checkpoint with the inputs in constant device blocks
+  torch_half    torch's checkpoint around each half block (attention, MLP): twice the checkpoints, half the recompute
+                working set
+  zo_half       zo's offloaded checkpoint around each half block: the checkpoints leave the device, so halving the
+                working set is free there (what offload is for: the finer the segments, the less device memory)
 Per provider at --seq: the median step (forward + backward, device synchronized; the providers' steps interleaved
 round by round), the peak device activation memory
 (torch.cuda.max_memory_allocated above the memory before the step, plus the zo blocks allocated before it), the
 allocations per step of checkpoint blocks (zo's counters) and of CUDA segments (memory_stats "segment.all.allocated")
-after a warm-up step; then, on CUDA, the longest sequence that trains under a device memory cap of --cap-gib
-(doubling from --seq, then bisecting, each provider with its share of --budget-s: a search cut short says so).
+after a warm-up step; then, on CUDA, the longest sequence whose step fits --cap-gib of device memory above the
+model's parameters and gradients (doubling from --seq, then bisecting, each provider with its share of --budget-s: a
+search cut short says so); with --profile, one step per provider under torch.profiler (wall vs device busy time, the
+longest idle spans of the device with the host op running then, the CUDA runtime calls by total time).
+The gradients are allocated once and zeroed in place every step, as an optimizer's zero_grad(set_to_none=False)
+leaves them: with `p.grad = None` each step frees them first, so torch's checkpoint peaked at the start of backward
+before any gradient existed, zo's offload at its end with all of them: the H200's 1 GiB cap on the whole process
+(params 0.19 GiB, gradients 0.19) held 11264 tokens for torch and 16384 for zo, a ratio the model's size set, not
+the activations.
 On the CPU (no GPU) the device is the CPU and zo runs on the GPU-shaped CopyEngineTransport: step time and zo's
 counters only, labelled so; peak memory and the longest sequence are not measured.
 
 Usage: python bench/activation_rows.py OUT.json [--device cuda] [--layers 32] [--hidden 512] [--heads 8]
-       [--batch 1] [--seq 4096] [--rounds 5] [--cap-gib 1] [--budget-s 45]
+       [--batch 1] [--seq 4096] [--rounds 5] [--cap-gib 1] [--budget-s 45] [--profile]
 Writes OUT.json after every row; prints one line per row. NEVER RUN ON A GPU in this form: written without one.
 """
 
@@ -38,7 +49,7 @@ import torch.nn.functional as F
 import zo_kernels as zk
 from zo_kernels.activations import ActivationBuffers
 
-PROVIDERS = ("none", "torch", "save_on_cpu", "zo", "zo_resident")
+PROVIDERS = ("none", "torch", "save_on_cpu", "zo", "zo_resident", "torch_half", "zo_half")
 
 
 class Block(torch.nn.Module):
@@ -51,12 +62,17 @@ class Block(torch.nn.Module):
         self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
         self.up, self.down = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
-        x = x + self.proj(a)
+        return x + self.proj(a)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.attention(x))
 
 
 class Stack(torch.nn.Module):
@@ -77,12 +93,17 @@ def provider_setup(name: str, device: torch.device,
     nothing = contextlib.nullcontext
     if name == "none":
         return None, nothing, None
-    if name == "torch":
-        return functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False), nothing, None
     if name == "save_on_cpu":
         return None, lambda: torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"), None
-    buf = ActivationBuffers(device, transport)
-    return functools.partial(zk.checkpoint, offload=name == "zo", buffers=buf), nothing, buf
+    buf = None
+    if name.startswith("torch"):
+        ck = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    else:
+        buf = ActivationBuffers(device, transport)
+        ck = functools.partial(zk.checkpoint, offload=name != "zo_resident", buffers=buf)
+    if name.endswith("_half"):
+        return (lambda block, x: ck(block.mlp, ck(block.attention, x))), nothing, buf
+    return ck, nothing, buf
 
 
 def sync(device: torch.device) -> None:
@@ -95,8 +116,9 @@ def make_step(model: Stack, device: torch.device, dtype: torch.dtype, batch: int
     x = torch.randn(batch, seq, hidden, device=device, dtype=dtype, generator=None)
 
     def step() -> None:
-        for p in model.parameters():
-            p.grad = None
+        for p in model.parameters():  # allocated once, zeroed in place (the module docstring says why)
+            if p.grad is not None:
+                p.grad.zero_()
         inp = x.detach().requires_grad_()
         with ctx():
             y = model(inp)
@@ -193,7 +215,62 @@ def longest_seq(name: str, model: Stack, device: torch.device, dtype: torch.dtyp
     return lo, True
 
 
-SEARCH_ORDER = ("torch", "zo", "zo_resident", "none", "save_on_cpu")  # issue 21's target compares the first two;
+def cpu_peak_units(name: str, model: Stack, a: argparse.Namespace) -> float | None:
+    """The CPU's stand-in for the device's activation peak: the most bytes allocated at once during a step above
+    its start (torch.profiler's memory events) in units of one [batch, seq, hidden] activation, after two warm-up
+    steps (zo's blocks and the gradients allocated), plus zo's device blocks (allocated before the step, held
+    through it: as the CUDA rows count them). zo's rows run on a synchronous HostTransport here, so every free
+    happens on this thread, where the profiler sees it (a copy thread's frees are not recorded). None for
+    save_on_cpu (its host is this memory too) and where this torch's profiler does not expose its memory events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from zo_kernels.transport import HostTransport
+
+    if name == "save_on_cpu":
+        return None
+    cpu = torch.device("cpu")
+    transport = HostTransport()
+    model.wrap, ctx, buf = provider_setup(name, cpu, transport)
+    try:
+        step = make_step(model, cpu, torch.float32, a.batch, a.seq, a.hidden, ctx)
+        step()
+        step()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+        results = getattr(prof.profiler, "kineto_results", None)
+        if results is None:
+            return None
+        events = sorted((e for e in results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    finally:
+        model.wrap = None
+        transport.close()
+    held = peak = 0
+    for e in events:
+        held += e.nbytes()
+        peak = max(peak, held)
+    return (peak + (buf.device_bytes if buf is not None else 0)) / (a.batch * a.seq * a.hidden * 4)
+
+
+def profiled_step(name: str, model: Stack, device: torch.device, dtype: torch.dtype, a: argparse.Namespace,
+                  transport) -> dict:  # fmt: skip
+    """Two steps of `name` at a.seq under torch.profiler after a warm-up step (bench/profile_step.py's analysis):
+    wall and device-busy ms per step, the device's 4 longest idle spans with the host op running as each began, the
+    6 CUDA runtime calls of most total time. Where zo's step loses to torch's checkpoint: host work or waits."""
+    from profile_step import _profiled  # (bench/ is on sys.path: this script's folder)
+
+    model.wrap, ctx, buf = provider_setup(name, device, transport)
+    try:
+        step = make_step(model, device, dtype, a.batch, a.seq, a.hidden, ctx)
+        step()
+        analysis, wall = _profiled(step, 2, device)
+    finally:
+        model.wrap = None
+    runtime = dict(list(analysis["runtime"].items())[:6])
+    return {"wall_ms": wall, "busy_ms": analysis["busy_ms"], "gaps": analysis["gaps"][:4], "runtime": runtime}
+
+
+SEARCH_ORDER = ("torch", "zo_half", "zo", "torch_half", "zo_resident", "none", "save_on_cpu")  # issue 21's target
+# compares zo's best with torch's best;
 # save_on_cpu last: its tries pin every saved tensor in host memory (tens of GiB at the long sequences: slow)
 
 
@@ -207,15 +284,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=None, help="default 4096 on CUDA, 256 on the CPU")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--cap-gib", type=float, default=1.0, help="CUDA: device memory cap of the longest-seq search")
+    ap.add_argument("--cap-gib", type=float, default=1.0,
+                    help="CUDA: the longest-seq search's device memory above the model's parameters and gradients")
+    ap.add_argument("--profile", action="store_true", help="one step per provider under torch.profiler")
     ap.add_argument("--budget-s", type=float, default=45.0)
     ap.add_argument("--providers", default=",".join(PROVIDERS))
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     cuda = device.type == "cuda"
-    # 32 layers (a 7B model's depth): torch's checkpoint keeps 2 sbh per layer beside one layer's 34 sbh, offload
-    # keeps two, so the longest sequences differ by (2 L + 34) / 38 = 2.6x; width 512 and a 1 GiB cap keep every
-    # try of the search under a second of attention on an H100 (estimated: never run on a GPU)
+    # 32 layers (a 7B model's depth): torch's checkpoint keeps 2 sbh bytes per layer beside one layer's recompute
+    # working set W, zo's offload about two checkpoints beside W, zo_half beside the larger half's. Measured on the
+    # 2-core CPU (fp32, 16 layers, units of one [s, b, h] tensor, the copies synchronous so every free is seen):
+    # torch 36.7 (16 checkpoints + W 20.7), zo 22.7, zo_half 16.8, torch_half 46.8; at 32 layers torch's
+    # 52.7 against zo_half's 16.8 would be 3.1x the sequence. Width 512 and a 1 GiB cap keep every try of the search
+    # about a second of attention on an H200 (measured once, 2026-11-27)
     a.layers = a.layers or (32 if cuda else 4)
     a.hidden = a.hidden or (512 if cuda else 256)
     a.seq = a.seq or (4096 if cuda else 256)
@@ -247,10 +329,24 @@ def main(argv: list[str]) -> int:
             json.dump(rows, f, indent=1)
 
     rows += [{**common, **r} for r in measure(providers, model, device, dtype, a, transport)]
+    if not cuda:  # what the CPU can say of the device memory (the longest sequence is only searched on CUDA)
+        for r in rows:
+            if "step_ms" in r:
+                r["cpu_peak_activation_units"] = cpu_peak_units(r["provider"], model, a)
     write()
     for row in rows:
         print(f"  {row['provider']:<12} " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                                     for k, v in row.items() if k not in common and k != "provider"))
+    if a.profile:
+        for r in rows:
+            if "step_ms" in r:
+                r["profile"] = profiled_step(r["provider"], model, device, dtype, a, transport)
+                write()
+                p = r["profile"]
+                busy = "-" if p["busy_ms"] is None else f"{p['busy_ms']:.1f}"
+                gaps = "; ".join(f"{g['ms']:.2f} ms idle in {g['host_op']}" for g in p["gaps"][:3])
+                print(f"  {r['provider']:<12} profiled: {p['wall_ms']:.1f} ms per step, device busy {busy} ms"
+                      + (f"; longest device idle: {gaps}" if gaps else ""))
     base = {r["provider"]: r for r in rows if "step_ms" in r}
     if "torch" in base:
         for r in rows:
@@ -258,10 +354,12 @@ def main(argv: list[str]) -> int:
                 r["step_vs_torch_checkpoint"] = r["step_ms"] / base["torch"]["step_ms"]
     if cuda and a.cap_gib > 0:
         total = torch.cuda.get_device_properties(device).total_memory
+        gc.collect()
         torch.cuda.empty_cache()  # the measured steps' cached blocks: the cap counts reserved memory
+        model_gib = torch.cuda.memory_reserved(device) / 2**30  # parameters and gradients (allocated once)
         index = torch.device(device).index
         index = torch.cuda.current_device() if index is None else index  # the call wants an index, not "cuda"
-        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 2**30 / total), index)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (model_gib + a.cap_gib) * 2**30 / total), index)
         left = a.budget_s - (time.perf_counter() - start)
         searched = sorted((r for r in rows if "error" not in r), key=lambda r: SEARCH_ORDER.index(r["provider"]))
         for i, r in enumerate(searched):
@@ -271,11 +369,13 @@ def main(argv: list[str]) -> int:
             before = torch.cuda.memory_allocated(device) / 2**30  # the model alone, if nothing earlier leaked
             seq, done = longest_seq(r["provider"], model, device, dtype, a, transport, deadline)
             r["longest_seq"], r["longest_seq_cap_gib"], r["longest_seq_search_ended"] = seq, a.cap_gib, done
+            r["longest_seq_model_gib"] = model_gib  # the cap is this plus longest_seq_cap_gib
             r["longest_seq_allocated_before_gib"] = before
             left = a.budget_s - (time.perf_counter() - start)
             write()
             cut = "" if done else " (at least; cut short)"
-            print(f"  {r['provider']:<12} longest seq under {a.cap_gib} GiB: {seq}{cut}")
+            print(f"  {r['provider']:<12} longest seq under {a.cap_gib} GiB above the model's {model_gib:.2f}: "
+                  f"{seq}{cut}")
     write()
     transport.close()
     return 0

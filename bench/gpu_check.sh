@@ -12,8 +12,9 @@
 #   bench/step_rows.py                   the GPT step in parts, 95M and 1.3B params, sync and DPU: phases,
 #                                        fwd+bwd alone, CPU Adam alone, D2H alone, torch AdamW(fused) + peaks
 #   bench/activation_rows.py             activations: no checkpointing, torch's checkpoint, save_on_cpu, zo's offloaded
-#                                        and resident checkpoint: step time, peak device activation memory, checkpoint
-#                                        allocations per step, longest sequence under a 1 GiB cap (issue 21)
+#                                        and resident checkpoint, per block and (torch, zo offloaded) per half block:
+#                                        step time, peak device activation memory, checkpoint allocations per step,
+#                                        one profiled step each, longest sequence in 1 GiB above the model (issue 21)
 #   bench/anchors.py                     torch fused, DeepSpeed ZeRO-Offload, torchao, FSDP2, zo: one GPT, batch
 #                                        and dtype, each in its own process (wheels from .whl/ when carried)
 # and writes OUTDIR/summary.json (bench/summary.py --summary-json: device, date, commit, pack, step, anchors,
@@ -152,7 +153,7 @@ activations_stage() { # activations_stage CAP RESERVE: bench/activation_rows.py,
   local t
   t=$(stage_s "$1" "$2")  # (the scripts' budgets: what their stage's limit leaves, less a margin to write their rows)
   limited "$1" "$2" "bench: activations (issue 21)" "$py" bench/activation_rows.py "$out/activations.json" \
-    --budget-s "$((t * 3 / 4))"
+    --budget-s "$((t * 3 / 4))" --profile
 }
 anchors_stage() { # anchors_stage CAP RESERVE TIMEOUT: bench/anchors.py, each system at most TIMEOUT s
   local t nvcc_dir

@@ -587,13 +587,47 @@ def test_activation_rows_script_runs_on_the_cpu(tmp_path):
 
     out = tmp_path / "activations.json"
     argv = [str(out), "--device", "cpu", "--layers", "3", "--hidden", "32", "--heads", "2", "--seq", "16",
-            "--rounds", "1"]  # fmt: skip
+            "--rounds", "1", "--profile"]  # fmt: skip
     assert activation_rows.main(argv) == 0
     rows = {r["provider"]: r for r in json.loads(out.read_text())}
     assert list(rows) == list(activation_rows.PROVIDERS) and all("step_ms" in r for r in rows.values()), rows
     assert "device = CPU" in rows["zo"]["device"]
-    assert rows["zo"]["checkpoint_allocations_per_step"] == 0 and rows["zo"]["device_blocks"] == 2
+    for name in ("zo", "zo_half"):  # offloaded: two device slots, whatever the segmentation
+        assert rows[name]["checkpoint_allocations_per_step"] == 0 and rows[name]["device_blocks"] == 2, rows[name]
     assert rows["zo_resident"]["device_blocks"] == 3 and rows["torch"]["step_vs_torch_checkpoint"] == 1.0
+    assert rows["zo_half"]["host_blocks"] >= rows["zo"]["host_blocks"]  # 5 checkpoints to the host against 2
+    assert all(r["profile"]["wall_ms"] > 0 and r["profile"]["busy_ms"] is None for r in rows.values())  # no GPU
+
+
+def test_activation_rows_half_blocks_are_the_block():
+    """The bench model's halves compose to its block, and every provider's step gives the gradients of the plain
+    step, bit for bit: the rows compare the same training step."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import activation_rows as ar
+
+    torch.manual_seed(0)
+    model = ar.Stack(3, 32, 2)
+    x = torch.randn(2, 16, 32)
+    assert torch.equal(model.blocks[0].mlp(model.blocks[0].attention(x)), model.blocks[0](x))
+    tr = CopyEngineTransport(delay_s=0.001)
+    try:
+        grads = {}
+        for name in ar.PROVIDERS:
+            model.wrap, ctx, _ = ar.provider_setup(name, torch.device("cpu"), tr)
+            torch.manual_seed(1)  # (make_step draws the input)
+            step = ar.make_step(model, torch.device("cpu"), torch.float32, 2, 16, 32, ctx)
+            step()
+            grads[name] = [p.grad.clone() for p in model.parameters()]
+            step()  # the gradients are zeroed in place, not accumulated across steps
+            same([p.grad for p in model.parameters()], grads[name])
+        for name in ar.PROVIDERS:
+            same(grads[name], grads["none"])
+    finally:
+        model.wrap = None
+        tr.close()
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh runs it)")
@@ -686,3 +720,27 @@ def test_host_work_per_segment_does_not_grow_with_the_chain(engine, monkeypatch)
     asks.clear()
     same(run(model, functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine)), x), want)
     assert len(asks) <= 2 * 60, len(asks)
+
+
+def test_offloaded_checkpoints_leave_the_device_memory():
+    """The CPU's measure of the activation peak (bench/activation_rows.py: the profiler's memory events, in units
+    of one [batch, seq, hidden] tensor): 8 more layers add about 8 units to torch's checkpoint (every block input
+    stays) and almost nothing to zo's offloaded one; at 12 layers zo's half-block segments peak lowest."""
+    import argparse
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import activation_rows as ar
+
+    a = argparse.Namespace(batch=1, seq=256, hidden=64)
+    units = {}
+    for layers in (4, 12):
+        torch.manual_seed(0)
+        model = ar.Stack(layers, 64, 2)
+        units[layers] = {n: ar.cpu_peak_units(n, model, a) for n in ("torch", "zo", "zo_half")}
+    if units[4]["torch"] is None:
+        pytest.skip("this torch's profiler exposes no memory events (kineto_results)")
+    assert units[12]["torch"] - units[4]["torch"] > 7.5, units
+    assert units[12]["zo"] - units[4]["zo"] < 2, units
+    assert units[12]["zo_half"] < units[12]["zo"] < units[12]["torch"], units

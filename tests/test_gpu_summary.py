@@ -136,7 +136,15 @@ def test_summary_json_judges_the_activation_rows(tmp_path):
     t = data["targets"]["activations"]
     assert t["step_vs_torch_checkpoint"] == {"value": 1.04, "bar": 1.05, "met": True}
     assert t["step_vs_save_on_cpu"]["met"] and t["checkpoint_allocations_per_step"]["met"]
-    assert t["longest_seq_vs_torch_checkpoint"] == {"value": 1.5, "bar": 2.0, "met": False}
+    assert t["longest_seq_vs_torch_checkpoint"] == {"value": 1.5, "bar": 2.0, "met": False, "providers": "zo / torch"}
+    # the half-block rows: each side's longest sequence of its segmentations, and zo_half's step judged too
+    rows += [{"provider": "torch_half", "seq": 4096, "step_ms": 101.0, "longest_seq": 30_000},
+             {"provider": "zo_half", "seq": 4096, "step_ms": 110.0, "longest_seq": 90_000}]  # fmt: skip
+    (tmp_path / "activations.json").write_text(json.dumps(rows))
+    t = summary.summary_json(str(tmp_path))["targets"]["activations"]
+    assert t["longest_seq_vs_torch_checkpoint"] == {"value": 2.25, "bar": 2.0, "met": True,
+                                                    "providers": "zo_half / torch"}  # fmt: skip
+    assert t["half_step_vs_torch_checkpoint"] == {"value": 1.1, "bar": 1.05, "met": False}
 
 
 def test_dashboard_tells_rows_of_one_size_and_mode_apart_and_reads_targets(tmp_path):
