@@ -186,6 +186,47 @@ def test_copy_into_freed_buffer_is_refused():
     assert digest(buf, src) == before
 
 
+def test_pool_lookups_agree_with_a_scan_of_every_block():
+    """holds / check_usable / events over a pool of many blocks (a checkpoint's each) after random takes, gives and
+    trims: the same answers as scanning every block, at each block's first byte, last byte and one past its end."""
+    import random
+
+    rng = random.Random(0)
+    backing: dict[int, torch.Tensor] = {}
+
+    def allocate(nbytes):
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        backing[t.data_ptr()] = t
+        return t.data_ptr(), t
+
+    pool = HostPool(1 << 16, allocate, lambda addr, owner: backing.pop(addr))
+    out: list[torch.Tensor] = []
+    for i in range(400):
+        r = rng.random()
+        if r < 0.55 or not out:
+            out.append(pool.take(rng.choice([8, 64, 100, 256]), torch.float32))
+            pool.fence(out[-1], "copy", i)
+        elif r < 0.97:
+            pool.give(out.pop(rng.randrange(len(out))))
+        else:
+            with pool._lock:
+                pool._trim(1024)
+        live = {t.data_ptr(): t.numel() * 4 for t in out}
+        freed = dict(pool._freed)
+        probes = [a + d for a, n in [*live.items(), *freed.items()] for d in (0, n - 1, n)]
+        for p in rng.sample(probes, min(12, len(probes))):
+            probe = type("Probe", (), {"data_ptr": lambda self, p=p: p})()  # only its address is asked
+            want_live = any(a <= p < a + n for a, n in live.items())
+            assert pool.holds(probe) == want_live, (i, p)
+            assert bool(pool.events(probe)) == want_live, (i, p)
+            in_freed = any(a <= p < a + n for a, n in freed.items())
+            if in_freed:
+                with pytest.raises(ValueError, match="given back"):
+                    pool.check_usable(probe, "x")
+            else:
+                pool.check_usable(probe, "x")
+
+
 @pytest.mark.parametrize(
     "dst, src, exc, match",
     [

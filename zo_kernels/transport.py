@@ -15,6 +15,7 @@ wait for a copy (its consumer); `wait(event)` blocks the host until it is done.
 from __future__ import annotations
 
 import atexit
+import bisect
 import ctypes
 import queue
 import threading
@@ -53,6 +54,10 @@ class HostPool:
         self._free: dict[int, list[tuple[int, Any]]] = {}  # nbytes -> blocks ready for reuse
         self._live: dict[int, tuple[int, Any]] = {}  # address -> (nbytes, owner) handed out
         self._freed: dict[int, int] = {}  # address -> nbytes of blocks given back and not handed out again
+        # their addresses, sorted: which block holds an address is a bisection (a pool of activation checkpoints
+        # holds a block per checkpoint, and every copy asks)
+        self._live_at: list[int] = []
+        self._freed_at: list[int] = []
         self._fences: dict[int, dict[Any, Any]] = {}  # address -> {stream key: last event of a copy on it}
         self.reserved = 0  # bytes allocated from the system (live + free)
         self._lock = threading.Lock()
@@ -60,21 +65,31 @@ class HostPool:
     def fence(self, t: torch.Tensor, key: Any, event: Any) -> None:
         """A copy on stream `key` reads or writes `t` until `event`: its block is not reused before then.
         Copies on one stream finish in order, so the last event per stream covers the earlier ones."""
-        start = t.data_ptr()
         with self._lock:
-            for addr, (nbytes, _) in self._live.items():
-                if addr <= start < addr + nbytes:
-                    self._fences.setdefault(addr, {})[key] = event
-                    return
+            addr = self._live_block(t.data_ptr())
+            if addr is not None:
+                self._fences.setdefault(addr, {})[key] = event
 
     def events(self, t: torch.Tensor) -> list[Any]:
         """The last event of each stream's copies that read or wrote `t`'s block (none: not a block of this pool)."""
-        start = t.data_ptr()
         with self._lock:
-            for addr, (nbytes, _) in self._live.items():
-                if addr <= start < addr + nbytes:
-                    return list(self._fences.get(addr, {}).values())
-        return []
+            addr = self._live_block(t.data_ptr())
+            return [] if addr is None else list(self._fences.get(addr, {}).values())
+
+    def _live_block(self, start: int) -> int | None:
+        """The address of the live block holding address `start`, or None (blocks never overlap)."""
+        i = bisect.bisect_right(self._live_at, start) - 1
+        if i >= 0 and start < self._live_at[i] + self._live[self._live_at[i]][0]:
+            return self._live_at[i]
+        return None
+
+    def _set_freed(self, addr: int, nbytes: int | None) -> None:
+        """Mark a block given back (nbytes) or no longer so (None: handed out again, or released)."""
+        if nbytes is not None:
+            self._freed[addr] = nbytes
+            bisect.insort(self._freed_at, addr)
+        elif self._freed.pop(addr, None) is not None:
+            self._freed_at.pop(bisect.bisect_left(self._freed_at, addr))
 
     def _drain(self, addr: int) -> None:
         for ev in self._fences.pop(addr, {}).values():
@@ -103,7 +118,8 @@ class HostPool:
                 addr, owner = self._allocate(nbytes)
                 self.reserved += nbytes
             self._live[addr] = (nbytes, owner)
-            self._freed.pop(addr, None)
+            bisect.insort(self._live_at, addr)
+            self._set_freed(addr, None)
         return _wrap(addr, nbytes, owner).view(dtype)
 
     def give(self, t: torch.Tensor) -> None:
@@ -113,8 +129,9 @@ class HostPool:
             if addr not in self._live:
                 raise ValueError("give(): this tensor was not handed out by this pool (or was given back already)")
             nbytes, owner = self._live.pop(addr)
+            self._live_at.pop(bisect.bisect_left(self._live_at, addr))
             self._free.setdefault(nbytes, []).append((addr, owner))
-            self._freed[addr] = nbytes
+            self._set_freed(addr, nbytes)
 
     @property
     def free_bytes(self) -> int:
@@ -124,23 +141,22 @@ class HostPool:
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` lies in a block handed out by this pool and not given back."""
-        start = t.data_ptr()
         with self._lock:
-            return any(addr <= start < addr + nbytes for addr, (nbytes, _) in self._live.items())
+            return self._live_block(t.data_ptr()) is not None
 
     def check_usable(self, t: torch.Tensor, name: str) -> None:
         """Raise if `t` lies in a buffer of this pool that was given back (a copy into freed memory)."""
         start = t.data_ptr()
         with self._lock:
-            for addr, nbytes in self._freed.items():
-                if addr <= start < addr + nbytes:
-                    raise ValueError(f"{name} lies in a pool buffer that was given back (freed): copy refused")
+            i = bisect.bisect_right(self._freed_at, start) - 1
+            if i >= 0 and start < self._freed_at[i] + self._freed[self._freed_at[i]]:
+                raise ValueError(f"{name} lies in a pool buffer that was given back (freed): copy refused")
 
     def _trim(self, need: int) -> None:
         for nbytes in list(self._free):
             while self._free[nbytes] and need > 0:
                 addr, owner = self._free[nbytes].pop()
-                self._freed.pop(addr, None)
+                self._set_freed(addr, None)
                 self._drain(addr)
                 self._release(addr, owner)
                 self.reserved -= nbytes
@@ -157,6 +173,7 @@ class HostPool:
                 self._release(addr, owner)
                 self.reserved -= nbytes
             self._live.clear()
+            self._live_at.clear()
 
 
 def _wrap(addr: int, nbytes: int, owner: Any) -> torch.Tensor:
