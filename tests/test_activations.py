@@ -110,6 +110,38 @@ def test_tuple_outputs_and_several_tensor_args(engine):
     same(grads(functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine))), grads(torch_ck))
 
 
+def test_an_activation_passed_by_keyword_is_offloaded(engine):
+    """HF's layers pass the activation by name (`hidden_states=`): a keyword tensor that needs a gradient is offloaded
+    like a positional one (three D2H copies of its size for four segments: the newest stays), a float table that
+    needs none is kept by reference (not copied once per segment), torch's own keywords (`determinism_check`) still
+    reach torch's checkpoint; the gradients are torch's bit for bit."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(WIDTH, WIDTH)
+    table = torch.randn(WIDTH)  # a constant passed to every layer (position table, additive mask)
+    copied = []
+    d2h = engine.d2h
+    engine.d2h = lambda dst, src: (copied.append(src.numel()), d2h(dst, src))[1]
+
+    def layer(*, hidden_states, table):
+        return hidden_states + F.dropout(lin(hidden_states), p=0.2, training=True) * table
+
+    x0 = torch.randn(3, 5, WIDTH)
+
+    def grads(ck):
+        lin.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        torch.manual_seed(7)
+        h = x
+        for _ in range(4):
+            h = ck(layer, hidden_states=h, table=table, determinism_check="default")
+        h.square().sum().backward()
+        return [lin.weight.grad, lin.bias.grad, x.grad]
+
+    want = grads(torch_ck)
+    same(grads(functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine))), want)
+    assert copied == [x0.numel()] * 3, copied
+
+
 def test_an_input_that_needs_no_grad(engine):
     model, x = blocks(3), x_input()
 
@@ -571,6 +603,41 @@ def test_hf_stage3_offload_param_with_offloaded_activations(arch, engine):
             assert torch.equal(got[1]["state"][i][k], v), f"{arch}: param {i} {k}"
     for k, v in want[2].items():
         assert torch.equal(got[2][k], v), f"{arch}: model.{k}"
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hf_attention_and_mlp_checkpointed_apart(arch, engine):
+    """The README's recipe for finer segments in an HF model: torch's apply_activation_checkpointing around each
+    attention and MLP module with zo's checkpoint as its checkpoint_fn. Gradients bit for bit those of torch's
+    checkpoint_wrapper around the same modules; every segment's input but the newest goes to the host (Llama passes
+    the attention's `hidden_states` by keyword, GPT-2 by position)."""
+    pytest.importorskip("transformers")
+    from clients_util import MODELS, lm_loss, token_batches
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    copied = []
+    d2h = engine.d2h
+    engine.d2h = lambda dst, src: (copied.append(src.numel()), d2h(dst, src))[1]
+    ids = token_batches(1)[0]
+    grads = {}
+    for name in ("torch", "zo"):
+        model = MODELS[arch](0)
+        kinds = tuple({type(m) for n, m in model.named_modules() if n.endswith(("self_attn", ".attn", ".mlp"))})
+        assert len(kinds) == 2, kinds
+        wrap = checkpoint_wrapper
+        if name == "zo":
+            ck = functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine))
+            wrap = functools.partial(checkpoint_wrapper, checkpoint_fn=ck)
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrap, check_fn=lambda m, k=kinds: isinstance(m, k))
+        torch.manual_seed(0)
+        lm_loss(model, ids).backward()
+        grads[name] = [p.grad for p in model.parameters()]
+    same(grads["zo"], grads["torch"])
+    width = model.config.hidden_size
+    assert copied == [ids.numel() * width] * 3, copied  # 2 layers x (attention, MLP): 4 segments, the newest stays
 
 
 # ---------------------------------------------------------------------- the benchmark script, and CUDA

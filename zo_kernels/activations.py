@@ -229,11 +229,13 @@ class _Segment:
     """One checkpointed call: its arguments' blocks, and the function torch's checkpoint calls (twice)."""
 
     def __init__(self, buffers: ActivationBuffers, function: Callable[..., Any], args: tuple[Any, ...],
-                 offload: bool) -> None:  # fmt: skip
+                 kwargs: dict[str, Any], offload: bool) -> None:  # fmt: skip
         self.buffers, self.function, self.offload = buffers, function, offload
-        self.slots = [i for i, a in enumerate(args) if _offloadable(a, buffers.device)]
-        self.meta = [(args[i].shape, args[i].dtype, args[i].requires_grad) for i in self.slots]
+        # what is kept: positions of floating-point positional arguments, names of keyword ones that need a gradient
+        self.slots: list[int | str] = _slots(args, kwargs, buffers.device)
         self.args: tuple[Any, ...] | None = args  # only during the forward call
+        self.kwargs: dict[str, Any] | None = kwargs
+        self.meta = [(t.shape, t.dtype, t.requires_grad) for t in (_get(args, kwargs, k) for k in self.slots)]
         self.host: list[torch.Tensor] = []  # offload: the pinned copies
         self.d2h: list[Event] = []
         self.device: list[torch.Tensor] = []  # the device blocks holding the checkpoint now (may be empty)
@@ -248,9 +250,9 @@ class _Segment:
 
     def store(self) -> None:
         """Copy the arguments into their blocks (host: queued D2H; device: a copy on the compute stream)."""
-        assert self.args is not None
-        for i in self.slots:
-            x = self.args[i].detach()
+        assert self.args is not None and self.kwargs is not None
+        for k in self.slots:
+            x = _get(self.args, self.kwargs, k).detach()
             x = x if x.is_contiguous() else x.contiguous()
             if self.offload:
                 self.held.append(x)
@@ -259,7 +261,7 @@ class _Segment:
                 block = self.buffers.take_device(x.numel() * x.element_size())
                 self.device.append(block)
                 _view(block, x.shape, x.dtype).copy_(x)
-        self.args = None
+        self.args = self.kwargs = None
         self.state = "held" if self.offload else "stored"
         if self.offload:
             self.buffers._register(self)
@@ -337,23 +339,47 @@ class _Segment:
             self.device.clear()
             self.state = "stored"
 
-    def __call__(self, *call_args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *call_args: Any, **call_kwargs: Any) -> Any:
+        """torch's checkpoint calls this with placeholders where the checkpoint was taken: in forward they stand for
+        the arguments themselves, in the recomputation for the checkpoint restored."""
         if self.state == "forward":
-            args = list(self.args)
-            grads = [i for i in self.slots if args[i].requires_grad]
+            args, kwargs = list(self.args), dict(call_kwargs)  # (torch's checkpoint took its own keywords out)
+            for k in self.slots:
+                if isinstance(k, str):
+                    kwargs[k] = self.kwargs[k]
+            grads = [k for k in self.slots if _get(args, kwargs, k).requires_grad]
             if self.offload and grads and torch.is_grad_enabled():  # (resident blocks: nothing to release)
-                outs = _Release.apply(self, *(args[i] for i in grads))
-                for i, o in zip(grads, outs, strict=True):
-                    args[i] = o
+                outs = _Release.apply(self, *(_get(args, kwargs, k) for k in grads))
+                for k, o in zip(grads, outs, strict=True):
+                    _put(args, kwargs, k, o)
             self.store()
             out = self.function(*args, **kwargs)
             if self.offload:
                 self.buffers._settle(self, graph=not _needs_no_grad(out))
             return out
-        args = list(call_args)
-        for i, t in zip(self.slots, self.restore(), strict=True):
-            args[i] = t
+        args, kwargs = list(call_args), dict(call_kwargs)
+        for k, t in zip(self.slots, self.restore(), strict=True):
+            _put(args, kwargs, k, t)
         return self.function(*args, **kwargs)
+
+
+def _slots(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> list[int | str]:
+    """The arguments a segment keeps a checkpoint of: every floating-point positional tensor on `device`, and the
+    keyword ones that need a gradient (an activation passed by name, as HF's layers pass `hidden_states`; a mask
+    or position table passed to every layer is kept by reference, as torch keeps it, not copied once per layer)."""
+    slots: list[int | str] = [i for i, a in enumerate(args) if _offloadable(a, device)]
+    return slots + [k for k, v in kwargs.items() if _offloadable(v, device) and v.requires_grad]
+
+
+def _get(args: Any, kwargs: dict[str, Any], key: int | str) -> Any:
+    return kwargs[key] if isinstance(key, str) else args[key]
+
+
+def _put(args: list[Any], kwargs: dict[str, Any], key: int | str, value: Any) -> None:
+    if isinstance(key, str):
+        kwargs[key] = value
+    else:
+        args[key] = value
 
 
 def _needs_no_grad(out: Any) -> bool:
@@ -428,6 +454,8 @@ def checkpoint(
     if buffers is not None and not isinstance(buffers, ActivationBuffers):
         raise TypeError(f"buffers must be an ActivationBuffers, got {type(buffers).__name__}")
     floats = [a for a in args if isinstance(a, torch.Tensor) and a.dtype in _OFFLOADED and a.numel() > 0]
+    floats += [v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.dtype in _OFFLOADED and v.numel() > 0
+               and v.requires_grad]  # fmt: skip
     if buffers is None:
         if not floats or not torch.is_grad_enabled():
             return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
@@ -439,9 +467,10 @@ def checkpoint(
         raise ValueError(f"args: no floating-point tensor argument is on the buffers' device {buffers.device}")
     if not torch.is_grad_enabled():  # nothing is saved for a backward: no checkpoint to keep
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
-    seg = _Segment(buffers, function, args, offload)
+    seg = _Segment(buffers, function, args, kwargs, offload)
     call_args = [_placeholder(a) if i in seg.slots else a for i, a in enumerate(args)]
+    call_kwargs = {k: _placeholder(v) if k in seg.slots else v for k, v in kwargs.items()}
     try:
-        return torch_checkpoint.checkpoint(seg, *call_args, use_reentrant=False, **kwargs)
+        return torch_checkpoint.checkpoint(seg, *call_args, use_reentrant=False, **call_kwargs)
     finally:
-        seg.args = None
+        seg.args = seg.kwargs = None
