@@ -167,6 +167,25 @@ def test_activation_modes_by_hand():
     assert logits.activations == 2 * 2 * sbh + 34 * sbh + 6 * s * b * 128256
 
 
+def test_half_layer_offload_by_hand(capsys):
+    """A checkpoint around each attention and each MLP, offloaded: the larger half recomputed (the MLP's 19 sbh +
+    its layernorm's 2; attention's 11 + 2 unless eager attention's scores make it the larger), two half-layer inputs
+    in flight, the other 2 L - 1 on the host. The CLI's `--activation-offload half` uses it and prints its row."""
+    s, b, h, n = 4096, 2, 8192, 80
+    sbh = s * b * h
+    p = plan(70e9, 1, "80GiB", "512GiB", nvme="4TB", seq=s, batch=b, hidden=h, layers=n, activation_mode="offload_half")
+    assert (p.activations, p.activation_host) == (2 * 2 * sbh + 21 * sbh, (2 * n - 1) * 2 * sbh)
+    eager = plan(70e9, seq=s, batch=b, hidden=h, layers=n, heads=64, attention="eager", activation_mode="offload_half")
+    assert eager.activations == 2 * 2 * sbh + 13 * sbh + 5 * 64 * s * s * b
+    argv = ["plan", "--params", "70e9", "--gpu-mem", "80GiB", "--host-mem", "512GiB", "--nvme", "4TB", "--seq",
+            "4096", "--batch", "1", "--hidden", "8192", "--layers", "80", "--activation-offload", "half"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "half layers + offload (used)" in out and "per GPU: activations (half layers + offload)" in out
+    assert main(argv[:-1]) == 0 and "checkpointing + offload (used)" in capsys.readouterr().out  # bare flag: per layer
+    assert main([*argv[:-1], "quarter"]) == 2 and "invalid choice: 'quarter'" in capsys.readouterr().err
+
+
 def test_headline_70b_row_with_checkpointing_and_offload(capsys):
     """The 70B headline on one 80 GiB GPU at seq 4096: activations derived; zo Infinity's GPU total is the stage-3
     working set + buckets + workspace + one layer's activations + two checkpoints; the checkpoints but the last

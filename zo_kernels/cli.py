@@ -155,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--attention", choices=("flash", "eager"), default="flash",
                     help="with --seq: eager attention keeps the s x s scores (5 a s^2 b bytes per layer)")
     act = pl.add_mutually_exclusive_group()
-    act.add_argument("--activation-offload", action="store_true",
-                     help="with --seq: checkpointing + offload (zo_kernels.checkpoint) sizes the rows")
+    act.add_argument("--activation-offload", nargs="?", const="layer", choices=("layer", "half"), default=None,
+                     help="with --seq: checkpointing + offload (zo_kernels.checkpoint) sizes the rows, a checkpoint "
+                          "per layer, or with 'half' one around each attention and each MLP")  # fmt: skip
     act.add_argument("--no-checkpointing", action="store_true",
                      help="with --seq: no activation checkpointing sizes the rows (default: checkpointing)")
     pl.add_argument("--workspace", default="1GiB", metavar="SIZE", help="workspace memory per GPU")
@@ -231,7 +232,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         fraction = _fraction_in("--gpu-fraction")(a.gpu_fraction)
         selective = _fraction_in("--selective")(a.selective)
         if a.seq is None:
-            for flag, given in (("--activation-offload", a.activation_offload),
+            for flag, given in (("--activation-offload", a.activation_offload is not None),
                                 ("--no-checkpointing", a.no_checkpointing),
                                 ("--attention eager", a.attention == "eager"), ("--hidden", a.hidden is not None),
                                 ("--layers", a.layers is not None), ("--heads", a.heads != "0"),
@@ -252,7 +253,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
     kw = dict(k=k, activations=a.activations, workspace=a.workspace, reserve=reserve, bucket_bytes=a.buckets,
               gpus_per_host=per_host, nvme=a.nvme, layer_params=a.layer_params, prefetch=prefetch, io_pool=a.io_pool,
               accumulation=a.accumulation, dpu=a.dpu, attention=a.attention, selective=selective, **shape,
-              activation_mode="offload" if a.activation_offload else "none" if a.no_checkpointing else "checkpoint")
+              activation_mode={"layer": "offload", "half": "offload_half"}.get(a.activation_offload)
+              or ("none" if a.no_checkpointing else "checkpoint"))  # fmt: skip
     try:
         p = plan(a.params, gpus, a.gpu_mem, a.host_mem, gpu_fraction=fraction, **kw)
         pick = None

@@ -35,8 +35,10 @@ MAX_GPUS = 10**9  # beyond it the per-GPU shares underflow to 0 and big ints ove
 _COUNTS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 UNITS = {"GB": 1e9, "TB": 1e12, "GiB": 2**30, "TiB": 2**40}  # the printed table's units
 STATE_DTYPES = ("fp32", "bf16", "8bit")  # ZeroOffloadAdamW's state_dtype: the Adam moments' format
-ACTIVATION_MODES = ("none", "checkpoint", "offload")  # no checkpointing, checkpointing, checkpointing + offload
-MODE_NAMES = {"none": "no checkpointing", "checkpoint": "checkpointing", "offload": "checkpointing + offload"}
+# no checkpointing, checkpointing, checkpointing + offload (a checkpoint per layer, or per half layer)
+ACTIVATION_MODES = ("none", "checkpoint", "offload", "offload_half")
+MODE_NAMES = {"none": "no checkpointing", "checkpoint": "checkpointing", "offload": "checkpointing + offload",
+              "offload_half": "half layers + offload"}  # fmt: skip
 
 
 def state_k(state_dtype: str) -> float:
@@ -75,6 +77,13 @@ class ActivationShape:
         s, b, h = self.seq, self.batch, self.hidden
         return 34.0 * s * b * h + (5.0 * self.heads * s * s * b if self.attention == "eager" else 0.0)
 
+    def half_bytes(self) -> float:
+        """The larger half of a layer checkpointed apart: attention with its layernorm keeps 13 sbh (+ 5 a s^2 b
+        eager), the MLP with its own 21 sbh (the same source's 11 + 19 sbh and 2 sbh per layernorm)."""
+        s, b, h = self.seq, self.batch, self.hidden
+        return max(13.0 * s * b * h + (5.0 * self.heads * s * s * b if self.attention == "eager" else 0.0),
+                   21.0 * s * b * h)  # fmt: skip
+
     def checkpoint_bytes(self) -> float:
         """One layer's checkpoint: its 16-bit input, 2 sbh."""
         return 2.0 * self.seq * self.batch * self.hidden
@@ -89,7 +98,9 @@ def activation_bytes(shape: ActivationShape, mode: str) -> tuple[float, float]:
 
     none: every layer's activations. checkpoint: every layer's input, plus the layer being recomputed.
     offload: the recomputed layer plus two inputs in flight on the GPU (the one in use, the one prefetched; the
-    last layer's input stays there, as it is recomputed first); every other layer's input in pinned host memory."""
+    last layer's input stays there, as it is recomputed first); every other layer's input in pinned host memory.
+    offload_half: the same with a checkpoint around each half layer (attention, MLP): the larger half recomputed,
+    two half-layer inputs (2 sbh each) in flight, the other 2 L - 1 on the host."""
     if mode not in ACTIVATION_MODES:
         raise ValueError(f"activation_mode must be one of {ACTIVATION_MODES}, got {mode!r}")
     layer, ckpt, logits = shape.layer_bytes(), shape.checkpoint_bytes(), shape.logits_bytes()
@@ -97,6 +108,8 @@ def activation_bytes(shape: ActivationShape, mode: str) -> tuple[float, float]:
         return shape.layers * layer + logits, 0.0
     if mode == "checkpoint":
         return shape.layers * ckpt + layer + logits, 0.0
+    if mode == "offload_half":
+        return min(2, 2 * shape.layers) * ckpt + shape.half_bytes() + logits, (2 * shape.layers - 1) * ckpt
     return min(2, shape.layers) * ckpt + layer + logits, (shape.layers - 1) * ckpt
 
 
