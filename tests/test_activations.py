@@ -201,6 +201,14 @@ def test_reserve_allocates_up_front(engine):
         same(run(model, functools.partial(zk.checkpoint, offload=offload, buffers=planned), x), want)
         assert (planned.device_allocations, planned.host_allocations, tr.pool.reserved) == before
         tr.close()
+    tr = CopyEngineTransport()  # two segments per layer: 4 layers' worth for 8 segments
+    planned = ActivationBuffers("cpu", tr)
+    planned.reserve_for(5, 6, WIDTH, 4, dtype=torch.float32, segments=2)
+    before = (planned.device_allocations, planned.host_allocations, tr.pool.reserved)
+    assert before[:2] == (2, 7)
+    run(blocks(8), functools.partial(zk.checkpoint, buffers=planned), x)
+    assert (planned.device_allocations, planned.host_allocations, tr.pool.reserved) == before
+    tr.close()
     sh = zk.planner.ActivationShape(seq=5, batch=6, hidden=WIDTH, layers=4)
     assert sh.checkpoint_bytes() == x.numel() * 2  # 16-bit: the planner counts what reserve_for(bf16) reserves
     half = ActivationBuffers("cpu", engine)  # bf16 checkpoints of an odd element count: exact byte counts
@@ -561,6 +569,7 @@ def test_bad_arguments_are_refused_before_anything_changes(engine):
         (ValueError, "device_blocks", lambda: buf.reserve([-1])),
         (ValueError, "host_blocks: checkpoints are 16- or 32-bit", lambda: buf.reserve([], [3])),
         (ValueError, "seq must be an int >= 1", lambda: buf.reserve_for(0, 1, WIDTH, 2)),
+        (ValueError, "segments must be an int >= 1", lambda: buf.reserve_for(4, 1, WIDTH, 2, segments=0)),
         (TypeError, "dtype must be", lambda: buf.reserve_for(4, 1, WIDTH, 2, dtype=torch.int64)),
     ]
     for exc, match, call in cases:

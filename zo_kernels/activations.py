@@ -94,20 +94,23 @@ class ActivationBuffers:
             self.transport.pool.give(h)
 
     def reserve_for(self, seq: int, batch: int, hidden: int, layers: int, *, dtype: torch.dtype = torch.bfloat16,
-                    offload: bool = True) -> None:  # fmt: skip
+                    offload: bool = True, segments: int = 1) -> None:  # fmt: skip
         """Reserve what `layers` checkpointed blocks with [batch, seq, hidden] inputs need: the planner's sizes
-        (zo_kernels.planner.activation_bytes: offloaded, the last layer's input stays where it was made, the others
-        go to the host, two device slots bring them back (one for two layers); resident, every input on the device)."""
-        for name, v in (("seq", seq), ("batch", batch), ("hidden", hidden), ("layers", layers)):
+        (zo_kernels.planner.activation_bytes: offloaded, the last segment's input stays where it was made, the others
+        go to the host, two device slots bring them back (one for two segments); resident, every input on the
+        device). segments: checkpoints per layer (2: one around the attention, one around the MLP)."""
+        for name, v in (("seq", seq), ("batch", batch), ("hidden", hidden), ("layers", layers),
+                        ("segments", segments)):  # fmt: skip
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if dtype not in _OFFLOADED:
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
         nbytes = seq * batch * hidden * torch.empty((), dtype=dtype).element_size()
+        n = layers * segments
         if offload:
-            self.reserve([nbytes] * min(2, layers - 1), [nbytes] * (layers - 1))
+            self.reserve([nbytes] * min(2, n - 1), [nbytes] * (n - 1))
         else:
-            self.reserve([nbytes] * layers)
+            self.reserve([nbytes] * n)
 
     def take_device(self, nbytes: int) -> torch.Tensor:
         """A device block (uint8) of at least `nbytes`: the smallest free one that fits, else a new one."""
