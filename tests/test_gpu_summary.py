@@ -112,12 +112,17 @@ def test_dashboard_renders_the_pack_host_time_and_the_activation_rows(tmp_path):
                                "pack_host": {"host_us": 27.5, "host_us_launch_stubbed": 16.25,
                                              "host_us_through_triton": 31.75, "launch": "real (CUDA)"},
                                "activations": [{"provider": "zo", "seq": 2048, "step_ms": 41.5,
-                                                "peak_activation_gib": 0.3125, "longest_seq": 16384},
+                                                "peak_activation_gib": 0.3125, "longest_seq": 16384,
+                                                "profile": {"wall_ms": 43.25, "busy_ms": 30.5,
+                                                            "gaps": [{"ms": 1.5, "host_op": "aten::copy_"}],
+                                                            "runtime": {}}},
                                                {"provider": "save_on_cpu", "seq": 2048, "error": "OOM"}]}))  # fmt: skip
     page = dashboard.render([gpu])
     for text in ("host time per call", "27.5", "16.25", "31.75", "host_us_through_triton", "activations",
-                 "save_on_cpu", "0.3125", "16384", "OOM"):  # fmt: skip
+                 "save_on_cpu", "0.3125", "16384", "OOM", "profiled_ms", "43.25", "device_busy_ms",
+                 "30.5"):  # fmt: skip
         assert text in page, text
+    assert "aten::copy_" not in page  # the profile's gaps stay in the JSON, not in a table cell
     gpu.write_text(json.dumps({"step": [], "activations": {"not": "a list"}}))
     with pytest.raises(ValueError, match="activations must be a list of objects"):
         dashboard.load_gpu_summary(gpu)

@@ -305,12 +305,23 @@ def gpu_section(label: str, data: dict) -> str:
         parts.append("<h3>scale: the largest model per setting, beside the planner</h3>"
                      + _rows_table(rows, SCALE_KEYS))  # fmt: skip
     if data.get("activations"):
-        parts.append("<h3>activations (checkpointing, offloaded or not)</h3>" + _any_rows(data["activations"]))
+        parts.append("<h3>activations (checkpointing, offloaded or not)</h3>"
+                     + _any_rows([_profile_columns(r) for r in data["activations"]]))  # fmt: skip
     if data.get("pack"):
         parts.append("<h3>pack</h3>" + _any_rows(data["pack"]))
     if isinstance(data.get("pack_host"), dict):
         parts.append("<h3>pack: host time per call (64 tensors, plan reused; us)</h3>" + _any_rows([data["pack_host"]]))
     return "".join(parts) + "</section>"
+
+
+def _profile_columns(row: dict) -> dict:
+    """An activation row with its profiled step (bench/activation_rows.py --profile) as two columns: wall and
+    device-busy ms per step (its gaps and runtime calls stay in the JSON)."""
+    prof = row.get("profile")
+    if not isinstance(prof, dict):
+        return row
+    rest = {k: v for k, v in row.items() if k != "profile"}
+    return {**rest, "profiled_ms": prof.get("wall_ms"), "device_busy_ms": prof.get("busy_ms")}
 
 
 def _any_rows(rows: list[dict]) -> str:
