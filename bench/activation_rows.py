@@ -16,8 +16,9 @@ round by round), the peak device activation memory
 allocations per step of checkpoint blocks (zo's counters) and of CUDA segments (memory_stats "segment.all.allocated")
 after a warm-up step; then, on CUDA, the longest sequence whose step fits --cap-gib of device memory above the
 model's parameters and gradients (doubling from --seq, then bisecting, each provider with its share of --budget-s: a
-search cut short says so); with --profile, one step per provider under torch.profiler (wall vs device busy time, the
-longest idle spans of the device with the host op running then, the CUDA runtime calls by total time).
+search cut short says so, the providers of issue 21's targets weighted first); with --profile, one step each of
+torch, zo, zo_resident and zo_half under torch.profiler (wall vs device busy time, the longest idle spans of the
+device with the host op running then, the CUDA runtime calls by total time).
 The gradients are allocated once and zeroed in place every step, as an optimizer's zero_grad(set_to_none=False)
 leaves them: with `p.grad = None` each step frees them first, so torch's checkpoint peaked at the start of backward
 before any gradient existed, zo's offload at its end with all of them: the H200's 1 GiB cap on the whole process
@@ -269,8 +270,10 @@ def profiled_step(name: str, model: Stack, device: torch.device, dtype: torch.dt
     return {"wall_ms": wall, "busy_ms": analysis["busy_ms"], "gaps": analysis["gaps"][:4], "runtime": runtime}
 
 
+PROFILED = ("torch", "zo", "zo_resident", "zo_half")  # --profile: where zo's step time goes against torch's
 SEARCH_ORDER = ("torch", "zo_half", "zo", "torch_half", "zo_resident", "none", "save_on_cpu")  # issue 21's target
-# compares zo's best with torch's best;
+# compares zo's best with torch's best; each search gets its weight's share of the time left (unused time rolls on)
+SEARCH_WEIGHT = {"torch": 3, "zo_half": 3, "zo": 2, "torch_half": 2, "zo_resident": 1, "none": 1, "save_on_cpu": 1}
 # save_on_cpu last: its tries pin every saved tensor in host memory (tens of GiB at the long sequences: slow)
 
 
@@ -339,7 +342,7 @@ def main(argv: list[str]) -> int:
                                                     for k, v in row.items() if k not in common and k != "provider"))
     if a.profile:
         for r in rows:
-            if "step_ms" in r:
+            if "step_ms" in r and r["provider"] in PROFILED:
                 r["profile"] = profiled_step(r["provider"], model, device, dtype, a, transport)
                 write()
                 p = r["profile"]
@@ -363,7 +366,8 @@ def main(argv: list[str]) -> int:
         left = a.budget_s - (time.perf_counter() - start)
         searched = sorted((r for r in rows if "error" not in r), key=lambda r: SEARCH_ORDER.index(r["provider"]))
         for i, r in enumerate(searched):
-            deadline = time.perf_counter() + left / (len(searched) - i)
+            share = SEARCH_WEIGHT[r["provider"]] / sum(SEARCH_WEIGHT[q["provider"]] for q in searched[i:])
+            deadline = time.perf_counter() + left * share
             gc.collect()
             torch.cuda.empty_cache()
             before = torch.cuda.memory_allocated(device) / 2**30  # the model alone, if nothing earlier leaked

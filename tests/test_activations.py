@@ -672,7 +672,9 @@ def test_activation_rows_script_runs_on_the_cpu(tmp_path):
         assert rows[name]["checkpoint_allocations_per_step"] == 0 and rows[name]["device_blocks"] == 2, rows[name]
     assert rows["zo_resident"]["device_blocks"] == 3 and rows["torch"]["step_vs_torch_checkpoint"] == 1.0
     assert rows["zo_half"]["host_blocks"] >= rows["zo"]["host_blocks"]  # 5 checkpoints to the host against 2
-    assert all(r["profile"]["wall_ms"] > 0 and r["profile"]["busy_ms"] is None for r in rows.values())  # no GPU
+    profiled = [r for r in rows.values() if "profile" in r]  # no GPU: no busy time
+    assert [r["provider"] for r in profiled] == [p for p in activation_rows.PROVIDERS if p in activation_rows.PROFILED]
+    assert all(r["profile"]["wall_ms"] > 0 and r["profile"]["busy_ms"] is None for r in profiled)
 
 
 def test_activation_rows_half_blocks_are_the_block():
