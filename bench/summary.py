@@ -140,9 +140,11 @@ def scale_line(r: dict) -> str:
         return f"scale {r.get('setting')}: {r.get('error') or 'no step finished'}"
     gib = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     return (f"scale {r['setting']}: {r['params'] / 1e9:.2f}B params (planner {r['planner_params'] / 1e9:.2f}B), "
-            f"{r['tokens_per_s']:.0f} tokens/s, {r['tflops']:.1f} TFLOPS = {r['mfu']:.0%} MFU, peak "
-            f"{gib(r['peak_gib'])} GiB (planner {gib(r.get('planner_peak_gib'))}), host {gib(r['host_gib'])} GiB "
-            f"(planner {gib(r.get('planner_host_gib'))}), loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}"
+            f"{r['tokens_per_s']:.0f} tokens/s, {r['tflops']:.1f} TFLOPS = {r['mfu']:.0%} of the measured matmul"
+            + (f" ({r['mfu_peak']:.0%} of the datasheet's peak)" if r.get("mfu_peak") else "")
+            + f", peak {gib(r['peak_gib'])} GiB (planner {gib(r.get('planner_peak_gib'))}), host "
+            f"{gib(r['host_gib'])} GiB (planner {gib(r.get('planner_host_gib'))}), loss {r['loss_first']:.3f} -> "
+            f"{r['loss_last']:.3f}"
             + (f"; MISMATCH {'; '.join(r['mismatch'])}" if r.get("mismatch") else "")
             + (f"; {r['error']}" if r.get("error") else ""))  # fmt: skip
 

@@ -69,7 +69,7 @@ def test_scale_rows_reach_the_summary_its_text_and_the_dashboard(tmp_path, capsy
     data = json.loads((tmp_path / "summary.json").read_text())
     assert data["scale"] == rows and all(SCALE <= r.keys() for r in rows[:2])
     text = capsys.readouterr().out
-    assert "scale s2-8bit: 9.10B params (planner 9.40B)" in text and "33% MFU" in text
+    assert "scale s2-8bit: 9.10B params (planner 9.40B)" in text and "33% of the measured matmul" in text
     assert "MISMATCH host_gib" in text and "timed out after 200s" in text and "3 scale rows" in text
     page = dashboard.render([tmp_path / "summary.json"])
     assert "scale: the largest model per setting" in page and "s3-cpu" in page and "timed out" in page
