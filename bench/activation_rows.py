@@ -24,12 +24,15 @@ leaves them: with `p.grad = None` each step frees them first, so torch's checkpo
 before any gradient existed, zo's offload at its end with all of them: the H200's 1 GiB cap on the whole process
 (params 0.19 GiB, gradients 0.19) held 11264 tokens for torch and 16384 for zo, a ratio the model's size set, not
 the activations.
-On the CPU (no GPU) the device is the CPU and zo runs on the GPU-shaped CopyEngineTransport: step time and zo's
-counters only, labelled so; peak memory and the longest sequence are not measured.
+On the CPU (no GPU) the device is the CPU and zo runs on the GPU-shaped CopyEngineTransport: step time, zo's
+counters and cpu_peak_activation_units (the peak bytes of a step from torch.profiler's memory events, in activations
+of [batch, seq, hidden]), labelled so; the longest sequence is searched on CUDA only. Each row's step and peak are
+also given as ratios to torch's checkpoint (step_vs_torch_checkpoint, peak_vs_torch_checkpoint).
 
 Usage: python bench/activation_rows.py OUT.json [--device cuda] [--layers 32] [--hidden 512] [--heads 8]
        [--batch 1] [--seq 4096] [--rounds 5] [--cap-gib 1] [--budget-s 45] [--profile]
-Writes OUT.json after every row; prints one line per row. NEVER RUN ON A GPU in this form: written without one.
+Writes OUT.json after every row; prints one line per row. Run on a GPU once (one H200, 2026-11-27: five providers,
+the whole-process cap); the half-block rows, the cap above the model, --profile and the CPU units never.
 """
 
 from __future__ import annotations
@@ -130,10 +133,22 @@ def make_step(model: Stack, device: torch.device, dtype: torch.dtype, batch: int
 
 
 def measure(names: list[str], model: Stack, device: torch.device, dtype: torch.dtype, a: argparse.Namespace,
-            transport) -> list[dict]:  # fmt: skip
+            new_transport: Callable) -> list[dict]:  # fmt: skip
     """Every provider at a.seq: a warm-up step each (zo's blocks are allocated there, once), a.rounds timed steps
-    interleaved round by round (every provider sees the same machine state), then one step each for the memory."""
-    setups = {n: provider_setup(n, device, transport) for n in names}
+    interleaved round by round (every provider sees the same machine state), then one step each for the memory.
+    Each zo row has a transport of its own: its host_blocks are its own checkpoints, not what another row's left
+    in a shared pool."""
+    transports = {n: new_transport() for n in names if n.startswith("zo")}
+    try:
+        return _measure(names, model, device, dtype, a, transports)
+    finally:
+        for t in transports.values():
+            t.close()
+
+
+def _measure(names: list[str], model: Stack, device: torch.device, dtype: torch.dtype, a: argparse.Namespace,
+             transports: dict) -> list[dict]:  # fmt: skip
+    setups = {n: provider_setup(n, device, transports.get(n)) for n in names}
     steps = {n: make_step(model, device, dtype, a.batch, a.seq, a.hidden, ctx) for n, (_, ctx, _) in setups.items()}
     rows = {n: {"provider": n, "seq": a.seq} for n in names}
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -298,9 +313,9 @@ def main(argv: list[str]) -> int:
     # 32 layers (a 7B model's depth): torch's checkpoint keeps 2 sbh bytes per layer beside one layer's recompute
     # working set W, zo's offload about two checkpoints beside W, zo_half beside the larger half's. Measured on the
     # 2-core CPU (fp32, 16 layers, units of one [s, b, h] tensor, the copies synchronous so every free is seen):
-    # torch 36.7 (16 checkpoints + W 20.7), zo 22.7, zo_half 16.8, torch_half 46.8; at 32 layers torch's
-    # 52.7 against zo_half's 16.8 would be 3.1x the sequence. Width 512 and a 1 GiB cap keep every try of the search
-    # about a second of attention on an H200 (measured once, 2026-11-27)
+    # torch 36.7 (16 checkpoints + W 20.7), zo 24.7, zo_half 18.8 (each with its two device slots), torch_half
+    # 46.8; at 32 layers torch's 52.7 against zo_half's 18.8 would be 2.8x the sequence. Width 512 and a 1 GiB cap
+    # keep every try of the search about a second of attention on an H200 (measured once, 2026-11-27)
     a.layers = a.layers or (32 if cuda else 4)
     a.hidden = a.hidden or (512 if cuda else 256)
     a.seq = a.seq or (4096 if cuda else 256)
@@ -315,13 +330,17 @@ def main(argv: list[str]) -> int:
     if cuda:
         from zo_kernels.transport import default_transport
 
-        transport = default_transport(device)  # one CudaTransport (pinned pool, copy streams) for every zo row
+        def new_transport():  # a CudaTransport: pinned pool, copy streams
+            return default_transport(device)
+
         label = f"device {torch.cuda.get_device_name(device)}"
     else:
         from zo_kernels.transport import CopyEngineTransport
 
-        transport = CopyEngineTransport()
-        label = "device = CPU (no GPU): zo on the GPU-shaped CopyEngineTransport; step time and counters only"
+        new_transport = CopyEngineTransport
+        label = ("device = CPU (no GPU): zo on the GPU-shaped CopyEngineTransport; step time, counters and the CPU's "
+                 "peak activation units only")  # fmt: skip
+    transport = new_transport()  # the profiled steps' and the searches' (a try's blocks go back to its pool)
     common = dict(device=label, layers=a.layers, hidden=a.hidden, heads=a.heads, batch=a.batch,
                   dtype=str(dtype).removeprefix("torch."))  # fmt: skip
     rows: list[dict] = []
@@ -331,12 +350,22 @@ def main(argv: list[str]) -> int:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
 
-    rows += [{**common, **r} for r in measure(providers, model, device, dtype, a, transport)]
+    rows += [{**common, **r} for r in measure(providers, model, device, dtype, a, new_transport)]
     if not cuda:  # what the CPU can say of the device memory (the longest sequence is only searched on CUDA)
         for r in rows:
             if "step_ms" in r:
                 r["cpu_peak_activation_units"] = cpu_peak_units(r["provider"], model, a)
+    base = {r["provider"]: r for r in rows if "step_ms" in r}
+    if "torch" in base:  # the comparison the rows are for: each against torch's checkpoint
+        for r in base.values():
+            r["step_vs_torch_checkpoint"] = r["step_ms"] / base["torch"]["step_ms"]
+            for key in ("peak_activation_gib", "cpu_peak_activation_units"):
+                if r.get(key) is not None and base["torch"].get(key):
+                    r["peak_vs_torch_checkpoint"] = r[key] / base["torch"][key]
     write()
+    if not cuda:
+        print("  (cpu_peak_activation_units: the most bytes a step held at once, in [batch, seq, hidden] activations; "
+              "None for save_on_cpu, whose host is this memory too)")  # fmt: skip
     for row in rows:
         print(f"  {row['provider']:<12} " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                                     for k, v in row.items() if k not in common and k != "provider"))
@@ -346,15 +375,10 @@ def main(argv: list[str]) -> int:
                 r["profile"] = profiled_step(r["provider"], model, device, dtype, a, transport)
                 write()
                 p = r["profile"]
-                busy = "-" if p["busy_ms"] is None else f"{p['busy_ms']:.1f}"
+                busy = "n/a (no GPU)" if p["busy_ms"] is None else f"{p['busy_ms']:.1f} ms"
                 gaps = "; ".join(f"{g['ms']:.2f} ms idle in {g['host_op']}" for g in p["gaps"][:3])
-                print(f"  {r['provider']:<12} profiled: {p['wall_ms']:.1f} ms per step, device busy {busy} ms"
+                print(f"  {r['provider']:<12} profiled: {p['wall_ms']:.1f} ms per step, device busy {busy}"
                       + (f"; longest device idle: {gaps}" if gaps else ""))
-    base = {r["provider"]: r for r in rows if "step_ms" in r}
-    if "torch" in base:
-        for r in rows:
-            if "step_ms" in r:
-                r["step_vs_torch_checkpoint"] = r["step_ms"] / base["torch"]["step_ms"]
     if cuda and a.cap_gib > 0:
         total = torch.cuda.get_device_properties(device).total_memory
         gc.collect()

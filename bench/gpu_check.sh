@@ -36,7 +36,7 @@
 #     largest GPT the planner fits, built on the meta device, 5 steps (with DPU but for s2-8bit-sync) and
 #     checkpointing, beside the planner's figures -> OUTDIR/scale.json, folded into OUTDIR/summary.json's "scale"
 #     rows. The first setting takes what the budget leaves; a later one starts only with 150 s left for it (a
-#     12-15B build, warm-up and five steps take 2-4 minutes: estimated by a reading, never measured), else its row
+#     12-15B build, warm-up and five steps take 3-5 minutes: estimated by a reading, never measured), else its row
 #     says NOT RUN; one that runs out keeps the steps it finished. One device command:
 #     ZO_CHECK_BUDGET_S=570 bash bench/gpu_check.sh OUTDIR scale (timeout 600).
 #   Without a GPU it runs the same script on the CPU at a few million parameters (what tests/test_scale_check.py

@@ -85,9 +85,10 @@ WORKSPACE = 2**30  # the planner's per-GPU workspace (cuBLAS, the allocator's sl
 BUCKET_BYTES = 2 * zk.offload.DEFAULT_BUCKET_NUMEL * 2  # two bf16 gradient buckets on a GPU (none on one CPU rank)
 GIB = 2**30
 MIN_SHARE_S = {"cuda": 150, "cpu": 30}  # a setting after the first is started only with this many seconds left for
-# it (on a GPU machine a 12-15B build, the warm-up and five steps take 2-4 minutes: one started with less would be
+# it (on a GPU machine a 12-15B build, the warm-up and five steps take 3-5 minutes: one started with less would be
 # killed mid-build); the first, the headline, always runs
-SPEC_TFLOPS = (("H200", 989.4), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("GH200", 989.4),
+SPEC_TFLOPS = (("H200 NVL", 835.0), ("H200", 989.4), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4),
+               ("GH200", 989.4),
                ("A100", 312.0), ("L40S", 362.1))  # dense bf16 tensor-core peaks, datasheet figures, by device name
 
 
@@ -113,14 +114,17 @@ def meminfo() -> dict[str, int]:
     return out
 
 
-CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # v2
-                ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))  # v1
+CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat",
+                 "inactive_file"),  # v2
+                ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+                 "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file"))  # v1
 
 
-def cgroup_available(files: tuple[tuple[str, str], ...] = CGROUP_FILES) -> int | None:
-    """Bytes this process's memory cgroup still allows (its limit less its usage; v2, else v1), or None when there is
-    no limit: /proc/meminfo shows the whole node, which a container's limit may be far below."""
-    for limit_path, usage_path in files:
+def cgroup_available(files: tuple[tuple[str, str, str, str], ...] = CGROUP_FILES) -> int | None:
+    """Bytes this process's memory cgroup still allows (its limit less its usage, the inactive page cache not
+    counted as used, as MemAvailable does not; v2, else v1), or None when there is no limit: /proc/meminfo shows the
+    whole node, which a container's limit may be far below."""
+    for limit_path, usage_path, stat_path, inactive_key in files:
         try:
             with open(limit_path) as f:
                 limit = f.read().strip()
@@ -130,7 +134,16 @@ def cgroup_available(files: tuple[tuple[str, str], ...] = CGROUP_FILES) -> int |
             continue
         if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # unlimited (v1 says so with a huge number)
             return None
-        return max(0, int(limit) - usage)
+        inactive = 0
+        try:
+            with open(stat_path) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == inactive_key:
+                        inactive = int(value)
+        except (OSError, ValueError):
+            pass
+        return max(0, int(limit) - usage + min(inactive, usage))
     return None
 
 
@@ -347,9 +360,13 @@ def choose_model(setting: str, mach: dict, adam_s_per_param: float, tflops: floa
     if not DPU[setting] and not args.tokens:
         # sync: the step is forward + backward + CPU Adam, so its MFU is u x 6/8 x cover / (cover + 1) at matmul
         # utilisation u (0.28 at cover 3, u = 0.5; 0.31 at 5): where the device has room (the host bounds this
-        # model), more tokens per step, up to cover 5 (a step of ~6x CPU Adam: ~30 s at 13B)
+        # model) and the steps still take at most 60% of the setting's budget (a step is ~(cover + 1) x CPU Adam:
+        # ~30 s at 13B and cover 5), more tokens per step, up to cover 5
+        adam_s = adam_s_per_param * gpt_params(best)
+        steps, budget = getattr(args, "steps", 5), getattr(args, "budget_s", math.inf)
         for cover in (5.0, 4.0):
-            if plan_for(best, setting, tokens_for(best, cover), mach, args)[0]:
+            if steps * (cover + 1) * adam_s <= 0.6 * budget and plan_for(best, setting, tokens_for(best, cover), mach,
+                                                                       args)[0]:  # fmt: skip
                 tokens = tokens_for(best, cover)
                 break
     return best, tokens, plan_for(best, setting, tokens, mach, args)[1]

@@ -143,18 +143,21 @@ def test_the_retry_after_out_of_memory_runs_once_the_failed_step_is_freed(tmp_pa
 def test_memory_cgroup_limit_and_datasheet_peaks(tmp_path):
     """A container's memory limit bounds the host memory the plan may use (/proc/meminfo shows the node); v2's
     "max" and v1's huge number mean none. The datasheet peak is found by device name, the PCIe H100 apart."""
-    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
-    files = ((str(limit), str(usage)),)
+    limit, usage, stat = tmp_path / "memory.max", tmp_path / "memory.current", tmp_path / "memory.stat"
+    files = ((str(limit), str(usage), str(stat), "inactive_file"),)
     limit.write_text("137438953472\n")  # 128 GiB
     usage.write_text(str(8 * 2**30) + "\n")
-    assert scale_check.cgroup_available(files) == 120 * 2**30
+    assert scale_check.cgroup_available(files) == 120 * 2**30  # (no memory.stat: all usage counted)
+    stat.write_text(f"anon 1\ninactive_file {3 * 2**30}\nactive_file 5\n")  # reclaimable page cache: not used
+    assert scale_check.cgroup_available(files) == 123 * 2**30
     limit.write_text("max\n")
     assert scale_check.cgroup_available(files) is None
     limit.write_text(str(2**63 - 4096))
     assert scale_check.cgroup_available(files) is None
-    assert scale_check.cgroup_available(((str(tmp_path / "none"), str(usage)),)) is None
+    assert scale_check.cgroup_available(((str(tmp_path / "none"), str(usage), str(stat), "x"),)) is None
     assert scale_check.spec_tflops("NVIDIA H100 80GB HBM3") == 989.4
     assert scale_check.spec_tflops("NVIDIA H100 PCIe") == 756.0 and scale_check.spec_tflops("NVIDIA H200") == 989.4
+    assert scale_check.spec_tflops("NVIDIA H200 NVL") == 835.0
     assert scale_check.spec_tflops("CPU") is None
 
 
@@ -198,6 +201,10 @@ def test_sync_tokens_grow_where_the_device_has_room():
 
     roomy = {"device_total": 1000 * 2**30, "host_available": 120 * 2**30, "disk_free": 60 * 2**30}
     assert scale_check.choose_model("s2-8bit-sync", roomy, 1e-9, 700.0, args)[1] == tokens(5)
+    c = scale_check.choose_model("s2-8bit-sync", roomy, 1e-9, 700.0, args)[0]
+    adam_s = 1e-9 * scale_check.gpt_params(c)  # (~14.6 s: five steps at cover 5 take 6 x 5 x that)
+    short = argparse.Namespace(**vars(args), steps=5, budget_s=5 * 5.1 * adam_s / 0.6)  # room for cover 4, not 5
+    assert scale_check.choose_model("s2-8bit-sync", roomy, 1e-9, 700.0, short)[1] == tokens(4)
     assert scale_check.choose_model("s2-8bit", roomy, 1e-9, 700.0, args)[1] == tokens(1.25)
     tight = {**roomy, "device_total": 40 * 2**30}  # the device bounds the model (2.1B at 3x): no room for more
     c, t, _ = scale_check.choose_model("s2-8bit-sync", tight, 1e-9, 700.0, args)

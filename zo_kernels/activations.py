@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .transport import Event, Transport, default_transport
 
@@ -67,6 +68,9 @@ class ActivationBuffers:
         self._held: list[_Link] = []  # the segments whose arguments may still be on the device, oldest first
         self._lock = threading.RLock()  # (a segment's finalizer gives its blocks back, maybe inside a locked region)
         self._landing: dict[int, Event] = {}  # device block address -> an H2D copy into it no one has waited for
+        # tensors a segment of these buffers has checkpointed, while their objects live: a later segment given one
+        # of them again (an encoder's output passed to every decoder layer) keeps it by reference, as torch does
+        self._taken = WeakIdKeyDictionary()
 
     @property
     def allocations(self) -> int:
@@ -235,7 +239,12 @@ class _Segment:
                  kwargs: dict[str, Any], offload: bool) -> None:  # fmt: skip
         self.buffers, self.function, self.offload = buffers, function, offload
         # what is kept: positions of floating-point positional arguments, names of keyword ones that need a gradient
-        self.slots: list[int | str] = _slots(args, kwargs, buffers.device)
+        # one checkpoint per tensor: the same tensor passed twice (q, k and v of self-attention) is kept once and
+        # given back as one tensor in every place (nn.MultiheadAttention takes its fused path when query is key)
+        self.groups: list[list[int | str]] = _groups(args, kwargs, buffers.device, buffers._taken)
+        self.slots = [g[0] for g in self.groups]  # where each checkpointed tensor was first passed
+        for k in self.slots:
+            buffers._taken[_get(args, kwargs, k)] = True
         self.args: tuple[Any, ...] | None = args  # only during the forward call
         self.kwargs: dict[str, Any] | None = kwargs
         self.meta = [(t.shape, t.dtype, t.requires_grad) for t in (_get(args, kwargs, k) for k in self.slots)]
@@ -347,31 +356,53 @@ class _Segment:
         the arguments themselves, in the recomputation for the checkpoint restored."""
         if self.state == "forward":
             args, kwargs = list(self.args), dict(call_kwargs)  # (torch's checkpoint took its own keywords out)
-            for k in self.slots:
-                if isinstance(k, str):
-                    kwargs[k] = self.kwargs[k]
-            grads = [k for k in self.slots if _get(args, kwargs, k).requires_grad]
+            for g in self.groups:
+                for k in g:
+                    if isinstance(k, str):
+                        kwargs[k] = self.kwargs[k]
+            grads = [g for g in self.groups if _get(args, kwargs, g[0]).requires_grad]
             if self.offload and grads and torch.is_grad_enabled():  # (resident blocks: nothing to release)
-                outs = _Release.apply(self, *(_get(args, kwargs, k) for k in grads))
-                for k, o in zip(grads, outs, strict=True):
-                    _put(args, kwargs, k, o)
+                outs = _Release.apply(self, *(_get(args, kwargs, g[0]) for g in grads))
+                for g, o in zip(grads, outs, strict=True):
+                    for k in g:
+                        _put(args, kwargs, k, o)
             self.store()
-            out = self.function(*args, **kwargs)
+            try:
+                out = self.function(*args, **kwargs)
+            except RuntimeError as e:
+                text = str(e)  # (autograd's own words name _Release, or a view made in a custom Function)
+                if self.offload and ("_Release" in text or ("custom Function" in text and "inplace" in text)):
+                    raise RuntimeError(_MODIFIED_HELP) from e
+                raise
             if self.offload:
                 self.buffers._settle(self, graph=not _needs_no_grad(out))
             return out
         args, kwargs = list(call_args), dict(call_kwargs)
-        for k, t in zip(self.slots, self.restore(), strict=True):
-            _put(args, kwargs, k, t)
+        for g, t in zip(self.groups, self.restore(), strict=True):
+            for k in g:
+                _put(args, kwargs, k, t)
         return self.function(*args, **kwargs)
 
 
-def _slots(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> list[int | str]:
-    """The arguments a segment keeps a checkpoint of: every floating-point positional tensor on `device`, and the
-    keyword ones that need a gradient (an activation passed by name, as HF's layers pass `hidden_states`; a mask
-    or position table passed to every layer is kept by reference, as torch keeps it, not copied once per layer)."""
-    slots: list[int | str] = [i for i, a in enumerate(args) if _offloadable(a, device)]
-    return slots + [k for k, v in kwargs.items() if _offloadable(v, device) and v.requires_grad]
+_MODIFIED_HELP = ("zo_kernels.checkpoint: the function modified one of its tensor arguments in place; an offloaded "
+                  "checkpoint is the argument as it was passed, so the function must leave its arguments unchanged "
+                  "(change a copy inside it: x = x.clone(), or x = x + ... instead of x += ...)")
+
+
+def _groups(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device,
+            taken: WeakIdKeyDictionary) -> list[list[int | str]]:  # fmt: skip
+    """The arguments a segment keeps a checkpoint of, grouped by tensor (one group per distinct tensor, the places
+    it was passed in order): every floating-point positional tensor on `device`, and the keyword ones that need a
+    gradient (an activation passed by name, as HF's layers pass `hidden_states`; a mask or position table passed
+    to every layer is kept by reference, as torch keeps it, not copied once per layer). A tensor an earlier segment
+    of the same buffers checkpointed (`taken`) is kept by reference too: one given to many segments lives on
+    anyway, and a copy per segment would cost a host block and a device slot each."""
+    keys: list[int | str] = [i for i, a in enumerate(args) if _offloadable(a, device) and a not in taken]
+    keys += [k for k, v in kwargs.items() if _offloadable(v, device) and v.requires_grad and v not in taken]
+    groups: dict[int, list[int | str]] = {}
+    for k in keys:
+        groups.setdefault(id(_get(args, kwargs, k)), []).append(k)
+    return list(groups.values())
 
 
 def _get(args: Any, kwargs: dict[str, Any], key: int | str) -> Any:
@@ -457,8 +488,9 @@ def checkpoint(
     if buffers is not None and not isinstance(buffers, ActivationBuffers):
         raise TypeError(f"buffers must be an ActivationBuffers, got {type(buffers).__name__}")
     floats = [a for a in args if isinstance(a, torch.Tensor) and a.dtype in _OFFLOADED and a.numel() > 0]
-    floats += [v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.dtype in _OFFLOADED and v.numel() > 0
-               and v.requires_grad]  # fmt: skip
+    if buffers is None and not floats:  # keyword activations choose the default buffers only on a CUDA device
+        floats = [v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.dtype in _OFFLOADED
+                  and v.numel() > 0 and v.requires_grad and v.device.type == "cuda"]  # fmt: skip
     if buffers is None:
         if not floats or not torch.is_grad_enabled():
             return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
@@ -471,8 +503,9 @@ def checkpoint(
     if not torch.is_grad_enabled():  # nothing is saved for a backward: no checkpoint to keep
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
     seg = _Segment(buffers, function, args, kwargs, offload)
-    call_args = [_placeholder(a) if i in seg.slots else a for i, a in enumerate(args)]
-    call_kwargs = {k: _placeholder(v) if k in seg.slots else v for k, v in kwargs.items()}
+    kept = {k for g in seg.groups for k in g}
+    call_args = [_placeholder(a) if i in kept else a for i, a in enumerate(args)]
+    call_kwargs = {k: _placeholder(v) if k in kept else v for k, v in kwargs.items()}
     try:
         return torch_checkpoint.checkpoint(seg, *call_args, use_reentrant=False, **call_kwargs)
     finally:

@@ -6,8 +6,9 @@ states every GPU needs activations and workspace (options), and only part of its
 allocator's fragmentation reserve). Each row's formula, with its source, is in `_per_param`.
 
 Activations are either given (`activations`) or derived from the model's shape (`seq`, `batch`, `hidden`, `layers`;
-`activation_bytes`) for one of three modes: no checkpointing, checkpointing (each layer's input kept on the GPU) and
-checkpointing + offload (zo_kernels.checkpoint: the layer inputs in pinned host memory, two in flight on the GPU).
+`activation_bytes`) for one of four modes: no checkpointing, checkpointing (each layer's input kept on the GPU),
+checkpointing + offload (zo_kernels.checkpoint: the layer inputs in pinned host memory, two in flight on the GPU) and
+the same with a checkpoint around each half layer (attention, MLP).
 
 Stage 3 rows also hold a working set on the GPU (`working_set`): the largest gathered layer's 16-bit
 parameters, (1 + prefetch) of them in flight, and that layer's 16-bit gradient before it is reduce-scattered,
@@ -230,14 +231,21 @@ class Plan:
     def longest_seq(self, mode: str, strategy: str) -> int:
         """The longest sequence (at this batch and shape) whose activations in `mode` fit beside `strategy`'s other
         GPU bytes and, offloaded, in its host memory; 0 if none."""
+        return self.longest_seq_bound(mode, strategy)[0]
+
+    def longest_seq_bound(self, mode: str, strategy: str) -> tuple[int, str]:
+        """(longest_seq, what bounds it: "GPU" or "host", the memory one more token would overflow)."""
         if self.shape is None:
             raise ValueError("longest_seq needs the activation shape (plan(..., seq=, batch=, hidden=, layers=))")
         r = self.row(strategy)
         gpu_left = self.gpu_mem * (1 - self.reserve) - (r.gpu_total - self.activations)
         host_left = self.host_mem / self.gpus_per_host - (r.host - self.activation_host)
 
+        def sizes(seq: int) -> tuple[float, float]:
+            return activation_bytes(ActivationShape(**{**self.shape.__dict__, "seq": seq}), mode)
+
         def fits(seq: int) -> bool:
-            g, h = activation_bytes(ActivationShape(**{**self.shape.__dict__, "seq": seq}), mode)
+            g, h = sizes(seq)
             return g <= gpu_left and h <= host_left
 
         lo, hi = 0, 1
@@ -246,7 +254,7 @@ class Plan:
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+        return lo, "GPU" if sizes(lo + 1)[0] > gpu_left else "host"
 
 
 def _per_param(strategy: str, k: float, n: int) -> tuple[float, float, float]:
@@ -367,7 +375,7 @@ def plan(
     prefetched; a 1 GiB host I/O pool per GPU for the NVMe rows. `accumulation` (several backward passes per step)
     and `dpu` (the delayed parameter update) add the host buffers ZeroOffloadAdamW then holds (`_host_extra`).
     With `seq` (and `hidden`, `layers`) the activations are derived for `activation_mode` (`activation_bytes`)
-    instead of given; "offload" adds the offloaded checkpoints to every row's host bytes.
+    instead of given; "offload" and "offload_half" add the offloaded checkpoints to every row's host bytes.
     `prefetch_params`: the largest unit prefetched while a layer computes (ZeroOffloadAdamW prefetches modules; in a
     pre-norm transformer whose blocks are checkpointed the peak is one block, `layer_params`, and the next block's
     first LayerNorm); None: whole layers, as the ZeRO-Infinity paper counts.
@@ -499,15 +507,17 @@ def _activation_table(p: Plan, unit: str) -> list[str]:
     sh = p.shape
     assert sh is not None
     fitting = [r for r in p.strategies if r.fits_host and r.fits_nvme] or p.strategies
-    lean = min(fitting, key=lambda r: r.gpu_total - p.activations).strategy
+    # the strategy leaving the GPU the most room for activations (this library's row where several tie)
+    lean = min(fitting, key=lambda r: (r.gpu_total - p.activations, not r.strategy.startswith("zo"))).strategy
     lines = ["", f"activations: seq {sh.seq}, batch {sh.batch}, hidden {sh.hidden}, {sh.layers} layers, "
                  f"{sh.attention} attention" + (f", vocab {sh.vocab}" if sh.vocab else ""),
              f"{'activations':<31}{'GPU':>12}{'host/GPU':>12}  longest seq beside {lean}"]  # fmt: skip
     for mode in ACTIVATION_MODES:
         g, h = activation_bytes(sh, mode)
         mark = " (used)" if mode == p.activation_mode else ""
+        seq, bound = p.longest_seq_bound(mode, lean)
         lines.append(f"{MODE_NAMES[mode] + mark:<31}{_fmt_bytes(g, unit):>12}{_fmt_bytes(h, unit):>12}  "
-                     f"{p.longest_seq(mode, lean):,}")  # fmt: skip
+                     f"{seq:,} ({bound} full)")  # fmt: skip
     return lines
 
 
