@@ -182,6 +182,13 @@ def test_half_layer_offload_by_hand(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "half layers + offload (used)" in out and "per GPU: activations (half layers + offload)" in out
+    # beside zo's row (it ties with ZeRO-Inf (opt) and ZeRO-Infinity on the GPU), with what bounds each sequence:
+    # half layers take twice the host bytes of per-layer offload, so the host fills first here
+    assert "longest seq beside zo Infinity" in out
+    assert "216,316 (GPU full)" in out and "156,880 (host full)" in out
+    p = plan(70e9, 1, "80GiB", "512GiB", nvme="4TB", activation_mode="offload_half", **LLAMA70)
+    assert p.longest_seq_bound("offload_half", "ZeRO-Infinity")[1] == "host"
+    assert p.longest_seq_bound("checkpoint", "zo Infinity") == (p.longest_seq("checkpoint", "zo Infinity"), "GPU")
     assert main(argv[:-1]) == 0 and "checkpointing + offload (used)" in capsys.readouterr().out  # bare flag: per layer
     assert main([*argv[:-1], "quarter"]) == 2 and "invalid choice: 'quarter'" in capsys.readouterr().err
 
