@@ -204,6 +204,10 @@ def longest_seq(name: str, model: Stack, device: torch.device, dtype: torch.dtyp
             return True
         except torch.OutOfMemoryError:
             return False
+        except RuntimeError as e:  # the cap reached inside a library: cuBLAS or cuDNN could not get its workspace
+            if "ALLOC_FAILED" in str(e) or "out of memory" in str(e):
+                return False
+            raise
         finally:
             # everything the try allocated goes back before the next one: an out-of-memory try leaves its graph in
             # reference cycles, and without a collection the later tries, the later providers' too, may have run
@@ -372,8 +376,14 @@ def main(argv: list[str]) -> int:
     if a.profile:
         for r in rows:
             if "step_ms" in r and r["provider"] in PROFILED:
-                r["profile"] = profiled_step(r["provider"], model, device, dtype, a, transport)
-                write()
+                try:
+                    r["profile"] = profiled_step(r["provider"], model, device, dtype, a, transport)
+                except Exception as e:  # noqa: BLE001 - never run on a GPU: a failure must not cost the searches
+                    r["profile_error"] = f"{type(e).__name__}: {e}"[:300]
+                    print(f"  {r['provider']:<12} profile failed: {r['profile_error']}")
+                    continue
+                finally:
+                    write()
                 p = r["profile"]
                 busy = "n/a (no GPU)" if p["busy_ms"] is None else f"{p['busy_ms']:.1f} ms"
                 gaps = "; ".join(f"{g['ms']:.2f} ms idle in {g['host_op']}" for g in p["gaps"][:3])
@@ -395,7 +405,13 @@ def main(argv: list[str]) -> int:
             gc.collect()
             torch.cuda.empty_cache()
             before = torch.cuda.memory_allocated(device) / 2**30  # the model alone, if nothing earlier leaked
-            seq, done = longest_seq(r["provider"], model, device, dtype, a, transport, deadline)
+            try:
+                seq, done = longest_seq(r["provider"], model, device, dtype, a, transport, deadline)
+            except Exception as e:  # noqa: BLE001 - one provider's failed search is its row's note; the others go on
+                r["longest_seq_error"] = f"{type(e).__name__}: {e}"[:300]
+                print(f"  {r['provider']:<12} longest-seq search failed: {r['longest_seq_error']}")
+                write()
+                continue
             r["longest_seq"], r["longest_seq_cap_gib"], r["longest_seq_search_ended"] = seq, a.cap_gib, done
             r["longest_seq_model_gib"] = model_gib  # the cap is this plus longest_seq_cap_gib
             r["longest_seq_allocated_before_gib"] = before

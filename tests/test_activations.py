@@ -785,6 +785,29 @@ def test_activation_rows_script_runs_on_the_cpu(tmp_path):
     assert all(r["profile"]["wall_ms"] > 0 and r["profile"]["busy_ms"] is None for r in profiled)
 
 
+def test_activation_rows_a_failed_profile_is_a_note(tmp_path, monkeypatch):
+    """--profile has never run on a GPU: a profile that fails is the row's profile_error, and the script goes on
+    (on a GPU, to the longest-sequence searches) and ends with every row written."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import activation_rows
+
+    def broken(*args):
+        raise KeyError("traceEvents")
+
+    monkeypatch.setattr(activation_rows, "profiled_step", broken)
+    out = tmp_path / "activations.json"
+    argv = [str(out), "--device", "cpu", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
+            "--rounds", "1", "--profile", "--providers", "torch,zo"]  # fmt: skip
+    assert activation_rows.main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [r["provider"] for r in rows] == ["torch", "zo"]
+    assert all("KeyError" in r["profile_error"] and "profile" not in r for r in rows), rows
+
+
 def test_activation_rows_half_blocks_are_the_block():
     """The bench model's halves compose to its block, and every provider's step gives the gradients of the plain
     step, bit for bit: the rows compare the same training step."""
