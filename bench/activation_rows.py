@@ -42,6 +42,7 @@ import contextlib
 import functools
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -178,36 +179,50 @@ def _measure(names: list[str], model: Stack, device: torch.device, dtype: torch.
             segs0 = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
-            steps[n]()
             held = buf.device_bytes if buf is not None else 0  # zo's blocks, allocated before `before`
+            steps[n]()
             rows[n]["peak_activation_gib"] = (torch.cuda.max_memory_allocated(device) - before + held) / 2**30
             rows[n]["cuda_segments_per_step"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0) - segs0
     model.wrap = None
     return list(rows.values())
 
 
+class HostFull(Exception):
+    """A try ran out of pinned host memory (save_on_cpu's, or zo's pool): the search ends there, bounded by the
+    host, not by the device cap."""
+
+
 def longest_seq(name: str, model: Stack, device: torch.device, dtype: torch.dtype, a: argparse.Namespace,
-                transport, deadline: float) -> tuple[int, bool]:  # fmt: skip
-    """The longest sequence (to 1/8, a multiple of 256) whose step fits the capped device memory; whether the search
-    ended (each try at a long sequence costs seconds of attention: a coarse answer within the budget). A try is
-    started only if twice the last one still ends before `deadline` (the next try is at most twice as long a
-    sequence; estimated, not measured on a GPU): one started just before the deadline ran on past it, into the
-    stage's time limit, which kills the script before the later providers are searched."""
+                transport, deadline: float) -> tuple[int, bool, str | None]:  # fmt: skip
+    """(the longest sequence, to 1/8 and a multiple of 256, whose step fits the capped device memory; whether the
+    search ended; why it stopped early, or None). Each try at a long sequence costs seconds of attention, so the
+    answer is coarse, within the budget: a try is started only if its estimated time still ends before `deadline`
+    (the last fitting try's time scaled by the square of the sequence ratio: attention dominates at these lengths;
+    one started just before the deadline ran on past it, into the stage's time limit, which kills the script before
+    the later providers are searched). A try that fails otherwise (out of pinned host memory, or any error) ends the
+    search with what was found, saying why."""
+    fit_at = (0, 0.0)  # (sequence, seconds) of the last try that fitted
     last = 0.0  # seconds of the last try
 
     def fits(seq: int) -> bool:
-        nonlocal last
+        nonlocal last, fit_at
         t0 = time.perf_counter()
         model.wrap, ctx, buf = provider_setup(name, device, transport)
         try:
             make_step(model, device, dtype, a.batch, seq, a.hidden, ctx)()
+            fit_at = (seq, time.perf_counter() - t0)
             return True
         except torch.OutOfMemoryError:
             return False
         except RuntimeError as e:  # the cap reached inside a library: cuBLAS or cuDNN could not get its workspace
-            if "ALLOC_FAILED" in str(e) or "out of memory" in str(e):
+            text = str(e)
+            if "cudaHostAlloc" in text or "pin" in text.lower():
+                raise HostFull(text[:200]) from None
+            if "ALLOC_FAILED" in text or "out of memory" in text:
                 return False
             raise
+        except MemoryError as e:  # zo's host pool at its bound
+            raise HostFull(str(e)[:200]) from None
         finally:
             # everything the try allocated goes back before the next one: an out-of-memory try leaves its graph in
             # reference cycles, and without a collection the later tries, the later providers' too, may have run
@@ -217,22 +232,30 @@ def longest_seq(name: str, model: Stack, device: torch.device, dtype: torch.dtyp
             del buf
             gc.collect()
             torch.cuda.empty_cache()
+            getattr(torch._C, "_host_emptyCache", lambda: None)()  # save_on_cpu's pinned blocks (torch caches them)
             last = time.perf_counter() - t0
 
-    def no_time() -> bool:
-        return time.perf_counter() + 2 * last > deadline
+    def no_time(seq: int) -> bool:  # whether a try at `seq` would end past the deadline (estimated)
+        s_ok, t_ok = fit_at
+        est = t_ok * (seq / s_ok) ** 2 if s_ok else 4 * last
+        return time.perf_counter() + max(est, last) > deadline
 
     lo, hi = 0, a.seq
-    while fits(hi):
-        lo, hi = hi, hi * 2
-        if no_time():
-            return lo, False
-    while hi - lo > max(256, hi // 8):
-        if no_time():
-            return lo, False
-        mid = (lo + hi) // 2 // 256 * 256
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo, True
+    try:
+        while fits(hi):
+            lo, hi = hi, hi * 2
+            if no_time(hi):
+                return lo, False, None
+        while hi - lo > max(256, hi // 8):
+            mid = (lo + hi) // 2 // 256 * 256
+            if no_time(mid):
+                return lo, False, None
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    except HostFull as e:
+        return lo, True, f"host memory: {e}"
+    except Exception as e:  # noqa: BLE001 - what was found stands; the row says why the search stopped
+        return lo, False, f"{type(e).__name__}: {e}"[:300]
+    return lo, True, None
 
 
 def cpu_peak_units(name: str, model: Stack, a: argparse.Namespace) -> float | None:
@@ -344,15 +367,16 @@ def main(argv: list[str]) -> int:
         new_transport = CopyEngineTransport
         label = ("device = CPU (no GPU): zo on the GPU-shaped CopyEngineTransport; step time, counters and the CPU's "
                  "peak activation units only")  # fmt: skip
-    transport = new_transport()  # the profiled steps' and the searches' (a try's blocks go back to its pool)
+    transport = new_transport()  # the profiled steps' (each search has its own)
     common = dict(device=label, layers=a.layers, hidden=a.hidden, heads=a.heads, batch=a.batch,
                   dtype=str(dtype).removeprefix("torch."))  # fmt: skip
     rows: list[dict] = []
     print(f"activations: {label}; {a.layers} blocks x hidden {a.hidden}, batch {a.batch}, seq {a.seq}")
 
-    def write() -> None:
-        with open(a.out, "w") as f:
+    def write() -> None:  # whole or not at all: the stage's limit may stop the script at any moment
+        with open(a.out + ".tmp", "w") as f:
             json.dump(rows, f, indent=1)
+        os.replace(a.out + ".tmp", a.out)
 
     rows += [{**common, **r} for r in measure(providers, model, device, dtype, a, new_transport)]
     if not cuda:  # what the CPU can say of the device memory (the longest sequence is only searched on CUDA)
@@ -397,29 +421,28 @@ def main(argv: list[str]) -> int:
         index = torch.device(device).index
         index = torch.cuda.current_device() if index is None else index  # the call wants an index, not "cuda"
         torch.cuda.set_per_process_memory_fraction(min(1.0, (model_gib + a.cap_gib) * 2**30 / total), index)
-        left = a.budget_s - (time.perf_counter() - start)
         searched = sorted((r for r in rows if "error" not in r), key=lambda r: SEARCH_ORDER.index(r["provider"]))
         for i, r in enumerate(searched):
+            left = a.budget_s - (time.perf_counter() - start)
             share = SEARCH_WEIGHT[r["provider"]] / sum(SEARCH_WEIGHT[q["provider"]] for q in searched[i:])
             deadline = time.perf_counter() + left * share
             gc.collect()
             torch.cuda.empty_cache()
             before = torch.cuda.memory_allocated(device) / 2**30  # the model alone, if nothing earlier leaked
+            own = new_transport()  # its pinned blocks go back when its search ends: none held into the next one's
             try:
-                seq, done = longest_seq(r["provider"], model, device, dtype, a, transport, deadline)
-            except Exception as e:  # noqa: BLE001 - one provider's failed search is its row's note; the others go on
-                r["longest_seq_error"] = f"{type(e).__name__}: {e}"[:300]
-                print(f"  {r['provider']:<12} longest-seq search failed: {r['longest_seq_error']}")
-                write()
-                continue
+                seq, done, why = longest_seq(r["provider"], model, device, dtype, a, own, deadline)
+            finally:
+                own.close()
             r["longest_seq"], r["longest_seq_cap_gib"], r["longest_seq_search_ended"] = seq, a.cap_gib, done
             r["longest_seq_model_gib"] = model_gib  # the cap is this plus longest_seq_cap_gib
             r["longest_seq_allocated_before_gib"] = before
-            left = a.budget_s - (time.perf_counter() - start)
+            if why:
+                r["longest_seq_stopped"] = why
             write()
             cut = "" if done else " (at least; cut short)"
             print(f"  {r['provider']:<12} longest seq under {a.cap_gib} GiB above the model's {model_gib:.2f}: "
-                  f"{seq}{cut}")
+                  f"{seq}{cut}" + (f" (stopped: {why})" if why else ""))
     write()
     transport.close()
     return 0

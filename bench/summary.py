@@ -127,6 +127,13 @@ def activation_targets(rows: list[dict]) -> dict:
             z, t = max(zos, key=lambda r: r["longest_seq"]), max(torches, key=lambda r: r["longest_seq"])
             judge("longest_seq_vs_torch_checkpoint", z["longest_seq"] / t["longest_seq"], 2.0, False,
                   providers=f"{z['provider']} / {t['provider']}")  # fmt: skip
+            # a search cut short found a lower bound: torch's makes the ratio an upper bound (not judged met),
+            # zo's a lower bound (met only if already past the bar)
+            if not t.get("longest_seq_search_ended", True):
+                out["longest_seq_vs_torch_checkpoint"].update(met=False, note="torch's search was cut short: the "
+                                                              "ratio is at most this")  # fmt: skip
+            elif not z.get("longest_seq_search_ended", True):
+                out["longest_seq_vs_torch_checkpoint"]["note"] = "zo's search was cut short: the ratio is at least this"
     if "save_on_cpu" in by:
         judge("step_vs_save_on_cpu", zo["step_ms"] / by["save_on_cpu"]["step_ms"], 1.0, True)
     if "checkpoint_allocations_per_step" in zo:

@@ -150,6 +150,10 @@ def test_summary_json_judges_the_activation_rows(tmp_path):
     assert t["longest_seq_vs_torch_checkpoint"] == {"value": 2.25, "bar": 2.0, "met": True,
                                                     "providers": "zo_half / torch"}  # fmt: skip
     assert t["half_step_vs_torch_checkpoint"] == {"value": 1.1, "bar": 1.05, "met": False}
+    rows[0]["longest_seq_search_ended"] = False  # torch's search cut short: its sequence is a lower bound
+    (tmp_path / "activations.json").write_text(json.dumps(rows))
+    t = summary.summary_json(str(tmp_path))["targets"]["activations"]["longest_seq_vs_torch_checkpoint"]
+    assert t["value"] == 2.25 and not t["met"] and "at most" in t["note"]
 
 
 def test_dashboard_tells_rows_of_one_size_and_mode_apart_and_reads_targets(tmp_path):
