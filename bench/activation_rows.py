@@ -216,7 +216,7 @@ def longest_seq(name: str, model: Stack, device: torch.device, dtype: torch.dtyp
             return False
         except RuntimeError as e:  # the cap reached inside a library: cuBLAS or cuDNN could not get its workspace
             text = str(e)
-            if "cudaHostAlloc" in text or "pin" in text.lower():
+            if "cudaHostAlloc" in text or "pinned memory" in text.lower() or "pin_memory" in text:
                 raise HostFull(text[:200]) from None
             if "ALLOC_FAILED" in text or "out of memory" in text:
                 return False
