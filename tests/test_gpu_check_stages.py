@@ -189,11 +189,9 @@ def test_gpu_check_anchors_mode_runs_the_last_two_stages_alone(tmp_path):
     assert 90 <= stages["bench: anchors (same GPT)"][0] <= 95
 
 
-def test_longest_seq_starts_no_try_that_would_end_past_its_deadline(monkeypatch):
-    """bench/activation_rows.py's longest-sequence search (CUDA only), on a pretend clock: each try takes
-    seq / 1000 s and sequences past 20000 run out of memory. With 10 s for the search, the try at 4096 (estimated
-    from the try at 2048 by the square of the ratio: 8.2 s, started at 3.1 s) could end past 10 s, in the stage's
-    limit; it is not started: the answer 2048 comes, cut short, in time."""
+def _pretend_search(monkeypatch, seconds, failure):
+    """bench/activation_rows.py's longest_seq on a pretend clock: a try at `seq` takes seconds(seq) and raises
+    failure(seq) when that is not None. Returns search(deadline) -> (seq, ended, why) and the clock."""
     import argparse
     import types
 
@@ -204,9 +202,10 @@ def test_longest_seq_starts_no_try_that_would_end_past_its_deadline(monkeypatch)
 
     def make_step(model, device, dtype, batch, seq, hidden, ctx):
         def step():
-            clock[0] += seq / 1000
-            if seq > 20000:
-                raise torch.OutOfMemoryError("pretend")
+            clock[0] += seconds(seq)
+            error = failure(seq)
+            if error is not None:
+                raise error
 
         return step
 
@@ -214,11 +213,27 @@ def test_longest_seq_starts_no_try_that_would_end_past_its_deadline(monkeypatch)
     monkeypatch.setattr(activation_rows, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     model = activation_rows.Stack(1, 8, 2)
     a = argparse.Namespace(seq=1024, batch=1, hidden=8)
-    seq, ended, why = activation_rows.longest_seq("none", model, torch.device("cpu"), torch.float32, a, None, 10.0)
+
+    def search(deadline):
+        clock[0] = 0.0
+        return activation_rows.longest_seq("none", model, torch.device("cpu"), torch.float32, a, None, deadline)
+
+    return search, clock
+
+
+def test_longest_seq_starts_no_try_that_would_end_past_its_deadline(monkeypatch):
+    """bench/activation_rows.py's longest-sequence search (CUDA only), on a pretend clock: each try takes
+    seq / 1000 s and sequences past 20000 run out of memory. With 10 s for the search, the try at 4096 (estimated
+    from the try at 2048 by the square of the ratio: 8.2 s, started at 3.1 s) could end past 10 s, in the stage's
+    limit; it is not started: the answer 2048 comes, cut short, in time."""
+    import torch
+
+    search, clock = _pretend_search(monkeypatch, lambda seq: seq / 1000,
+                                    lambda seq: torch.OutOfMemoryError("pretend") if seq > 20000 else None)
+    seq, ended, why = search(10.0)
     assert clock[0] <= 10.0, f"the search ended at {clock[0]:.1f} s, past its 10 s deadline"
     assert (seq, ended, why) == (2048, False, None)
-    clock[0] = 0.0
-    seq, ended, why = activation_rows.longest_seq("none", model, torch.device("cpu"), torch.float32, a, None, 1e9)
+    seq, ended, why = search(1e9)
     assert ended and 17000 < seq <= 20000 and why is None  # time enough: the search ends, to 1/8
 
 
@@ -226,30 +241,12 @@ def test_longest_seq_estimates_tries_by_the_square_and_stops_at_the_host(monkeyp
     """Attention makes a try's time grow with the square of the sequence: with tries of (seq / 1000)^2 s and 30 s
     for the search, 1024..4096 take 22 s and the try at 8192 (64 s) is not started. A try that runs out of pinned
     host memory ends the search there with what was found, saying so, instead of counting as the device's cap."""
-    import argparse
-    import types
-
-    import activation_rows
-    import torch
-
-    clock = [0.0]
-
-    def make_step(model, device, dtype, batch, seq, hidden, ctx):
-        def step():
-            clock[0] += (seq / 1000) ** 2
-            if seq > 6000:
-                raise RuntimeError("CUDA error: out of memory (cudaHostAlloc of a pinned block)")
-
-        return step
-
-    monkeypatch.setattr(activation_rows, "make_step", make_step)
-    monkeypatch.setattr(activation_rows, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    model = activation_rows.Stack(1, 8, 2)
-    a = argparse.Namespace(seq=1024, batch=1, hidden=8)
-    seq, ended, why = activation_rows.longest_seq("none", model, torch.device("cpu"), torch.float32, a, None, 30.0)
+    host = RuntimeError("CUDA error: out of memory (cudaHostAlloc of a pinned block)")
+    search, clock = _pretend_search(monkeypatch, lambda seq: (seq / 1000) ** 2,
+                                    lambda seq: host if seq > 6000 else None)
+    seq, ended, why = search(30.0)
     assert clock[0] <= 30.0 and (seq, ended, why) == (4096, False, None), (clock[0], seq, ended, why)
-    clock[0] = 0.0
-    seq, ended, why = activation_rows.longest_seq("none", model, torch.device("cpu"), torch.float32, a, None, 1e9)
+    seq, ended, why = search(1e9)
     assert (seq, ended) == (4096, True) and why.startswith("host memory"), (seq, ended, why)
 
 
