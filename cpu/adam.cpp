@@ -18,6 +18,7 @@
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace zo {
 namespace {
@@ -967,11 +968,16 @@ SumSquares sum_squares(const void* x, void* y, int dtype, int64_t n, int isa, in
   // fp32 partial sums over 4096-element chunks (a bounded fp32 error), combined in double.
   constexpr int64_t kChunk = 4096;
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  const int t = int(std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread)));
-  double total = 0.0;
+  // Each chunk's partial is kept and the partials are added in chunk order, so the sum's bits depend on neither the
+  // thread count nor which thread finishes first (an OpenMP reduction adds the threads' partials in the order they
+  // finish: a clipping coefficient that changed between identical runs).
+  std::vector<double> part(size_t(chunks), 0.0);
   int bad = 0;
-#pragma omp parallel for num_threads(t) reduction(+ : total) reduction(| : bad) schedule(static)
-  for (int64_t c = 0; c < chunks; ++c) total += fn(x, y, c * kChunk, std::min(n, (c + 1) * kChunk), &bad);
+  const int t = int(std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread)));
+#pragma omp parallel for num_threads(t) reduction(| : bad) schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) part[size_t(c)] = fn(x, y, c * kChunk, std::min(n, (c + 1) * kChunk), &bad);
+  double total = 0.0;
+  for (const double s : part) total += s;
   return {total, bad != 0};
 }
 

@@ -355,6 +355,26 @@ def test_sum_squares_and_nonfinite_flag(isa, dtype, n):
         assert not zk.sum_squares(y, isa=isa)[1]
 
 
+def test_sum_squares_bits_depend_on_neither_threads_nor_timing():
+    """The gradient norm's sum (clipping, accumulation, several ranks) is the same bits in every run and for every
+    thread count: the chunks' partials are added in chunk order. Before, each thread summed its own chunks and an
+    OpenMP reduction added those in the order the threads finished: 2 different sums in 300 calls with 8 threads
+    on a 2-core machine, and here 2**54 + 224 with 8 threads against 2**54 with one."""
+    n = 8 << 17  # 256 chunks of 4096, 32 per thread with 8 threads
+    x = torch.zeros(n)
+    x[0] = 2.0**27  # its square, 2**54, is the first chunk's partial: 1 more rounds back to 2**54 (ulp 4)...
+    x[4096::4096] = 1.0  # ...and each other chunk adds 1, while 32 of them summed apart add 32 exactly
+    assert zk.sum_squares(x, threads=1)[0] == 2.0**54
+    seen = {zk.sum_squares(x, threads=t)[0] for t in (2, 3, 8, 16) for _ in range(20)}
+    assert seen == {2.0**54}, f"sums {sorted(seen)}"
+    g = torch.Generator().manual_seed(5)
+    scales = torch.exp2(torch.randint(-20, 20, (n // 4096,), generator=g).float()).repeat_interleave(4096)
+    y = torch.randn(n, generator=g) * scales
+    ref = zk.sum_squares(y, threads=1)[0]
+    assert math.isclose(ref, (y.double() ** 2).sum().item(), rel_tol=1e-5)
+    assert {zk.sum_squares(y, threads=t)[0] for t in (2, 5, 8) for _ in range(50)} == {ref}
+
+
 @pytest.mark.parametrize("isa", ALL_ISAS)
 @pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=str)
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 4097, 100_003])
