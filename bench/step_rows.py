@@ -12,6 +12,10 @@ loop runs; the parts alone: median of calls synchronized one by one):
                 (HostUpdate.cpu_update, the copies waited for); and the bare kernel, untiled, no copies
   d2h           the gradient copies alone: every bucket of the flat space device -> the pinned landing buffer
   pack          the pack alone: every bucket's gradients packed where backward packs them (on the CPU: the copy)
+  cpu_after_step  one more step, the device synchronized, then the CPU ms this process's other threads run in the
+                next 30 ms: an update's worker threads spinning for more work (libgomp spins ~8 ms per thread after
+                each parallel region here) hold cores the next forward's launches need; under DPU the background
+                update still running counts too
 Orchestration = the optimizer's time outside kernels and copies: (offload + reduce + step() - CPU Adam kernel
 [- pack alone, device = CPU]) / step (orchestration_ms); the earlier measure, every optimizer phase but the kernel
 (packing and the end-of-backward wait included), is optimizer_outside_kernel_of_step.
@@ -56,7 +60,9 @@ import argparse
 import gc
 import json
 import math
+import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -138,6 +144,36 @@ def _steps(fn: Callable[[], None], device: torch.device, warmup: int, rounds: in
     _sync(device)
     out[-1] = time.perf_counter()
     return [b - a for a, b in zip([t0, *out], out)]
+
+
+def _threads_cpu_ns() -> dict[int, int] | None:
+    """CPU nanoseconds each thread of this process has run (Linux: /proc/self/task/*/schedstat), None elsewhere."""
+    try:
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0])
+        return out
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cpu_after(fn: Callable[[], None], device: torch.device, window_s: float = 0.03) -> dict | None:
+    """What the process's other threads burn once a step is over: fn(), the device synchronized, then the CPU ms its
+    threads but this one run during a sleep of `window_s`. An update's worker threads that spin waiting for more
+    work show here (libgomp's spin for ~8 ms per thread after each parallel region on the 2-core development
+    machine): cores the next forward's launching thread and backward's autograd thread then share. Under DPU the
+    background update still running counts too."""
+    fn()
+    _sync(device)
+    me = threading.get_native_id()
+    a = _threads_cpu_ns()
+    time.sleep(window_s)
+    b = _threads_cpu_ns()
+    if a is None or b is None:
+        return None
+    return {"cpu_ms": sum(v - a.get(t, 0) for t, v in b.items() if t != me) / 1e6, "window_ms": window_s * 1e3,
+            "threads": len(b)}  # fmt: skip
 
 
 def _mean(xs: list[float]) -> float:
@@ -363,6 +399,7 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
         # pack tables rebuilt because a bucket's gradients came at new addresses: 0 when the allocator hands the
         # same blocks every step (each rebuild costs ~4x a pack call's host time: 97 against 23 us for 64 tensors)
         row["pack_table_uploads_per_step"] = (uploads[-1] - uploads[-1 - rounds]) / rounds
+        row["cpu_after_step"] = cpu_after(step, device)
         if ckpt:  # the same optimizer, every block checkpointed: the activations' share of the peak, the recompute's
             # share of the step
 
@@ -614,6 +651,9 @@ def line(row: dict) -> str:
     if row.get("writeback_tiles"):
         t += (f"; writeback {row['writeback_tiles']} tiles, {row['writeback_in_flight_at_forward']} in flight at "
               f"forward, forward waited {row['phases']['forward_writeback_wait']:.2f} ms")  # fmt: skip
+    if row.get("cpu_after_step"):
+        c = row["cpu_after_step"]
+        t += f"; after a step the other threads ran {c['cpu_ms']:.1f} ms of CPU in {c['window_ms']:.0f} ms"
     twin = f" gpu_fraction {row['gpu_fraction']:.3f} ({row['gpu_fraction_choice']})" if row.get("gpu_fraction") else ""
     twin += f" {row['state_dtype']} moments" if row.get("state_dtype", "fp32") != "fp32" else ""
     return (f"{row['size']:>5} {row['params'] / 1e6:8.1f}M {row['mode']:<4}{twin}: zo {row['zo_ms']:8.2f} ms, fwd+bwd "

@@ -68,6 +68,33 @@ def test_step_rows_checkpointed_rows_train_the_same_model(tmp_path):
         assert r["ckpt_zo_ms"] > 0 and r["ckpt_fwd_bwd_ms"] > 0
         assert r["targets"][keys[r["mode"]]]["value"] > 0
         assert r["mode"] == "selective" or r["pack_table_uploads_per_step"] >= 0
+        assert r["mode"] == "selective" or r["cpu_after_step"]["cpu_ms"] >= 0
+
+
+def test_cpu_after_counts_what_other_threads_burn_once_the_step_is_over():
+    """step_rows.cpu_after: a thread left spinning after fn() shows as CPU time, this thread's own sleep does not."""
+    import threading
+    import time
+
+    import torch
+
+    stop = threading.Event()
+
+    def spinner() -> None:
+        while not stop.is_set():
+            pass
+
+    def leaves_a_spinner() -> None:
+        threading.Thread(target=spinner, daemon=True).start()
+
+    try:
+        busy = step_rows.cpu_after(leaves_a_spinner, torch.device("cpu"), window_s=0.1)
+    finally:
+        stop.set()
+    time.sleep(0.05)
+    idle = step_rows.cpu_after(lambda: None, torch.device("cpu"), window_s=0.1)
+    assert busy["cpu_ms"] > 20 and busy["window_ms"] == 100, busy  # the GIL shares it with this thread's sleep
+    assert idle["cpu_ms"] < busy["cpu_ms"] - 15, (idle, busy)
 
 
 def test_step_rows_with_compressed_moments_and_auto(tmp_path):
