@@ -12,6 +12,9 @@ loop runs; the parts alone: median of calls synchronized one by one):
                 (HostUpdate.cpu_update, the copies waited for); and the bare kernel, untiled, no copies
   d2h           the gradient copies alone: every bucket of the flat space device -> the pinned landing buffer
   pack          the pack alone: every bucket's gradients packed where backward packs them (on the CPU: the copy)
+  launch_probe  once per size, the bf16 model's forward + backward (no optimizer) alone, right after a CPU Adam call,
+                and beside CPU Adam looping on a background thread (launch_probe's docstring): whether the host's
+                cores, shared with the update, slow the thread that launches the device's work
   cpu_after_step  one more step, the device synchronized, then the CPU ms this process's other threads run in the
                 next 30 ms: an update's worker threads spinning for more work (libgomp spins ~8 ms per thread after
                 each parallel region here) hold cores the next forward's launches need; under DPU the background
@@ -73,6 +76,7 @@ from torch.utils.checkpoint import checkpoint
 import zo_kernels as zk
 from zo_kernels.auto_fraction import FractionPick, measure_device_adam_rate, pick_fraction
 from zo_kernels.gpt import GPT, GPTConfig, num_params
+from zo_kernels.offload.comm import beside_compute
 from zo_kernels.offload.twin import split_runs
 from zo_kernels.planner import STATE_DTYPES, state_k
 from zo_kernels.transport import CopyEngineTransport, Transport
@@ -224,6 +228,67 @@ def torch_fused(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
     loop = None  # freed before the next model is built
     _free(device)
     return out
+
+
+def launch_probe(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
+    """Forward + backward of the bf16 model (no optimizer) while the host runs CPU Adam, each call synchronized, the
+    median: alone (`synced_ms`); right after a CPU Adam call on this thread with the optimizer's `threads`, as a
+    synchronous step's next forward comes (`after_update_ms`: its worker threads may still spin); and while a
+    background thread runs CPU Adam over and over with the DPU update's `background_threads`, and with half of
+    them, as a delayed update runs beside forward and backward (`beside_update_ms`, by thread count). The update
+    is over a scratch partition of min(params, 2**26) elements (fp32 master and moments, bf16 gradient and
+    parameters out): the same threads and memory traffic as the optimizer's, not its state. On a GPU, where
+    forward + backward is launched by one host thread, a slower step there than alone is the host's CPU shared
+    with the update (the H200's 95M step ran forward + backward in 16.5 ms inside zo's step against 8.3 alone)."""
+    device = x.device
+    model = _model(cfg, device).to(torch.bfloat16)
+    n = min(num_params(model), 1 << 26)
+    p = torch.randn(n) * 0.02
+    g = torch.randn(n).to(torch.bfloat16) * 1e-3
+    m, v, out = torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)
+    threads = max(1, torch.get_num_threads())
+    background = beside_compute(threads)
+    steps = iter(range(1, 1 << 62))
+
+    def update(t: int) -> None:
+        zk.cpu_adam_step(p, g, m, v, step=next(steps), lr=1e-4, param_out=out, threads=t)
+
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x[:, :-1], x[:, 1:]).backward()
+
+    def after_update() -> float:
+        update(threads)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    def beside(t: int) -> float:
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.is_set():
+                update(t)
+
+        worker = threading.Thread(target=loop, daemon=True)
+        worker.start()
+        try:
+            return _median(_timed(run, device, warmup=2, rounds=rounds))
+        finally:
+            stop.set()
+            worker.join()
+
+    try:
+        out_row = {"threads": threads, "update_elements": n, "synced_ms": _median(_timed(run, device, 2, rounds)) * 1e3}
+        after_update(), after_update()  # warm-up
+        out_row["after_update_ms"] = _median([after_update() for _ in range(rounds)]) * 1e3
+        counts = dict.fromkeys((background, max(1, background // 2)))  # (one entry where they are equal)
+        out_row["beside_update_ms"] = {str(t): beside(t) * 1e3 for t in counts}
+        return out_row
+    finally:
+        model = p = g = m = v = out = None
+        _free(device)
 
 
 def checkpointed(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -575,6 +640,10 @@ def measure(size: str, modes: list[str], device: torch.device, batch: int, conte
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab, (batch, context + 1), generator=g).to(device)
     ref = torch_fused(cfg, x, rounds)
+    try:
+        ref["launch_probe"] = launch_probe(cfg, x, rounds)
+    except Exception as e:  # a diagnosis: its failure costs no row
+        ref["launch_probe"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     rows = []
     for mode in modes:
         zero = None  # this mode's fraction-0 row: what "auto" picks from
@@ -651,6 +720,11 @@ def line(row: dict) -> str:
     if row.get("writeback_tiles"):
         t += (f"; writeback {row['writeback_tiles']} tiles, {row['writeback_in_flight_at_forward']} in flight at "
               f"forward, forward waited {row['phases']['forward_writeback_wait']:.2f} ms")  # fmt: skip
+    probe = row.get("launch_probe") or {}
+    if "synced_ms" in probe:
+        beside = ", ".join(f"{v:.2f} with {k} threads" for k, v in probe["beside_update_ms"].items())
+        t += (f"; fwd+bwd synced {probe['synced_ms']:.2f} ms, right after an update {probe['after_update_ms']:.2f}, "
+              f"beside one {beside}")  # fmt: skip
     if row.get("cpu_after_step"):
         c = row["cpu_after_step"]
         t += f"; after a step the other threads ran {c['cpu_ms']:.1f} ms of CPU in {c['window_ms']:.0f} ms"

@@ -69,6 +69,9 @@ def test_step_rows_checkpointed_rows_train_the_same_model(tmp_path):
         assert r["targets"][keys[r["mode"]]]["value"] > 0
         assert r["mode"] == "selective" or r["pack_table_uploads_per_step"] >= 0
         assert r["mode"] == "selective" or r["cpu_after_step"]["cpu_ms"] >= 0
+        probe = r["launch_probe"]  # once per size, in every row of it
+        assert probe["synced_ms"] > 0 and probe["after_update_ms"] > 0 and probe["threads"] >= 1
+        assert probe["beside_update_ms"] and all(v > 0 for v in probe["beside_update_ms"].values())
 
 
 def test_cpu_after_counts_what_other_threads_burn_once_the_step_is_over():
