@@ -156,12 +156,65 @@ def scale_line(r: dict) -> str:
             + (f"; {r['error']}" if r.get("error") else ""))  # fmt: skip
 
 
+def _cpu_list(text: str) -> set[int]:
+    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def host_info(root: str = "/") -> dict:
+    """The host CPU the step rows ran on: model, logical CPUs this process may use, how many of them share a physical
+    core (SMT siblings: an update thread on one slows a launching thread on the other), physical cores among them,
+    NUMA nodes, the cgroup's CPU quota, whether AVX-512 is there. None for what this system does not say."""
+    import os
+
+    def text(path: str) -> str | None:
+        try:
+            with open(os.path.join(root, path.lstrip("/"))) as f:
+                return f.read()
+        except OSError:
+            return None
+
+    cpuinfo = text("/proc/cpuinfo") or ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 None)  # fmt: skip
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") and root == "/" else None
+    if cpus is None:
+        online = text("/sys/devices/system/cpu/online")
+        cpus = sorted(_cpu_list(online)) if online else []
+    cores, per_core = set(), []
+    for c in cpus:
+        sib = text(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list")
+        if sib is None:
+            cores, per_core = set(), []
+            break
+        group = frozenset(_cpu_list(sib))
+        cores.add(group)
+        per_core.append(len(group))
+    nodes = text("/sys/devices/system/node/online")
+    quota = (text("/sys/fs/cgroup/cpu.max") or "").split()
+    return {
+        "cpu_model": model,
+        "cpus": len(cpus) or None,
+        "threads_per_core": max(per_core) if per_core else None,
+        "physical_cores": len(cores) or None,
+        "numa_nodes": len(_cpu_list(nodes)) if nodes else None,
+        "cgroup_cpus": int(quota[0]) / int(quota[1]) if len(quota) == 2 and quota[0] != "max" else None,
+        "avx512": "avx512f" in flags,
+    }
+
+
 def summary_json(outdir: str, device: str = "", commit: str = "", date: str = "") -> dict:
-    """summary.json: {"device", "date", "commit", "pack": [...], "step": [...], "anchors": [...], "scale": [...],
-    "targets": {...}}. pack: bench/summary_pack.py's pack_rows over OUTDIR/bench-pack.json (and pack_host: the host
-    time per call); step: OUTDIR/step.json (bench/step_rows.py); anchors: OUTDIR/anchors.json (bench/anchors.py);
-    activations: OUTDIR/activations.json (bench/activation_rows.py), judged by activation_targets; scale:
-    OUTDIR/scale.json (bench/scale_check.py, gpu_check.sh's scale mode)."""
+    """summary.json: {"device", "date", "commit", "host" (host_info), "pack": [...], "step": [...], "anchors": [...],
+    "scale": [...], "targets": {...}}. pack: bench/summary_pack.py's pack_rows over OUTDIR/bench-pack.json (and
+    pack_host: the host time per call); step: OUTDIR/step.json (bench/step_rows.py); anchors: OUTDIR/anchors.json
+    (bench/anchors.py); activations: OUTDIR/activations.json (bench/activation_rows.py), judged by
+    activation_targets; scale: OUTDIR/scale.json (bench/scale_check.py, gpu_check.sh's scale mode)."""
     import datetime
     import os
 
@@ -184,6 +237,7 @@ def summary_json(outdir: str, device: str = "", commit: str = "", date: str = ""
         "device": device,
         "date": date or datetime.date.today().isoformat(),
         "commit": commit,
+        "host": host_info(),
         "pack": pack,
         "pack_host": host_row(bench_pack),
         "step": step,

@@ -94,6 +94,7 @@ def test_dashboard_renders_gpu_summaries_beside_the_cpu_runs(tmp_path):
     cpu_runs = [os.path.join(HERE, "data", f) for f in ("bench_run1.json", "bench_run2.json")]
     gpu = tmp_path / "gpu-2026-01-02-H100.json"
     gpu.write_text(json.dumps({"device": "H100", "date": "2026-01-02", "commit": "abc", "pack": [],
+                               "host": {"cpu_model": "Xeon Q", "cpus": 16, "threads_per_core": 2},
                                "step": [step_row("sync", 12.0)],
                                "anchors": [{"system": "torchao", "params": 1000, "ms": 9.0, "peak_gib": 1.5,
                                             "host_gib": 2.0, "note": "fp32 params"}]}))  # fmt: skip
@@ -101,6 +102,7 @@ def test_dashboard_renders_gpu_summaries_beside_the_cpu_runs(tmp_path):
     only_cpu = dashboard.render(cpu_runs)
     assert both.count("<section>") == only_cpu.count("<section>") + 1
     assert "GPU: gpu-2026-01-02-H100.json" in both and "torchao" in both and "MISSED" in both
+    assert "host Xeon Q, 16 CPUs, 2 threads per core" in both
     alone = dashboard.render([gpu])
     assert "GPU: gpu-2026-01-02-H100.json" in alone and "<script" not in alone
 
@@ -170,3 +172,26 @@ def test_dashboard_tells_rows_of_one_size_and_mode_apart_and_reads_targets(tmp_p
         assert "<th>gpu_fraction</th>" in table and "0.59" in table, table[:200]
     assert "MISSED; min_of_copy 0.6; faster_than_torch_ref True" in page
     assert "{&#x27;" not in page and "{'" not in page
+
+
+def test_host_info_reads_smt_siblings_numa_and_the_cgroup_quota(tmp_path):
+    """summary.json's "host": 8 CPUs as 4 cores of 2 SMT siblings, 2 NUMA nodes, a cgroup quota of 6 CPUs."""
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "cpuinfo").write_text(
+        "".join(f"processor\t: {c}\nmodel name\t: Test Xeon\nflags\t\t: fpu sse avx2 avx512f\n\n" for c in range(8)))
+    cpu = tmp_path / "sys" / "devices" / "system" / "cpu"
+    cpu.mkdir(parents=True)
+    (cpu / "online").write_text("0-7\n")
+    for c in range(8):  # Linux numbers siblings apart: cpu c and c + 4 share a core
+        (cpu / f"cpu{c}" / "topology").mkdir(parents=True)
+        (cpu / f"cpu{c}" / "topology" / "thread_siblings_list").write_text(f"{c % 4},{c % 4 + 4}\n")
+    (tmp_path / "sys" / "devices" / "system" / "node").mkdir()
+    (tmp_path / "sys" / "devices" / "system" / "node" / "online").write_text("0-1\n")
+    (tmp_path / "sys" / "fs" / "cgroup").mkdir(parents=True)
+    (tmp_path / "sys" / "fs" / "cgroup" / "cpu.max").write_text("600000 100000\n")
+    got = summary.host_info(str(tmp_path))
+    assert got == {"cpu_model": "Test Xeon", "cpus": 8, "threads_per_core": 2, "physical_cores": 4, "numa_nodes": 2,
+                   "cgroup_cpus": 6.0, "avx512": True}  # fmt: skip
+    (cpu / "cpu3" / "topology" / "thread_siblings_list").unlink()  # a system that does not say
+    assert summary.host_info(str(tmp_path))["threads_per_core"] is None
+    assert summary.host_info()["cpus"] >= 1  # this machine

@@ -282,6 +282,10 @@ def gpu_section(label: str, data: dict) -> str:
     """One GPU summary: its step rows (with their phases and targets), anchors, scale, activation and pack rows, and
     the pack's host time per call."""
     meta = f"{data.get('device', '?')}, {data.get('date', '?')}, commit {data.get('commit', '?')}"
+    host = data.get("host") or {}
+    if host.get("cpus"):  # (summaries since 2026-11-27 say which host CPU the step rows shared)
+        smt = f", {host['threads_per_core']} threads per core" if host.get("threads_per_core") else ""
+        meta += f"; host {host.get('cpu_model') or '?'}, {host['cpus']} CPUs{smt}"
     parts = [f"<section><h2>GPU: {html.escape(label)}</h2><p class='meta'>{html.escape(meta)}</p>"]
     if data.get("note"):
         parts.append(f"<p class='note'>{html.escape(str(data['note']))}</p>")
