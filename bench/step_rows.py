@@ -230,10 +230,30 @@ def torch_fused(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
     return out
 
 
+def _omp_release() -> Callable[[], None] | None:
+    """libgomp's omp_pause_resource_all(omp_pause_soft) if this process loaded libgomp (torch's wheels carry one, and
+    zo's kernels share it): ends the calling thread's OpenMP worker threads, which otherwise spin for more work after
+    each parallel region (~8 ms each on the 2-core development machine); the next region starts new ones. None where
+    there is no libgomp."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            path = next((line.split()[-1] for line in f if "libgomp" in line.split()[-1]), None)
+        if path is None:
+            return None
+        fn = ctypes.CDLL(path).omp_pause_resource_all
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return lambda: fn(1) and None
+
+
 def launch_probe(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
     """Forward + backward of the bf16 model (no optimizer) while the host runs CPU Adam, each call synchronized, the
     median: alone (`synced_ms`); right after a CPU Adam call on this thread with the optimizer's `threads`, as a
-    synchronous step's next forward comes (`after_update_ms`: its worker threads may still spin); and while a
+    synchronous step's next forward comes (`after_update_ms`: its worker threads may still spin), and the same with
+    the update's OpenMP threads ended first (`after_update_released_ms`, where libgomp is loaded); and while a
     background thread runs CPU Adam over and over with the DPU update's `background_threads`, and with half of
     them, as a delayed update runs beside forward and backward (`beside_update_ms`, by thread count). The update
     is over a scratch partition of min(params, 2**26) elements (fp32 master and moments, bf16 gradient and
@@ -257,8 +277,12 @@ def launch_probe(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
         model.zero_grad(set_to_none=True)
         model(x[:, :-1], x[:, 1:]).backward()
 
-    def after_update() -> float:
+    release = _omp_release()
+
+    def after_update(released: bool = False) -> float:
         update(threads)
+        if released:
+            release()  # the update's worker threads ended: nothing left spinning
         t0 = time.perf_counter()
         run()
         _sync(device)
@@ -283,6 +307,8 @@ def launch_probe(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
         out_row = {"threads": threads, "update_elements": n, "synced_ms": _median(_timed(run, device, 2, rounds)) * 1e3}
         after_update(), after_update()  # warm-up
         out_row["after_update_ms"] = _median([after_update() for _ in range(rounds)]) * 1e3
+        if release is not None:
+            out_row["after_update_released_ms"] = _median([after_update(True) for _ in range(rounds)]) * 1e3
         counts = dict.fromkeys((background, max(1, background // 2)))  # (one entry where they are equal)
         out_row["beside_update_ms"] = {str(t): beside(t) * 1e3 for t in counts}
         return out_row
@@ -723,8 +749,10 @@ def line(row: dict) -> str:
     probe = row.get("launch_probe") or {}
     if "synced_ms" in probe:
         beside = ", ".join(f"{v:.2f} with {k} threads" for k, v in probe["beside_update_ms"].items())
-        t += (f"; fwd+bwd synced {probe['synced_ms']:.2f} ms, right after an update {probe['after_update_ms']:.2f}, "
-              f"beside one {beside}")  # fmt: skip
+        released = probe.get("after_update_released_ms")
+        released = f" ({released:.2f} with its threads ended)" if released else ""
+        t += (f"; fwd+bwd synced {probe['synced_ms']:.2f} ms, right after an update {probe['after_update_ms']:.2f}"
+              f"{released}, beside one {beside}")  # fmt: skip
     if row.get("cpu_after_step"):
         c = row["cpu_after_step"]
         t += f"; after a step the other threads ran {c['cpu_ms']:.1f} ms of CPU in {c['window_ms']:.0f} ms"
