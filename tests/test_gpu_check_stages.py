@@ -361,3 +361,15 @@ def test_gpu_check_leaves_the_compile_to_ci_and_can_reuse_a_build(tmp_path):
     assert compile_stage in _stand_in_gpu_check(tmp_path / "b", "default", 480, ZO_CHECK_COMPILE="1")
     reused = _stand_in_gpu_check(tmp_path / "c", "anchors", 230, ZO_SKIP_BUILD="1")
     assert build not in reused and "bench: anchors (same GPT)" in reused, sorted(reused)
+
+
+def test_orchestration_leaves_out_the_wait_for_the_background_update():
+    """A DPU step()'s wait for the background CPU Adam is the kernel's time, not orchestration (the H200's 1.3B DPU
+    row: offload 45.95, reduce 0.41, step 251.35 of which dpu_wait 201.36, no kernel inside step())."""
+    import torch
+
+    dpu = {"offload": 45.95, "reduce": 0.41, "step": 251.35, "kernel": 0.0, "dpu_wait": 201.36}
+    assert abs(step_rows.orchestration_ms(dpu, 0.0, torch.device("cuda")) - 96.35) < 1e-9
+    sync = {"offload": 2.33, "reduce": 0.19, "step": 22.34, "kernel": 21.31, "dpu_wait": 0.0}
+    assert abs(step_rows.orchestration_ms(sync, 0.0, torch.device("cuda")) - 3.55) < 1e-9
+    assert abs(step_rows.orchestration_ms(sync, 1.0, torch.device("cpu")) - 2.55) < 1e-9
