@@ -26,7 +26,11 @@ def test_step_rows_cut_short_keep_every_finished_row(tmp_path, monkeypatch):
             raise KeyboardInterrupt  # gpu_check.sh's limit, during the DPU row
         return real(*args, **kwargs)
 
+    def probe_fails(*args, **kwargs):
+        raise RuntimeError("no libgomp here")
+
     monkeypatch.setattr(step_rows, "zo_step", interrupted)
+    monkeypatch.setattr(step_rows, "launch_probe", probe_fails)  # a diagnosis that fails costs no row
     out = tmp_path / "step.json"
     argv = [str(out), "--sizes", "2e5", "--device", "cpu", "--batch", "2", "--context", "16", "--rounds", "2",
             "--modes", "sync,dpu"]  # fmt: skip
@@ -35,6 +39,7 @@ def test_step_rows_cut_short_keep_every_finished_row(tmp_path, monkeypatch):
     assert calls == ["sync", "dpu"]
     (row,) = json.loads(out.read_text())
     assert row["mode"] == "sync" and row["zo_ms"] > 0 and row["torch_fused_ms"] > 0
+    assert row["launch_probe"] == {"error": "RuntimeError: no libgomp here"}
 
 
 def test_step_rows_checkpointed_rows_train_the_same_model(tmp_path):
