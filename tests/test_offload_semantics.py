@@ -344,3 +344,34 @@ def test_params_start_on_16_byte_boundaries(dtype):
     for p in opt._params:
         used[opt._offset[p] : opt._offset[p] + p.numel()] = True
     assert not opt.flat[~used].any() and not opt.master[~used].any() and not opt.exp_avg_sq[~used].any()
+
+
+def test_training_bits_do_not_depend_on_the_thread_count():
+    """Clipping under accumulation reads the gradient norm from the CPU's sum of squares, and the update runs on
+    `threads` threads: 1, 3 and 8 threads train the same parameters bit for bit, with the same norms. (This model's
+    norms agreed before sum_squares summed in chunk order too: tests/test_cpu_adam.py's thread-count test is the one
+    that failed.)"""
+    from zo_kernels.gpt import GPT, GPTConfig
+
+    def train(threads: int) -> tuple[list[torch.Tensor], list[float]]:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab=64, context=32, layers=2, width=128, heads=4)).to(torch.bfloat16)
+        opt = zk.ZeroOffloadAdamW(model.parameters(), lr=1e-2, max_grad_norm=0.05, threads=threads,
+                                  bucket_numel=1 << 16)  # fmt: skip
+        g = torch.Generator().manual_seed(1)
+        norms = []
+        for _ in range(3):
+            for _ in range(2):
+                x = torch.randint(0, 64, (4, 33), generator=g)
+                opt.backward(model(x[:, :-1], x[:, 1:]))
+            opt.step()
+            opt.zero_grad()
+            norms.append(opt.stats["grad_norm"])
+        opt.close()
+        return [p.detach().clone() for p in model.parameters()], norms
+
+    ref, ref_norms = train(1)
+    assert all(n > 0.05 for n in ref_norms)  # every step clipped
+    for threads in (3, 8):
+        got, norms = train(threads)
+        assert norms == ref_norms and all(torch.equal(a, b) for a, b in zip(got, ref)), threads
