@@ -255,7 +255,8 @@ def launch_probe(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
     synchronous step's next forward comes (`after_update_ms`: its worker threads may still spin), and the same with
     the update's OpenMP threads ended first (`after_update_released_ms`, where libgomp is loaded); and while a
     background thread runs CPU Adam over and over with the DPU update's `background_threads`, and with half of
-    them, as a delayed update runs beside forward and backward (`beside_update_ms`, by thread count). The update
+    them, as a delayed update runs beside forward and backward (`beside_update_ms`, by thread count, and the
+    update's own ns per element meanwhile, `beside_update_adam_ns_per_param`). The update
     is over a scratch partition of min(params, 2**26) elements (fp32 master and moments, bf16 gradient and
     parameters out): the same threads and memory traffic as the optimizer's, not its state. On a GPU, where
     forward + backward is launched by one host thread, a slower step there than alone is the host's CPU shared
@@ -288,20 +289,24 @@ def launch_probe(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
         _sync(device)
         return time.perf_counter() - t0
 
-    def beside(t: int) -> float:
-        stop = threading.Event()
+    def beside(t: int) -> tuple[float, float | None]:
+        """(median forward + backward seconds, CPU Adam ns per element meanwhile: its calls' median)."""
+        stop, calls = threading.Event(), []
 
         def loop() -> None:
             while not stop.is_set():
+                t0 = time.perf_counter()
                 update(t)
+                calls.append(time.perf_counter() - t0)
 
         worker = threading.Thread(target=loop, daemon=True)
         worker.start()
         try:
-            return _median(_timed(run, device, warmup=1, rounds=rounds))
+            seconds = _median(_timed(run, device, warmup=1, rounds=rounds))
         finally:
             stop.set()
             worker.join()
+        return seconds, _median(calls) * 1e9 / n if calls else None
 
     try:
         out_row = {"threads": threads, "update_elements": n, "synced_ms": _median(_timed(run, device, 1, rounds)) * 1e3}
@@ -310,7 +315,11 @@ def launch_probe(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
         if release is not None:
             out_row["after_update_released_ms"] = _median([after_update(True) for _ in range(rounds)]) * 1e3
         counts = dict.fromkeys((background, max(1, background // 2)))  # (one entry where they are equal)
-        out_row["beside_update_ms"] = {str(t): beside(t) * 1e3 for t in counts}
+        got = {str(t): beside(t) for t in counts}
+        out_row["beside_update_ms"] = {t: s * 1e3 for t, (s, _) in got.items()}
+        # the update's own rate meanwhile: with the row's partition, max(forward + backward, partition x ns) is what
+        # a delayed step with that many threads would take
+        out_row["beside_update_adam_ns_per_param"] = {t: ns for t, (_, ns) in got.items()}
         return out_row
     finally:
         model = p = g = m = v = out = None

@@ -78,6 +78,7 @@ def test_step_rows_checkpointed_rows_train_the_same_model(tmp_path):
         assert probe["synced_ms"] > 0 and probe["after_update_ms"] > 0 and probe["threads"] >= 1
         assert probe["beside_update_ms"] and all(v > 0 for v in probe["beside_update_ms"].values())
         assert probe.get("after_update_released_ms", 1.0) > 0  # (where libgomp is loaded: torch's wheels)
+        assert probe["beside_update_adam_ns_per_param"].keys() == probe["beside_update_ms"].keys()
 
 
 def test_cpu_after_counts_what_other_threads_burn_once_the_step_is_over():
