@@ -197,7 +197,10 @@ def host_info(root: str = "/") -> dict:
         cores.add(group)
         per_core.append(len(group))
     nodes = text("/sys/devices/system/node/online")
-    quota = (text("/sys/fs/cgroup/cpu.max") or "").split()
+    quota = (text("/sys/fs/cgroup/cpu.max") or "").split()  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
+    if not quota:  # cgroup v1: the quota in its own file, -1 for none
+        v1 = [(text(f"/sys/fs/cgroup/cpu/cpu.cfs_{k}_us") or "").strip() for k in ("quota", "period")]
+        quota = ["max" if v1[0] == "-1" else v1[0], v1[1]] if all(v1) else []
     return {
         "cpu_model": model,
         "cpus": len(cpus) or None,

@@ -194,4 +194,11 @@ def test_host_info_reads_smt_siblings_numa_and_the_cgroup_quota(tmp_path):
                    "cgroup_cpus": 6.0, "avx512": True}  # fmt: skip
     (cpu / "cpu3" / "topology" / "thread_siblings_list").unlink()  # a system that does not say
     assert summary.host_info(str(tmp_path))["threads_per_core"] is None
+    (tmp_path / "sys" / "fs" / "cgroup" / "cpu.max").unlink()  # cgroup v1
+    (tmp_path / "sys" / "fs" / "cgroup" / "cpu").mkdir()
+    (tmp_path / "sys" / "fs" / "cgroup" / "cpu" / "cpu.cfs_quota_us").write_text("400000\n")
+    (tmp_path / "sys" / "fs" / "cgroup" / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert summary.host_info(str(tmp_path))["cgroup_cpus"] == 4.0
+    (tmp_path / "sys" / "fs" / "cgroup" / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert summary.host_info(str(tmp_path))["cgroup_cpus"] is None
     assert summary.host_info()["cpus"] >= 1  # this machine
