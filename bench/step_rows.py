@@ -68,6 +68,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zo_kernels as zk
 from zo_kernels.auto_fraction import FractionPick, measure_device_adam_rate, pick_fraction
+from zo_kernels.cpu_adam import zero_moments
 from zo_kernels.gpt import GPT, GPTConfig, num_params
 from zo_kernels.offload.comm import beside_compute
 from zo_kernels.offload.twin import split_runs
@@ -151,33 +153,51 @@ def _steps(fn: Callable[[], None], device: torch.device, warmup: int, rounds: in
 
 
 def _threads_cpu_ns() -> dict[int, int] | None:
-    """CPU nanoseconds each thread of this process has run (Linux: /proc/self/task/*/schedstat), None elsewhere."""
+    """CPU nanoseconds each thread of this process has run (Linux: /proc/self/task/*/schedstat), None elsewhere. A
+    thread that ends while it is read is left out (libgomp ends and starts workers as regions ask for fewer)."""
     try:
-        out = {}
-        for tid in os.listdir("/proc/self/task"):
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    out = {}
+    for tid in tids:
+        try:
             with open(f"/proc/self/task/{tid}/schedstat") as f:
                 out[int(tid)] = int(f.read().split()[0])
-        return out
-    except (OSError, ValueError, IndexError):
-        return None
+        except (OSError, ValueError, IndexError):
+            continue
+    return out or None
 
 
-def cpu_after(fn: Callable[[], None], device: torch.device, window_s: float = 0.03) -> dict | None:
-    """What the process's other threads burn once a step is over: fn(), the device synchronized, then the CPU ms its
-    threads but this one run during a sleep of `window_s`. An update's worker threads that spin waiting for more
-    work show here (libgomp's spin for ~8 ms per thread after each parallel region on the 2-core development
-    machine): cores the next forward's launching thread and backward's autograd thread then share. Under DPU the
-    background update still running counts too."""
+def _update_running(opt: zk.ZeroOffloadAdamW) -> bool:
+    """Whether the optimizer's background (DPU) update is still running (gpu_fraction: its host part's)."""
+    for u in (opt.update, getattr(opt.update, "host", None)):
+        fut = getattr(u, "_pending", None)
+        if fut is not None and not fut.done():
+            return True
+    return False
+
+
+def cpu_after(fn: Callable[[], None], device: torch.device, window_s: float = 0.03,
+              pending: Callable[[], bool] | None = None) -> dict | None:  # fmt: skip
+    """What the process's other threads burn once a step is over: fn(), then the CPU ms every thread but this one
+    runs while this one sleeps `window_s` (before the device is synchronized: a sync waiting for the writeback's
+    copies could outlast the spin). An update's worker threads that spin waiting for more work show here (libgomp's
+    spin for ~8 ms per thread after each parallel region on the 2-core development machine): cores the next
+    forward's launching thread and backward's autograd thread then share. `pending()` says whether a background
+    update (DPU) was still running when the window opened: then its work counts too (`update_pending`). Threads
+    that ended inside the window are counted (`threads_ended`), their last CPU time lost."""
     fn()
-    _sync(device)
+    busy = bool(pending()) if pending is not None else False
     me = threading.get_native_id()
     a = _threads_cpu_ns()
     time.sleep(window_s)
     b = _threads_cpu_ns()
+    _sync(device)
     if a is None or b is None:
         return None
     return {"cpu_ms": sum(v - a.get(t, 0) for t, v in b.items() if t != me) / 1e6, "window_ms": window_s * 1e3,
-            "threads": len(b)}  # fmt: skip
+            "threads": len(b), "threads_ended": len(a.keys() - b.keys()), "update_pending": busy}  # fmt: skip
 
 
 def _mean(xs: list[float]) -> float:
@@ -230,43 +250,64 @@ def torch_fused(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
     return out
 
 
-def _omp_release() -> Callable[[], None] | None:
-    """libgomp's omp_pause_resource_all(omp_pause_soft) if this process loaded libgomp (torch's wheels carry one, and
-    zo's kernels share it): ends the calling thread's OpenMP worker threads, which otherwise spin for more work after
-    each parallel region (~8 ms each on the 2-core development machine); the next region starts new ones. None where
-    there is no libgomp."""
-    import ctypes
+PROBE_MARGIN_S = 60  # launch_probe runs only with this much left before the rows' deadline
+STATE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": "8bit"}  # --state-dtype -> cpu_adam's
 
-    try:
-        with open("/proc/self/maps") as f:
-            path = next((line.split()[-1] for line in f if "libgomp" in line.split()[-1]), None)
-        if path is None:
+
+class OmpRelease(NamedTuple):
+    """libgomp's omp_pause_resource_all(omp_pause_soft), in every libgomp this process loaded (torch's wheels carry
+    one; zo's kernels share it where its soname matches, else load their own): ends the calling thread's OpenMP
+    worker threads, which otherwise spin for more work after each parallel region (~8 ms each on the 2-core
+    development machine); the next region starts new ones."""
+
+    paths: tuple[str, ...]
+    fns: tuple[Any, ...]
+
+    @staticmethod
+    def find() -> OmpRelease | None:
+        """None where no libgomp is loaded (or /proc/self/maps cannot be read)."""
+        import ctypes
+
+        try:
+            with open("/proc/self/maps") as f:
+                paths = tuple(dict.fromkeys(line.split()[-1] for line in f if "libgomp" in line.split()[-1]))
+        except OSError:
             return None
-        fn = ctypes.CDLL(path).omp_pause_resource_all
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-    return lambda: fn(1) and None
+        found = []
+        for path in paths:
+            try:
+                fn = ctypes.CDLL(path).omp_pause_resource_all
+            except (OSError, AttributeError):
+                continue
+            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+            found.append((path, fn))
+        return OmpRelease(tuple(p for p, _ in found), tuple(f for _, f in found)) if found else None
+
+    def __call__(self) -> list[int]:
+        """Each library's return code (0: released)."""
+        return [fn(1) for fn in self.fns]
 
 
-def launch_probe(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
+def launch_probe(cfg: GPTConfig, x: torch.Tensor, rounds: int, state_dtype: str = "fp32") -> dict:
     """Forward + backward of the bf16 model (no optimizer) while the host runs CPU Adam, each call synchronized, the
     median: alone (`synced_ms`); right after a CPU Adam call on this thread with the optimizer's `threads`, as a
     synchronous step's next forward comes (`after_update_ms`: its worker threads may still spin), and the same with
-    the update's OpenMP threads ended first (`after_update_released_ms`, where libgomp is loaded); and while a
-    background thread runs CPU Adam over and over with the DPU update's `background_threads`, and with half of
-    them, as a delayed update runs beside forward and backward (`beside_update_ms`, by thread count, and the
-    update's own ns per element meanwhile, `beside_update_adam_ns_per_param`). The update
-    is over a scratch partition of min(params, 2**26) elements (fp32 master and moments, bf16 gradient and
-    parameters out): the same threads and memory traffic as the optimizer's, not its state. On a GPU, where
-    forward + backward is launched by one host thread, a slower step there than alone is the host's CPU shared
-    with the update (the H200's 95M step ran forward + backward in 16.5 ms inside zo's step against 8.3 alone)."""
+    the update's OpenMP threads ended first (`after_update_released_ms`, where libgomp is loaded: `released_by`,
+    each library's return code); and while a background thread runs CPU Adam over and over with the DPU update's
+    `background_threads`, and with half of them, as a delayed update runs beside forward and backward
+    (`beside_update_ms`, by thread count, and the update's own ns per element meanwhile,
+    `beside_update_adam_ns_per_param`). The update is over a scratch partition of min(params, 2**24) elements in the
+    rows' moment format (`state_dtype`), fp32 master, bf16 gradient and parameters out: the optimizer's threads and
+    per-element traffic, not its state. On a GPU, where forward + backward is launched by one host thread, a slower
+    step there than alone is the host's CPU shared with the update (the H200's 95M step ran forward + backward in
+    16.5 ms inside zo's step against 8.3 alone)."""
     device = x.device
     model = _model(cfg, device).to(torch.bfloat16)
-    n = min(num_params(model), 1 << 26)
+    n = min(num_params(model), 1 << 24)
     p = torch.randn(n) * 0.02
-    g = torch.randn(n).to(torch.bfloat16) * 1e-3
-    m, v, out = torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)
+    g = (torch.randn(n) * 1e-3).to(torch.bfloat16)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    m, v = zero_moments(p, STATE_FORMATS[state_dtype])
     threads = max(1, torch.get_num_threads())
     background = beside_compute(threads)
     steps = iter(range(1, 1 << 62))
@@ -278,12 +319,13 @@ def launch_probe(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
         model.zero_grad(set_to_none=True)
         model(x[:, :-1], x[:, 1:]).backward()
 
-    release = _omp_release()
+    release = OmpRelease.find()
+    codes: list[int] = []
 
     def after_update(released: bool = False) -> float:
         update(threads)
         if released:
-            release()  # the update's worker threads ended: nothing left spinning
+            codes[:] = release()  # the update's worker threads ended: nothing left spinning
         t0 = time.perf_counter()
         run()
         _sync(device)
@@ -291,13 +333,16 @@ def launch_probe(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
 
     def beside(t: int) -> tuple[float, float | None]:
         """(median forward + backward seconds, CPU Adam ns per element meanwhile: its calls' median)."""
-        stop, calls = threading.Event(), []
+        stop, calls, failed = threading.Event(), [], []
 
         def loop() -> None:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                update(t)
-                calls.append(time.perf_counter() - t0)
+            try:
+                while not stop.is_set():
+                    t0 = time.perf_counter()
+                    update(t)
+                    calls.append(time.perf_counter() - t0)
+            except BaseException as e:  # raised below, in the measuring thread: never a figure beside nothing
+                failed.append(e)
 
         worker = threading.Thread(target=loop, daemon=True)
         worker.start()
@@ -306,14 +351,18 @@ def launch_probe(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
         finally:
             stop.set()
             worker.join()
+        if failed:
+            raise failed[0]
         return seconds, _median(calls) * 1e9 / n if calls else None
 
     try:
-        out_row = {"threads": threads, "update_elements": n, "synced_ms": _median(_timed(run, device, 1, rounds)) * 1e3}
+        out_row = {"threads": threads, "update_elements": n, "moments": state_dtype,
+                   "synced_ms": _median(_timed(run, device, 1, rounds)) * 1e3}  # fmt: skip
         after_update()  # warm-up
         out_row["after_update_ms"] = _median([after_update() for _ in range(rounds)]) * 1e3
         if release is not None:
             out_row["after_update_released_ms"] = _median([after_update(True) for _ in range(rounds)]) * 1e3
+            out_row["released_by"] = dict(zip(release.paths, codes))
         counts = dict.fromkeys((background, max(1, background // 2)))  # (one entry where they are equal)
         got = {str(t): beside(t) for t in counts}
         out_row["beside_update_ms"] = {t: s * 1e3 for t, (s, _) in got.items()}
@@ -501,7 +550,7 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
         # pack tables rebuilt because a bucket's gradients came at new addresses: 0 when the allocator hands the
         # same blocks every step (each rebuild costs ~4x a pack call's host time: 97 against 23 us for 64 tensors)
         row["pack_table_uploads_per_step"] = (uploads[-1] - uploads[-1 - rounds]) / rounds
-        row["cpu_after_step"] = cpu_after(step, device)
+        row["cpu_after_step"] = cpu_after(step, device, pending=lambda: _update_running(opt))
         if ckpt:  # the same optimizer, every block checkpointed: the activations' share of the peak, the recompute's
             # share of the step
 
@@ -669,18 +718,23 @@ def auto_pick(row: dict, device: torch.device) -> FractionPick:
 def measure(size: str, modes: list[str], device: torch.device, batch: int, context: int, rounds: int,
             fractions: tuple[str, ...] = ("0",), gbps: float | None = None, tile_numel: int | None = None,
             on_row: Callable[[dict], None] | None = None, deadline: float | None = None,
-            ckpt: bool = False, state_dtype: str = "fp32") -> list[dict]:  # fmt: skip
+            ckpt: bool = False, state_dtype: str = "fp32", probe: bool = True) -> list[dict]:  # fmt: skip
     """The rows of one size: the torch reference once, then one row per mode and gpu_fraction (a number or "auto");
     on_row(row) is called as each one is done. No row starts past `deadline` (time.perf_counter()): it says so.
-    `state_dtype`: the moments' format of the sync and DPU rows (selective keeps fp32 moments)."""
+    `state_dtype`: the moments' format of the sync and DPU rows (selective keeps fp32 moments); `probe`: the
+    launch_probe first, unless under PROBE_MARGIN_S are left before `deadline`."""
     cfg = config(size, context)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab, (batch, context + 1), generator=g).to(device)
     ref = torch_fused(cfg, x, rounds)
-    try:
-        ref["launch_probe"] = launch_probe(cfg, x, min(rounds, 3))  # (19 forwards + backwards: ~5 s at 1.3B, batch 32)
-    except Exception as e:  # a diagnosis: its failure costs no row
-        ref["launch_probe"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    if probe and deadline is not None and deadline - time.perf_counter() < PROBE_MARGIN_S:  # the rows come first
+        ref["launch_probe"] = {"skipped": f"under {PROBE_MARGIN_S} s left for this size's rows"}
+    elif probe:
+        try:  # (19 forwards + backwards: ~2 s at 1.3B, batch 8, ~5 s at batch 32)
+            ref["launch_probe"] = launch_probe(cfg, x, min(rounds, 3), state_dtype)
+        except Exception as e:  # a diagnosis: its failure costs no row
+            ref["launch_probe"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        print(probe_line(size, ref["launch_probe"]), flush=True)
     rows = []
     for mode in modes:
         zero = None  # this mode's fraction-0 row: what "auto" picks from
@@ -722,6 +776,17 @@ def measure(size: str, modes: list[str], device: torch.device, batch: int, conte
     return rows
 
 
+def probe_line(size: str, probe: dict) -> str:
+    """launch_probe's figures, printed once per size."""
+    if "synced_ms" not in probe:
+        return f"{size:>5} launch probe: {probe}"
+    beside = ", ".join(f"{v:.2f} with {k} threads" for k, v in probe["beside_update_ms"].items())
+    released = probe.get("after_update_released_ms")
+    released = f" ({released:.2f} with its threads ended)" if released else ""
+    return (f"{size:>5} launch probe: fwd+bwd alone {probe['synced_ms']:.2f} ms, right after a CPU Adam of "
+            f"{probe['threads']} threads {probe['after_update_ms']:.2f}{released}, beside one {beside}")
+
+
 def selective_line(row: dict) -> str:
     """The printed line of a selective row."""
     peak = f", peak {row['zo_peak_gib']:.2f} GiB vs {row['torch_peak_gib']:.2f}" if row.get("zo_peak_gib") else ""
@@ -757,13 +822,6 @@ def line(row: dict) -> str:
     if row.get("writeback_tiles"):
         t += (f"; writeback {row['writeback_tiles']} tiles, {row['writeback_in_flight_at_forward']} in flight at "
               f"forward, forward waited {row['phases']['forward_writeback_wait']:.2f} ms")  # fmt: skip
-    probe = row.get("launch_probe") or {}
-    if "synced_ms" in probe:
-        beside = ", ".join(f"{v:.2f} with {k} threads" for k, v in probe["beside_update_ms"].items())
-        released = probe.get("after_update_released_ms")
-        released = f" ({released:.2f} with its threads ended)" if released else ""
-        t += (f"; fwd+bwd synced {probe['synced_ms']:.2f} ms, right after an update {probe['after_update_ms']:.2f}"
-              f"{released}, beside one {beside}")  # fmt: skip
     if row.get("cpu_after_step"):
         c = row["cpu_after_step"]
         t += f"; after a step the other threads ran {c['cpu_ms']:.1f} ms of CPU in {c['window_ms']:.0f} ms"
@@ -793,6 +851,7 @@ def main(argv: list[str]) -> int:
                     help="the moments' format of the sync and DPU rows (host and gpu_fraction's tail)")
     ap.add_argument("--checkpoint", action="store_true",
                     help="each row also trains with every block checkpointed (ckpt_* keys)")
+    ap.add_argument("--no-launch-probe", action="store_true", help="skip launch_probe (a diagnosis, once per size)")
     a = ap.parse_args(argv)
     fractions = tuple(a.gpu_fractions.split(","))
     for f in fractions:
@@ -821,7 +880,7 @@ def main(argv: list[str]) -> int:
                 # (rows of a started size go on to 1.7x the budget: gpu_check.sh gives the stage 2x it)
                 measure(size, modes, device, a.batch, a.context, a.rounds, fractions, a.copy_engine_gbps,
                         a.tile_numel, on_row=keep, deadline=t0 + 1.7 * a.budget_s, ckpt=a.checkpoint,
-                        state_dtype=a.state_dtype)  # fmt: skip
+                        state_dtype=a.state_dtype, probe=not a.no_launch_probe)  # fmt: skip
             except Exception as e:  # e.g. out of memory: the row says why, the other sizes still run
                 print(f"{size}: FAILED {type(e).__name__}: {e}", flush=True)
                 rows.append({"size": size, "error": f"{type(e).__name__}: {e}"[:500]})

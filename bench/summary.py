@@ -212,6 +212,14 @@ def host_info(root: str = "/") -> dict:
     }
 
 
+def _host() -> dict:
+    """host_info(), or what stopped it: a system that reads differently never costs the run its summary."""
+    try:
+        return host_info()
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
 def summary_json(outdir: str, device: str = "", commit: str = "", date: str = "") -> dict:
     """summary.json: {"device", "date", "commit", "host" (host_info), "pack": [...], "step": [...], "anchors": [...],
     "scale": [...], "targets": {...}}. pack: bench/summary_pack.py's pack_rows over OUTDIR/bench-pack.json (and
@@ -240,7 +248,7 @@ def summary_json(outdir: str, device: str = "", commit: str = "", date: str = ""
         "device": device,
         "date": date or datetime.date.today().isoformat(),
         "commit": commit,
-        "host": host_info(),
+        "host": _host(),
         "pack": pack,
         "pack_host": host_row(bench_pack),
         "step": step,

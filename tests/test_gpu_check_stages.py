@@ -77,7 +77,8 @@ def test_step_rows_checkpointed_rows_train_the_same_model(tmp_path):
         probe = r["launch_probe"]  # once per size, in every row of it
         assert probe["synced_ms"] > 0 and probe["after_update_ms"] > 0 and probe["threads"] >= 1
         assert probe["beside_update_ms"] and all(v > 0 for v in probe["beside_update_ms"].values())
-        assert probe.get("after_update_released_ms", 1.0) > 0  # (where libgomp is loaded: torch's wheels)
+        if step_rows.OmpRelease.find() is not None:  # (where libgomp is loaded: torch's wheels carry one)
+            assert probe["after_update_released_ms"] > 0 and set(probe["released_by"].values()) == {0}
         assert probe["beside_update_adam_ns_per_param"].keys() == probe["beside_update_ms"].keys()
 
 
@@ -103,7 +104,7 @@ def test_cpu_after_counts_what_other_threads_burn_once_the_step_is_over():
         stop.set()
     time.sleep(0.05)
     idle = step_rows.cpu_after(lambda: None, torch.device("cpu"), window_s=0.1)
-    assert busy["cpu_ms"] > 20 and busy["window_ms"] == 100, busy  # the GIL shares it with this thread's sleep
+    assert busy["cpu_ms"] > 10 and busy["window_ms"] == 100, busy  # (the spinner holds the GIL: ~100 ms idle)
     assert idle["cpu_ms"] < busy["cpu_ms"] - 15, (idle, busy)
 
 
@@ -379,3 +380,31 @@ def test_orchestration_leaves_out_the_wait_for_the_background_update():
     sync = {"offload": 2.33, "reduce": 0.19, "step": 22.34, "kernel": 21.31, "dpu_wait": 0.0}
     assert abs(step_rows.orchestration_ms(sync, 0.0, torch.device("cuda")) - 3.55) < 1e-9
     assert abs(step_rows.orchestration_ms(sync, 1.0, torch.device("cpu")) - 2.55) < 1e-9
+
+
+def test_omp_release_ends_the_update_threads():
+    """launch_probe's after_update_released_ms ends the OpenMP workers a CPU Adam call left (libgomp's
+    omp_pause_resource_all): the process has fewer threads after it."""
+    import torch
+
+    import zo_kernels as zk
+
+    release = step_rows.OmpRelease.find()
+    if release is None:
+        pytest.skip("no libgomp loaded in this process (torch's wheels carry one)")
+    n = 1 << 20
+    p, g, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    zk.cpu_adam_step(p, g, m, v, step=1, lr=1e-3, threads=4)  # a team of 4: 3 workers
+    before = len(os.listdir("/proc/self/task"))
+    assert set(release()) == {0}
+    assert len(os.listdir("/proc/self/task")) <= before - 3
+
+
+def test_launch_probe_waits_for_the_rows_when_time_is_short():
+    """Under PROBE_MARGIN_S before the rows' deadline the probe is skipped, saying why; the rows still run."""
+    import time
+
+    import torch
+
+    rows = step_rows.measure("2e5", ["sync"], torch.device("cpu"), 2, 16, 2, deadline=time.perf_counter() + 30)
+    assert rows[0]["launch_probe"] == {"skipped": "under 60 s left for this size's rows"} and rows[0]["zo_ms"] > 0

@@ -174,7 +174,7 @@ def test_dashboard_tells_rows_of_one_size_and_mode_apart_and_reads_targets(tmp_p
     assert "{&#x27;" not in page and "{'" not in page
 
 
-def test_host_info_reads_smt_siblings_numa_and_the_cgroup_quota(tmp_path):
+def test_host_info_reads_smt_siblings_numa_and_the_cgroup_quota(tmp_path, monkeypatch):
     """summary.json's "host": 8 CPUs as 4 cores of 2 SMT siblings, 2 NUMA nodes, a cgroup quota of 6 CPUs."""
     (tmp_path / "proc").mkdir()
     (tmp_path / "proc" / "cpuinfo").write_text(
@@ -202,3 +202,6 @@ def test_host_info_reads_smt_siblings_numa_and_the_cgroup_quota(tmp_path):
     (tmp_path / "sys" / "fs" / "cgroup" / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
     assert summary.host_info(str(tmp_path))["cgroup_cpus"] is None
     assert summary.host_info()["cpus"] >= 1  # this machine
+    monkeypatch.setattr(summary, "host_info", lambda: int("x"))  # a system that reads differently
+    assert summary.summary_json(str(tmp_path))["host"] == {"error": "ValueError: invalid literal for int() with base "
+                                                                    "10: 'x'"}  # fmt: skip
