@@ -817,20 +817,32 @@ constexpr int64_t kMinPerThread = 1 << 14;
 // Threads split the range on multiples of one unrolled AVX-512 iteration (128 floats = 8 lines).
 constexpr int64_t kGrain = 128;
 
-// fn(lo, hi) over [0, n) split into one range per thread, each a multiple of `grain` long but the last. The team may
-// be smaller than asked (OMP_THREAD_LIMIT, OMP_DYNAMIC=true, a nested region): the split is made from the threads the
-// team has, so every element is covered whatever it got (each range's result does not depend on the split: the
-// kernels are elementwise, 8-bit blocks whole).
+// Threads a range of n elements is split over: one per kMinPerThread elements, at most `threads`.
+inline int ranges_for(int64_t n, int threads) {
+  return int(std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread)));
+}
+
+// fn(lo, hi) over [0, n) split into ranges_for(n, threads) ranges, each a multiple of `grain` long but the last. A
+// parallel region always asks for the whole `threads` team, the threads past the ranges idle: libgomp ends pool
+// threads when a region asks for fewer than the last one and starts new ones when a later one asks for more, so a
+// smaller run between two large ones (a run's last tile, a short span) cost a thread start per worker (2 of 4
+// threads ended and restarted here, the large call after 3.9 ms against 0.2). The team may be smaller than asked
+// (OMP_THREAD_LIMIT, OMP_DYNAMIC=true, a nested region): the split is made from the threads the team has, so every
+// element is covered whatever it got (each range's result does not depend on the split: the kernels are
+// elementwise, 8-bit blocks whole).
 template <class F>
 void for_ranges(int64_t n, int threads, int64_t grain, F fn) {
-  const int t = int(std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread)));
+  const int t = ranges_for(n, threads);
   if (t == 1) { fn(int64_t(0), n); return; }
-#pragma omp parallel num_threads(t)
+#pragma omp parallel num_threads(threads)
   {
-    const int64_t team = omp_get_num_threads();
-    const int64_t chunk = ((n + team - 1) / team + grain - 1) / grain * grain;
-    const int64_t lo = std::min<int64_t>(n, omp_get_thread_num() * chunk);
-    fn(lo, std::min<int64_t>(n, lo + chunk));
+    const int64_t parts = std::min<int64_t>(t, omp_get_num_threads());
+    const int64_t me = omp_get_thread_num();
+    if (me < parts) {
+      const int64_t chunk = ((n + parts - 1) / parts + grain - 1) / grain * grain;
+      const int64_t lo = std::min<int64_t>(n, me * chunk);
+      fn(lo, std::min<int64_t>(n, lo + chunk));
+    }
   }
 }
 
@@ -973,9 +985,13 @@ SumSquares sum_squares(const void* x, void* y, int dtype, int64_t n, int isa, in
   // finish: a clipping coefficient that changed between identical runs).
   std::vector<double> part(size_t(chunks), 0.0);
   int bad = 0;
-  const int t = int(std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread)));
-#pragma omp parallel for num_threads(t) reduction(| : bad) schedule(static)
-  for (int64_t c = 0; c < chunks; ++c) part[size_t(c)] = fn(x, y, c * kChunk, std::min(n, (c + 1) * kChunk), &bad);
+  // (the whole team, as for_ranges asks, or no region: the chunks' order fixes the sum whichever threads run them)
+  if (ranges_for(n, threads) == 1) {
+    for (int64_t c = 0; c < chunks; ++c) part[size_t(c)] = fn(x, y, c * kChunk, std::min(n, (c + 1) * kChunk), &bad);
+  } else {
+#pragma omp parallel for num_threads(threads) reduction(| : bad) schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) part[size_t(c)] = fn(x, y, c * kChunk, std::min(n, (c + 1) * kChunk), &bad);
+  }
   double total = 0.0;
   for (const double s : part) total += s;
   return {total, bad != 0};
