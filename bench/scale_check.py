@@ -298,8 +298,9 @@ def activation_bytes(c: GPTConfig, tokens: int, cuda: bool = False) -> int:
 
 
 def config_for(width: int, layers: int, args: argparse.Namespace) -> GPTConfig:
-    """A GPT of this width and depth, heads of 128 (32 below width 1024), --vocab and --context."""
-    head_dim = 128 if width >= 1024 else 32
+    """A GPT of this width and depth, heads of 128 (32 below width 1024, or where 128 does not divide the width: the
+    CPU's search steps by 32), --vocab and --context."""
+    head_dim = 128 if width >= 1024 and width % 128 == 0 else 32
     return GPTConfig(vocab=args.vocab, context=args.context, layers=layers, width=width,
                      heads=max(1, width // head_dim))  # fmt: skip
 

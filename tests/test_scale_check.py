@@ -87,6 +87,16 @@ def test_the_shape_search_takes_the_largest_gpt_the_planner_fits():
     assert scale_check.gpt_params(c8) > 1.4 * scale_check.gpt_params(c32)  # 10.03 against 16 host bytes per param
 
 
+def test_every_searched_width_splits_into_whole_heads():
+    """The CPU's search steps widths by 32: from 1024 up, a width 128 does not divide keeps heads of 32 (width 1312
+    was given 10 heads of 131.2 and the first forward raised)."""
+    args = argparse.Namespace(vocab=256, context=64)
+    for width in range(32, 8193, 32):
+        c = scale_check.config_for(width, 2, args)
+        assert c.width % c.heads == 0, (width, c.heads)
+    assert scale_check.config_for(2048, 16, args).heads == 16  # heads of 128 where they fit (the GPU's step)
+
+
 def test_out_of_memory_halves_the_tokens_once_and_a_failure_is_a_row(tmp_path, monkeypatch):
     """Step 1 out of device memory: retried with half the tokens (the planner's figures for those). A setting that
     fails is a row with its error; the next one still runs."""
