@@ -536,8 +536,8 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
                     waits.append(opt.stats.get("time_dpu_wait", 0.0))
                 if opt.stats.get("time_cpu_update") is not None:
                     updates.append(opt.stats["time_cpu_update"])
-            say(setting, f"step {i + 1}: loss {losses[-1]:.4f}, {times[-1]:.2f}s, waited "
-                         f"{opt.stats.get('time_dpu_wait', 0.0):.2f}s for the DPU update")  # fmt: skip
+            wait = f", waited {opt.stats.get('time_dpu_wait', 0.0):.2f}s for the DPU update" if DPU[setting] else ""
+            say(setting, f"step {i + 1}: loss {losses[-1]:.4f}, {times[-1]:.2f}s{wait}")
             record()
         opt.synchronize()
         _sync(device)
