@@ -25,7 +25,8 @@ block checkpointed (torch.utils.checkpoint) and the LM head + loss computed over
   build    the model on the meta device, ZeroOffloadAdamW(model, init=ParamInit(fn, device)): one parameter's fp32
            values at a time, never a full fp32 copy
   train    --steps steps on synthetic tokens (skewed to small ids, so the loss can fall); each step synchronized;
-           --lr, default 3e-4 below 1B params and 1e-4 from there (five steps, no warm-up); the child processes
+           --lr (default_lr: min(3e-4, 0.075 / width)), reached by a linear warm-up over the steps
+           (--warmup-steps); the child processes
            use PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set
   measure  step time (median of the steps after the first two), tokens/s, model TFLOPS = 6 x params x tokens / step
            time and its fraction of the measured matmul rate (mfu) and of the datasheet's peak (mfu_peak), step()'s
@@ -381,6 +382,16 @@ def init_fn(name: str, out: torch.Tensor, gen: torch.Generator) -> None:
         out.fill_(1.0)
 
 
+def default_lr(c: GPTConfig) -> float:
+    """min(3e-4, 0.075 / width): 3e-5 at width 2500, 1.5e-5 at width 5120 (Adam moves every weight of a matrix by
+    about lr, so its outputs by about lr x width), reached by a linear warm-up over the run's steps. On the CPU (one
+    run each, 512 tokens a step, 5 steps with the warm-up unless said) a 1.6B GPT of width 2464-2496: 1e-4 without
+    warm-up 10.76 -> 11.55 in three steps; 1e-4 10.76 -> 10.49 with a bump; 9.2e-5 10.91 -> 10.87 (up 0.57 at step
+    4); 3e-5 10.91 -> 10.57, every step lower. Not zo's doing: on a 4-layer GPT of width 1280 at 3e-4, torch's AdamW
+    and zo went through the same losses, bumps included (8 steps, 4096 tokens each)."""
+    return min(3e-4, 0.075 / c.width)
+
+
 def head_loss(model: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The summed cross-entropy of one chunk of tokens: final LayerNorm, head, fp32 logits."""
     return F.cross_entropy(model.head(model.ln(x)).float(), y, reduction="sum")
@@ -466,8 +477,9 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = GPT(c)
-    lr = args.lr or (1e-4 if params >= 1e9 else 3e-4)  # (no warm-up in five steps: a gentler rate at scale)
-    row["lr"] = lr
+    lr = args.lr or default_lr(c)
+    warmup = args.steps if args.warmup_steps is None else args.warmup_steps
+    row["lr"], row["warmup_steps"] = lr, warmup
     opt = zk.ZeroOffloadAdamW(model, lr=lr, weight_decay=0.0, dtype=torch.bfloat16,
                               delay_update_after=1 if DPU[setting] else None,
                               init=zk.ParamInit(init_fn, device=device, seed=0), **SETTINGS[setting])  # fmt: skip
@@ -509,6 +521,10 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
             if i >= min(args.steps, 5) and time.perf_counter() + times[-1] > deadline:
                 row["cut_short"] = f"the {args.budget_s:.0f}s budget ended after {i} steps"
                 break
+            step_lr = lr * min(1.0, (i + 1) / max(1, warmup))  # linear warm-up: Adam's first steps move every
+            for g in opt.param_groups:  # parameter by about lr
+                g["lr"] = step_lr
+            row.setdefault("lr_per_step", []).append(step_lr)
             _sync(device)
             t0 = time.perf_counter()
             retry = False
@@ -629,8 +645,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--tokens", type=int, default=0, help="tokens per step (default: enough to cover CPU Adam)")
-    ap.add_argument("--lr", type=float, default=0.0,
-                    help="learning rate (default: 3e-4, 1e-4 from 1B params: no warm-up in five steps)")
+    ap.add_argument("--lr", type=float, default=0.0, help="learning rate (default: default_lr, by the width)")
+    ap.add_argument("--warmup-steps", type=int, default=None,
+                    help="steps of linear warm-up to --lr (default: all of them, step k at k/steps of it)")
     ap.add_argument("--host-reserve-gib", type=float, default=10.0)
     ap.add_argument("--in-process", action="store_true",
                     help="run the settings in this process (no isolation; for the CPU test)")
@@ -658,6 +675,8 @@ def main(argv: list[str]) -> int:
                "--budget-s", f"{share * 0.75:.0f}", "--max-params", str(args.max_params), "--steps", str(args.steps),
                "--context", str(args.context), "--vocab", str(args.vocab), "--tokens", str(args.tokens),
                "--lr", str(args.lr), "--host-reserve-gib", str(args.host_reserve_gib)]  # fmt: skip
+        if args.warmup_steps is not None:
+            cmd += ["--warmup-steps", str(args.warmup_steps)]
         say(s, f"starting (budget {share:.0f}s)")
         error = None
         if args.in_process:
