@@ -8,7 +8,10 @@ this order, each given what the budget leaves, each after the first started only
   s2-8bit       ZeroOffloadAdamW(stage=2, state_dtype="8bit")
   s2-fp32       ZeroOffloadAdamW(stage=2), fp32 moments
   s3-cpu        ZeroOffloadAdamW(stage=3, offload_param="cpu"), fp32 moments
-every one but s2-8bit-sync with the delayed parameter update after the first step (DPU), bf16 parameters, every
+every one but s2-8bit-sync with the delayed parameter update (DPU) after DPU_AFTER synchronous steps (as the
+ZeRO-Offload paper starts it after a warm-up: from step 2, with Adam's first steps, the loss jumped, 10.50 -> 13.74
+for a 1.3B GPT on the CPU; on a 4-layer GPT of width 1280 zo's delayed update went through the plain-PyTorch oracle's
+losses to 4 decimals, its jumps included), bf16 parameters, every
 block checkpointed (torch.utils.checkpoint) and the LM head + loss computed over chunks of tokens, each checkpointed.
   machine  device memory (torch.cuda.mem_get_info; on the CPU: host memory), host memory (/proc/meminfo
            MemAvailable, or what this process's memory cgroup still allows where that is less), disk (free space of
@@ -28,7 +31,8 @@ block checkpointed (torch.utils.checkpoint) and the LM head + loss computed over
            --lr (default_lr: min(3e-4, 0.075 / width)), reached by a linear warm-up over the steps
            (--warmup-steps); the child processes
            use PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set
-  measure  step time (median of the steps after the first two), tokens/s, model TFLOPS = 6 x params x tokens / step
+  measure  step time (median of the steps after the first two; DPU: of the delayed steps after the first), tokens/s,
+           model TFLOPS = 6 x params x tokens / step
            time and its fraction of the measured matmul rate (mfu) and of the datasheet's peak (mfu_peak), step()'s
            wait for the background update (DPU: dpu_wait_s; adam_hidden when it is under 5% of the step) and the
            update's own time (cpu_update_s, cpu_update_ns_per_param beside the slice's adam_ns_per_param), peak device
@@ -80,6 +84,7 @@ FORMAT = {"s2-8bit-sync": "8bit", "s2-fp32": "fp32", "s2-8bit": "8bit", "s3-cpu"
 STRATEGY = {"s2-8bit-sync": "ZeRO-2 + offload", "s2-fp32": "ZeRO-2 + offload", "s2-8bit": "ZeRO-2 + offload",
             "s3-cpu": "ZeRO-3 + offload"}  # fmt: skip
 DPU = {"s2-8bit-sync": False, "s2-fp32": True, "s2-8bit": True, "s3-cpu": True}  # DPU's second landing buffer: 2 B
+DPU_AFTER = 3  # synchronous steps before the delayed update starts; a DPU setting trains at least DPU_AFTER + 3 steps
 MISMATCH = 0.10  # a planner figure more than 10% off the measured one is flagged (issue 23)
 LOSS_CHUNK = 4096  # tokens per checkpointed LM-head + loss chunk: its fp32 logits stay ~14 x 4096 x vocab bytes
 WORKSPACE = 2**30  # the planner's per-GPU workspace (cuBLAS, the allocator's slack): left out of the comparison
@@ -478,10 +483,15 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
     with torch.device("meta"):
         model = GPT(c)
     lr = args.lr or default_lr(c)
-    warmup = args.steps if args.warmup_steps is None else args.warmup_steps
+    steps = max(args.steps, DPU_AFTER + 3) if DPU[setting] else args.steps  # (two steady delayed steps at least)
+    # the steps timed: after the synchronous one(s) and, under DPU, the first delayed one (which waits for nothing)
+    first_timed = DPU_AFTER + 1 if DPU[setting] else min(2, steps - 1)
+    warmup = steps if args.warmup_steps is None else args.warmup_steps
     row["lr"], row["warmup_steps"] = lr, warmup
+    if DPU[setting]:
+        row["dpu_after_steps"] = DPU_AFTER
     opt = zk.ZeroOffloadAdamW(model, lr=lr, weight_decay=0.0, dtype=torch.bfloat16,
-                              delay_update_after=1 if DPU[setting] else None,
+                              delay_update_after=DPU_AFTER if DPU[setting] else None,
                               init=zk.ParamInit(init_fn, device=device, seed=0), **SETTINGS[setting])  # fmt: skip
     _sync(device)
     row["build_s"] = time.perf_counter() - t0
@@ -493,7 +503,7 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
 
     def record() -> None:  # the row as of now, written: a run killed later keeps it
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        timed = times[2:] or times  # (the first two: the synchronous step and the first delayed one)
+        timed = times[first_timed:] or times
         step_s = sorted(timed)[len(timed) // 2]
         model_tflops = 6 * params * tokens / step_s / 1e12
         row.update(device_states_gib=opt.device_bytes.peak / GIB)
@@ -517,8 +527,8 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
         write()
 
     try:
-        for i in range(args.steps):
-            if i >= min(args.steps, 5) and time.perf_counter() + times[-1] > deadline:
+        for i in range(steps):
+            if i >= min(steps, max(5, first_timed + 2)) and time.perf_counter() + times[-1] > deadline:
                 row["cut_short"] = f"the {args.budget_s:.0f}s budget ended after {i} steps"
                 break
             step_lr = lr * min(1.0, (i + 1) / max(1, warmup))  # linear warm-up: Adam's first steps move every
@@ -547,7 +557,7 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
                 losses.append(train_step(model, opt, c, tokens, gen, device))
             _sync(device)
             times.append(time.perf_counter() - t0)
-            if i >= 2:  # (steps 1, 2: synchronous, and the first delayed one, which waits for nothing)
+            if i >= first_timed:
                 if DPU[setting]:  # (without DPU nothing is waited for: the update is the step's own)
                     waits.append(opt.stats.get("time_dpu_wait", 0.0))
                 if opt.stats.get("time_cpu_update") is not None:
