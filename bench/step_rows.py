@@ -15,10 +15,10 @@ loop runs; the parts alone: median of calls synchronized one by one):
   launch_probe  once per size, the bf16 model's forward + backward (no optimizer) alone, right after a CPU Adam call,
                 and beside CPU Adam looping on a background thread (launch_probe's docstring): whether the host's
                 cores, shared with the update, slow the thread that launches the device's work
-  cpu_after_step  one more step, the device synchronized, then the CPU ms this process's other threads run in the
-                next 30 ms: an update's worker threads spinning for more work (libgomp spins ~8 ms per thread after
-                each parallel region here) hold cores the next forward's launches need; under DPU the background
-                update still running counts too
+  cpu_after_step  one more step, then the CPU ms this process's other threads run in the 30 ms after step()
+                returns (before the device is synchronized): an update's worker threads spinning for more work
+                (libgomp spins ~8 ms per thread after each parallel region here) hold cores the next forward's
+                launches need; under DPU the background update still running counts too (update_pending)
 Orchestration = the optimizer's time outside kernels and copies: (offload + reduce + step() - CPU Adam kernel
 [- pack alone, device = CPU]) / step (orchestration_ms); the earlier measure, every optimizer phase but the kernel
 (packing and the end-of-backward wait included), is optimizer_outside_kernel_of_step.
