@@ -33,11 +33,11 @@
 # Scale mode (issue 23), its own device command because the default check uses most of one:
 #   bash bench/gpu_check.sh OUTDIR scale  builds, then bench/scale_check.py: per setting (ZO_SCALE_SETTINGS,
 #     default s2-8bit-sync,s2-8bit: the largest model, then the one with DPU; s2-fp32 and s3-cpu on request) the
-#     largest GPT the planner fits, built on the meta device, 5 steps (with DPU but for s2-8bit-sync) and
-#     checkpointing, beside the planner's figures -> OUTDIR/scale.json, folded into OUTDIR/summary.json's "scale"
-#     rows. The first setting takes what the budget leaves; a later one starts only with 150 s left for it (a
-#     12-15B build, warm-up and five steps take 3-5 minutes: estimated by a reading, never measured), else its row
-#     says NOT RUN; one that runs out keeps the steps it finished. One device command:
+#     largest GPT the planner fits, built on the meta device, 5 steps (6 with DPU, delayed after 3; no DPU for
+#     s2-8bit-sync) and checkpointing, beside the planner's figures -> OUTDIR/scale.json, folded into
+#     OUTDIR/summary.json's "scale" rows. The first setting takes what the budget leaves; a later one starts only with
+#     150 s left for it (a 12-15B build, warm-up and five or six steps take 3-5 minutes: estimated by a reading,
+#     never measured), else its row says NOT RUN; one that runs out keeps the steps it finished. One device command:
 #     ZO_CHECK_BUDGET_S=570 bash bench/gpu_check.sh OUTDIR scale (timeout 600).
 #   Without a GPU it runs the same script on the CPU at a few million parameters (what tests/test_scale_check.py
 #   runs) and says so.

@@ -27,11 +27,13 @@ block checkpointed (torch.utils.checkpoint) and the LM head + loss computed over
            prefetch_params = the next block's first LayerNorm), at most --max-params
   build    the model on the meta device, ZeroOffloadAdamW(model, init=ParamInit(fn, device)): one parameter's fp32
            values at a time, never a full fp32 copy
-  train    --steps steps on synthetic tokens (skewed to small ids, so the loss can fall); each step synchronized;
+  train    --steps steps (DPU settings at least DPU_AFTER + 3) on synthetic tokens (skewed to small ids, so the loss
+           can fall); each step synchronized;
            --lr (default_lr: min(3e-4, 0.075 / width)), reached by a linear warm-up over the steps
            (--warmup-steps); the child processes
            use PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set
-  measure  step time (median of the steps after the first two; DPU: of the delayed steps after the first), tokens/s,
+  measure  step time (median of the steps after the first two; DPU: of the delayed steps after the first; timed_steps,
+           and step_note where none has finished yet), tokens/s,
            model TFLOPS = 6 x params x tokens / step
            time and its fraction of the measured matmul rate (mfu) and of the datasheet's peak (mfu_peak), step()'s
            wait for the background update (DPU: dpu_wait_s; adam_hidden when it is under 5% of the step) and the
@@ -47,6 +49,7 @@ block checkpointed (torch.utils.checkpoint) and the LM head + loss computed over
 Usage: python bench/scale_check.py OUT.json [--settings s2-8bit-sync,s2-8bit,s2-fp32,s3-cpu] [--device cuda]
        [--budget-s 420]
        [--max-params 1e12] [--steps 5] [--context 2048] [--vocab 32000] [--tokens N] [--host-reserve-gib 10]
+       [--lr LR] [--warmup-steps N]
 Writes OUT.json (a list of rows) after every setting (a run cut short keeps what finished); prints progress lines.
 """
 
@@ -59,6 +62,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,8 +95,8 @@ WORKSPACE = 2**30  # the planner's per-GPU workspace (cuBLAS, the allocator's sl
 BUCKET_BYTES = 2 * zk.offload.DEFAULT_BUCKET_NUMEL * 2  # two bf16 gradient buckets on a GPU (none on one CPU rank)
 GIB = 2**30
 MIN_SHARE_S = {"cuda": 150, "cpu": 30}  # a setting after the first is started only with this many seconds left for
-# it (on a GPU machine a 12-15B build, the warm-up and five steps take 3-5 minutes: one started with less would be
-# killed mid-build); the first, the headline, always runs
+# it (on a GPU machine a 12-15B build, the warm-up and its five or six steps take 3-5 minutes: one started with less
+# would be killed mid-build); the first, the headline, always runs
 SPEC_TFLOPS = (("H200 NVL", 835.0), ("H200", 989.4), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4),
                ("GH200", 989.4),
                ("A100", 312.0), ("L40S", 362.1))  # dense bf16 tensor-core peaks, datasheet figures, by device name
@@ -503,8 +507,14 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
 
     def record() -> None:  # the row as of now, written: a run killed later keeps it
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        timed = times[first_timed:] or times
-        step_s = sorted(timed)[len(timed) // 2]
+        timed = times[first_timed:]
+        row["timed_steps"] = len(timed)
+        if timed:
+            row.pop("step_note", None)
+        else:  # (a row written before a steady step finished, kept if the run is killed: flagged, never silent)
+            timed = times
+            row["step_note"] = "no steady step finished yet: step_s is the median of every step so far"
+        step_s = statistics.median(timed)
         model_tflops = 6 * params * tokens / step_s / 1e12
         row.update(device_states_gib=opt.device_bytes.peak / GIB)
         if peak is not None:  # the rest of the device's peak: activations, autograd's gradients, temporaries
@@ -515,7 +525,7 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
                    tflops=model_tflops, mfu=model_tflops / tflops, mfu_peak=model_tflops / spec if spec else None,
                    loss_first=losses[0], loss_last=losses[-1], loss_falls=losses[-1] < losses[0],
                    **measured)  # fmt: skip
-        median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        median = statistics.median
         if updates:  # the update's own rate in the run, beside the slice's that sized the tokens
             row.update(cpu_update_s=median(updates), cpu_update_ns_per_param=median(updates) / params * 1e9)
         if waits:  # DPU hides CPU Adam when step() hardly waits for the background update
@@ -562,7 +572,8 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
                     waits.append(opt.stats.get("time_dpu_wait", 0.0))
                 if opt.stats.get("time_cpu_update") is not None:
                     updates.append(opt.stats["time_cpu_update"])
-            wait = f", waited {opt.stats.get('time_dpu_wait', 0.0):.2f}s for the DPU update" if DPU[setting] else ""
+            delayed = DPU[setting] and i >= DPU_AFTER
+            wait = f", waited {opt.stats.get('time_dpu_wait', 0.0):.2f}s for the DPU update" if delayed else ""
             say(setting, f"step {i + 1}: loss {losses[-1]:.4f}, {times[-1]:.2f}s{wait}")
             record()
         opt.synchronize()

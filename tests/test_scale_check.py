@@ -1,6 +1,6 @@
 """bench/scale_check.py end to end on the CPU (device = CPU, a few million parameters): every setting planned,
-built on the meta device, trained for 5 steps under DPU with checkpointing, measured and compared with the planner;
-the host bytes the planner predicts within 10% of the peak RSS the run measured."""
+built on the meta device, trained for 5 steps (6 under DPU, delayed after 3) with checkpointing, measured and compared
+with the planner; the host bytes the planner predicts within 10% of the peak RSS the run measured."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 
 import pytest
@@ -42,6 +43,9 @@ def test_every_setting_end_to_end_on_the_cpu(tmp_path):
         assert ROW <= r.keys(), sorted(ROW - r.keys())
         n = scale_check.DPU_AFTER + 3 if scale_check.DPU[r["setting"]] else 5  # (DPU: two steady delayed steps)
         assert r["steps"] == n and len(r["losses"]) == n and all(math.isfinite(x) for x in r["losses"])
+        first = scale_check.DPU_AFTER + 1 if scale_check.DPU[r["setting"]] else 2  # the steady steps: the timed ones
+        assert r["timed_steps"] == n - first and "step_note" not in r
+        assert r["step_s"] == statistics.median(r["step_times_s"][first:])
         assert r["loss_falls"] and r["loss_last"] < r["loss_first"]
         assert 1e6 < r["params"] <= 12e6 < r["planner_params"]  # --max-params chose the size, not the planner
         assert r["tflops"] == pytest.approx(6 * r["params"] * r["tokens_per_step"] / r["step_s"] / 1e12)
@@ -230,3 +234,23 @@ def test_sync_tokens_grow_where_the_device_has_room():
     tight = {**roomy, "device_total": 40 * 2**30}  # the device bounds the model (2.1B at 3x): no room for more
     c, t, _ = scale_check.choose_model("s2-8bit-sync", tight, 1e-9, 700.0, args)
     assert t == tokens(3) and not scale_check.plan_for(c, "s2-8bit-sync", tokens(4), tight, args)[0]
+
+
+def test_a_dpu_row_cut_before_a_steady_step_says_its_time_is_not_one(tmp_path, monkeypatch):
+    """A DPU setting killed (here: failing) at its first delayed step keeps the row written after step 3, whose
+    step_s is then the synchronous steps' median: flagged (step_note, timed_steps 0), never passed off as DPU's."""
+    real, calls = scale_check.train_step, []
+
+    def fails_at_step_4(model, opt, c, tokens, gen, device):
+        calls.append(tokens)
+        if len(calls) == 3 + 4:  # the warm-up's three steps, then steps 1-3
+            raise RuntimeError("injected at step 4")
+        return real(model, opt, c, tokens, gen, device)
+
+    monkeypatch.setattr(scale_check, "train_step", fails_at_step_4)
+    out = tmp_path / "scale.json"
+    args = [*CPU_ARGS, "--max-params", "2e6", "--settings", "s2-fp32", "--budget-s", "300", "--in-process"]
+    assert scale_check.main([str(out), *args]) == 1
+    (row,) = json.loads(out.read_text())
+    assert "injected at step 4" in row["error"] and row["steps"] == 3 and row["timed_steps"] == 0
+    assert row["step_note"].startswith("no steady step finished yet")
