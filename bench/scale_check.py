@@ -397,7 +397,7 @@ def default_lr(c: GPTConfig) -> float:
     run each, 512 tokens a step, 5 steps with the warm-up unless said) a 1.6B GPT of width 2464-2496: 1e-4 without
     warm-up 10.76 -> 11.55 in three steps; 1e-4 10.76 -> 10.49 with a bump; 9.2e-5 10.91 -> 10.87 (up 0.57 at step
     4); 3e-5 10.91 -> 10.57, every step lower. Not zo's doing: on a 4-layer GPT of width 1280 at 3e-4, torch's fp32
-    AdamW and zo's bf16 step stayed within 0.03 of each other, bumps at the same steps (8 steps, 4096 tokens each)."""
+    AdamW and zo's bf16 step stayed within 0.031 of each other, bumps at the same steps (8 steps, 4096 tokens each)."""
     return min(3e-4, 0.075 / c.width)
 
 
