@@ -76,9 +76,9 @@ from torch.utils.checkpoint import checkpoint
 
 import zo_kernels as zk
 from zo_kernels.auto_fraction import FractionPick, measure_device_adam_rate, pick_fraction
-from zo_kernels.cpu_adam import zero_moments
 from zo_kernels.gpt import GPT, GPTConfig, num_params
 from zo_kernels.offload.comm import beside_compute
+from zo_kernels.offload.formats import Moments
 from zo_kernels.offload.twin import split_runs
 from zo_kernels.planner import STATE_DTYPES, state_k
 from zo_kernels.transport import CopyEngineTransport, Transport
@@ -251,7 +251,6 @@ def torch_fused(cfg: GPTConfig, x: torch.Tensor, rounds: int) -> dict:
 
 
 PROBE_MARGIN_S = 60  # launch_probe runs only with this much left before the rows' deadline
-STATE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": "8bit"}  # --state-dtype -> cpu_adam's
 
 
 class OmpRelease(NamedTuple):
@@ -307,7 +306,7 @@ def launch_probe(cfg: GPTConfig, x: torch.Tensor, rounds: int, state_dtype: str 
     p = torch.randn(n) * 0.02
     g = (torch.randn(n) * 1e-3).to(torch.bfloat16)
     out = torch.empty(n, dtype=torch.bfloat16)
-    m, v = zero_moments(p, STATE_FORMATS[state_dtype])
+    m, v = Moments(state_dtype, n).pair  # (the optimizer's own moments, by format name)
     threads = max(1, torch.get_num_threads())
     background = beside_compute(threads)
     steps = iter(range(1, 1 << 62))
@@ -315,10 +314,7 @@ def launch_probe(cfg: GPTConfig, x: torch.Tensor, rounds: int, state_dtype: str 
     def update(t: int) -> None:
         zk.cpu_adam_step(p, g, m, v, step=next(steps), lr=1e-4, param_out=out, threads=t)
 
-    def run() -> None:
-        model.zero_grad(set_to_none=True)
-        model(x[:, :-1], x[:, 1:]).backward()
-
+    run = fwd_bwd_call(model, x)
     release = OmpRelease.find()
     codes: list[int] = []
 
@@ -388,14 +384,19 @@ def plain(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return model(idx, targets)
 
 
-def fwd_bwd(model: GPT, x: torch.Tensor, rounds: int, loss_of: Callable = plain) -> float:
-    """Mean seconds of forward + backward on the (bf16) model alone, back to back."""
+def fwd_bwd_call(model: GPT, x: torch.Tensor, loss_of: Callable = plain) -> Callable[[], None]:
+    """One forward + backward of the model alone (gradients dropped first): what fwd_bwd and launch_probe time."""
 
     def run() -> None:
         model.zero_grad(set_to_none=True)
         loss_of(model, x[:, :-1], x[:, 1:]).backward()
 
-    times = _steps(run, x.device, warmup=2, rounds=rounds)
+    return run
+
+
+def fwd_bwd(model: GPT, x: torch.Tensor, rounds: int, loss_of: Callable = plain) -> float:
+    """Mean seconds of forward + backward on the (bf16) model alone, back to back."""
+    times = _steps(fwd_bwd_call(model, x, loss_of), x.device, warmup=2, rounds=rounds)
     model.zero_grad(set_to_none=True)
     return _mean(times)
 
