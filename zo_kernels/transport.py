@@ -78,10 +78,7 @@ class HostPool:
 
     def _live_block(self, start: int) -> int | None:
         """The address of the live block holding address `start`, or None (blocks never overlap)."""
-        i = bisect.bisect_right(self._live_at, start) - 1
-        if i >= 0 and start < self._live_at[i] + self._live[self._live_at[i]][0]:
-            return self._live_at[i]
-        return None
+        return _block_at(self._live_at, lambda addr: self._live[addr][0], start)
 
     def _set_freed(self, addr: int, nbytes: int | None) -> None:
         """Mark a block given back (nbytes) or no longer so (None: handed out again, or released)."""
@@ -146,10 +143,8 @@ class HostPool:
 
     def check_usable(self, t: torch.Tensor, name: str) -> None:
         """Raise if `t` lies in a buffer of this pool that was given back (a copy into freed memory)."""
-        start = t.data_ptr()
         with self._lock:
-            i = bisect.bisect_right(self._freed_at, start) - 1
-            if i >= 0 and start < self._freed_at[i] + self._freed[self._freed_at[i]]:
+            if _block_at(self._freed_at, self._freed.__getitem__, t.data_ptr()) is not None:
                 raise ValueError(f"{name} lies in a pool buffer that was given back (freed): copy refused")
 
     def _trim(self, need: int) -> None:
@@ -174,6 +169,12 @@ class HostPool:
                 self.reserved -= nbytes
             self._live.clear()
             self._live_at.clear()
+
+
+def _block_at(starts: list[int], nbytes: Callable[[int], int], addr: int) -> int | None:
+    """The start of the block holding `addr` among disjoint blocks starting at the sorted `starts`, or None."""
+    i = bisect.bisect_right(starts, addr) - 1
+    return starts[i] if i >= 0 and addr < starts[i] + nbytes(starts[i]) else None
 
 
 def _wrap(addr: int, nbytes: int, owner: Any) -> torch.Tensor:
