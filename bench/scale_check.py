@@ -11,8 +11,8 @@ this order, each given what the budget leaves, each after the first started only
 every one but s2-8bit-sync with the delayed parameter update (DPU) after DPU_AFTER synchronous steps (as the
 ZeRO-Offload paper starts it after a warm-up: from step 2, with Adam's first steps, the loss jumped, 10.50 -> 13.74
 for a 1.3B GPT on the CPU; on a 4-layer GPT of width 1280 zo's delayed update went through the plain-PyTorch oracle's
-losses to 4 decimals, its jumps included), bf16 parameters, every
-block checkpointed (torch.utils.checkpoint) and the LM head + loss computed over chunks of tokens, each checkpointed.
+losses to 4 decimals, its jumps included), bf16 parameters, every block checkpointed (torch.utils.checkpoint) and
+the LM head + loss computed over chunks of tokens, each checkpointed.
   machine  device memory (torch.cuda.mem_get_info; on the CPU: host memory), host memory (/proc/meminfo
            MemAvailable, or what this process's memory cgroup still allows where that is less), disk (free space of
            the temporary directory), the bf16 matmul rate (measured here) and the datasheet's (SPEC_TFLOPS)
@@ -28,13 +28,11 @@ block checkpointed (torch.utils.checkpoint) and the LM head + loss computed over
   build    the model on the meta device, ZeroOffloadAdamW(model, init=ParamInit(fn, device)): one parameter's fp32
            values at a time, never a full fp32 copy
   train    --steps steps (DPU settings at least DPU_AFTER + 3) on synthetic tokens (skewed to small ids, so the loss
-           can fall); each step synchronized;
-           --lr (default_lr: min(3e-4, 0.075 / width)), reached by a linear warm-up over the steps
-           (--warmup-steps); the child processes
-           use PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set
+           can fall); each step synchronized; --lr (default_lr: min(3e-4, 0.075 / width)), reached by a linear
+           warm-up over the steps (--warmup-steps); the child processes use
+           PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set
   measure  step time (median of the steps after the first two; DPU: of the delayed steps after the first; timed_steps,
-           and step_note where none has finished yet), tokens/s,
-           model TFLOPS = 6 x params x tokens / step
+           and step_note where none has finished yet), tokens/s, model TFLOPS = 6 x params x tokens / step
            time and its fraction of the measured matmul rate (mfu) and of the datasheet's peak (mfu_peak), step()'s
            wait for the background update (DPU: dpu_wait_s; adam_hidden when it is under 5% of the step) and the
            update's own time (cpu_update_s, cpu_update_ns_per_param beside the slice's adam_ns_per_param), peak device
