@@ -39,6 +39,8 @@ struct AdamParams {
 bool isa_supported(int isa);
 // Both throw std::invalid_argument on bad input before touching any buffer.
 void adam_step(const Buffers& b, const AdamParams& a, int isa, int threads);
+// The 8-bit format's guard at this step: an 8-bit update's denominator is at least |exp_avg| times it (0: none).
+double update_cap(const AdamParams& a);
 // adam_step over [0, n) in tiles of `tile` elements, calling sink.fn(ctx, start, end) after each tile is
 // final (param_out included). The whole loop runs without Python; a sink error is thrown as runtime_error.
 // With `progress`, *progress is set to the end of each tile once it is updated (what a failure left written).

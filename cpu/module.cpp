@@ -121,6 +121,13 @@ PYBIND11_MODULE(_cpu, m) {
   m.doc() = "zo_kernels CPU kernels (stateless; addresses in, nothing kept)";
   m.def("isa_supported", &zo::isa_supported, py::arg("isa"), "Whether this CPU runs ISA code 0/1/2.");
   m.def(
+      "update_cap",
+      [](int64_t step, double beta1, double beta2, bool bias_correction) {
+        return zo::update_cap(params(step, 0.0, beta1, beta2, 1e-8, 0.0, 1.0, true, bias_correction));
+      },
+      py::arg("step"), py::arg("beta1"), py::arg("beta2"), py::arg("bias_correction") = true,
+      "The 8-bit update's guard (cpu/adam.cpp, update_cap): its denominator is at least |exp_avg| times this; 0: none.");
+  m.def(
       "adam_step",
       [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
          uintptr_t param_out, int out_dtype, int64_t n, int64_t step, double lr, double beta1, double beta2,

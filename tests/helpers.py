@@ -31,6 +31,16 @@ def ref_adam(p, grads, m=None, v=None, *, lr, betas=(0.9, 0.999), eps=1e-8, weig
     return p, m, v
 
 
+def adam_bound(step: int, b1: float, b2: float) -> float:
+    """The largest |m_hat| / sqrt(v_hat) exact Adam can reach at `step` (the 8-bit format's guard), from its
+    definition: m_hat and v_hat weigh the gradient of k steps ago by w_k = (1 - b1) b1^k / (1 - b1^step) and
+    u_k = (1 - b2) b2^k / (1 - b2^step), so by Cauchy-Schwarz |m_hat| <= sqrt(sum_k w_k^2 / u_k) sqrt(v_hat), with
+    equality for g_k proportional to w_k / u_k."""
+    w = [(1 - b1) * b1**k / (1 - b1**step) for k in range(step)]
+    u = [(1 - b2) * b2**k / (1 - b2**step) for k in range(step)]
+    return sum(a * a / c for a, c in zip(w, u)) ** 0.5
+
+
 def assert_close_verbose(actual: torch.Tensor, expected: torch.Tensor, bound: float, what: str) -> None:
     """Element-wise |actual - expected| <= bound; on failure print the first bad indices."""
     err = (actual.double() - expected.double()).abs()

@@ -128,6 +128,11 @@ MUTANTS = [
     _m("kernel-decay-without-lr", "kernel", "cpu/adam.cpp",
        "c.decay = float(1.0 - double(a.lr) * a.weight_decay);", "c.decay = float(1.0 - a.weight_decay);",
        "tests/test_cpu_adam.py"),
+    _m("kernel-8bit-unguarded", "kernel", "cpu/adam.cpp",
+       "    c.capped = c.m_cap > 0.0f;", "    c.capped = false;", ("tests/test_cpu_adam_formats.py", "-k", "8bit")),
+    _m("kernel-8bit-guard-bound-off-by-a-step", "kernel", "cpu/adam.cpp",
+       "b2 = a.beta2, t = double(a.step);", "b2 = a.beta2, t = double(a.step + 1);",
+       ("tests/test_cpu_adam_formats.py", "-k", "8bit")),
     # ---- interrupted steps and the lifecycle fuzzer's finds (2026-11-23)
     _m("interrupted-consume-unguarded", "offload step", "zo_kernels/offload/optimizer.py",
        "        with self._midway():  # (Ctrl-C in its checks) the gradients half consumed",

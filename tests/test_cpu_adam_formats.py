@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_bits_equal, digest
+from helpers import adam_bound, assert_bits_equal, digest
 
 import zo_kernels as zk
 from zo_kernels import Quantized8bit, cpu_adam_step
@@ -90,14 +90,19 @@ def sr_bits(x32: torch.Tensor, key: int, moment: int, index0: int = 0) -> torch.
     return (x32.view(torch.int32).long() & M32) + r
 
 
-def ref_adamw(p, g, m, v, *, step, lr, betas, eps, weight_decay, grad_scale=1.0):
-    """One AdamW step in float64 from float64 inputs; returns (p, m, v)."""
+def ref_adamw(p, g, m, v, *, step, lr, betas, eps, weight_decay, grad_scale=1.0, guard=False):
+    """One AdamW step in float64 from float64 inputs; returns (p, m, v). `guard` (the 8-bit format's): the
+    denominator is at least |m_hat| / adam_bound, so no element moves further than lr x adam_bound."""
     b1, b2 = betas
     g = g.double() * grad_scale
     p = p * (1 - lr * weight_decay)
     m = m + (1 - b1) * (g - m)
     v = v * b2 + (1 - b2) * g * g
-    p = p - (lr / (1 - b1**step)) * m / (v.sqrt() / (1 - b2**step) ** 0.5 + eps)
+    m_hat = m / (1 - b1**step)
+    denom = v.sqrt() / (1 - b2**step) ** 0.5 + eps
+    if guard:
+        denom = torch.maximum(denom, m_hat.abs() / adam_bound(step, b1, b2))
+    p = p - lr * m_hat / denom
     return p, m, v
 
 
@@ -188,7 +193,8 @@ def test_8bit_requantization_is_exact(isa, grad_dtype, n):
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
 @pytest.mark.parametrize("n", SIZES)
 def test_8bit_step_against_float64(isa, grad_dtype, n):
-    """One step from random codes: dequantize, AdamW in float64, quantize by the spec.
+    """One step from random codes: dequantize, AdamW in float64 (with the format's guard: random codes pair large m
+    with small v), quantize by the spec.
 
     Allowed: scales within 4 fp32 ulps (the fp32 Adam arithmetic's error on the block's absmax), and a code off by
     one only where the float64 value scaled to codes lies within 1e-4 of a rounding tie (that error, times 255).
@@ -198,7 +204,7 @@ def test_8bit_step_against_float64(isa, grad_dtype, n):
     m0, v0 = ref_dequantize(m.codes, m.scales, True), ref_dequantize(v.codes, v.scales, False)
     p = p0.clone()
     cpu_adam_step(p, g, m, v, step=7, isa=isa, **HP)
-    rp, rm, rv = ref_adamw(p0.double(), g, m0, v0, step=7, **HP)
+    rp, rm, rv = ref_adamw(p0.double(), g, m0, v0, step=7, **HP, guard=True)
     assert (p.double() - rp).abs().max() <= 1e-6 * max(1.0, rp.abs().max().item())
     for q, x, signed in ((m, rm, True), (v, rv.sqrt(), False)):
         codes, scales = ref_quantize(x, signed)
@@ -363,6 +369,59 @@ def test_c_tile_sink(fmt):
     sink = zk.cpu_adam.copy_tile_sink(dst, staging)
     cpu_adam_step(p, g, m, v, step=1, param_out=staging, tile_numel=512, sink=sink, seed=7, **HP)
     assert torch.equal(dst, ref[-1]) and torch.equal(p, ref[0])
+
+
+def heavy_tailed_grads(n: int, steps: int, seed: int) -> list[torch.Tensor]:
+    """Gradients whose scale varies by orders of magnitude between elements and between steps (log-normal, sigma 2):
+    an element's sqrt(v) can then sit far below its block's largest while its m does not."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=gen) * torch.exp(2.0 * torch.randn(n, generator=gen)) * 1e-4 for _ in range(steps)]
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_8bit_update_stays_within_exact_adams_bound(isa):
+    """No 8-bit step moves an element further than exact Adam ever could at that step (lr x adam_bound: 1.0 at step 1,
+    1.04 at step 10 for betas (0.9, 0.999)), and the guard's bits are the same on every ISA, thread count and tile.
+    Before the guard, in bounds: 1.54 at step 2, 279 at step 3, 692 at worst in the 14 (sqrt(v) rounded to a code or
+    two, or to 0, under a block scale set by another element while m did not: up to lr x m_hat / eps)."""
+    n, lr, betas = 256 * 64 + 77, 1e-3, (0.9, 0.999)
+    grads = heavy_tailed_grads(n, 14, seed=5)
+
+    def run(**kw):
+        p = torch.zeros(n)  # (small params: their fp32 rounding stays far below the step measured)
+        m, v = moments("8bit", n)
+        worst = []
+        for step, g in enumerate(grads, 1):
+            before = p.clone()
+            cpu_adam_step(p, g, m, v, step=step, lr=lr, betas=betas, eps=1e-8, weight_decay=0.0, **kw)
+            worst.append((p - before).abs().max().item() / (lr * adam_bound(step, *betas)))
+        return worst, [p, *moment_bits(m), *moment_bits(v)]
+
+    worst, bits = run(isa=isa)
+    assert max(worst) <= 1 + 1e-5, [round(w, 2) for w in worst]
+    _, ref = run(isa="scalar", threads=1)
+    _, tiled = run(isa=isa, threads=3, tile_numel=256 * 5, sink=lambda a, b: None)
+    for got in (bits, tiled):
+        assert all(torch.equal(x, y) for x, y in zip(got, ref)), f"{isa}: the guard's bits differ from the scalar run"
+
+
+def test_8bit_guard_moves_an_element_whose_sqrt_v_rounded_to_zero_by_lr_times_the_bound():
+    """A block where element 0 took a large gradient, then one of opposite sign (its m back to ~0, its v large), while
+    element 5 took a small one: element 5's sqrt(v) rounds to code 0 under element 0's scale, its m to code 127 (it
+    is the block's largest m). At the next step (zero gradients) the update is m_hat / max(eps, |m_hat| / bound):
+    exactly lr x bound, where the unguarded kernel moved it by lr x m_hat / eps (3.3e7 x lr)."""
+    n, lr, betas = 256, 1e-3, (0.9, 0.999)
+    p = torch.zeros(n)
+    m, v = moments("8bit", n)
+    g1, g2 = torch.zeros(n), torch.zeros(n)
+    g1[0], g2[0], g2[5] = 1000.0, -900.0, 1.0
+    for step, g in enumerate((g1, g2), 1):
+        cpu_adam_step(p, g, m, v, step=step, lr=lr, betas=betas, eps=1e-8)
+    assert m.codes[5] == 127 and v.codes[5] == 0, (m.codes[5], v.codes[5])
+    before = p[5].item()
+    cpu_adam_step(p, torch.zeros(n), m, v, step=3, lr=lr, betas=betas, eps=1e-8)
+    moved = before - p[5].item()
+    assert moved == pytest.approx(lr * adam_bound(3, *betas), rel=1e-5), moved / lr
 
 
 @pytest.mark.parametrize("fmt, tol", [("bf16", 0.01), ("8bit", 0.05)])

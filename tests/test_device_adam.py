@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from helpers import adam_bound
 
 import zo_kernels as zk
 from zo_kernels.offload.device_adam import DeviceState, round_bf16_sr, sr_key
@@ -230,3 +231,43 @@ def test_the_interpreter_shims_fma_rounds_once():
                       np.array([1.0, 0.0, inf], np.float32))  # fmt: skip
     assert special[0] == inf and special[2] == inf and special[1] == 0.0 and np.signbit(special[1]) == np.signbit(
         np.float32(-0.0) + np.float32(0.0))  # fmt: skip
+
+
+def _guard_case(n: int) -> list[torch.Tensor]:
+    """Three steps whose third meets the 8-bit guard: element 0 takes a large gradient then one of opposite sign (its m
+    back near 0, its sqrt(v) the block's scale), element 5 a small one (its sqrt(v) rounds to code 0, its m to 127);
+    the rest of the tensor heavy-tailed gradients (log-normal scales, sigma 2)."""
+    gen = torch.Generator().manual_seed(11)
+    grads = [torch.randn(n, generator=gen) * torch.exp(2.0 * torch.randn(n, generator=gen)) * 1e-4 for _ in range(3)]
+    for g in grads:
+        g[:256] = 0.0
+    grads[0][0], grads[1][0], grads[1][5] = 1000.0, -900.0, 1.0
+    return grads
+
+
+@pytest.mark.parametrize("impl", [pytest.param("triton", marks=needs_interpreter), "torch"])
+def test_the_tail_applies_the_8bit_guard_as_the_host_kernel(impl, monkeypatch):
+    """Element 5 of _guard_case moves by lr x the bound at step 3 on the host (tests/helpers.py's adam_bound, from
+    its definition); the tail's update does the same: through the kernel (interpreted) bit for bit, in
+    torch ops within fp32 rounding (masters; codes off by one only where the two roundings straddle a tie)."""
+    import zo_kernels.offload.device_adam as device_adam
+
+    monkeypatch.setattr(device_adam, "IMPL", impl)
+    n = 256 * 8 + 77
+    hp = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    p = torch.zeros(n)
+    m, v = _host_state("8bit", n)
+    d = DeviceState("8bit", p.clone(), seed=1)
+    for step, g in enumerate(_guard_case(n), 1):
+        before = (p[5].item(), d.master[5].item())
+        zk.cpu_adam_step(p, g, m, v, step=step, **hp)
+        d.step(g, 1.0, [(0, 0, n, step, 1.0)], [dict(hp, maximize=False)])
+    bound = adam_bound(3, 0.9, 0.999)
+    assert before[0] - p[5].item() == pytest.approx(1e-3 * bound, rel=1e-5)
+    assert before[1] - d.master[5].item() == pytest.approx(1e-3 * bound, rel=1e-5)
+    if impl == "triton":
+        assert torch.equal(d.master, p)
+        for host, dev in _bits("8bit", m, v, d):
+            assert torch.equal(host, dev)
+    else:
+        torch.testing.assert_close(d.master, p, rtol=2e-5, atol=1e-9)

@@ -3,7 +3,8 @@
 The oracle (FormatOracle) is tests/oracle.py's mixed-precision AdamW with one change: after every AdamW step its
 moments are stored in the format, i.e. replaced by their rounding, written here from the format's spec and sharing
 no code with zo_kernels (`round_bf16`, `round_8bit`). AdamW's step uses the new moments before they are stored, as
-the fused kernel does (it updates the moments in fp32 registers, uses them, then stores them rounded).
+the fused kernel does (it updates the moments in fp32 registers, uses them, then stores them rounded); with 8-bit
+moments the step is guarded as the format's kernels guard it (FormatOracle._guard_8bit, tests/helpers.py's adam_bound).
 
 Tolerance: the oracle matrix's, plus the format's own noise. The oracle's noise is measured per case by a perturbed
 oracle in the same format (foreach AdamW, sums in reverse order, masters moved by one ulp; with 16-bit parameters the
@@ -27,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_worker import resume_two_steps, spawn_ranks
+from helpers import adam_bound
 from oracle import FeatureNet, Oracle, param_groups
 
 import zo_kernels as zk
@@ -84,6 +86,8 @@ class FormatOracle(Oracle):
         def step_and_store() -> None:
             step()
             with torch.no_grad():
+                if fmt == "8bit":
+                    self._guard_8bit()
                 for st in self.opt.state.values():
                     for key in ("exp_avg", "exp_avg_sq"):
                         if fmt == "bf16":
@@ -92,6 +96,23 @@ class FormatOracle(Oracle):
                             st[key].copy_(round_8bit(st[key], signed=key == "exp_avg"))
 
         self.opt.step = step_and_store
+
+    def _guard_8bit(self) -> None:
+        """The 8-bit format's guard, applied to torch's step after it: where |m_hat| / adam_bound exceeds AdamW's
+        denominator sqrt(v_hat) + eps, the step is lr x m_hat over that instead (torch's step added back, the guarded
+        one taken). Exact moments never reach it; the format's stored ones can (a sqrt(v) rounded to a code or to 0
+        under another element's block scale)."""
+        for group in self.opt.param_groups:
+            lr, (b1, b2), eps = group["lr"], group["betas"], group["eps"]
+            for p in group["params"]:
+                st = self.opt.state.get(p)
+                if not st:
+                    continue
+                t = int(st["step"])
+                m_hat = st["exp_avg"] / (1 - b1**t)
+                denom = st["exp_avg_sq"].sqrt() / (1 - b2**t) ** 0.5 + eps
+                guarded = torch.maximum(denom, m_hat.abs() / adam_bound(t, b1, b2))
+                p.add_(lr * m_hat / denom - lr * m_hat / guarded)
 
 
 # ---------------------------------------------------------------------- the cases

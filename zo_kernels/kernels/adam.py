@@ -11,7 +11,8 @@ bit for bit:
 - 8-bit: one program per block of 256 (the format's block, BLOCK_8BIT): dequantize with the block's scales (scale /
   levels, times the code; exp_avg_sq's codes hold sqrt(v)), update, take the block's new absmax from the bits of
   |m| and sqrt(v) (NaN > inf > finite, as the kernel's integer max), requantize: mult = levels / absmax, code =
-  round-half-even(x * mult) (NaN -> 0), a block below 2^-100 stored as zeros with scale 0;
+  round-half-even(x * mult) (NaN -> 0), a block below 2^-100 stored as zeros with scale 0; the update's denominator
+  is at least |m| x update_cap (the host's guard: no element moves further than exact Adam could);
 - bf16: the stochastic rounding of the host kernel: 16 bits of mix32(uint32(index) ^ key) added to the fp32 bits,
   exp_avg the low half, exp_avg_sq the high, then truncated; NaN -> 0x7fc0.
 """
@@ -24,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._cpu import update_cap
 from .cast import as_kernel_arg, on_device
 from .utils import BF16, F16, F32, bf16_bits_to_f32, load_f32
 
@@ -74,8 +76,8 @@ def _requant(x, mask, levels):
 # key argument equal to 1 would become a constant, which the kernel cannot bitcast)
 @triton.jit(do_not_specialize=["index0", "key_flipped"])
 def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, n, index0, key_flipped, grad_scale, decay, omb1, omb2,
-                 b2, inv_bc2_sqrt, eps, neg_step_size, G_KIND: tl.constexpr, FMT: tl.constexpr, DECAY: tl.constexpr,
-                 BLOCK: tl.constexpr):  # fmt: skip
+                 b2, inv_bc2_sqrt, eps, neg_step_size, m_cap, G_KIND: tl.constexpr, FMT: tl.constexpr,
+                 DECAY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -99,6 +101,9 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, n, index0, key_flip
     v = tl.fma(g * omb2, g, v * b2)
     r = tl.sqrt_rn(v)
     denom = tl.fma(r, inv_bc2_sqrt, eps)
+    if FMT == 2:  # the 8-bit guard (cpu/adam.cpp, update_cap): as maxps(|m| * m_cap, denom), denom where NaN
+        capped = tl.abs(m) * m_cap
+        denom = tl.where(capped > denom, capped, denom)
     p = tl.fma(tl.math.div_rn(m, denom), neg_step_size, p)
     tl.store(p_ptr + offs, p, mask=mask)
     if FMT == 2:
@@ -133,7 +138,7 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, moments: list[torch.Tens
     bc1, bc2 = 1.0 - b1 ** float(step), 1.0 - b2 ** float(step)
     coef = dict(grad_scale=-float(grad_scale) if maximize else float(grad_scale), decay=1.0 - lr * weight_decay,
                 omb1=1.0 - b1, omb2=1.0 - b2, b2=b2, inv_bc2_sqrt=1.0 / math.sqrt(bc2), eps=float(eps),
-                neg_step_size=-lr / bc1)  # fmt: skip
+                neg_step_size=-lr / bc1, m_cap=update_cap(step, b1, b2) if fmt == "8bit" else 0.0)  # fmt: skip
     is8 = fmt == "8bit"
     block = BLOCK_8BIT if is8 else BLOCK_WIDE
     # Two launches: the whole blocks, whose length (a multiple of 16) lets Triton prove the mask constant over a

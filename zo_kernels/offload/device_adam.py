@@ -8,7 +8,8 @@ whatever the fraction.
   (with fp32 and 8-bit moments the run does not depend on the fraction, bit for bit).
 - Elsewhere (the CPU stand-in for the device, and the reference the kernel is compared with), fp32 moments are
   updated in place by torch's fused AdamW; bf16 and 8-bit moments in torch ops: decoded to fp32 a chunk at a time,
-  updated by the fused kernel, and encoded back as CPU Adam stores them (cpu/adam.cpp):
+  updated (bf16: by the fused kernel; 8-bit: by torch ops with the host's guard, guarded_adamw), and encoded back as
+  CPU Adam stores them (cpu/adam.cpp):
 - bf16: rounded stochastically: 16 random bits added to the fp32 bits, then truncated; the bits come from the host
   kernel's counter hash of (seed, step, element index), exp_avg's from its low 16 bits, exp_avg_sq's from its high
   16; one seed for the tail (from its partition offset, as the host's tiles have theirs) and the element's index in
@@ -25,10 +26,12 @@ need only the gradient's copy, 64 MiB.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
+from .._cpu import update_cap
 from ..quant8 import dequantize, num_blocks, quantize
 from ..versions import default_impl
 from .formats import BLOCK_8BIT, MOMENTS, block_of, raw_spec
@@ -200,9 +203,31 @@ class DeviceState:
                 g = grad[x:y].float() * (grad_scale * factor)  # (a copy: the landing buffer keeps the gradient)
                 views = self._views(x, self._widen(y))
                 m, v = (t[x:y] for t in self.moments) if self.fmt == "fp32" else decode(self.fmt, views, y - x)
-                torch._fused_adamw_([master[x:y]], [g], [m], [v], [], [steps], lr=float(h["lr"]),
-                                    beta1=float(h["betas"][0]), beta2=float(h["betas"][1]),
-                                    weight_decay=float(h["weight_decay"]), eps=float(h["eps"]), amsgrad=False,
-                                    maximize=bool(h["maximize"]))  # fmt: skip
+                if self.fmt == "8bit":
+                    guarded_adamw(master[x:y], g, m, v, step=step, hparams=h)
+                else:
+                    torch._fused_adamw_([master[x:y]], [g], [m], [v], [], [steps], lr=float(h["lr"]),
+                                        beta1=float(h["betas"][0]), beta2=float(h["betas"][1]),
+                                        weight_decay=float(h["weight_decay"]), eps=float(h["eps"]), amsgrad=False,
+                                        maximize=bool(h["maximize"]))  # fmt: skip
                 if self.fmt != "fp32":
                     encode(self.fmt, views, y - x, m, v, sr=(self.seed, step, x))
+
+
+def guarded_adamw(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, step: int,
+                  hparams: dict) -> None:  # fmt: skip
+    """AdamW in place in torch ops (fp32 `p`, `m`, `v`, scaled gradient `g`) with the 8-bit format's guard: the
+    denominator is at least |m| x update_cap (cpu/adam.cpp), as the host kernel's with 8-bit moments."""
+    lr, (b1, b2), eps = float(hparams["lr"]), hparams["betas"], float(hparams["eps"])
+    if hparams["maximize"]:
+        g = -g
+    if hparams["weight_decay"]:
+        p.mul_(1.0 - lr * float(hparams["weight_decay"]))
+    m.lerp_(g, 1.0 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+    denom = v.sqrt().mul_(1.0 / math.sqrt(1.0 - b2**step)).add_(eps)
+    cap = update_cap(step, b1, b2)
+    if cap:
+        capped = m.abs().mul_(cap)
+        denom = torch.where(capped > denom, capped, denom)
+    p.addcdiv_(m, denom, value=-lr / (1.0 - b1**step))
