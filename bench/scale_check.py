@@ -38,7 +38,10 @@ the LM head + loss computed over chunks of tokens, each checkpointed.
            update's own time (cpu_update_s, cpu_update_ns_per_param beside the slice's adam_ns_per_param), peak device
            memory (torch.cuda.max_memory_allocated since the build began), the optimizer's own device buffers
            (device_states_gib: its DeviceBytes peak) and the rest (activations_gib), peak host memory (VmHWM less
-           the RSS before the build, after a warm-up of the setting on a tiny GPT), first and last loss
+           the RSS before the build, after a warm-up of the setting on a tiny GPT), first and last loss, and the loss
+           on one fixed held-out batch (HELD_OUT_TOKENS, or the step's tokens where fewer) before the first step and
+           after each (held_out_losses, held_out_falls; outside the timed step): a batch's own noise cannot move it,
+           so it says whether an update helped (under DPU: the parameters step() left, one update behind)
   compare  planner_params (the planner's max params for this shape), planner_peak_gib (its GPU total less the
            workspace; on the CPU the device is host memory: None), planner_device_states_gib (its states, gathered
            units and buckets), planner_host_gib (its host bytes; on the CPU plus that GPU total, which lives in host
@@ -88,6 +91,7 @@ STRATEGY = {"s2-8bit-sync": "ZeRO-2 + offload", "s2-fp32": "ZeRO-2 + offload", "
 DPU = {"s2-8bit-sync": False, "s2-fp32": True, "s2-8bit": True, "s3-cpu": True}  # DPU's second landing buffer: 2 B
 DPU_AFTER = 3  # synchronous steps before the delayed update starts; a DPU setting trains at least DPU_AFTER + 3 steps
 MISMATCH = 0.10  # a planner figure more than 10% off the measured one is flagged (issue 23)
+HELD_OUT_TOKENS = 8192  # the held-out batch: ~1/4 of a 15B model's training forward at 32768 tokens per step
 LOSS_CHUNK = 4096  # tokens per checkpointed LM-head + loss chunk: its fp32 logits stay ~14 x 4096 x vocab bytes
 WORKSPACE = 2**30  # the planner's per-GPU workspace (cuBLAS, the allocator's slack): left out of the comparison
 BUCKET_BYTES = 2 * zk.offload.DEFAULT_BUCKET_NUMEL * 2  # two bf16 gradient buckets on a GPU (none on one CPU rank)
@@ -417,6 +421,12 @@ def loss_of(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return total / x.shape[0]
 
 
+def held_out_loss(model: GPT, batch: tuple) -> float:
+    """The loss on a fixed batch, without gradients (the parameters as they are now)."""
+    with torch.no_grad():
+        return loss_of(model, *batch).item()
+
+
 def tokens_batch(c: GPTConfig, tokens: int, gen: torch.Generator, device: torch.device) -> tuple:
     """Synthetic tokens skewed to small ids (id = vocab * u^3): a distribution the model can learn in a few steps."""
     u = torch.rand(tokens // c.context, c.context + 1, generator=gen)
@@ -500,6 +510,9 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
     say(setting, f"built in {row['build_s']:.1f}s; host +{host.peak_growth() / GIB:.2f} GiB so far")
     gen = torch.Generator().manual_seed(1)
     losses, times, waits, updates = [], [], [], []  # (waits, updates: step()'s wait for the DPU update, its time)
+    held_batch = tokens_batch(c, min(tokens, HELD_OUT_TOKENS), torch.Generator().manual_seed(2), device)
+    held = [held_out_loss(model, held_batch)]
+    row["held_out_tokens"] = held_batch[0].numel()
     report = opt.memory_report()
     measured = dict(host_buffers_gib=report.host_bytes / GIB, device_buffers_gib=report.device_bytes / GIB)
 
@@ -522,6 +535,7 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
                    host_gib=host.peak_growth() / GIB, step_s=step_s, tokens_per_s=tokens / step_s,
                    tflops=model_tflops, mfu=model_tflops / tflops, mfu_peak=model_tflops / spec if spec else None,
                    loss_first=losses[0], loss_last=losses[-1], loss_falls=losses[-1] < losses[0],
+                   held_out_losses=held, held_out_falls=held[-1] < held[0],
                    **measured)  # fmt: skip
         median = statistics.median
         if updates:  # the update's own rate in the run, beside the slice's that sized the tokens
@@ -572,7 +586,8 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
                     updates.append(opt.stats["time_cpu_update"])
             delayed = DPU[setting] and i >= DPU_AFTER
             wait = f", waited {opt.stats.get('time_dpu_wait', 0.0):.2f}s for the DPU update" if delayed else ""
-            say(setting, f"step {i + 1}: loss {losses[-1]:.4f}, {times[-1]:.2f}s{wait}")
+            held.append(held_out_loss(model, held_batch))
+            say(setting, f"step {i + 1}: loss {losses[-1]:.4f} (held-out {held[-1]:.4f}), {times[-1]:.2f}s{wait}")
             record()
         opt.synchronize()
         _sync(device)
@@ -645,8 +660,10 @@ def summary_line(row: dict) -> str:
     return (f"{row['setting']}: {row['params'] / 1e9:.3f}B params (planner max {row['planner_params'] / 1e9:.3f}B), "
             f"{row['step_s']:.2f} s/step, {row['tokens_per_s']:.0f} tokens/s, {row['tflops']:.1f} TFLOPS = "
             f"{row['mfu']:.0%} of bf16 matmul; device peak {peak} GiB (planner {planned}), host {row['host_gib']:.2f}"
-            f" GiB (planner {row['planner_host_gib']:.2f}); loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}; "
-            f"mismatch: {'; '.join(row['mismatch']) or 'none'}{error}")  # fmt: skip
+            f" GiB (planner {row['planner_host_gib']:.2f}); loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}"
+            + (f" (held-out {row['held_out_losses'][0]:.3f} -> {row['held_out_losses'][-1]:.3f})"
+               if row.get("held_out_losses") else "")
+            + f"; mismatch: {'; '.join(row['mismatch']) or 'none'}{error}")  # fmt: skip
 
 
 # ---------------------------------------------------------------------- the parent

@@ -151,7 +151,8 @@ def scale_line(r: dict) -> str:
             + (f" ({r['mfu_peak']:.0%} of the datasheet's peak)" if r.get("mfu_peak") else "")
             + f", peak {gib(r['peak_gib'])} GiB (planner {gib(r.get('planner_peak_gib'))}), host "
             f"{gib(r['host_gib'])} GiB (planner {gib(r.get('planner_host_gib'))}), loss {r['loss_first']:.3f} -> "
-            f"{r['loss_last']:.3f}"
+            f"{r['loss_last']:.3f}" + (f" (held-out {r['held_out_losses'][0]:.3f} -> {r['held_out_losses'][-1]:.3f})"
+                                       if r.get("held_out_losses") else "")
             + (f"; MISMATCH {'; '.join(r['mismatch'])}" if r.get("mismatch") else "")
             + (f"; {r['error']}" if r.get("error") else ""))  # fmt: skip
 

@@ -47,6 +47,10 @@ def test_every_setting_end_to_end_on_the_cpu(tmp_path):
         assert r["timed_steps"] == n - first and "step_note" not in r
         assert r["step_s"] == statistics.median(r["step_times_s"][first:])
         assert r["loss_falls"] and r["loss_last"] < r["loss_first"]
+        held = r["held_out_losses"]  # before the first step, then after each
+        assert len(held) == n + 1 and all(math.isfinite(x) for x in held)
+        assert r["held_out_falls"] == (held[-1] < held[0]) and r["held_out_falls"]
+        assert 0 < r["held_out_tokens"] <= r["tokens_per_step"]
         assert 1e6 < r["params"] <= 12e6 < r["planner_params"]  # --max-params chose the size, not the planner
         assert r["tflops"] == pytest.approx(6 * r["params"] * r["tokens_per_step"] / r["step_s"] / 1e12)
         assert 0 < r["mfu"] == pytest.approx(r["tflops"] / r["matmul_tflops"])
