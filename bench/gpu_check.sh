@@ -36,8 +36,8 @@
 #     largest GPT the planner fits, built on the meta device, 5 steps (6 with DPU, delayed after 3; no DPU for
 #     s2-8bit-sync) and checkpointing, beside the planner's figures -> OUTDIR/scale.json, folded into
 #     OUTDIR/summary.json's "scale" rows. The first setting takes what the budget leaves; a later one starts only with
-#     150 s left for it (a 12-15B build, warm-up and five or six steps take 3-5 minutes: estimated by a reading,
-#     never measured), else its row says NOT RUN; one that runs out keeps the steps it finished. One device command:
+#     150 s left for it (on an H200: 116 s for the 15.3B sync setting, 69 s for the 12.0B DPU one, 239 s for the
+#     command with the build), else its row says NOT RUN; one that runs out keeps the steps it finished. One device command:
 #     ZO_CHECK_BUDGET_S=570 bash bench/gpu_check.sh OUTDIR scale (timeout 600).
 #   Without a GPU it runs the same script on the CPU at a few million parameters (what tests/test_scale_check.py
 #   runs) and says so.
@@ -49,8 +49,8 @@
 #   Adam on first use) -> OUTDIR/summary.json's "step", "activations" and "anchors" rows; then, with what is left
 #   (up to 120 s), bench/profile_step.py -> OUTDIR/profile.json (the step under torch.profiler). (Order: what was never
 #   measured on a GPU first.)
-# Run on a GPU in this form once (one H200, 2026-11-26: default and anchors modes; never the scale mode); its no-GPU
-# path runs in .ci/run.
+# Run on a GPU in this form (one H200: default and anchors modes 2026-11-26 and -27, the scale mode 2026-11-27); its
+# no-GPU path runs in .ci/run.
 # Without a GPU it says so, runs the CPU-side compile checks (every Triton kernel to cubin for sm_80/sm_90,
 # cuda/*.cu with nvcc where present) and the benchmarks' collection (the CUDA ones skip, with the reason),
 # and exits with their status (0 when they pass).
