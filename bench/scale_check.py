@@ -41,7 +41,10 @@ the LM head + loss computed over chunks of tokens, each checkpointed.
            the RSS before the build, after a warm-up of the setting on a tiny GPT), first and last loss, and the loss
            on one fixed held-out batch (HELD_OUT_TOKENS, or the step's tokens where fewer) before the first step and
            after each (held_out_losses, held_out_falls; outside the timed step): a batch's own noise cannot move it,
-           so it says whether an update helped (under DPU: the parameters step() left, one update behind)
+           so it says whether an update helped (under DPU: the parameters step() left, one update behind); around
+           each synchronous step, bench/update_probe.py's windows of every parameter's master (update_probe: the
+           largest move over lr against exact Adam's bound at that step, the windows beyond it, and whether the
+           device's parameters are the masters' cast), outside the timed step
   compare  planner_params (the planner's max params for this shape), planner_peak_gib (its GPU total less the
            workspace; on the CPU the device is host memory: None), planner_device_states_gib (its states, gathered
            units and buckets), planner_host_gib (its host bytes; on the CPU plus that GPU total, which lives in host
@@ -74,6 +77,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from update_probe import UpdateProbe
 
 import zo_kernels as zk
 from zo_kernels.gpt import GPT, GPTConfig
@@ -510,6 +514,7 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
     say(setting, f"built in {row['build_s']:.1f}s; host +{host.peak_growth() / GIB:.2f} GiB so far")
     gen = torch.Generator().manual_seed(1)
     losses, times, waits, updates = [], [], [], []  # (waits, updates: step()'s wait for the DPU update, its time)
+    probe, probes = UpdateProbe(opt, model), []  # (the synchronous steps: how far they moved the masters)
     held_batch = tokens_batch(c, min(tokens, HELD_OUT_TOKENS), torch.Generator().manual_seed(2), device)
     held = [held_out_loss(model, held_batch)]
     row["held_out_tokens"] = held_batch[0].numel()
@@ -557,6 +562,9 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
             for g in opt.param_groups:  # parameter by about lr
                 g["lr"] = step_lr
             row.setdefault("lr_per_step", []).append(step_lr)
+            synchronous = not (DPU[setting] and i >= DPU_AFTER)
+            if synchronous:
+                probe.before()
             _sync(device)
             t0 = time.perf_counter()
             retry = False
@@ -586,8 +594,20 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
                     updates.append(opt.stats["time_cpu_update"])
             delayed = DPU[setting] and i >= DPU_AFTER
             wait = f", waited {opt.stats.get('time_dpu_wait', 0.0):.2f}s for the DPU update" if delayed else ""
+            moved = ""
+            if synchronous:
+                group = opt.param_groups[0]
+                probes.append(probe.after(step=i + 1, lr=step_lr, betas=group["betas"],
+                                          weight_decay=group["weight_decay"],
+                                          device_params=SETTINGS[setting].get("stage") != 3))  # fmt: skip
+                row["update_probe"] = probes
+                moved = (f", masters moved <= {probes[-1]['update_over_lr']:.2f} x lr (bound "
+                         f"{probes[-1]['update_bound']:.2f}; {len(probes[-1]['beyond_bound'])} windows beyond"
+                         + (f", {probes[-1]['writeback_mismatches']} device values not the masters' cast"
+                            if probes[-1].get("writeback_mismatches") else "") + ")")  # fmt: skip
             held.append(held_out_loss(model, held_batch))
-            say(setting, f"step {i + 1}: loss {losses[-1]:.4f} (held-out {held[-1]:.4f}), {times[-1]:.2f}s{wait}")
+            say(setting, f"step {i + 1}: loss {losses[-1]:.4f} (held-out {held[-1]:.4f}), {times[-1]:.2f}s{wait}"
+                         f"{moved}")
             record()
         opt.synchronize()
         _sync(device)

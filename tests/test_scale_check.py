@@ -47,6 +47,11 @@ def test_every_setting_end_to_end_on_the_cpu(tmp_path):
         assert r["timed_steps"] == n - first and "step_note" not in r
         assert r["step_s"] == statistics.median(r["step_times_s"][first:])
         assert r["loss_falls"] and r["loss_last"] < r["loss_first"]
+        synchronous = scale_check.DPU_AFTER if scale_check.DPU[r["setting"]] else n
+        assert len(r["update_probe"]) == synchronous  # (its windows around each synchronous step)
+        for pr in r["update_probe"]:
+            assert 0 < pr["update_over_lr"] <= 1.001 * pr["update_bound"] and not pr["beyond_bound"], pr
+            assert pr.get("writeback_mismatches", 0) == 0, pr
         held = r["held_out_losses"]  # before the first step, then after each
         assert len(held) == n + 1 and all(math.isfinite(x) for x in held)
         assert r["held_out_falls"] == (held[-1] < held[0]) and r["held_out_falls"]
@@ -258,3 +263,40 @@ def test_a_dpu_row_cut_before_a_steady_step_says_its_time_is_not_one(tmp_path, m
     (row,) = json.loads(out.read_text())
     assert "injected at step 4" in row["error"] and row["steps"] == 3 and row["timed_steps"] == 0
     assert row["step_note"].startswith("no steady step finished yet")
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, "8bit"])
+def test_the_update_probe_sees_a_move_beyond_the_bound_and_a_device_value_not_the_masters_cast(state_dtype):
+    """bench/update_probe.py around one step of a small GPT (device = CPU): within the bound, no mismatch; the same
+    step told a 10x smaller lr reads 10x over the bound; a device parameter changed after the step is a mismatch."""
+    from update_probe import UpdateProbe
+
+    import zo_kernels as zk
+    from zo_kernels.gpt import GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, context=16, layers=1, width=64, heads=2))
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-3, dtype=torch.bfloat16, state_dtype=state_dtype)
+    probe = UpdateProbe(opt, model)
+    x = torch.randint(0, 64, (2, 16))
+    wd = opt.param_groups[0]["weight_decay"]  # (the decay's factor stays lr x wd: told lr / 10, wd x 10)
+
+    def step(lr_told: float) -> dict:
+        probe.before()
+        model(x, x).backward()
+        opt.step()
+        return probe.after(step=opt.update.steps[0], lr=lr_told, betas=(0.9, 0.999), weight_decay=wd * 1e-3 / lr_told)
+
+    ok = step(1e-3)
+    assert 0.5 < ok["update_over_lr"] <= 1.001 * ok["update_bound"] and not ok["beyond_bound"], ok
+    assert ok["writeback_mismatches"] == 0
+    told_less = step(1e-4)  # (step 2: the real lr is 10x what the probe is told)
+    assert told_less["update_over_lr"] > 5 * told_less["update_bound"] and told_less["beyond_bound"], told_less
+    probe.before()
+    model(x, x).backward()
+    opt.step()
+    with torch.no_grad():
+        model.head.weight.view(-1)[3] += 1.0  # (a misplaced writeback)
+    bad = probe.after(step=3, lr=1e-3, betas=(0.9, 0.999), weight_decay=wd)
+    assert bad["writeback_mismatches"] == 1, bad
+    opt.close()
