@@ -32,7 +32,8 @@
 # reported FAILED (rc 124) and keeps the rows it finished.
 # Scale mode (issue 23), its own device command because the default check uses most of one:
 #   bash bench/gpu_check.sh OUTDIR scale  builds, then bench/scale_check.py: per setting (ZO_SCALE_SETTINGS,
-#     default s2-8bit-sync,s2-8bit: the largest model, then the one with DPU; s2-fp32 and s3-cpu on request) the
+#     default s2-8bit-sync,s2-8bit,s2-fp32: the largest model, the one with DPU, then fp32 moments where 150 s are
+#     left, the 8-bit settings' control; s3-cpu on request) the
 #     largest GPT the planner fits, built on the meta device, 5 steps (6 with DPU, delayed after 3; no DPU for
 #     s2-8bit-sync) and checkpointing, beside the planner's figures -> OUTDIR/scale.json, folded into
 #     OUTDIR/summary.json's "scale" rows. The first setting takes what the budget leaves; a later one starts only with
@@ -104,7 +105,7 @@ say "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname); $("$py" --version 
 gpu="$("$py" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "")' 2>>"$log")"
 status=0
 export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
-scale_settings="${ZO_SCALE_SETTINGS:-s2-8bit-sync,s2-8bit}"
+scale_settings="${ZO_SCALE_SETTINGS:-s2-8bit-sync,s2-8bit,s2-fp32}"
 if [ "$mode" = scale ] && [ -z "$gpu" ]; then
   say "no CUDA GPU visible: scale mode runs bench/scale_check.py on the CPU at a few million parameters instead"
   step "scale check on the CPU (tiny)" "$py" bench/scale_check.py "$out/scale.json" --device cpu --max-params 12e6 \
