@@ -895,11 +895,16 @@ void run_parallel(RangeFn fn, const Coef& c, const Bufs& b, int64_t n, int threa
 // m_cap = 1 / (bc1 B) = sqrt((1 - b2) / (bc2 S)) / (1 - b1): exact moments never reach it, quantized ones move no
 // element further than exact Adam ever could. 0 (no guard) where B is infinite (b2 = 0 after step 1, or S overflows).
 double update_cap(const AdamParams& a) {
+  require(a.step >= 1, "step must be >= 1, got " + std::to_string(a.step));
+  require(a.beta1 >= 0 && a.beta1 < 1, "beta1 must be in [0, 1), got " + std::to_string(a.beta1));
+  require(a.beta2 >= 0 && a.beta2 < 1, "beta2 must be in [0, 1), got " + std::to_string(a.beta2));
   const double b1 = a.beta1, b2 = a.beta2, t = double(a.step);
   const double bc2 = a.bias_correction ? 1.0 - std::pow(b2, t) : 1.0;
   double s;
-  if (b2 == 0.0) {
-    s = (a.step == 1 || b1 == 0.0) ? 1.0 : INFINITY;
+  if (a.step == 1 || b1 == 0.0) {  // (one term: rho^0; also where rho = b1^2 / b2 would overflow)
+    s = 1.0;
+  } else if (b2 == 0.0) {
+    s = INFINITY;
   } else {
     const double rho = b1 * b1 / b2;
     s = rho == 1.0 ? t : (1.0 - std::pow(rho, t)) / (1.0 - rho);

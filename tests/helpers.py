@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 
@@ -31,14 +32,24 @@ def ref_adam(p, grads, m=None, v=None, *, lr, betas=(0.9, 0.999), eps=1e-8, weig
     return p, m, v
 
 
-def adam_bound(step: int, b1: float, b2: float) -> float:
+def adam_bound(step: int, b1: float, b2: float, bias_correction: bool = True) -> float:
     """The largest |m_hat| / sqrt(v_hat) exact Adam can reach at `step` (the 8-bit format's guard), from its
     definition: m_hat and v_hat weigh the gradient of k steps ago by w_k = (1 - b1) b1^k / (1 - b1^step) and
-    u_k = (1 - b2) b2^k / (1 - b2^step), so by Cauchy-Schwarz |m_hat| <= sqrt(sum_k w_k^2 / u_k) sqrt(v_hat), with
-    equality for g_k proportional to w_k / u_k."""
-    w = [(1 - b1) * b1**k / (1 - b1**step) for k in range(step)]
-    u = [(1 - b2) * b2**k / (1 - b2**step) for k in range(step)]
-    return sum(a * a / c for a, c in zip(w, u)) ** 0.5
+    u_k = (1 - b2) b2^k / (1 - b2^step) (without bias correction, unnormalized), so by Cauchy-Schwarz
+    |m_hat| <= sqrt(sum_k w_k^2 / u_k) sqrt(v_hat), with equality for g_k proportional to w_k / u_k. Each term in
+    logarithms (b2^k underflows long before the term does); inf where a term is (b2 = 0 past step 1)."""
+    total = 0.0
+    for k in range(step):
+        if k and b1 == 0.0:
+            break  # (w_k = 0 from here on)
+        if k and b2 == 0.0:
+            return math.inf
+        log_term = 2 * math.log1p(-b1) - math.log1p(-b2) + (k * (2 * math.log(b1) - math.log(b2)) if k else 0.0)
+        if log_term > 700:
+            return math.inf
+        total += math.exp(log_term)
+    norm = (1 - b2**step) / (1 - b1**step) ** 2 if bias_correction else 1.0
+    return math.sqrt(total * norm)
 
 
 def assert_close_verbose(actual: torch.Tensor, expected: torch.Tensor, bound: float, what: str) -> None:

@@ -405,6 +405,35 @@ def test_8bit_update_stays_within_exact_adams_bound(isa):
         assert all(torch.equal(x, y) for x, y in zip(got, ref)), f"{isa}: the guard's bits differ from the scalar run"
 
 
+def test_update_cap_is_one_over_bc1_times_the_bound():
+    """zo_kernels._cpu.update_cap (the kernels' guard: the denominator is at least |m| x it) against the bound summed
+    from its definition, with and without bias correction, rho = b1^2 / b2 below, at and above 1; 0 (no guard) where
+    the bound is infinite (b2 = 0 after step 1); bad arguments refused."""
+    from zo_kernels import _cpu
+
+    for b1, b2 in [(0.9, 0.999), (0.0, 0.999), (0.99, 0.95), (0.5, 0.25), (0.9, 0.81), (0.9, 0.0), (0.9, 1e-320)]:
+        for t in (1, 2, 3, 10, 100, 1000):
+            cap = _cpu.update_cap(t, b1, b2)  # (an infinite bound: 0, no guard)
+            assert cap == pytest.approx(1 / ((1 - b1**t) * adam_bound(t, b1, b2)), rel=1e-9), (b1, b2, t)
+            raw = _cpu.update_cap(t, b1, b2, bias_correction=False)
+            assert raw == pytest.approx(1 / adam_bound(t, b1, b2, bias_correction=False), rel=1e-9), (b1, b2, t)
+    for args in [(0, 0.9, 0.999), (-3, 0.9, 0.999), (1, 0.9, 1.0), (1, 1.0, 0.9), (1, -0.1, 0.9)]:
+        with pytest.raises(ValueError):
+            _cpu.update_cap(*args)
+
+
+def test_8bit_update_without_bias_correction_stays_within_its_bound():
+    """bias_correction=False: m and v are not normalized, nor is the bound; heavy-tailed gradients."""
+    n, lr, betas = 256 * 16, 1e-3, (0.9, 0.999)
+    p = torch.zeros(n)
+    m, v = moments("8bit", n)
+    for step, g in enumerate(heavy_tailed_grads(n, 10, seed=6), 1):
+        before = p.clone()
+        cpu_adam_step(p, g, m, v, step=step, lr=lr, betas=betas, eps=1e-8, bias_correction=False)
+        bound = adam_bound(step, *betas, bias_correction=False)
+        assert (p - before).abs().max().item() <= (1 + 1e-5) * lr * bound, step
+
+
 def test_8bit_guard_moves_an_element_whose_sqrt_v_rounded_to_zero_by_lr_times_the_bound():
     """A block where element 0 took a large gradient, then one of opposite sign (its m back to ~0, its v large), while
     element 5 took a small one: element 5's sqrt(v) rounds to code 0 under element 0's scale, its m to code 127 (it
