@@ -389,10 +389,20 @@ def choose_model(setting: str, mach: dict, adam_s_per_param: float, tflops: floa
     return best, tokens, plan_for(best, setting, tokens, mach, args)[1]
 
 
+HEAD_WIDTH = 768  # GPT-2 small's width: past it the LM head's initial std shrinks as 1 / sqrt(width) (init_fn)
+
+
 def init_fn(name: str, out: torch.Tensor, gen: torch.Generator) -> None:
-    """GPT-2's initialization: weights N(0, 0.02), biases 0, LayerNorm weights 1."""
+    """GPT-2's initialization: weights N(0, 0.02), biases 0, LayerNorm weights 1; but the LM head's std is
+    0.02 x sqrt(768 / width) past width 768, so its initial logits keep GPT-2 small's scale (std ~0.55) at any width.
+    At 0.02 they grow as sqrt(width): std 1.47 at width 5376, the 15B model's first loss 11.46 against ln 32000 =
+    10.37, and Adam's first, sign-like steps overshot: on an H200 the 15.3B and 12.0B rows jumped to 17.90 and 13.28
+    at step 2 and came back at step 3. The same on the CPU with torch's AdamW, no zo (12 x 768 GPT, the head scaled
+    x 2.65 to that logit scale, lr 0.075 / width with the warm-up, held-out loss after each step): 11.50 -> 11.20 ->
+    13.62 -> 11.20; GPT-2's head: 10.55 -> 10.43 -> 10.29 -> 10.23."""
     if out.dim() >= 2:
-        out.normal_(0.0, 0.02, generator=gen)
+        wide = name == "head.weight" and out.shape[-1] > HEAD_WIDTH
+        out.normal_(0.0, 0.02 * (HEAD_WIDTH / out.shape[-1]) ** 0.5 if wide else 0.02, generator=gen)
     elif name.endswith("weight"):
         out.fill_(1.0)
 

@@ -300,3 +300,21 @@ def test_the_update_probe_sees_a_move_beyond_the_bound_and_a_device_value_not_th
     bad = probe.after(step=3, lr=1e-3, betas=(0.9, 0.999), weight_decay=wd)
     assert bad["writeback_mismatches"] == 1, bad
     opt.close()
+
+
+def test_the_lm_head_starts_at_gpt2_smalls_logit_scale_at_any_width():
+    """init_fn: weights N(0, 0.02) but the LM head N(0, 0.02 x sqrt(768 / width)) past width 768 (its logits' std stays
+    ~0.55), LayerNorm weights 1, biases left as ParamInit hands them over (zeros)."""
+    gen = torch.Generator().manual_seed(0)
+    for width in (512, 768, 3072, 5376):
+        head, qkv = torch.empty(4096, width), torch.empty(width, 3 * width)
+        scale_check.init_fn("head.weight", head, gen)
+        scale_check.init_fn("blocks.0.qkv.weight", qkv, gen)
+        want = 0.02 * min(1.0, (768 / width) ** 0.5)
+        assert head.std().item() == pytest.approx(want, rel=0.02) and qkv.std().item() == pytest.approx(0.02, rel=0.02)
+        logits = head @ torch.nn.functional.layer_norm(torch.randn(64, width), (width,)).T
+        assert logits.std().item() == pytest.approx(want * width**0.5, rel=0.05)
+    bias, ln = torch.zeros(10), torch.zeros(10)
+    scale_check.init_fn("blocks.0.qkv.bias", bias, gen)
+    scale_check.init_fn("blocks.0.ln1.weight", ln, gen)
+    assert not bias.any() and (ln == 1).all()
