@@ -295,22 +295,25 @@ def prefetched_unit(c: GPTConfig) -> int:
     return 2 * c.width
 
 
-BLOCK_TH = {"cpu": 30, "cuda": 40}  # bytes per token x width of one block recomputed with its gradients (bf16):
+BLOCK_TH = {"cpu": 30, "cuda": 34}  # bytes per token x width of one block recomputed with its gradients (bf16):
 # measured with device = CPU (GPT widths 256-512, 4096-8192 tokens, peak RSS of forward + backward less the other
-# terms) 22-28; Korthikanti et al. 2022 count 34 saved per block with dropout masks, ~32 without, and backward's
-# gradient temporaries add 8-16 on a GPU, whose allocator also rounds: 40 there (the GPU rows' activations_gib will
-# calibrate it)
+# terms) 22-28; Korthikanti et al. 2022 count 34 saved per block with dropout masks, ~32 without. On the H200
+# (2026-11-27, five rows: 1.9-15.3B params, widths 2560-5376, 8192-32768 tokens) activation_bytes with 34 read
+# 1.00-1.04 of the measured activations_gib; the earlier estimate, 40 and the loss chunk's logits added to the block
+# rather than the larger of the two, read 1.13-1.48 (the planner's peak 16-19% over at 1.9-2.6B, flagged)
 
 
 def activation_bytes(c: GPTConfig, tokens: int, cuda: bool = False) -> int:
     """Device bytes of activations at the peak of backward, every block checkpointed, the head in LOSS_CHUNK chunks
-    (bf16): each block's input kept (2 L T h), one block recomputed with its gradients (BLOCK_TH T h; no attention
-    matrix with SDPA), the residual stream and its gradients (8 T h), one chunk's logits in bf16 and fp32 with their
-    gradient (14 chunk V), and autograd's bf16 gradients of one bucket before it is packed (2 min(params, bucket))."""
+    (bf16): each block's input kept (2 L T h), the residual stream and its gradients (8 T h), autograd's bf16
+    gradients of one bucket before it is packed (2 min(params, bucket)), and the larger of what backward recomputes
+    at a time: one chunk's logits in bf16 and fp32 with their gradient (14 chunk V; the head's backward, first) or
+    one block with its gradients (BLOCK_TH T h; no attention matrix with SDPA; the blocks', after it)."""
     h, t = c.width, tokens
     chunk = min(LOSS_CHUNK, t)
     grads = 2 * min(gpt_params(c), zk.offload.DEFAULT_BUCKET_NUMEL)
-    return 2 * c.layers * t * h + BLOCK_TH["cuda" if cuda else "cpu"] * t * h + 8 * t * h + 14 * chunk * c.vocab + grads
+    recomputed = max(BLOCK_TH["cuda" if cuda else "cpu"] * t * h, 14 * chunk * c.vocab)
+    return 2 * c.layers * t * h + 8 * t * h + grads + recomputed
 
 
 def config_for(width: int, layers: int, args: argparse.Namespace) -> GPTConfig:
