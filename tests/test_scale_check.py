@@ -318,3 +318,16 @@ def test_the_lm_head_starts_at_gpt2_smalls_logit_scale_at_any_width():
     scale_check.init_fn("blocks.0.qkv.bias", bias, gen)
     scale_check.init_fn("blocks.0.ln1.weight", ln, gen)
     assert not bias.any() and (ln == 1).all()
+
+
+def test_the_activation_estimate_matches_the_h200_rows():
+    """activation_bytes against the activations the H200's scale rows measured (bench/results, 2026-11-27: 15.3B at
+    32768 tokens, 12.0B at 8192): within 5% (the estimate before read 1.13 and 1.30 of them)."""
+    path = os.path.join(HERE, "..", "bench", "results", "gpu-2026-11-27-H200-scale.json")
+    rows = [r for r in json.load(open(path))["scale"] if r.get("activations_gib")]
+    assert len(rows) == 2
+    for r in rows:
+        c = scale_check.GPTConfig(vocab=r["vocab"], context=r["context"], layers=r["layers"], width=r["width"],
+                                  heads=r["heads"])  # fmt: skip
+        estimate = scale_check.activation_bytes(c, r["tokens_per_step"], cuda=True) / 2**30
+        assert estimate == pytest.approx(r["activations_gib"], rel=0.05), (r["setting"], estimate)
