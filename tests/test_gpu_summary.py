@@ -75,6 +75,20 @@ def test_scale_rows_reach_the_summary_its_text_and_the_dashboard(tmp_path, capsy
     assert "scale: the largest model per setting" in page and "s3-cpu" in page and "timed out" in page
 
 
+def test_the_update_probe_reaches_the_scale_line():
+    """A scale row's update probe (bench/update_probe.py) in summary.py's line: the worst step against its bound, and
+    a flag where a window went past it or a device value was not the master's cast."""
+    fine = [{"update_over_lr": 1.0, "update_bound": 1.0, "beyond_bound": [], "writeback_mismatches": 0},
+            {"update_over_lr": 1.2, "update_bound": 1.5, "beyond_bound": [], "writeback_mismatches": 0}]  # fmt: skip
+    text = summary.scale_line({**scale_row("s2-8bit-sync", []), "update_probe": fine})
+    assert "masters moved <= 1.00 x lr (bound 1.00)" in text and "UPDATE PROBE" not in text
+    bad = fine + [{"update_over_lr": 17.4, "update_bound": 1.0, "beyond_bound": ["blocks.8.out.weight[0:1024]: 17.4"],
+                   "writeback_mismatches": 3}]  # fmt: skip
+    text = summary.scale_line({**scale_row("s2-8bit-sync", []), "update_probe": bad})
+    assert "17.40 x lr (bound 1.00): UPDATE PROBE 1 windows beyond the bound, 3 device values" in text
+    assert "masters moved" not in summary.scale_line(scale_row("s2-8bit", []))
+
+
 def test_committed_gpu_results_have_the_issue_keys():
     paths = sorted(glob.glob(os.path.join(BENCH, "results", "gpu-*.json")))
     assert paths, "bench/results/ holds at least the converted 2026-11-22 H100 run"
