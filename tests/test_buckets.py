@@ -389,6 +389,25 @@ def test_plan_reused_then_invalidated_by_new_tensors(impl):
     assert all(torch.equal(b, t.float().to(t.dtype)) for b, t in zip(back, second))
 
 
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i == "triton"])
+def test_new_addresses_rewrite_one_table_in_place(impl):
+    """Addresses that move every call (a step's gradients where the caching allocator put them elsewhere) rewrite the
+    plan's one table in place: the same device table, no new allocation per upload, and every call packs the
+    tensors it was given (alternating between two sets, each reused after the other: a table not rewritten, or
+    rewritten before the last launch read it, would pack the other set's values)."""
+    first = _mixed(12, seed=3)
+    second = [awkward(t.numel(), t.dtype, seed=300 + i) for i, t in enumerate(first)]
+    plan = zk.buckets.plan(first, dtype=torch.float32, align=8)
+    out = torch.empty(plan.total, dtype=torch.float32, device=first[0].device)
+    tables = set()
+    for i in range(6):
+        tensors = (first, second)[i % 2]
+        plan.pack(tensors, out=out, impl=impl)
+        assert torch.equal(out, expected_pack(tensors, torch.float32, 1.0, 8)[0]), f"call {i} packed stale addresses"
+        tables.add(plan._table.data_ptr())
+    assert plan.uploads == 6 and len(tables) == 1, (plan.uploads, len(tables))
+
+
 def test_plan_refuses_other_tensors_before_writing():
     ts = [torch.randn(5), torch.randn(7, dtype=torch.float16)]
     plan = zk.buckets.plan(ts, dtype=torch.float32)

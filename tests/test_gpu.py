@@ -51,6 +51,28 @@ def test_compiled_pack_and_unpack_match_torch_bitwise(count, align, out_dtype):
         assert_bits_equal(o, ref[p.offsets[i] : p.offsets[i] + t.numel()].to(t.dtype), f"unpack {i}")
 
 
+def test_moving_addresses_rewrite_the_table_in_stream_order():
+    """Two sets of tensors alternating through one plan behind a sleeping stream: each call writes the new addresses
+    into the plan's one pinned host table and copies it over its one device table, in stream order. The host must not
+    rewrite the host table before the last copy read it (the plan waits for its event) and the copy must land after
+    the launch that read the old table: either slip packs the other set's values into some output."""
+    ns = sizes(64, seed=5)
+    sets = [[torch.randn(n, device=DEV) * (k + 1) for n in ns] for k in range(2)]
+    plan = zk.buckets.plan(sets[0], dtype=torch.bfloat16, align=8)
+    outs = [torch.empty(plan.total, dtype=torch.bfloat16, device=DEV) for _ in range(6)]
+    tables = set()
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        torch.cuda._sleep(SLEEP_CYCLES // 20)  # the device behind the host: every upload is queued behind a launch
+        plan.pack(sets[i % 2], out=out, impl="triton")
+        tables.add(plan._table.data_ptr())
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        want = zk.pack(sets[i % 2], dtype=torch.bfloat16, align=8, impl="torch").flat
+        assert torch.equal(out, want), f"call {i} packed the other set's values"
+    assert plan.uploads == 6 and len(tables) == 1, (plan.uploads, len(tables))
+
+
 def test_pack_reduction_over_thousands_of_programs_and_its_flag():
     """The in-launch reduction (each program's partials, the last ticket sums them) with more programs than the last
     program's RBLOCK lanes take in one pass (~3k, run concurrently), launched back to back through one plan: the sum

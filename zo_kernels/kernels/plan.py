@@ -5,8 +5,9 @@ those sizes and dtypes, are contiguous and on the plan's device, and reads their
 layout guard, see layout_guard.py) while they keep the exact layout last validated, else in a few C-level passes
 over the list (no Python loop per tensor). The addresses usually repeat (the same parameters, or
 gradients the caching allocator puts where it put them last step); only when they change is the table
-rebuilt: alignment and overlap checked (sorted by address, O(n log n)) and the new table uploaded through
-pinned memory. Nothing else of a call grows with the tensor count but the C++ copy calls of the CPU path.
+rebuilt: alignment and overlap checked (sorted by address, O(n log n)) and the addresses written into the plan's one
+pinned host table, copied over its one device table in stream order. Nothing else of a call grows with the tensor
+count but the C++ copy calls of the CPU path.
 This module does not import triton on the CPU path; a plan for CUDA tensors asks its version (versions.default_impl).
 """
 
@@ -118,7 +119,10 @@ class PackPlan:
         self._ends: list[int] = []
         self._overlap: tuple[int, int] | None = None  # two tensors sharing memory (pack reads them; unpack refuses)
         self._device_tables = None  # (work, n_work, part, count, pack work, unpack work) once on a GPU
-        self._table: torch.Tensor | None = None
+        self._table: torch.Tensor | None = None  # the device table for the current addresses (None: to upload)
+        self._host_table: torch.Tensor | None = None  # its pinned host copy, written in place (_upload)
+        self._device_table: torch.Tensor | None = None
+        self._uploaded = None  # CUDA event: the last copy out of the host table
         self._out_checked: tuple[int, int] | None = None  # (address, numel) of an `out` whose memory was checked
         self._writable = False  # the tensors at these addresses were checked writable (unpack on the CPU)
         self._gap_index: torch.Tensor | None = None
@@ -232,14 +236,32 @@ class PackPlan:
                 torch.zeros(1, dtype=torch.int32, device=self.device),
             )  # fmt: skip
         if self._table is None:
+            self._table = self._upload(ptrs)
+        return self._table, *self._device_tables
+
+    def _upload(self, ptrs: tuple[int, ...]) -> torch.Tensor:
+        """The tensor table with these addresses, on the device. Its pinned host copy and the device table are made
+        once; new addresses are written into the address column and copied over the device table in stream order
+        (the launches that read the old table were queued before the copy). A new pinned tensor per upload went
+        through the caching host allocator, which page-locks a new block while the last copy from a cached one is
+        pending; the H200's 1.3B step rows uploaded 13-41 tables a step (the gradients' addresses move)."""
+        if self._host_table is None:
             from . import pack as kpack
 
-            rows = [(p, n, o, c, s) for p, n, o, c, s in zip(ptrs, self.numels, self.offsets, self.codes, self.segs)]
-            host = _pinned(torch.tensor(rows, dtype=torch.int64).reshape(-1, kpack.NCOL), self.device)
-            # pinned + non_blocking: the caching host allocator keeps `host` until the copy has read it
-            self._table = host.to(self.device, non_blocking=True)
-            self.uploads += 1
-        return self._table, *self._device_tables
+            rows = [(0, n, o, c, s) for n, o, c, s in zip(self.numels, self.offsets, self.codes, self.segs)]
+            self._host_table = _pinned(torch.tensor(rows, dtype=torch.int64).reshape(-1, kpack.NCOL), self.device)
+            cuda = self.device.type == "cuda"
+            self._device_table = torch.empty_like(self._host_table, device=self.device) if cuda else self._host_table
+            self._uploaded = torch.cuda.Event() if cuda else None  # the last copy out of the host table
+        elif self._uploaded is not None:
+            self._uploaded.synchronize()  # that copy has read the host table (queued a step ago: long done)
+        self._host_table[:, 0] = torch.tensor(ptrs, dtype=torch.int64)
+        if self._uploaded is not None:
+            with torch.cuda.device(self.device):
+                self._device_table.copy_(self._host_table, non_blocking=True)
+                self._uploaded.record()
+        self.uploads += 1
+        return self._device_table
 
     def _gaps(self) -> torch.Tensor:
         if self._gap_index is None:
