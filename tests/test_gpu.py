@@ -53,9 +53,9 @@ def test_compiled_pack_and_unpack_match_torch_bitwise(count, align, out_dtype):
 
 def test_moving_addresses_rewrite_the_table_in_stream_order():
     """Two sets of tensors alternating through one plan behind a sleeping stream: each call writes the new addresses
-    into the plan's one pinned host table and copies it over its one device table, in stream order. The host must not
-    rewrite the host table before the last copy read it (the plan waits for its event) and the copy must land after
-    the launch that read the old table: either slip packs the other set's values into some output."""
+    into one of the plan's two pinned host tables (in turn) and copies it over its one device table, in stream order.
+    The host must not rewrite a host table before the copy from it read it (the plan waits for its event) and the
+    copy must land after the launch that read the old table: either slip packs the other set's values somewhere."""
     ns = sizes(64, seed=5)
     sets = [[torch.randn(n, device=DEV) * (k + 1) for n in ns] for k in range(2)]
     plan = zk.buckets.plan(sets[0], dtype=torch.bfloat16, align=8)

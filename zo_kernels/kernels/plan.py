@@ -5,9 +5,9 @@ those sizes and dtypes, are contiguous and on the plan's device, and reads their
 layout guard, see layout_guard.py) while they keep the exact layout last validated, else in a few C-level passes
 over the list (no Python loop per tensor). The addresses usually repeat (the same parameters, or
 gradients the caching allocator puts where it put them last step); only when they change is the table
-rebuilt: alignment and overlap checked (sorted by address, O(n log n)) and the addresses written into the plan's one
-pinned host table, copied over its one device table in stream order. Nothing else of a call grows with the tensor
-count but the C++ copy calls of the CPU path.
+rebuilt: alignment and overlap checked (sorted by address, O(n log n)) and the addresses written into one of the
+plan's two pinned host tables, copied over its one device table in stream order. Nothing else of a call grows with
+the tensor count but the C++ copy calls of the CPU path.
 This module does not import triton on the CPU path; a plan for CUDA tensors asks its version (versions.default_impl).
 """
 
@@ -120,9 +120,9 @@ class PackPlan:
         self._overlap: tuple[int, int] | None = None  # two tensors sharing memory (pack reads them; unpack refuses)
         self._device_tables = None  # (work, n_work, part, count, pack work, unpack work) once on a GPU
         self._table: torch.Tensor | None = None  # the device table for the current addresses (None: to upload)
-        self._host_table: torch.Tensor | None = None  # its pinned host copy, written in place (_upload)
-        self._device_table: torch.Tensor | None = None
-        self._uploaded = None  # CUDA event: the last copy out of the host table
+        self._device_table: torch.Tensor | None = None  # made once (_upload)
+        self._host_tables: list[torch.Tensor] = []  # its pinned host copies, written in place in turn
+        self._uploaded: list = []  # CUDA events: the last copy out of each host copy
         self._out_checked: tuple[int, int] | None = None  # (address, numel) of an `out` whose memory was checked
         self._writable = False  # the tensors at these addresses were checked writable (unpack on the CPU)
         self._gap_index: torch.Tensor | None = None
@@ -240,26 +240,29 @@ class PackPlan:
         return self._table, *self._device_tables
 
     def _upload(self, ptrs: tuple[int, ...]) -> torch.Tensor:
-        """The tensor table with these addresses, on the device. Its pinned host copy and the device table are made
-        once; new addresses are written into the address column and copied over the device table in stream order
-        (the launches that read the old table were queued before the copy). A new pinned tensor per upload went
-        through the caching host allocator, which page-locks a new block while the last copy from a cached one is
-        pending; the H200's 1.3B step rows uploaded 13-41 tables a step (the gradients' addresses move)."""
-        if self._host_table is None:
+        """The tensor table with these addresses, on the device. Its pinned host copies (two, used in turn) and the
+        device table are made once; new addresses are written into a host copy's address column, once the copy from
+        it two uploads ago has read it (its event), and copied over the device table in stream order (the launches
+        that read the old table were queued before the copy). A new pinned tensor per upload went through the caching
+        host allocator, which page-locks a new block while the last copy from a cached one is pending; the H200's 1.3B
+        step rows uploaded 13-41 tables a step (the gradients' addresses move)."""
+        cuda = self.device.type == "cuda"
+        if self._device_table is None:
             from . import pack as kpack
 
             rows = [(0, n, o, c, s) for n, o, c, s in zip(self.numels, self.offsets, self.codes, self.segs)]
-            self._host_table = _pinned(torch.tensor(rows, dtype=torch.int64).reshape(-1, kpack.NCOL), self.device)
-            cuda = self.device.type == "cuda"
-            self._device_table = torch.empty_like(self._host_table, device=self.device) if cuda else self._host_table
-            self._uploaded = torch.cuda.Event() if cuda else None  # the last copy out of the host table
-        elif self._uploaded is not None:
-            self._uploaded.synchronize()  # that copy has read the host table (queued a step ago: long done)
-        self._host_table[:, 0] = torch.tensor(ptrs, dtype=torch.int64)
-        if self._uploaded is not None:
+            host = torch.tensor(rows, dtype=torch.int64).reshape(-1, kpack.NCOL)
+            self._host_tables = [_pinned(host, self.device), _pinned(host.clone(), self.device)] if cuda else [host]
+            self._uploaded = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []
+            self._device_table = torch.empty_like(host, device=self.device) if cuda else host
+        k = self.uploads % len(self._host_tables)
+        if cuda:
+            self._uploaded[k].synchronize()  # the copy from this host table two uploads ago has read it
+        self._host_tables[k][:, 0] = torch.tensor(ptrs, dtype=torch.int64)
+        if cuda:
             with torch.cuda.device(self.device):
-                self._device_table.copy_(self._host_table, non_blocking=True)
-                self._uploaded.record()
+                self._device_table.copy_(self._host_tables[k], non_blocking=True)
+                self._uploaded[k].record()
         self.uploads += 1
         return self._device_table
 
