@@ -119,8 +119,8 @@ class PackPlan:
         self._ends: list[int] = []
         self._overlap: tuple[int, int] | None = None  # two tensors sharing memory (pack reads them; unpack refuses)
         self._device_tables = None  # (work, n_work, part, count, pack work, unpack work) once on a GPU
-        self._table: torch.Tensor | None = None  # the device table for the current addresses (None: to upload)
-        self._device_table: torch.Tensor | None = None  # made once (_upload)
+        self._table: torch.Tensor | None = None  # the tensor table on the device, made once (_upload)
+        self._table_stale = True  # it does not hold the addresses of the last check (_upload rewrites it)
         self._host_tables: list[torch.Tensor] = []  # its pinned host copies, written in place in turn
         self._uploaded: list = []  # CUDA events: the last copy out of each host copy
         self._out_checked: tuple[int, int] | None = None  # (address, numel) of an `out` whose memory was checked
@@ -203,7 +203,7 @@ class PackPlan:
                 ends.append(hi)
                 reach = i
         self._starts, self._ends, self._overlap = starts, ends, overlap
-        self._ptrs, self._table, self._writable = ptrs, None, False
+        self._ptrs, self._table_stale, self._writable = ptrs, True, False
 
     def _refuse_overlap(self) -> None:
         i, j = sorted(self._overlap)
@@ -235,36 +235,36 @@ class PackPlan:
                 torch.empty(2 * max(n_work, 1), dtype=torch.float32, device=self.device),
                 torch.zeros(1, dtype=torch.int32, device=self.device),
             )  # fmt: skip
-        if self._table is None:
-            self._table = self._upload(ptrs)
+        if self._table_stale:
+            self._upload(ptrs)
         return self._table, *self._device_tables
 
-    def _upload(self, ptrs: tuple[int, ...]) -> torch.Tensor:
-        """The tensor table with these addresses, on the device. Its pinned host copies (two, used in turn) and the
-        device table are made once; new addresses are written into a host copy's address column, once the copy from
-        it two uploads ago has read it (its event), and copied over the device table in stream order (the launches
-        that read the old table were queued before the copy). A new pinned tensor per upload went through the caching
-        host allocator, which page-locks a new block while the last copy from a cached one is pending; the H200's 1.3B
-        step rows uploaded 13-41 tables a step (the gradients' addresses move)."""
+    def _upload(self, ptrs: tuple[int, ...]) -> None:
+        """The tensor table (self._table) with these addresses, on the device. Its pinned host copies (two, used in
+        turn) and the device table are made once; new addresses are written into a host copy's address column, once
+        the copy from it two uploads ago has read it (its event), and copied over the device table in stream order
+        (the launches that read the old table were queued before the copy). A new pinned tensor per upload went
+        through the caching host allocator, which page-locks a new block while the last copy from a cached one is
+        pending; the H200's 1.3B step rows uploaded 13-41 tables a step (the gradients' addresses move)."""
         cuda = self.device.type == "cuda"
-        if self._device_table is None:
+        if self._table is None:
             from . import pack as kpack
 
             rows = [(0, n, o, c, s) for n, o, c, s in zip(self.numels, self.offsets, self.codes, self.segs)]
             host = torch.tensor(rows, dtype=torch.int64).reshape(-1, kpack.NCOL)
-            self._host_tables = [_pinned(host, self.device), _pinned(host.clone(), self.device)] if cuda else [host]
+            self._host_tables = [host.pin_memory(), host.pin_memory()] if cuda else [host]  # (each a pinned copy)
             self._uploaded = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []
-            self._device_table = torch.empty_like(host, device=self.device) if cuda else host
+            self._table = torch.empty_like(host, device=self.device) if cuda else host
         k = self.uploads % len(self._host_tables)
         if cuda:
             self._uploaded[k].synchronize()  # the copy from this host table two uploads ago has read it
         self._host_tables[k][:, 0] = torch.tensor(ptrs, dtype=torch.int64)
         if cuda:
             with torch.cuda.device(self.device):
-                self._device_table.copy_(self._host_tables[k], non_blocking=True)
+                self._table.copy_(self._host_tables[k], non_blocking=True)
                 self._uploaded[k].record()
         self.uploads += 1
-        return self._device_table
+        self._table_stale = False
 
     def _gaps(self) -> torch.Tensor:
         if self._gap_index is None:
