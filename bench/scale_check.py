@@ -53,7 +53,7 @@ the LM head + loss computed over chunks of tokens, each checkpointed.
 Usage: python bench/scale_check.py OUT.json [--settings s2-8bit-sync,s2-8bit,s2-fp32,s3-cpu] [--device cuda]
        [--budget-s 420]
        [--max-params 1e12] [--steps 5] [--context 2048] [--vocab 32000] [--tokens N] [--host-reserve-gib 10]
-       [--lr LR] [--warmup-steps N]
+       [--lr LR] [--warmup-steps N] [--shape WIDTHxLAYERS] [--head-width 768]
 Writes OUT.json (a list of rows) after every setting (a run cut short keeps what finished); prints progress lines.
 """
 
@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import gc
 import json
 import math
@@ -324,6 +325,17 @@ def config_for(width: int, layers: int, args: argparse.Namespace) -> GPTConfig:
                      heads=max(1, width // head_dim))  # fmt: skip
 
 
+def parse_shape(text: str) -> tuple[int, int]:
+    """--shape WIDTHxLAYERS: (width, layers); width a multiple of 32 (the heads' size below 1024), layers >= 1."""
+    try:
+        width, layers = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--shape: WIDTHxLAYERS, e.g. 5376x2, got {text!r}") from None
+    if width < 32 or width % 32 or layers < 1:
+        raise ValueError(f"--shape: width a multiple of 32 and at least 1 layer, got {text!r}")
+    return width, layers
+
+
 def plan_for(c: GPTConfig, setting: str, tokens: int, mach: dict, args: argparse.Namespace) -> tuple[bool, dict]:
     """Whether the planner says shape `c` fits this machine for `setting`, and its figures for it."""
     cuda = args.device.startswith("cuda")
@@ -365,6 +377,9 @@ def choose_model(setting: str, mach: dict, adam_s_per_param: float, tflops: floa
     def fits(c: GPTConfig) -> bool:
         return plan_for(c, setting, tokens_for(c), mach, args)[0]
 
+    if getattr(args, "shape", None):  # --shape: this GPT, whatever the planner says (its figures kept beside it)
+        c = config_for(*parse_shape(args.shape), args)
+        return c, tokens_for(c), plan_for(c, setting, tokens_for(c), mach, args)[1]
     best = None
     width = step
     while True:
@@ -395,17 +410,18 @@ def choose_model(setting: str, mach: dict, adam_s_per_param: float, tflops: floa
 HEAD_WIDTH = 768  # GPT-2 small's width: past it the LM head's initial std shrinks as 1 / sqrt(width) (init_fn)
 
 
-def init_fn(name: str, out: torch.Tensor, gen: torch.Generator) -> None:
+def init_fn(name: str, out: torch.Tensor, gen: torch.Generator, head_width: int = HEAD_WIDTH) -> None:
     """GPT-2's initialization: weights N(0, 0.02), biases 0, LayerNorm weights 1; but the LM head's std is
-    0.02 x sqrt(768 / width) past width 768, so its initial logits keep GPT-2 small's scale (std ~0.55) at any width.
+    0.02 x sqrt(head_width / width) past head_width (768; 0: GPT-2's 0.02 at any width, --head-width), so its initial
+    logits keep GPT-2 small's scale (std ~0.55) at any width.
     At 0.02 they grow as sqrt(width): std 1.47 at width 5376, the 15B model's first loss 11.46 against ln 32000 =
     10.37, and Adam's first, sign-like steps overshot: on an H200 the 15.3B and 12.0B rows jumped to 17.90 and 13.28
     at step 2 and came back at step 3. The same on the CPU with torch's AdamW, no zo (12 x 768 GPT, the head scaled
     x 2.65 to that logit scale, lr 0.075 / width with the warm-up, held-out loss after each step): 11.50 -> 11.20 ->
     13.62 -> 11.20; GPT-2's head: 10.55 -> 10.43 -> 10.29 -> 10.23."""
     if out.dim() >= 2:
-        wide = name == "head.weight" and out.shape[-1] > HEAD_WIDTH
-        out.normal_(0.0, 0.02 * (HEAD_WIDTH / out.shape[-1]) ** 0.5 if wide else 0.02, generator=gen)
+        wide = name == "head.weight" and 0 < head_width < out.shape[-1]
+        out.normal_(0.0, 0.02 * (head_width / out.shape[-1]) ** 0.5 if wide else 0.02, generator=gen)
     elif name.endswith("weight"):
         out.fill_(1.0)
 
@@ -480,9 +496,9 @@ def run_setting(setting: str, args: argparse.Namespace, out_path: str) -> None:
                  f"{adam * 1e9:.2f} ns/param")  # fmt: skip
     c, tokens, figures = choose_model(setting, mach, adam, tflops, args)
     params = gpt_params(c)
-    row.update(params=params, max_params=args.max_params, layers=c.layers, width=c.width, heads=c.heads,
-               vocab=c.vocab, context=c.context, tokens_per_step=tokens, adam_s_est=adam * params,
-               **figures)  # fmt: skip
+    row.update(params=params, max_params=args.max_params, shape=getattr(args, "shape", None), layers=c.layers,
+               width=c.width, heads=c.heads, vocab=c.vocab, context=c.context, tokens_per_step=tokens,
+               adam_s_est=adam * params, head_width=getattr(args, "head_width", HEAD_WIDTH), **figures)  # fmt: skip
     write()
     say(setting, f"planner: largest GPT {params / 1e9:.3f}B params ({c.layers} layers x {c.width}), planner max "
                  f"{figures['planner_params'] / 1e9:.3f}B; {tokens} tokens/step; predicted host "
@@ -519,9 +535,10 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
     row["lr"], row["warmup_steps"] = lr, warmup
     if DPU[setting]:
         row["dpu_after_steps"] = DPU_AFTER
+    fill = functools.partial(init_fn, head_width=getattr(args, "head_width", HEAD_WIDTH))
     opt = zk.ZeroOffloadAdamW(model, lr=lr, weight_decay=0.0, dtype=torch.bfloat16,
                               delay_update_after=DPU_AFTER if DPU[setting] else None,
-                              init=zk.ParamInit(init_fn, device=device, seed=0), **SETTINGS[setting])  # fmt: skip
+                              init=zk.ParamInit(fill, device=device, seed=0), **SETTINGS[setting])  # fmt: skip
     _sync(device)
     row["build_s"] = time.perf_counter() - t0
     say(setting, f"built in {row['build_s']:.1f}s; host +{host.peak_growth() / GIB:.2f} GiB so far")
@@ -669,7 +686,8 @@ def mismatches(row: dict) -> list[str]:
     """Each planner figure more than MISMATCH off the measured one: params (the planner's max against the params
     built), device and host bytes."""
     out = []
-    capped = row.get("planner_params", 0) > row.get("max_params", math.inf)  # --max-params chose, not the planner
+    # --max-params or --shape chose the size, not the planner
+    capped = row.get("planner_params", 0) > row.get("max_params", math.inf) or bool(row.get("shape"))
     pairs = (("params", None if capped else row.get("planner_params"), row.get("params")),
              ("peak_gib", row.get("planner_peak_gib"), row.get("peak_gib")),
              ("device_states_gib", row.get("planner_device_states_gib"), row.get("device_states_gib")),
@@ -702,6 +720,20 @@ def summary_line(row: dict) -> str:
 # ---------------------------------------------------------------------- the parent
 
 
+def child_command(args: argparse.Namespace, setting: str, part: str, budget_s: float) -> list[str]:
+    """The command line of one setting's process: this run's options, its own budget and output."""
+    cmd = [sys.executable, os.path.abspath(__file__), part, "--child", setting, "--device", args.device,
+           "--budget-s", f"{budget_s:.0f}", "--max-params", str(args.max_params), "--steps", str(args.steps),
+           "--context", str(args.context), "--vocab", str(args.vocab), "--tokens", str(args.tokens),
+           "--lr", str(args.lr), "--host-reserve-gib", str(args.host_reserve_gib),
+           "--head-width", str(args.head_width)]  # fmt: skip
+    if args.shape is not None:
+        cmd += ["--shape", args.shape]
+    if args.warmup_steps is not None:
+        cmd += ["--warmup-steps", str(args.warmup_steps)]
+    return cmd
+
+
 def main(argv: list[str]) -> int:
     """Run the settings (each in its own process unless --in-process); 0 when every one trained."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -718,6 +750,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--warmup-steps", type=int, default=None,
                     help="steps of linear warm-up to --lr (default: all of them, step k at k/steps of it)")
     ap.add_argument("--host-reserve-gib", type=float, default=10.0)
+    ap.add_argument("--shape", default=None, help="WIDTHxLAYERS: train this GPT instead of the largest that fits "
+                    "(a narrow proxy of a large row; the planner's figures are still given beside it)")
+    ap.add_argument("--head-width", type=int, default=HEAD_WIDTH, help="the width past which the LM head's initial "
+                    "std shrinks as 1/sqrt(width) (default 768, GPT-2 small's; 0: N(0, 0.02) at any width)")
     ap.add_argument("--in-process", action="store_true",
                     help="run the settings in this process (no isolation; for the CPU test)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -728,6 +764,13 @@ def main(argv: list[str]) -> int:
             ap.error(f"--settings: unknown setting {s!r} (known: {', '.join(SETTINGS)})")
     if args.steps < 1 or args.context < 1 or args.vocab < 2 or args.tokens < 0 or args.tokens % args.context:
         ap.error("--steps >= 1, --context >= 1, --vocab >= 2, --tokens a multiple of --context")
+    if args.head_width < 0:
+        ap.error(f"--head-width: 0 or more, got {args.head_width}")
+    if args.shape is not None:
+        try:
+            parse_shape(args.shape)
+        except ValueError as e:
+            ap.error(str(e))
     if args.child:
         run_setting(args.child, args, args.out)
         return 0
@@ -740,12 +783,7 @@ def main(argv: list[str]) -> int:
                                                 f"needs {least}s)"})  # fmt: skip
             continue
         part = f"{args.out}.{s}.part"
-        cmd = [sys.executable, os.path.abspath(__file__), part, "--child", s, "--device", args.device,
-               "--budget-s", f"{share * 0.75:.0f}", "--max-params", str(args.max_params), "--steps", str(args.steps),
-               "--context", str(args.context), "--vocab", str(args.vocab), "--tokens", str(args.tokens),
-               "--lr", str(args.lr), "--host-reserve-gib", str(args.host_reserve_gib)]  # fmt: skip
-        if args.warmup_steps is not None:
-            cmd += ["--warmup-steps", str(args.warmup_steps)]
+        cmd = child_command(args, s, part, share * 0.75)
         say(s, f"starting (budget {share:.0f}s)")
         error = None
         if args.in_process:

@@ -102,6 +102,54 @@ def test_the_shape_search_takes_the_largest_gpt_the_planner_fits():
     assert scale_check.gpt_params(c8) > 1.4 * scale_check.gpt_params(c32)  # 10.03 against 16 host bytes per param
 
 
+def test_a_given_shape_is_trained_as_given_and_its_params_not_compared():
+    """--shape WIDTHxLAYERS (a narrow proxy of a large row): that GPT, the planner's figures beside it, its params not
+    flagged against the planner's max (the planner did not choose them); a malformed shape refused by name."""
+    args = argparse.Namespace(device="cpu", vocab=256, context=64, tokens=128, max_params=1e13, host_reserve_gib=0.0,
+                              shape="5376x2")  # fmt: skip
+    mach = {"device_total": 24 * 2**30, "host_available": 24 * 2**30, "disk_free": 60 * 2**30}
+    c, tokens, figures = scale_check.choose_model("s2-8bit-sync", mach, 1e-9, 1.0, args)
+    assert (c.width, c.layers, c.heads, tokens) == (5376, 2, 42, 128)
+    assert figures["planner_params"] > 0
+    row = {"params": 100, "planner_params": 1e4, "max_params": 1e13, "host_gib": 1.0, "planner_host_gib": 1.0}
+    assert scale_check.mismatches(row)[0].startswith("params")
+    assert scale_check.mismatches({**row, "shape": "5376x2"}) == []
+    for bad in ("5376", "5376x0", "100x2", "ax2", "64x2x3"):
+        with pytest.raises(ValueError, match="--shape"):
+            scale_check.parse_shape(bad)
+    for argv in (["--shape", "5376"], ["--head-width", "-1"]):
+        with pytest.raises(SystemExit):
+            scale_check.main(["unused.json", *argv])
+    # every option reaches the setting's own process: its parser reads back what the parent was given
+    parent = ["out.json", "--device", "cpu", "--shape", "5376x2", "--head-width", "0", "--steps", "7", "--lr", "1e-5",
+              "--warmup-steps", "3", "--tokens", "1024", "--context", "512", "--vocab", "999", "--max-params", "5e9",
+              "--host-reserve-gib", "2.5"]  # fmt: skip
+    seen = {}
+    real_parse = argparse.ArgumentParser.parse_args
+
+    def capture(self, argv=None, namespace=None):
+        ns = real_parse(self, argv, namespace)
+        seen.setdefault("parent" if ns.child is None else "child", ns)
+        if ns.child is None:  # the parent: build its child's command line, parse it as the child would
+            cmd = scale_check.child_command(ns, "s2-8bit", "part.json", 100.0)
+            assert cmd[1] == os.path.abspath(scale_check.__file__)
+            real = real_parse(self, cmd[2:])
+            seen["child"] = real
+            raise SystemExit(0)
+        return ns
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(argparse.ArgumentParser, "parse_args", capture)
+        with pytest.raises(SystemExit):
+            scale_check.main(parent)
+    p, ch = vars(seen["parent"]), vars(seen["child"])
+    assert ch.pop("child") == "s2-8bit" and ch.pop("out") == "part.json" and ch.pop("budget_s") == 100.0
+    for key in ("out", "child", "budget_s", "settings", "in_process"):
+        p.pop(key)
+    ch.pop("settings"), ch.pop("in_process")
+    assert ch == p
+
+
 def test_the_default_learning_rate_shrinks_with_the_width():
     """min(3e-4, 0.075 / width): five steps of Adam at 1e-4 raised a 1.6B GPT's loss on the CPU (10.76 -> 11.55
     without warm-up; up 0.57 in one step at 9.2e-5 with it), 3e-5 with the warm-up lowered it every step."""
@@ -302,6 +350,27 @@ def test_the_update_probe_sees_a_move_beyond_the_bound_and_a_device_value_not_th
     opt.close()
 
 
+def test_the_update_probe_counts_a_move_less_the_masters_rounding():
+    """At lr 1e-6 a LayerNorm weight of 1.0 moves by 1e-6 and is rounded by up to 3e-8 (half an fp32 ulp below 1):
+    exact Adam's step 1, not a move beyond its bound (the probe read 1.03 x lr on a 1B GPT on the CPU)."""
+    from update_probe import UpdateProbe
+
+    import zo_kernels as zk
+    from zo_kernels.gpt import GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, context=16, layers=1, width=64, heads=2))
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-6, weight_decay=0.0, dtype=torch.bfloat16)
+    probe = UpdateProbe(opt, model)
+    x = torch.randint(0, 64, (2, 16))
+    probe.before()
+    model(x, x).backward()
+    opt.step()
+    got = probe.after(step=1, lr=1e-6, betas=(0.9, 0.999))
+    assert 0.9 < got["update_over_lr"] <= 1.001 * got["update_bound"] and not got["beyond_bound"], got
+    opt.close()
+
+
 def test_the_lm_head_starts_at_gpt2_smalls_logit_scale_at_any_width():
     """init_fn: weights N(0, 0.02) but the LM head N(0, 0.02 x sqrt(768 / width)) past width 768 (its logits' std stays
     ~0.55), LayerNorm weights 1, biases left as ParamInit hands them over (zeros)."""
@@ -314,6 +383,9 @@ def test_the_lm_head_starts_at_gpt2_smalls_logit_scale_at_any_width():
         assert head.std().item() == pytest.approx(want, rel=0.02) and qkv.std().item() == pytest.approx(0.02, rel=0.02)
         logits = head @ torch.nn.functional.layer_norm(torch.randn(64, width), (width,)).T
         assert logits.std().item() == pytest.approx(want * width**0.5, rel=0.05)
+    head = torch.empty(4096, 5376)  # --head-width 0: GPT-2's N(0, 0.02) at any width (the H200's first scale run)
+    scale_check.init_fn("head.weight", head, gen, head_width=0)
+    assert head.std().item() == pytest.approx(0.02, rel=0.02)
     bias, ln = torch.zeros(10), torch.zeros(10)
     scale_check.init_fn("blocks.0.qkv.bias", bias, gen)
     scale_check.init_fn("blocks.0.ln1.weight", ln, gen)
