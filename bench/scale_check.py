@@ -78,7 +78,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from update_probe import UpdateProbe
+from update_probe import UpdateProbe, describe
 
 import zo_kernels as zk
 from zo_kernels.gpt import GPT, GPTConfig
@@ -631,10 +631,7 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
                                           weight_decay=group["weight_decay"],
                                           device_params=SETTINGS[setting].get("stage") != 3))  # fmt: skip
                 row["update_probe"] = probes
-                moved = (f", masters moved <= {probes[-1]['update_over_lr']:.2f} x lr (bound "
-                         f"{probes[-1]['update_bound']:.2f}; {len(probes[-1]['beyond_bound'])} windows beyond"
-                         + (f", {probes[-1]['writeback_mismatches']} device values not the masters' cast"
-                            if probes[-1].get("writeback_mismatches") else "") + ")")  # fmt: skip
+                moved = ", " + describe(probes[-1:])
             held.append(held_out_loss(model, held_batch))
             say(setting, f"step {i + 1}: loss {losses[-1]:.4f} (held-out {held[-1]:.4f}), {times[-1]:.2f}s{wait}"
                          f"{moved}")

@@ -16,6 +16,7 @@ import sys
 from collections import defaultdict
 
 from summary_pack import host_row, pack_rows  # bench/ is on sys.path: this file runs as a script
+from update_probe import describe
 
 # Providers named by the suites: a group's ratios are against the first baseline and the first ceiling present.
 BASELINES = ("torch_fused", "torch", "torch_ref", "kernel", "reference", "pageable")
@@ -153,23 +154,9 @@ def scale_line(r: dict) -> str:
             f"{gib(r['host_gib'])} GiB (planner {gib(r.get('planner_host_gib'))}), loss {r['loss_first']:.3f} -> "
             f"{r['loss_last']:.3f}" + (f" (held-out {r['held_out_losses'][0]:.3f} -> {r['held_out_losses'][-1]:.3f})"
                                        if r.get("held_out_losses") else "")
-            + (f"; MISMATCH {'; '.join(r['mismatch'])}" if r.get("mismatch") else "") + _probe_text(r)
+            + (f"; MISMATCH {'; '.join(r['mismatch'])}" if r.get("mismatch") else "")
+            + (f"; {describe(r['update_probe'])}" if r.get("update_probe") else "")
             + (f"; {r['error']}" if r.get("error") else ""))  # fmt: skip
-
-
-def _probe_text(r: dict) -> str:
-    """The update probe's worst synchronous step (bench/update_probe.py): its move over lr against the bound, and
-    what went past it."""
-    probes = r.get("update_probe") or []
-    if not probes:
-        return ""
-    worst = max(probes, key=lambda p: p["update_over_lr"] / p["update_bound"])
-    beyond = sum(len(p["beyond_bound"]) for p in probes)
-    mismatched = sum(p.get("writeback_mismatches", 0) for p in probes)
-    text = f"; masters moved <= {worst['update_over_lr']:.2f} x lr (bound {worst['update_bound']:.2f})"
-    if beyond or mismatched:
-        text += f": UPDATE PROBE {beyond} windows beyond the bound, {mismatched} device values not the masters' cast"
-    return text
 
 
 def _cpu_list(text: str) -> set[int]:
