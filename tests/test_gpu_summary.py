@@ -219,3 +219,21 @@ def test_host_info_reads_smt_siblings_numa_and_the_cgroup_quota(tmp_path, monkey
     monkeypatch.setattr(summary, "host_info", lambda: int("x"))  # a system that reads differently
     assert summary.summary_json(str(tmp_path))["host"] == {"error": "ValueError: invalid literal for int() with base "
                                                                     "10: 'x'"}  # fmt: skip
+
+
+def test_pack_rows_keep_the_back_to_back_figures_and_the_table_shows_them():
+    """bench/summary_pack.py: a case's back-to-back figures (one pair of events around a run of calls) reach the row
+    and the table's "b2b of copy" column; a case from before them shows "-" there."""
+    import summary_pack
+
+    info = {"numel": 10_000_000, "tensors": 64, "align": 1, "zo_ms": 0.056, "copy_ms": 0.021, "torch_ref_ms": 0.179,
+            "timer": "cuda events", "zo_back_to_back_ms": 0.035, "copy_back_to_back_ms": 0.021,
+            "back_to_back_of_copy": 0.6}  # fmt: skip
+    old = {k: v for k, v in info.items() if "back_to_back" not in k} | {"align": 8}
+    rows = summary_pack.pack_rows({"benchmarks": [{"extra_info": info}, {"extra_info": old}]})
+    assert rows[0]["back_to_back_of_copy"] == 0.6 and rows[0]["zo_back_to_back_ms"] == 0.035
+    assert "back_to_back_of_copy" not in rows[1]
+    assert rows[0]["target"]["met"] is False  # (the target is judged on the per-call medians: 38% of copy)
+    lines = summary_pack.table(rows).splitlines()
+    assert "b2b of copy" in lines[0]
+    assert lines[1].split()[8] == "60%" and lines[2].split()[8] == "-"
