@@ -4,6 +4,9 @@ Providers, one model (a stack of pre-norm transformer blocks, bf16 on CUDA, fp32
   none          no checkpointing: every block's activations stay on the device
   torch         torch.utils.checkpoint.checkpoint(use_reentrant=False) around every block
   save_on_cpu   torch.autograd.graph.save_on_cpu(pin_memory=True): every saved tensor to the host, no prefetch
+  torch_offload torch's checkpoint inside save_on_cpu(pin_memory=True): the checkpoints (the blocks' inputs) to the
+                host on the compute stream, back at their recomputation, no prefetch (what transformers 5's
+                `activation_checkpointing_enable(offload=True)` does): zo's offloaded checkpoint's nearest rival
   zo            zo_kernels.checkpoint(offload=True): block inputs to pinned host blocks, prefetched one block ahead
   zo_resident   zo_kernels.checkpoint(offload=False): torch's checkpoint with the inputs in constant device blocks
   torch_half    torch's checkpoint around each half block (attention, MLP): twice the checkpoints, half the recompute
@@ -54,7 +57,7 @@ import torch.nn.functional as F
 import zo_kernels as zk
 from zo_kernels.activations import ActivationBuffers
 
-PROVIDERS = ("none", "torch", "save_on_cpu", "zo", "zo_resident", "torch_half", "zo_half")
+PROVIDERS = ("none", "torch", "save_on_cpu", "torch_offload", "zo", "zo_resident", "torch_half", "zo_half")
 
 
 class Block(torch.nn.Module):
@@ -100,6 +103,12 @@ def provider_setup(name: str, device: torch.device,
         return None, nothing, None
     if name == "save_on_cpu":
         return None, lambda: torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"), None
+    if name == "torch_offload":
+        def offloaded(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+                return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+
+        return offloaded, nothing, None
     buf = None
     if name.startswith("torch"):
         ck = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
@@ -264,12 +273,13 @@ def cpu_peak_units(name: str, model: Stack, a: argparse.Namespace) -> float | No
     steps (zo's blocks and the gradients allocated), plus zo's device blocks (allocated before the step, held
     through it: as the CUDA rows count them). zo's rows run on a synchronous HostTransport here, so every free
     happens on this thread, where the profiler sees it (a copy thread's frees are not recorded). None for
-    save_on_cpu (its host is this memory too) and where this torch's profiler does not expose its memory events."""
+    save_on_cpu and torch_offload (their host is this memory too) and where this torch's profiler does not expose
+    its memory events."""
     from torch.profiler import ProfilerActivity, profile
 
     from zo_kernels.transport import HostTransport
 
-    if name == "save_on_cpu":
+    if name in ("save_on_cpu", "torch_offload"):
         return None
     cpu = torch.device("cpu")
     transport = HostTransport()
@@ -313,9 +323,11 @@ def profiled_step(name: str, model: Stack, device: torch.device, dtype: torch.dt
 
 
 PROFILED = ("torch", "zo", "zo_resident", "zo_half")  # --profile: where zo's step time goes against torch's
-SEARCH_ORDER = ("torch", "zo_half", "zo", "torch_half", "zo_resident", "none", "save_on_cpu")  # issue 21's target
-# compares zo's best with torch's best; each search gets its weight's share of the time left (unused time rolls on)
-SEARCH_WEIGHT = {"torch": 3, "zo_half": 3, "zo": 2, "torch_half": 2, "zo_resident": 1, "none": 1, "save_on_cpu": 1}
+SEARCH_ORDER = ("torch", "zo_half", "zo", "torch_offload", "torch_half", "zo_resident", "none",
+                "save_on_cpu")  # issue 21's target compares zo's best with torch's best; each search gets its
+# weight's share of the time left (unused time rolls on)
+SEARCH_WEIGHT = {"torch": 3, "zo_half": 3, "zo": 2, "torch_offload": 2, "torch_half": 2, "zo_resident": 1, "none": 1,
+                 "save_on_cpu": 1}  # fmt: skip
 # save_on_cpu last: its tries pin every saved tensor in host memory (tens of GiB at the long sequences: slow)
 
 
@@ -393,7 +405,7 @@ def main(argv: list[str]) -> int:
     write()
     if not cuda:
         print("  (cpu_peak_activation_units: the most bytes a step held at once, in [batch, seq, hidden] activations; "
-              "None for save_on_cpu, whose host is this memory too)")  # fmt: skip
+              "None for save_on_cpu and torch_offload, whose host is this memory too)")  # fmt: skip
     for row in rows:
         print(f"  {row['provider']:<12} " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                                     for k, v in row.items() if k not in common and k != "provider"))

@@ -839,6 +839,39 @@ def test_activation_rows_half_blocks_are_the_block():
         tr.close()
 
 
+def test_activation_rows_torch_offload_sends_each_checkpoint_through_save_on_cpu(monkeypatch):
+    """The torch_offload row is transformers 5's offloaded checkpoint: torch's checkpoint inside save_on_cpu, which
+    then packs each block's input (the checkpoint) and nothing else; the other rows pack nothing through it."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import activation_rows as ar
+
+    real, packed = torch.autograd.graph.save_on_cpu, []
+
+    class Counting(real):
+        def __init__(self, pin_memory=False, device_type="cuda"):
+            super().__init__(pin_memory, device_type)
+            inner = self.pack_hook
+
+            def pack(t):
+                packed.append(tuple(t.shape))
+                return inner(t)
+
+            self.pack_hook = pack
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", Counting)
+    torch.manual_seed(0)
+    model = ar.Stack(3, 32, 2)
+    for name, want in (("torch_offload", [(2, 16, 32)] * 3), ("torch", [])):
+        packed.clear()
+        model.wrap, ctx, _ = ar.provider_setup(name, torch.device("cpu"), None)
+        ar.make_step(model, torch.device("cpu"), torch.float32, 2, 16, 32, ctx)()
+        assert packed == want, (name, packed)
+    model.wrap = None
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh runs it)")
 
 

@@ -158,6 +158,11 @@ def test_summary_json_judges_the_activation_rows(tmp_path):
     assert t["step_vs_torch_checkpoint"] == {"value": 1.04, "bar": 1.05, "met": True}
     assert t["step_vs_save_on_cpu"]["met"] and t["checkpoint_allocations_per_step"]["met"]
     assert t["longest_seq_vs_torch_checkpoint"] == {"value": 1.5, "bar": 2.0, "met": False, "providers": "zo / torch"}
+    assert "step_vs_torch_offload" not in t  # (no such row)
+    rows.append({"provider": "torch_offload", "seq": 4096, "step_ms": 130.0})  # transformers 5's offload
+    (tmp_path / "activations.json").write_text(json.dumps(rows))
+    t = summary.summary_json(str(tmp_path))["targets"]["activations"]
+    assert t["step_vs_torch_offload"] == {"value": 0.8, "bar": 1.0, "met": True}
     # the half-block rows: each side's longest sequence of its segmentations, and zo_half's step judged too
     rows += [{"provider": "torch_half", "seq": 4096, "step_ms": 101.0, "longest_seq": 30_000},
              {"provider": "zo_half", "seq": 4096, "step_ms": 110.0, "longest_seq": 90_000}]  # fmt: skip
