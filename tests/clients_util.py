@@ -62,6 +62,31 @@ def tiny_llama(seed: int = 0) -> torch.nn.Module:
 MODELS: dict[str, Callable[[int], torch.nn.Module]] = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 
 
+def enable_checkpointing(model: torch.nn.Module, reentrant: bool) -> None:
+    """HF's activation checkpointing on: transformers 5's activation_checkpointing_enable where the model has it,
+    else gradient_checkpointing_enable (deprecated by it, to be removed in transformers 6)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": reentrant})
+
+
+def checkpointing_args(reentrant: bool) -> dict:
+    """TrainingArguments that turn HF's activation checkpointing on: transformers 5's names where they exist."""
+    import inspect
+
+    from transformers import TrainingArguments
+
+    new = "activation_checkpointing" in inspect.signature(TrainingArguments.__init__).parameters
+    name = "activation_checkpointing" if new else "gradient_checkpointing"
+    return {name: True, f"{name}_kwargs": {"use_reentrant": reentrant}}
+
+
+def is_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether HF's activation checkpointing is on (transformers 5's name where it exists)."""
+    if hasattr(type(model), "is_activation_checkpointing"):
+        return model.is_activation_checkpointing
+    return model.is_gradient_checkpointing
+
+
 def token_batches(n: int, batch: int = 2, seq: int = SEQ, seed: int = 1) -> list[torch.Tensor]:
     """n batches [batch, seq] of arithmetic sequences start + stride * t (mod VOCAB), stride in 1..3.
 

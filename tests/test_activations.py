@@ -689,10 +689,10 @@ def test_bad_arguments_are_refused_before_anything_changes(engine):
 
 
 def _hf_run(arch: str, func) -> tuple[list[float], dict, dict]:
-    from clients_util import MODELS, group, lm_loss, token_batches, train
+    from clients_util import MODELS, enable_checkpointing, group, lm_loss, token_batches, train
 
     model = MODELS[arch](0)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, False)
     if func is not None:  # the documented way to put zo's checkpoint in an HF model
         model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
     opt = zk.ZeroOffloadAdamW(model, lr=3e-3, dtype=torch.bfloat16, max_grad_norm=1.0, bucket_numel=20_000,

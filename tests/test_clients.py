@@ -35,6 +35,7 @@ from clients_util import (
     assert_params_track,
     assert_same_tensors,
     assert_series_close,
+    enable_checkpointing,
     group,
     lm_loss,
     snapshot,
@@ -395,7 +396,7 @@ def test_torch_compile_aot_eager():
 def test_hf_gradient_checkpointing(reentrant):
     need("transformers")
     m0 = tiny_gpt2(0)
-    m0.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_checkpointing(m0, reentrant)
     data = group(token_batches(STEPS * MICRO), MICRO)
     ref = copy.deepcopy(m0)
     ref_losses, _ = train(ref, torch_adamw(ref), data)

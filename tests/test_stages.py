@@ -313,11 +313,11 @@ def test_stage3_params_are_empty_between_uses_and_whole_in_gathered() -> None:
 
 
 def _hf_run(arch: str, stage: int, checkpointing: bool | None, **kw) -> tuple[list[float], dict, dict]:
-    from clients_util import MODELS, group, lm_loss, token_batches, train
+    from clients_util import MODELS, enable_checkpointing, group, lm_loss, token_batches, train
 
     model = MODELS[arch](0)
     if checkpointing is not None:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+        enable_checkpointing(model, checkpointing)
     opt = zk.ZeroOffloadAdamW(model, lr=3e-3, dtype=torch.bfloat16, max_grad_norm=1.0, bucket_numel=20_000,
                               stage=stage, **kw)  # fmt: skip
     losses, _ = train(model, opt, group(token_batches(6), 2), lm_loss)

@@ -1,8 +1,8 @@
-"""HF Trainer with activation checkpointing and ZeroOffloadAdamW: TrainingArguments(gradient_checkpointing=True),
-and zo_kernels.checkpoint set as the model's checkpoint function (Trainer's own gradient_checkpointing left off: it
-would set torch's function again when train() starts). Judged against the same Trainer with torch AdamW, with
-tests/test_clients.py's fp32 tolerances; checkpointing changes nothing in the numbers (torch's recomputation is
-bitwise), so the reference runs without it.
+"""HF Trainer with activation checkpointing and ZeroOffloadAdamW: TrainingArguments(activation_checkpointing=True)
+(gradient_checkpointing=True before transformers 5), and zo_kernels.checkpoint set as the model's checkpoint function
+(Trainer's own flag left off: it would set torch's function again when train() starts). Judged against the same
+Trainer with torch AdamW, with tests/test_clients.py's fp32 tolerances; checkpointing changes nothing in the numbers
+(torch's recomputation is bitwise), so the reference runs without it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import copy
 import functools
 
 import pytest
-from clients_util import tiny_gpt2, torch_adamw
+from clients_util import checkpointing_args, enable_checkpointing, is_checkpointing, tiny_gpt2, torch_adamw
 from test_clients import compare_fp32_runs, make_trainer, need, record_losses, zo_adamw
 
 import zo_kernels as zk
@@ -34,11 +34,10 @@ def test_trainer_gradient_checkpointing(tmp_path, reference, reentrant):
     m0, ref, ref_losses = reference
     model = copy.deepcopy(m0)
     losses, handle = record_losses(model)
-    trainer = make_trainer(model, zo_adamw(model), tmp_path, max_grad_norm=0.0, gradient_checkpointing=True,
-                           gradient_checkpointing_kwargs={"use_reentrant": reentrant})  # fmt: skip
+    trainer = make_trainer(model, zo_adamw(model), tmp_path, max_grad_norm=0.0, **checkpointing_args(reentrant))
     trainer.train()
     handle.remove()
-    assert model.is_gradient_checkpointing, "premise: Trainer turned checkpointing on"
+    assert is_checkpointing(model), "premise: Trainer turned checkpointing on"
     compare_fp32_runs(m0, ref, ref_losses, model, losses, f"Trainer(gradient_checkpointing=True, {reentrant=})")
 
 
@@ -49,7 +48,7 @@ def test_trainer_with_zo_kernels_checkpoint(tmp_path, reference):
 
     m0, ref, ref_losses = reference
     model = copy.deepcopy(m0)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, False)
     buffers = zk.ActivationBuffers("cpu", CopyEngineTransport())
     ckpt = functools.partial(zk.checkpoint, buffers=buffers)
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=ckpt)
