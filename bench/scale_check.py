@@ -77,8 +77,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from summary import describe_probes
 from torch.utils.checkpoint import checkpoint
-from update_probe import UpdateProbe, describe
+from update_probe import UpdateProbe
 
 import zo_kernels as zk
 from zo_kernels.gpt import GPT, GPTConfig
@@ -631,7 +632,7 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
                                           weight_decay=group["weight_decay"],
                                           device_params=SETTINGS[setting].get("stage") != 3))  # fmt: skip
                 row["update_probe"] = probes
-                moved = ", " + describe(probes[-1:])
+                moved = ", " + describe_probes(probes[-1:])
             held.append(held_out_loss(model, held_batch))
             say(setting, f"step {i + 1}: loss {losses[-1]:.4f} (held-out {held[-1]:.4f}), {times[-1]:.2f}s{wait}"
                          f"{moved}")

@@ -16,7 +16,6 @@ import sys
 from collections import defaultdict
 
 from summary_pack import host_row, pack_rows  # bench/ is on sys.path: this file runs as a script
-from update_probe import describe
 
 # Providers named by the suites: a group's ratios are against the first baseline and the first ceiling present.
 BASELINES = ("torch_fused", "torch", "torch_ref", "kernel", "reference", "pageable")
@@ -157,8 +156,23 @@ def scale_line(r: dict) -> str:
             f"{r['loss_last']:.3f}" + (f" (held-out {r['held_out_losses'][0]:.3f} -> {r['held_out_losses'][-1]:.3f})"
                                        if r.get("held_out_losses") else "")
             + (f"; MISMATCH {'; '.join(r['mismatch'])}" if r.get("mismatch") else "")
-            + (f"; {describe(r['update_probe'])}" if r.get("update_probe") else "")
+            + (f"; {describe_probes(r['update_probe'])}" if r.get("update_probe") else "")
             + (f"; {r['error']}" if r.get("error") else ""))  # fmt: skip
+
+
+def describe_probes(probes: list[dict]) -> str:
+    """bench/update_probe.py's probes as one phrase: the step whose move over lr came closest to (or past) its
+    bound, and what went past it over all of them (scale_check's progress line gives one step's, scale_line a
+    run's)."""
+    if not probes:
+        return ""
+    worst = max(probes, key=lambda p: p["update_over_lr"] / p["update_bound"])
+    beyond = sum(len(p["beyond_bound"]) for p in probes)
+    mismatched = sum(p.get("writeback_mismatches", 0) for p in probes)
+    text = f"masters moved <= {worst['update_over_lr']:.2f} x lr (bound {worst['update_bound']:.2f})"
+    if beyond or mismatched:
+        text += f": UPDATE PROBE {beyond} windows beyond the bound, {mismatched} device values not the masters' cast"
+    return text
 
 
 def _cpu_list(text: str) -> set[int]:

@@ -15,6 +15,7 @@ Only between synchronous steps: a delayed update runs in the background after st
 from __future__ import annotations
 
 import torch
+from zo_kernels._cpu import update_cap
 
 WINDOW = 1024  # elements per window: four 8-bit blocks (windows start on a block of the parameter)
 WINDOWS = 2  # per parameter: its first elements and a random block-aligned window (a tile or bucket seam anywhere)
@@ -52,8 +53,6 @@ class UpdateProbe:
         master x lr x weight_decay, left out; each move less one fp32 ulp of its master, the rounding of the new
         value), the bound exact Adam keeps at this step, the windows past 1.001 x that bound, and (device_params) the
         elements whose device value differs from the master's cast."""
-        from zo_kernels._cpu import update_cap  # (here: describe() serves summary.py, also where the build failed)
-
         after = self._masters()
         cap = update_cap(step, *betas)
         bound = 1.0 / ((1.0 - betas[0] ** step) * cap) if cap > 0 else float("inf")
@@ -75,17 +74,3 @@ class UpdateProbe:
             out["writeback_mismatches"] = mismatched
         self.before_masters = None
         return out
-
-
-def describe(probes: list[dict]) -> str:
-    """Probes as one phrase: the step whose move over lr came closest to (or past) its bound, and what went past it
-    over all of them (scale_check's progress line gives one step's, summary.py's scale line a run's)."""
-    if not probes:
-        return ""
-    worst = max(probes, key=lambda p: p["update_over_lr"] / p["update_bound"])
-    beyond = sum(len(p["beyond_bound"]) for p in probes)
-    mismatched = sum(p.get("writeback_mismatches", 0) for p in probes)
-    text = f"masters moved <= {worst['update_over_lr']:.2f} x lr (bound {worst['update_bound']:.2f})"
-    if beyond or mismatched:
-        text += f": UPDATE PROBE {beyond} windows beyond the bound, {mismatched} device values not the masters' cast"
-    return text
