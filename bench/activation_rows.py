@@ -101,17 +101,22 @@ def provider_setup(name: str, device: torch.device,
     nothing = contextlib.nullcontext
     if name == "none":
         return None, nothing, None
+
+    def on_host():  # every tensor autograd saves, to pinned host memory (the CPU's is the host's)
+        return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+
     if name == "save_on_cpu":
-        return None, lambda: torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"), None
+        return None, on_host, None
+    torch_ck = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     if name == "torch_offload":
         def offloaded(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-            with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
-                return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            with on_host():
+                return torch_ck(block, x)
 
         return offloaded, nothing, None
     buf = None
     if name.startswith("torch"):
-        ck = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        ck = torch_ck
     else:
         buf = ActivationBuffers(device, transport)
         ck = functools.partial(zk.checkpoint, offload=name != "zo_resident", buffers=buf)

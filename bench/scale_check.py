@@ -623,8 +623,7 @@ def measure_setting(setting: str, args: argparse.Namespace, device: torch.device
                     waits.append(opt.stats.get("time_dpu_wait", 0.0))
                 if opt.stats.get("time_cpu_update") is not None:
                     updates.append(opt.stats["time_cpu_update"])
-            delayed = DPU[setting] and i >= DPU_AFTER
-            wait = f", waited {opt.stats.get('time_dpu_wait', 0.0):.2f}s for the DPU update" if delayed else ""
+            wait = f", waited {opt.stats.get('time_dpu_wait', 0.0):.2f}s for the DPU update" if not synchronous else ""
             moved = ""
             if synchronous:
                 group = opt.param_groups[0]
