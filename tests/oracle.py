@@ -215,7 +215,7 @@ class FeatureNet(nn.Module):
         if self.gain is not None:
             h = (h * self.gain)[..., self.perm]
         if inject:
-            h.register_hook(lambda g: g.index_fill(-1, torch.tensor([0]), float("inf")))
+            h.register_hook(lambda g: g.index_fill(-1, torch.tensor([0], device=g.device), float("inf")))
         logits = self.out(h)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 

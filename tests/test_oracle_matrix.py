@@ -530,3 +530,15 @@ def test_a_16_bit_models_gradient_norm_is_fp32_and_does_not_overflow() -> None:
     assert got.dtype == torch.float32 and want > 65504
     # (the gradient itself is fp16: its elements are rounded by 2**-11 at most)
     assert torch.isfinite(got) and abs(got.item() - want.item()) <= 5e-4 * want.item(), (got.item(), want.item())
+
+
+def test_the_matrix_model_keeps_every_tensor_on_its_device():
+    """Every feature of the matrix's model (the injected inf too) makes its tensors on the model's device: the
+    two-rank GPU cases (tests/test_gpu_two_ranks.py) run it on CUDA. On the meta device a tensor made on the CPU
+    raises as it would on a GPU (the H200 run of 2026-11-27: the inf's index made on the CPU, every case hung)."""
+    model = FeatureNet(VOCAB, frozen=True, tied=True, unused=True, buffers=True).to("meta")
+    x = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    loss = model(x, x, branch=True, inject=True)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad and not n.startswith("unused.")}
+    assert all(g is not None and g.device.type == "meta" for g in grads.values()), grads
