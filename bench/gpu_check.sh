@@ -152,6 +152,16 @@ build_stage() { # build_stage CAP RESERVE: pip install -e . (ZO_SKIP_BUILD=1, a 
   fi
   limited "$1" "$2" "build (pip install -e .)" "$py" -m pip install --no-build-isolation --no-deps -e .
 }
+require_build() { # after build_stage: without an importable build every later stage fails in seconds (2026-11-27: a
+  # budget under the build's reserve left it NOT RUN and the run went on through nine failures); stop here instead
+  if ! "$py" -c "import zo_kernels._cpu" >>"$log" 2>&1; then
+    say "no importable build (zo_kernels._cpu): every stage after the build needs one, so none ran. A budget under"
+    say "  the build's reserve leaves it NOT RUN (ZO_CHECK_BUDGET_S >= 255 for scale, 265 anchors, 345 default), or"
+    say "  build first (pip install --no-build-isolation --no-deps -e .) and pass ZO_SKIP_BUILD=1"
+    say "result: FAILED before any stage ran on $gpu"
+    exit 1
+  fi
+}
 activations_stage() { # activations_stage CAP RESERVE: bench/activation_rows.py, its budget under the stage's limit
   local t
   t=$(stage_s "$1" "$2")  # (the scripts' budgets: what their stage's limit leaves, less a margin to write their rows)
@@ -174,6 +184,7 @@ if [ "$mode" = anchors ]; then  # step rows at a batch whose forward + backward 
   # (with ZO_SKIP_BUILD=1 and ZO_CHECK_BUDGET_S=340: the step rows 150 s (the 1.3B rows build a model and pin ~20 GB
   # of host memory each), the activations 120 s, the anchors the rest: 60 s or more)
   build_stage 150 250 || status=1
+  require_build
   t=$(stage_s 150 70)
   limited 150 70 "bench: step rows at batch ${ZO_BIG_BATCH:-32}" "$py" bench/step_rows.py "$out/step.json" \
     --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes dpu --gpu-fractions 0,auto --checkpoint --budget-s "$((t / 2))" \
@@ -197,6 +208,7 @@ if [ "$mode" = anchors ]; then  # step rows at a batch whose forward + backward 
 fi
 if [ "$mode" = scale ]; then
   build_stage 150 240 || status=1
+  require_build
   left=$((budget - ($(date +%s) - start) - 20))
   limited "$left" 15 "scale: largest model per setting" "$py" bench/scale_check.py "$out/scale.json" \
     --settings "$scale_settings" --budget-s "$((left - 10))" || status=1
@@ -211,6 +223,7 @@ fi
 export ZO_BENCH_SIZES="${ZO_BENCH_SIZES:-1e7,1e8}" ZO_BENCH_COPY_MIB="${ZO_BENCH_COPY_MIB:-64,256,1024}"
 say "benchmark sizes: ZO_BENCH_SIZES=$ZO_BENCH_SIZES ZO_BENCH_COPY_MIB=$ZO_BENCH_COPY_MIB; budget ${budget}s"
 build_stage 150 330 || status=1
+require_build
 if [ "${ZO_CHECK_COMPILE:-0}" = 1 ]; then  # (CI compiles every kernel for sm_80/sm_90 on the CPU: 57 s here on the H200)
   limited 60 300 "triton kernels -> cubin sm_80/90" env -u TRITON_INTERPRET "$py" tests/triton_compile.py \
     "$out/triton_compile.json" || status=1

@@ -408,3 +408,26 @@ def test_launch_probe_waits_for_the_rows_when_time_is_short():
 
     rows = step_rows.measure("2e5", ["sync"], torch.device("cpu"), 2, 16, 2, deadline=time.perf_counter() + 30)
     assert rows[0]["launch_probe"] == {"skipped": "under 60 s left for this size's rows"} and rows[0]["zo_ms"] > 0
+
+
+def test_gpu_check_stops_after_the_build_when_there_is_none_to_import(tmp_path):
+    """Without an importable build (the build NOT RUN under a budget below its reserve, or failed) the GPU modes stop
+    there and say why: the H200 run of 2026-11-27 (ZO_CHECK_BUDGET_S=235 in scale mode, then a default run with
+    ZO_SKIP_BUILD=1) went on through ten stages that each failed in seconds."""
+    import subprocess
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/bash\ncase \"$*\" in\n  *get_device_name*) echo 'NVIDIA H100 80GB HBM3' ;;\n"
+                    "  *torch.__version__*) echo '2.11.0 13.0' ;;\n  *zo_kernels._cpu*) exit 1 ;;\n"
+                    "  *pip*install*) exit 1 ;;\nesac\nexit 0\n")  # fmt: skip
+    fake.chmod(0o755)
+    script = os.path.join(HERE, "..", "bench", "gpu_check.sh")
+    for mode, budget in (("scale", 235), ("default", 400), ("anchors", 400)):
+        out = tmp_path / f"out-{mode}"
+        env = {**os.environ, "PYTHON": str(fake), "ZO_CHECK_BUDGET_S": str(budget), "ZO_SKIP_BUILD": "1"}
+        run = subprocess.run(["bash", script, str(out), mode], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 1, (mode, run.stdout)
+        log = (out / "gpu_check.log").read_text()
+        ran = [line for line in log.splitlines() if line.startswith("=== ")]
+        assert all(line.startswith("=== build") for line in ran), (mode, ran)
+        assert "no importable build" in (out / "summary.txt").read_text(), mode
