@@ -194,9 +194,11 @@ if [ "$mode" = anchors ]; then  # step rows at a batch whose forward + backward 
   install_wheels || status=1
   anchors_stage 170 5 150 || status=1
   # then, with what is left (up to 120 s), the step under torch.profiler: where the host blocks and the device idles
-  # (OUTDIR/profile.json, row by row: 95M then 1.3B, sync then DPU)
+  # (OUTDIR/profile.json, row by row, the worst-explained first: the 1.3B DPU step with 80% of its optimizer on the
+  # device spent 52% of its 110 ms outside kernels and copies on the H200, 2026-11-27; then gpu_fraction 0, sync)
   limited 120 3 "bench: the step under torch.profiler" "$py" bench/profile_step.py "$out/profile.json" \
-    --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes sync,dpu --steps 2 || status=1
+    --sizes "${ZO_PROFILE_SIZES:-1.3B,95M}" --modes dpu,sync --gpu-fractions "${ZO_PROFILE_FRACTIONS:-0.8,0}" \
+    --steps 2 || status=1
   ZO_DEVICE="$gpu" ZO_COMMIT="$commit" "$py" bench/summary.py --summary-json "$out" 2>>"$log" | tee -a "$summary" \
     && rm -f "$out/anchors.json" "$out/activations.json" "$out/step.json" || status=1
   say "commit it as bench/results/gpu-$(date -u +%Y-%m-%d)-${device_tag:-GPU}-anchors.json (and profile.json as"

@@ -1,11 +1,12 @@
 """Where the host blocks and where the device idles in one GPT training step: the step under torch.profiler.
 
-Usage: python bench/profile_step.py OUT.json [--sizes 95M,1.3B] [--modes sync,dpu] [--batch 8] [--context 512]
-       [--steps 3] [--device cuda|cpu]
+Usage: python bench/profile_step.py OUT.json [--sizes 95M,1.3B] [--modes sync,dpu] [--gpu-fractions 0] [--batch 8]
+       [--context 512] [--steps 3] [--device cuda|cpu]
 
 Per size (as bench/step_rows.py builds it: the bf16 GPT) forward + backward alone (no optimizer) under the profiler
 (CPU and CUDA activities), then per mode on the same model a fresh ZeroOffloadAdamW (DPU with the per-module
-writeback): after two warm-up steps, `steps` steps run back to back under the profiler. From the trace (read as
+writeback), once per `gpu_fraction` of --gpu-fractions (the rows' key `gpu_fraction`): after two warm-up steps,
+`steps` steps run back to back under the profiler. From the trace (read as
 Chrome trace JSON, kept in a temporary file, never in OUT), per run:
   wall_ms           per step
   busy_ms           the compute stream's kernels (the stream with the most kernel time), their union, per step
@@ -135,11 +136,12 @@ def fwd_bwd(model, x: torch.Tensor, device: torch.device, steps: int) -> dict:
     return {**analysis, "wall_ms": wall}
 
 
-def run(model, x: torch.Tensor, row: dict, mode: str, device: torch.device, steps: int) -> dict:
+def run(model, x: torch.Tensor, row: dict, mode: str, device: torch.device, steps: int,
+        gpu_fraction: float = 0.0) -> dict:  # fmt: skip
     """`row` with the zo step of `mode` on `model` under the profiler (a fresh optimizer, closed after)."""
-    row = {**row, "mode": mode}
+    row = {**row, "mode": mode, "gpu_fraction": gpu_fraction}
     dpu = mode == "dpu"
-    opt = zk.ZeroOffloadAdamW(model, lr=1e-4, delay_update_after=0 if dpu else None,
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-4, delay_update_after=0 if dpu else None, gpu_fraction=gpu_fraction,
                               dpu_writeback="per_module" if dpu else "whole")  # fmt: skip
     try:
 
@@ -167,7 +169,8 @@ def line(row: dict) -> str:
     top = sorted(zo["runtime"].items(), key=lambda kv: -kv[1]["max_ms"])[:3]
     calls = ", ".join(f"{n} x{r['count']} max {r['max_ms']:.2f} ms" for n, r in top)
     gaps = "; ".join(f"{g['ms']:.2f} ms at {g['at_ms']:.1f} ({g['part']}: {g['host_op']})" for g in zo["gaps"][:3])
-    return (f"{row['size']} {row['mode']}: zo {zo['wall_ms']:.1f} ms/step, device busy {busy(zo)}; fwd+bwd alone "
+    twin = f" gpu_fraction {row['gpu_fraction']:g}" if row.get("gpu_fraction") else ""
+    return (f"{row['size']} {row['mode']}{twin}: zo {zo['wall_ms']:.1f} ms/step, device busy {busy(zo)}; fwd+bwd alone "
             f"{fb['wall_ms']:.1f}, busy {busy(fb)}; longest runtime calls: {calls}; longest gaps: {gaps or '-'}")
 
 
@@ -178,9 +181,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--modes", default="sync,dpu")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--gpu-fractions", default="0", help="comma-separated gpu_fraction values, each in [0, 1]")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args(argv)
+    try:
+        fractions = [float(f) for f in a.gpu_fractions.split(",")]
+    except ValueError:
+        ap.error(f"--gpu-fractions: comma-separated numbers in [0, 1], got {a.gpu_fractions!r}")
+    if not all(0.0 <= f <= 1.0 for f in fractions):
+        ap.error(f"--gpu-fractions: each in [0, 1], got {a.gpu_fractions!r}")
     device = torch.device(a.device)
     if device.type != "cuda":
         print("profile_step: no CUDA device: profiling on the CPU (no kernels, no device gaps)")
@@ -188,20 +198,22 @@ def main(argv: list[str]) -> int:
     for size in a.sizes.split(","):
         row: dict = {"size": size, "batch": [a.batch, a.context], "device": str(device)}
         model = x = None  # (one model and one forward + backward alone per size, for every mode)
-        for mode in a.modes.split(","):
-            try:
-                if model is None:
-                    cfg = config(size, a.context)
-                    x = torch.randint(0, cfg.vocab, (a.batch, a.context + 1), device=device)
-                    model = build_model(cfg, device).to(torch.bfloat16)
-                    row["fwd_bwd"] = fwd_bwd(model, x, device, a.steps)
-                rows.append(run(model, x, row, mode, device, a.steps))
-                print("  " + line(rows[-1]), flush=True)
-            except Exception as e:  # noqa: BLE001 - a run that fails is a row that says why
-                rows.append({"size": size, "mode": mode, "error": f"{type(e).__name__}: {e}"[:300]})
-                print(f"  {size} {mode}: {rows[-1]['error']}", flush=True)
-            with open(a.out, "w") as f:  # row by row: a run cut short keeps what finished
-                json.dump(rows, f, indent=1)
+        for fraction in fractions:
+            for mode in a.modes.split(","):
+                try:
+                    if model is None:
+                        cfg = config(size, a.context)
+                        x = torch.randint(0, cfg.vocab, (a.batch, a.context + 1), device=device)
+                        model = build_model(cfg, device).to(torch.bfloat16)
+                        row["fwd_bwd"] = fwd_bwd(model, x, device, a.steps)
+                    rows.append(run(model, x, row, mode, device, a.steps, fraction))
+                    print("  " + line(rows[-1]), flush=True)
+                except Exception as e:  # noqa: BLE001 - a run that fails is a row that says why
+                    rows.append({"size": size, "mode": mode, "gpu_fraction": fraction,
+                                 "error": f"{type(e).__name__}: {e}"[:300]})  # fmt: skip
+                    print(f"  {size} {mode} gpu_fraction {fraction:g}: {rows[-1]['error']}", flush=True)
+                with open(a.out, "w") as f:  # row by row: a run cut short keeps what finished
+                    json.dump(rows, f, indent=1)
     return 0
 
 

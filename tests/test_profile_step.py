@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import profile_step  # noqa: E402  (bench/profile_step.py)
 
@@ -49,3 +51,24 @@ def test_the_script_on_the_cpu(tmp_path):
     for r in rows:
         assert "error" not in r, r.get("error")
         assert r["zo"]["wall_ms"] > 0 and r["fwd_bwd"]["wall_ms"] > 0 and r["zo"]["phases"]["step"] > 0
+
+
+def test_the_script_with_part_of_the_optimizer_on_the_device(tmp_path, monkeypatch):
+    """--gpu-fractions: each mode once per fraction, the fraction in the row and given to the optimizer; a fraction
+    outside [0, 1] is refused by name."""
+    path = tmp_path / "profile.json"
+    real, seen = profile_step.zk.ZeroOffloadAdamW, []
+
+    def recorded(*args, **kwargs):
+        seen.append(kwargs["gpu_fraction"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(profile_step.zk, "ZeroOffloadAdamW", recorded)
+    assert profile_step.main([str(path), "--sizes", "2e5", "--modes", "dpu", "--gpu-fractions", "0.5,0", "--batch",
+                              "2", "--context", "32", "--steps", "1", "--device", "cpu"]) == 0  # fmt: skip
+    rows = json.loads(path.read_text())
+    assert [(r["mode"], r["gpu_fraction"]) for r in rows] == [("dpu", 0.5), ("dpu", 0.0)]
+    assert all("error" not in r for r in rows), rows
+    assert seen == [0.5, 0.0]
+    with pytest.raises(SystemExit):
+        profile_step.main([str(path), "--gpu-fractions", "1.5", "--device", "cpu"])
