@@ -17,7 +17,7 @@ TARGET_OF_COPY = {10_000_000: 0.60, 100_000_000: 0.85}
 KEYS = ("numel", "tensors", "align", "zo_ms", "copy_ms", "torch_ref_ms", "zo_pack_ms", "of_copy", "vs_torch_ref",
         "zo_GBps", "copy_GBps", "timer", "device", "zo_graph_ms", "graph_of_copy", "zo_graph_error",
         "zo_back_to_back_ms", "copy_back_to_back_ms", "back_to_back_of_copy")  # fmt: skip
-HOST_KEYS = ("host_us", "host_us_launch_stubbed", "host_us_through_triton", "cpu_path_us", "launch")
+HOST_KEYS = ("host_us", "host_us_into", "host_us_launch_stubbed", "host_us_through_triton", "cpu_path_us", "launch")
 
 
 def pack_rows(bench: dict) -> list[dict]:

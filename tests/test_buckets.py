@@ -548,3 +548,41 @@ def _timed(plan, ts, out, time):
     t0 = time.perf_counter()
     plan.pack(ts, out=out, impl="triton")
     return time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_pack_into_running_totals_equals_adding_each_calls_results(impl, out_dtype):
+    """into=(sum_sq, found_inf): each call adds its Σx² to the running sum (one fp32 addition, as `sum_sq +=
+    packed.sum_sq` after a plain call would) and ORs its flag, in place; the buckets are the plain calls' bit for
+    bit, and the result holds the caller's two tensors (the offload step's buckets, with no allocation per call)."""
+    g = torch.Generator().manual_seed(11)
+    calls = [[torch.randn(n, generator=g) * 3 for n in (5000, 17)], [torch.randn(1, generator=g)],
+             [torch.randn(40, generator=g), torch.tensor([1.0, float("inf")])], [torch.randn(300, generator=g)]]
+    sum_sq, found = torch.tensor(0.75), torch.tensor(False)
+    want_sum, want_found = torch.tensor(0.75), torch.tensor(False)
+    for k, tensors in enumerate(calls):
+        plain = zk.pack(tensors, dtype=out_dtype, scale=0.5, impl=impl)
+        got = zk.pack(tensors, dtype=out_dtype, scale=0.5, impl=impl, into=(sum_sq, found))
+        want_sum += plain.sum_sq
+        want_found |= plain.found_inf
+        assert got.sum_sq is sum_sq and got.found_inf is found
+        assert_bits_equal(got.flat, plain.flat, f"call {k}")
+        assert_bits_equal(sum_sq, want_sum, f"sum after call {k}")
+        assert found.item() is want_found.item() is (k >= 2)
+
+
+@pytest.mark.parametrize("into, exc, match", [
+    (lambda: [torch.tensor(0.0), torch.tensor(False)], TypeError, "into must be a tuple"),
+    (lambda: (torch.tensor(0.0, dtype=torch.float64), torch.tensor(False)), ValueError, r"into\[0\] \(sum_sq\)"),
+    (lambda: (torch.zeros(1), torch.tensor(False)), ValueError, r"into\[0\] \(sum_sq\) must be a 0-dim"),
+    (lambda: (torch.tensor(0.0), torch.tensor(0)), ValueError, r"into\[1\] \(found_inf\)"),
+    (lambda: (torch.tensor(0.0), torch.tensor(False, device="meta")), ValueError, r"into\[1\].*on cpu"),
+    (lambda: (torch.tensor(0.0, requires_grad=True), torch.tensor(False)), RuntimeError, "requires grad"),
+])  # fmt: skip
+def test_pack_bad_into_is_refused_before_anything_is_written(into, exc, match):
+    tensors, out, into = [torch.randn(50), torch.randn(7)], poisoned(57, torch.bfloat16), into()
+    before = digest(out, *[t for t in into if t.device.type == "cpu"])
+    with pytest.raises(exc, match=match):
+        zk.pack(tensors, dtype=torch.bfloat16, out=out, into=into)
+    assert digest(out, *[t for t in into if t.device.type == "cpu"]) == before

@@ -199,7 +199,7 @@ def test_equal_keys_mean_equal_specializations(op):
             key = kpack.launch_key(0, 2, n_work, flat_addr, *ptrs)
             if op == "pack":
                 args = (ptrs[0], ptrs[1], n_work, flat_addr, ptrs[2], ptrs[3], ptrs[4], ptrs[5], 0.5)
-                kw = dict(OUT_KIND=2, CHUNK=16, BLOCK=16, RBLOCK=16)
+                kw = dict(OUT_KIND=2, CHUNK=16, BLOCK=16, RBLOCK=16, ACCUMULATE=False)
             else:
                 args = (ptrs[0], ptrs[1], flat_addr)
                 kw = dict(IN_KIND=2, CHUNK=16, BLOCK=16)

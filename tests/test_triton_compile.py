@@ -50,6 +50,15 @@ def test_one_program_specialisation_is_compiled(report):
     assert any(s.split("('*i64', 'D'), ('*i64', 'D'), ")[1].startswith("('constexpr', 1)") for s in sigs), sigs
 
 
+def test_pack_into_running_totals_is_compiled_for_both_targets(report):
+    """plan.pack(..., into=(sum_sq, found_inf)), the offload step's call: the ACCUMULATE variant (last constexpr True)
+    compiles for sm_80 and sm_90 beside the plain one (it failed to compile where the interpreter ran it)."""
+    for target in ("sm_80", "sm_90"):
+        sigs = [c["signature"] for c in report["compiled"] if c["kernel"] == "pack._pack_kernel"
+                and c["target"] == target]  # fmt: skip
+        assert {s.endswith("('constexpr', True)]") for s in sigs} == {True, False}, (target, sigs)
+
+
 @pytest.mark.parametrize("kernel", ["pack._pack_kernel", "pack._unpack_kernel"])
 def test_pack_and_unpack_use_vector_loads_and_stores(report, kernel):
     """Every variant, align 1 and unaligned buffers included, holds 16-byte loads and 16-byte stores (v4 of 32-bit

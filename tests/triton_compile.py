@@ -98,6 +98,7 @@ def cases():
         p = plan(ts, dtype=out_dtype, align=align)
         flat = torch.zeros(p.total + flat_misalign, dtype=out_dtype)[flat_misalign:]
         p.pack(ts, scale=0.5, out=flat, impl="triton")
+        p.pack(ts, scale=0.5, out=flat, impl="triton", into=(torch.zeros(()), torch.zeros((), dtype=torch.bool)))
         p.unpack(flat, ts, impl="triton")
 
     out = []

@@ -127,12 +127,14 @@ def _cached(key: tuple, build) -> PackPlan:
 
 
 def pack(tensors: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None, scale: float = 1.0,
-         out: torch.Tensor | None = None, align: int = 1, impl: str | None = None) -> Packed:  # fmt: skip
+         out: torch.Tensor | None = None, align: int = 1, impl: str | None = None,
+         into: tuple[torch.Tensor, torch.Tensor] | None = None) -> Packed:  # fmt: skip
     """Cast, scale and pack many tensors into one flat bucket; flags inf/NaN and sums squares in the same pass.
 
     Segment i starts at offsets[i] (a multiple of `align`); the gaps between segments are zero-filled.
     The bucket's size is the sum of the aligned sizes. One kernel launch for any number of tensors; the launch
-    plan is cached by the tensors' sizes and dtypes (see `plan` to keep one yourself).
+    plan is cached by the tensors' sizes and dtypes (see `plan` to keep one yourself). into=(sum_sq, found_inf):
+    running totals over several calls, updated in place (Σx² added, the flag ORed) instead of new tensors.
     """
     if isinstance(tensors, (list, tuple)) and tensors and all(map(isinstance, tensors, _TENSORS)):
         dtypes = tuple(map(_DTYPE, tensors))
@@ -147,7 +149,7 @@ def pack(tensors: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None, s
         if not p.n and isinstance(out, torch.Tensor):
             p.device = out.device
     return p.pack(tensors if isinstance(tensors, (list, tuple)) else list(tensors), scale=scale, out=out,
-                  impl=_choose_impl(impl, p.device))  # fmt: skip
+                  impl=_choose_impl(impl, p.device), into=into)  # fmt: skip
 
 
 def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], *, offsets: Sequence[int] | None = None,

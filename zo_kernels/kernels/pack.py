@@ -175,7 +175,8 @@ def _pack_tensor(addr, flat_addr, numel, offset, start, end, aligned, scale,
 
 @triton.jit
 def _pack_kernel(table_ptr, work_ptr, n_work, flat_addr, part_ptr, count_ptr, sum_ptr, flag_ptr, scale,
-                 OUT_KIND: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr):  # fmt: skip
+                 OUT_KIND: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
+                 ACCUMULATE: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     addr, numel, offset, code, start, end, aligned = _row(table_ptr, work_ptr, pid, CHUNK)
     if code == 0:
@@ -198,8 +199,13 @@ def _pack_kernel(table_ptr, work_ptr, n_work, flat_addr, part_ptr, count_ptr, su
             mask = offs < n_work
             total += tl.load(part_ptr + offs, mask=mask, other=0.0, volatile=True)
             flag = tl.maximum(flag, tl.load(part_ptr + n_work + offs, mask=mask, other=0.0, volatile=True))
-        tl.store(sum_ptr, tl.sum(total, axis=0))
-        tl.store(flag_ptr, tl.max(flag, axis=0) > 0)
+        total_sum = tl.sum(total, axis=0)
+        flagged = tl.max(flag, axis=0) > 0
+        if ACCUMULATE:  # into the caller's running sum and flag (their earlier launches are done: stream order)
+            total_sum = tl.load(sum_ptr) + total_sum
+            flagged = flagged | (tl.load(flag_ptr) != 0)
+        tl.store(sum_ptr, total_sum)
+        tl.store(flag_ptr, flagged)
         tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -256,15 +262,19 @@ def work_rows(segs, chunk: int = CHUNK) -> list[tuple[int, int]]:
 
 
 def pack(table: torch.Tensor, work: torch.Tensor, n_work: int, flat: torch.Tensor, scale: float,
-         part: torch.Tensor, count: torch.Tensor, sum_sq: torch.Tensor, found: torch.Tensor) -> None:  # fmt: skip
-    """One launch on a validated plan: packs, and writes Σx² to sum_sq and the flag to found (n_work >= 1).
+         part: torch.Tensor, count: torch.Tensor, sum_sq: torch.Tensor, found: torch.Tensor,
+         accumulate: bool = False) -> None:  # fmt: skip
+    """One launch on a validated plan: packs, and writes Σx² to sum_sq and the flag to found (n_work >= 1); with
+    accumulate, adds Σx² to sum_sq (one fp32 addition, as `sum_sq += Σx²` would) and ORs the flag into found.
 
     part: 2 * n_work fp32 scratch; count: one int32, 0 before the launch and after it."""
     flat_addr, kind = flat.data_ptr(), KIND[flat.dtype]
-    key = launch_key(flat.get_device(), kind, n_work, flat_addr, table, work, part, count, sum_sq, found)
+    key = (launch_key(flat.get_device(), kind, n_work, flat_addr, table, work, part, count, sum_sq, found),
+           accumulate)  # fmt: skip
     with on_device(flat):
-        _PACK(key, (n_work,), (table, work, n_work, flat_addr, part, count, sum_sq, found, scale),
-              dict(OUT_KIND=kind, CHUNK=CHUNK, BLOCK=BLOCK, RBLOCK=RBLOCK), NUM_WARPS)  # fmt: skip
+        args = (table, work, n_work, flat_addr, part, count, sum_sq, found, scale)
+        _PACK(key, (n_work,), args, dict(OUT_KIND=kind, CHUNK=CHUNK, BLOCK=BLOCK, RBLOCK=RBLOCK, ACCUMULATE=accumulate),
+              NUM_WARPS)  # fmt: skip
 
 
 def unpack(table: torch.Tensor, work: torch.Tensor, n_work: int, flat: torch.Tensor) -> None:

@@ -67,6 +67,38 @@ def check_out(out, dtype: torch.dtype, numel: int, device: torch.device, name: s
         check_memory(out, name, written=out.device.type == "cpu")
 
 
+def check_into(into, device: torch.device) -> None:
+    """into is (sum_sq, found_inf): 0-dim fp32 and bool tensors on `device` that can be written in place (every call;
+    the usual case is one expression of attribute reads, ~0.5 us)."""
+    try:
+        s, f = into
+        cuda = device.type == "cuda"
+        here = (s.is_cuda and f.is_cuda and s.get_device() == f.get_device() == device.index if cuda
+                else s.is_cpu and f.is_cpu)  # (a meta tensor is neither)  # fmt: skip
+        if (type(into) is tuple and here and s.dtype is torch.float32 and f.dtype is torch.bool and not s.dim()
+                and not f.dim() and not (s.requires_grad or f.requires_grad) and s.data_ptr() != f.data_ptr()):
+            return
+    except (TypeError, ValueError, AttributeError):
+        pass
+    _refuse_into(into, device)
+
+
+def _refuse_into(into, device: torch.device) -> None:
+    """check_into's slow path: raise naming what is wrong (or return: a tensor that requires grad, grad disabled)."""
+    if not (isinstance(into, tuple) and len(into) == 2 and all(isinstance(t, torch.Tensor) for t in into)):
+        raise TypeError(f"into must be a tuple (sum_sq, found_inf) of two tensors, got {type(into).__name__}")
+    cuda = device.type == "cuda"
+    for t, name, dtype in ((into[0], "into[0] (sum_sq)", torch.float32), (into[1], "into[1] (found_inf)", torch.bool)):
+        here = t.is_cuda and t.get_device() == device.index if cuda else t.is_cpu
+        if t.dtype != dtype or t.dim() != 0 or not here:
+            raise ValueError(f"{name} must be a 0-dim {dtype} tensor on {device}, got a {t.dim()}-dim {t.dtype} "
+                             f"tensor on {t.device}")  # fmt: skip
+        if t.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(f"{name} requires grad: it cannot be written in place here (use torch.no_grad())")
+    if into[0].data_ptr() == into[1].data_ptr():
+        raise ValueError("into: sum_sq and found_inf must be two tensors of their own")
+
+
 def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """t in pinned memory when it goes to a GPU (so the copy is asynchronous and never from pageable memory)."""
     return t.pin_memory() if device.type == "cuda" else t
@@ -275,11 +307,16 @@ class PackPlan:
     # ------------------------------------------------------------------ the calls
 
     def pack(self, tensors: Sequence[torch.Tensor], *, scale: float = 1.0, out: torch.Tensor | None = None,
-             impl: str | None = None) -> Packed:  # fmt: skip
+             impl: str | None = None, into: tuple[torch.Tensor, torch.Tensor] | None = None) -> Packed:  # fmt: skip
         """Pack `tensors` (sizes and dtypes as planned) into `out[:total]` or a new bucket; see buckets.pack.
-        impl: "triton" or "torch"; None: the kernels on a GPU with triton installed, else torch."""
+        impl: "triton" or "torch"; None: the kernels on a GPU with triton installed, else torch.
+        into: (sum_sq, found_inf), 0-dim fp32 and bool tensors on the plan's device: this call's Σx² is added to
+        sum_sq (one fp32 addition) and its flag ORed into found_inf, in place (on a GPU inside the launch: no
+        allocation, no further kernel), and the result holds these two tensors; None: new ones."""
         ptrs, tensors = self.check(tensors)
         scale = scale if type(scale) is float and -3.4e38 < scale < 3.4e38 else _real(scale, "scale")
+        if into is not None:
+            check_into(into, self.device)
         if out is None:
             flat = torch.empty(self.total, dtype=self.dtype, device=self.device)
         else:
@@ -293,16 +330,28 @@ class PackPlan:
             if n_work:
                 from . import pack as kpack
 
-                sum_sq = torch.empty((), dtype=torch.float32, device=self.device)
-                found = torch.empty((), dtype=torch.bool, device=self.device)
-                kpack.pack(table, work, n_work, flat, scale, part, count, sum_sq, found)
-                bump_version(flat)
-                return Packed(flat, self.offsets, found, sum_sq)
+                if into is None:
+                    sum_sq = torch.empty((), dtype=torch.float32, device=self.device)
+                    found = torch.empty((), dtype=torch.bool, device=self.device)
+                    kpack.pack(table, work, n_work, flat, scale, part, count, sum_sq, found)
+                    bump_version(flat)
+                    return Packed(flat, self.offsets, found, sum_sq)
+                kpack.pack(table, work, n_work, flat, scale, part, count, *into, accumulate=True)
+                bump_version(flat, *into)
+                return Packed(flat, self.offsets, into[1], into[0])
+            if into is not None:  # nothing to pack: adds 0, flags nothing
+                return Packed(flat, self.offsets, into[1], into[0])
             return Packed(flat, self.offsets, torch.zeros((), dtype=torch.bool, device=self.device),
                           torch.zeros((), dtype=torch.float32, device=self.device))  # fmt: skip
         if self.device.type == "cpu" and scale == 1.0 and self.same_dtype:
-            return self._pack_cpu_exact(ptrs, flat)
-        return self._pack_torch(tensors, flat, scale)
+            packed = self._pack_cpu_exact(ptrs, flat)
+        else:
+            packed = self._pack_torch(tensors, flat, scale)
+        if into is None:
+            return packed
+        into[0].add_(packed.sum_sq)
+        into[1].logical_or_(packed.found_inf)
+        return Packed(flat, self.offsets, into[1], into[0])
 
     def _pack_cpu_exact(self, ptrs: tuple[int, ...], flat: torch.Tensor) -> Packed:
         """The bucket holds the values unchanged (the offload step's case): one C++ pass per tensor copies it,

@@ -335,10 +335,7 @@ class GradPath:
         for i, j in zip(b.packs, b.packs[1:] + [len(b.params)]):  # ZeRO-3: one pack per unit in the bucket
             lo = b.params[i][1] - b.lo
             buf[end:lo].zero_()  # a unit's padding
-            packed = self._pack(b.index, i, grads[i:j], buf[lo:])
-            self._found_inf |= packed.found_inf
-            self._sum_sq += packed.sum_sq
-            end = lo + packed.flat.numel()
+            end = lo + self._pack(b.index, i, grads[i:j], buf[lo:]).flat.numel()  # (Σg², flag: into the totals)
         buf[end:].zero_()
         for (p, _, _), h in zip(b.params, has):
             if h:  # the device gradient is freed as soon as its bucket has left
@@ -375,12 +372,13 @@ class GradPath:
 
     def _pack(self, bucket: int, unit: int, grads: list[torch.Tensor], out: torch.Tensor):
         """Pack with the unit's launch plan (gradients have their params' sizes and dtype: the plan holds while the
-        params do; it checks that on every call)."""
+        params do; it checks that on every call), its Σg² and flag added into the pass's totals in place (on a GPU by
+        the pack launch itself: no allocation, no further kernel per bucket)."""
         key = (bucket, unit)
         p = self.plans.get(key)
         if p is None:
             p = self.plans[key] = plan(grads, dtype=self.dtype, align=self.layout.align)
-        return p.pack(grads, scale=self.predivide, out=out)
+        return p.pack(grads, scale=self.predivide, out=out, into=(self._sum_sq, self._found_inf))
 
     def _place_moved_grad(self, p: torch.Tensor) -> None:
         i = self.layout.index[p]
