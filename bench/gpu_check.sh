@@ -155,9 +155,10 @@ build_stage() { # build_stage CAP RESERVE: pip install -e . (ZO_SKIP_BUILD=1, a 
 require_build() { # after build_stage: without an importable build every later stage fails in seconds (2026-11-27: a
   # budget under the build's reserve left it NOT RUN and the run went on through nine failures); stop here instead
   if ! "$py" -c "import zo_kernels._cpu" >>"$log" 2>&1; then
-    say "no importable build (zo_kernels._cpu): every stage after the build needs one, so none ran. A budget under"
-    say "  the build's reserve leaves it NOT RUN (ZO_CHECK_BUDGET_S >= 255 for scale, 265 anchors, 345 default), or"
-    say "  build first (pip install --no-build-isolation --no-deps -e .) and pass ZO_SKIP_BUILD=1"
+    say "no importable build (zo_kernels._cpu): every stage after the build needs one, so none ran. The build runs"
+    say "  only with ZO_CHECK_BUDGET_S over its reserve plus its own time (reserve: 240 s scale, 250 anchors, 330"
+    say "  default; the build ~50 s), or build first (pip install --no-build-isolation --no-deps -e .) and pass"
+    say "  ZO_SKIP_BUILD=1"
     say "result: FAILED before any stage ran on $gpu"
     exit 1
   fi
@@ -195,7 +196,8 @@ if [ "$mode" = anchors ]; then  # step rows at a batch whose forward + backward 
   anchors_stage 170 5 150 || status=1
   # then, with what is left (up to 120 s), the step under torch.profiler: where the host blocks and the device idles
   # (OUTDIR/profile.json, row by row, the worst-explained first: the 1.3B DPU step with 80% of its optimizer on the
-  # device spent 52% of its 110 ms outside kernels and copies on the H200, 2026-11-27; then gpu_fraction 0, sync)
+  # device spent 52% of its 110 ms outside kernels and copies on the H200, 2026-11-27; then DPU at gpu_fraction 0,
+  # then sync at both)
   limited 120 3 "bench: the step under torch.profiler" "$py" bench/profile_step.py "$out/profile.json" \
     --sizes "${ZO_PROFILE_SIZES:-1.3B,95M}" --modes dpu,sync --gpu-fractions "${ZO_PROFILE_FRACTIONS:-0.8,0}" \
     --steps 2 || status=1

@@ -5,7 +5,7 @@ Usage: python bench/profile_step.py OUT.json [--sizes 95M,1.3B] [--modes sync,dp
 
 Per size (as bench/step_rows.py builds it: the bf16 GPT) forward + backward alone (no optimizer) under the profiler
 (CPU and CUDA activities), then per mode on the same model a fresh ZeroOffloadAdamW (DPU with the per-module
-writeback), once per `gpu_fraction` of --gpu-fractions (the rows' key `gpu_fraction`): after two warm-up steps,
+writeback), at each `gpu_fraction` of --gpu-fractions in turn (the rows' key `gpu_fraction`): after two warm-up steps,
 `steps` steps run back to back under the profiler. From the trace (read as
 Chrome trace JSON, kept in a temporary file, never in OUT), per run:
   wall_ms           per step
@@ -198,8 +198,8 @@ def main(argv: list[str]) -> int:
     for size in a.sizes.split(","):
         row: dict = {"size": size, "batch": [a.batch, a.context], "device": str(device)}
         model = x = None  # (one model and one forward + backward alone per size, for every mode)
-        for fraction in fractions:
-            for mode in a.modes.split(","):
+        for mode in a.modes.split(","):  # (a mode at each fraction, one after the other: the pairs to compare)
+            for fraction in fractions:
                 try:
                     if model is None:
                         cfg = config(size, a.context)

@@ -579,10 +579,37 @@ def test_pack_into_running_totals_equals_adding_each_calls_results(impl, out_dty
     (lambda: (torch.tensor(0.0), torch.tensor(0)), ValueError, r"into\[1\] \(found_inf\)"),
     (lambda: (torch.tensor(0.0), torch.tensor(False, device="meta")), ValueError, r"into\[1\].*on cpu"),
     (lambda: (torch.tensor(0.0, requires_grad=True), torch.tensor(False)), RuntimeError, "requires grad"),
+    (lambda: (torch.zeros(2)[0], torch.zeros(2).view(torch.bool)[0]), None, None),  # (a control: two buffers)
+    (lambda: _aliased(), ValueError, "two tensors of their own"),
+    (lambda: (_resized(torch.tensor(0.0)), torch.tensor(False)), ValueError, r"into\[0\].*storage holds 0 bytes"),
+    (lambda: (torch.tensor(0.0)._neg_view(), torch.tensor(False)), ValueError, r"into\[0\].*negated"),
+    (lambda: (_inference(0.0), torch.tensor(False)), RuntimeError, r"into\[0\].*inference tensor"),
 ])  # fmt: skip
 def test_pack_bad_into_is_refused_before_anything_is_written(into, exc, match):
+    """A wrong dtype, shape or device, a tensor that needs grad, two views of one buffer, a storage resized away (the
+    kernel would write through address 0), a negated view, an inference tensor: refused naming it, out and the
+    totals untouched."""
     tensors, out, into = [torch.randn(50), torch.randn(7)], poisoned(57, torch.bfloat16), into()
-    before = digest(out, *[t for t in into if t.device.type == "cpu"])
+    if exc is None:  # the control: accepted
+        zk.pack(tensors, dtype=torch.bfloat16, out=out, into=into)
+        return
+    readable = [t for t in into if t.device.type == "cpu" and t.untyped_storage().nbytes() and not t.is_neg()]
+    before = digest(out, *readable)
     with pytest.raises(exc, match=match):
         zk.pack(tensors, dtype=torch.bfloat16, out=out, into=into)
-    assert digest(out, *[t for t in into if t.device.type == "cpu"]) == before
+    assert digest(out, *readable) == before
+
+
+def _aliased():
+    buf = torch.zeros(2)
+    return buf[0], buf.view(torch.bool)[0]
+
+
+def _resized(t):
+    t.untyped_storage().resize_(0)
+    return t
+
+
+def _inference(value):
+    with torch.inference_mode():
+        return torch.tensor(value)

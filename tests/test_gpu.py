@@ -103,6 +103,31 @@ def test_pack_reduction_over_thousands_of_programs_and_its_flag():
     assert_bits_equal(clean.flat, (x * 0.5).to(torch.bfloat16), "flat")
 
 
+def test_pack_into_running_totals_on_cuda():
+    """into=(sum_sq, found_inf), the offload step's call, compiled (the ACCUMULATE variant): over several buckets the
+    running sum is the plain launches' sums added in fp32, bit for bit, the flag their OR, the buckets the plain
+    ones; the flag a bool at an odd address (its own byte). Written without a GPU."""
+    g = torch.Generator(DEV).manual_seed(5)
+    calls = [[torch.randn(n, device=DEV, generator=g) for n in (70001, 3)], [torch.randn(1, device=DEV, generator=g)],
+             [torch.randn(4099, device=DEV, generator=g)]]  # fmt: skip
+    calls[1][0][0] = float("inf")
+    raw = torch.zeros(8, dtype=torch.uint8, device=DEV)
+    sum_sq, found = torch.full((), 0.25, device=DEV), raw[3:4].view(torch.bool)[0]
+    want_sum, want_found = torch.full((), 0.25, device=DEV), torch.zeros((), dtype=torch.bool, device=DEV)
+    for k, tensors in enumerate(calls):
+        plan = zk.buckets.plan(tensors, dtype=torch.bfloat16, align=8)
+        plain = plan.pack(tensors, scale=0.5, impl="triton")
+        flat = plain.flat.clone()
+        want_sum += plain.sum_sq
+        want_found |= plain.found_inf
+        got = plan.pack(tensors, scale=0.5, impl="triton", into=(sum_sq, found))
+        assert got.sum_sq is sum_sq and got.found_inf is found
+        assert torch.equal(got.flat.view(torch.int16), flat.view(torch.int16)), f"bucket {k}"
+        assert sum_sq.view(torch.int32).item() == want_sum.view(torch.int32).item(), f"sum after bucket {k}"
+        assert bool(found) is bool(want_found) is (k >= 1)
+    assert raw[[0, 1, 2, 4, 5, 6, 7]].eq(0).all(), "the flag's neighbours were written"
+
+
 @pytest.mark.parametrize("direct", ["1", "0"], ids=["runner", "through-triton"])
 def test_later_launches_through_the_runner_match_triton_bitwise(direct, monkeypatch):
     """kernels/launch.py: a plan's launches after the first call the compiled kernel's runner (or, with

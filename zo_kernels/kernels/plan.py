@@ -76,7 +76,8 @@ def check_into(into, device: torch.device) -> None:
         here = (s.is_cuda and f.is_cuda and s.get_device() == f.get_device() == device.index if cuda
                 else s.is_cpu and f.is_cpu)  # (a meta tensor is neither)  # fmt: skip
         if (type(into) is tuple and here and s.dtype is torch.float32 and f.dtype is torch.bool and not s.dim()
-                and not f.dim() and not (s.requires_grad or f.requires_grad) and s.data_ptr() != f.data_ptr()):
+                and not f.dim() and not (s.requires_grad or f.requires_grad or s.is_neg() or s.is_inference()
+                                         or f.is_inference()) and s.data_ptr() != f.data_ptr()):  # fmt: skip
             return
     except (TypeError, ValueError, AttributeError):
         pass
@@ -95,6 +96,10 @@ def _refuse_into(into, device: torch.device) -> None:
                              f"tensor on {t.device}")  # fmt: skip
         if t.requires_grad and torch.is_grad_enabled():
             raise RuntimeError(f"{name} requires grad: it cannot be written in place here (use torch.no_grad())")
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"{name} is an inference tensor: outside inference mode it cannot be written in place")
+        if t.is_neg():
+            raise ValueError(f"{name} is a negated view; pass {name}.resolve_neg()")
     if into[0].data_ptr() == into[1].data_ptr():
         raise ValueError("into: sum_sq and found_inf must be two tensors of their own")
 
@@ -156,6 +161,7 @@ class PackPlan:
         self._host_tables: list[torch.Tensor] = []  # its pinned host copies, written in place in turn
         self._uploaded: list = []  # CUDA events: the last copy out of each host copy
         self._out_checked: tuple[int, int] | None = None  # (address, numel) of an `out` whose memory was checked
+        self._into_checked: tuple[int, int] | None = None  # the addresses of an `into` pair whose memory was checked
         self._writable = False  # the tensors at these addresses were checked writable (unpack on the CPU)
         self._gap_index: torch.Tensor | None = None
         self.uploads = 0  # tensor tables uploaded (a test counts them)
@@ -317,6 +323,11 @@ class PackPlan:
         scale = scale if type(scale) is float and -3.4e38 < scale < 3.4e38 else _real(scale, "scale")
         if into is not None:
             check_into(into, self.device)
+            where = (into[0].data_ptr(), into[1].data_ptr())
+            if where != self._into_checked:  # their storage (bounds, alignment, writable), once per address pair
+                for t, name in zip(into, ("into[0] (sum_sq)", "into[1] (found_inf)")):
+                    check_memory(t, name, written=t.device.type == "cpu")
+                self._into_checked = where
         if out is None:
             flat = torch.empty(self.total, dtype=self.dtype, device=self.device)
         else:
