@@ -215,7 +215,8 @@ if [ "$mode" = scale ]; then
   require_build
   left=$((budget - ($(date +%s) - start) - 20))
   limited "$left" 15 "scale: largest model per setting" "$py" bench/scale_check.py "$out/scale.json" \
-    --settings "$scale_settings" --budget-s "$((left - 10))" || status=1
+    --settings "$scale_settings" --budget-s "$((left - 10))" \
+    ${ZO_SCALE_MIN_SHARE_S:+--min-share-s "$ZO_SCALE_MIN_SHARE_S"} || status=1
   grep -E "^\[scale .*(params|error|exited|timed out)" "$log" | tail -6 >>"$summary"
   ZO_DEVICE="$gpu" ZO_COMMIT="$commit" "$py" bench/summary.py --summary-json "$out" 2>>"$log" | tee -a "$summary" \
     && rm -f "$out/scale.json" || status=1

@@ -751,6 +751,8 @@ def main(argv: list[str]) -> int:
                     "(a narrow proxy of a large row; the planner's figures are still given beside it)")
     ap.add_argument("--head-width", type=int, default=HEAD_WIDTH, help="the width past which the LM head's initial "
                     "std shrinks as 1/sqrt(width) (default 768, GPT-2 small's; 0: N(0, 0.02) at any width)")
+    ap.add_argument("--min-share-s", type=float, default=None, help="start a setting after the first only with this "
+                    "many seconds left (default: 150 on a GPU, 30 on the CPU)")
     ap.add_argument("--in-process", action="store_true",
                     help="run the settings in this process (no isolation; for the CPU test)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -763,6 +765,8 @@ def main(argv: list[str]) -> int:
         ap.error("--steps >= 1, --context >= 1, --vocab >= 2, --tokens a multiple of --context")
     if args.head_width < 0:
         ap.error(f"--head-width: 0 or more, got {args.head_width}")
+    if args.min_share_s is not None and not args.min_share_s >= 0:
+        ap.error(f"--min-share-s: 0 or more seconds, got {args.min_share_s}")
     if args.shape is not None:
         try:
             parse_shape(args.shape)
@@ -772,7 +776,8 @@ def main(argv: list[str]) -> int:
         run_setting(args.child, args, args.out)
         return 0
     start, rows = time.perf_counter(), []
-    least = MIN_SHARE_S["cuda" if args.device.startswith("cuda") else "cpu"]
+    least = args.min_share_s if args.min_share_s is not None else MIN_SHARE_S["cuda" if args.device.startswith("cuda")
+                                                                               else "cpu"]  # fmt: skip
     for i, s in enumerate(settings):
         share = args.budget_s - (time.perf_counter() - start)  # in order of priority: each takes what it needs of
         if i and share < least:  # what is left; a later one starts only with `least` left for it (the first always)

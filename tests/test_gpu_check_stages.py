@@ -431,3 +431,44 @@ def test_gpu_check_stops_after_the_build_when_there_is_none_to_import(tmp_path):
         ran = [line for line in log.splitlines() if line.startswith("=== ")]
         assert all(line.startswith("=== build") for line in ran), (mode, ran)
         assert "no importable build" in (out / "summary.txt").read_text(), mode
+
+
+def test_gpu_session_runs_its_parts_in_order_within_one_command(tmp_path):
+    """bench/gpu_session.sh OUTDIR [PLAN] on a stand-in GPU machine: one build, then each part with its weight's share
+    of the command's time left when it starts (what a part leaves unused goes to the later ones), each gpu_check
+    part with ZO_SKIP_BUILD=1 and a budget under its share, the scale part's later settings allowed to start with
+    90 s left; what comes back fits the device tool (at most 8 files, plain names); an unknown part is refused before
+    anything runs."""
+    import re
+    import subprocess
+
+    fake = tmp_path / "python"
+    calls = tmp_path / "calls.txt"
+    fake.write_text(f"#!/bin/bash\necho \"$*\" >> {calls}\ncase \"$*\" in\n"
+                    "  *get_device_name*) echo 'NVIDIA H100 80GB HBM3' ;;\n"
+                    "  *torch.__version__*) echo '2.11.0 13.0' ;;\nesac\nexit 0\n")  # fmt: skip
+    fake.chmod(0o755)
+    script = os.path.join(HERE, "..", "bench", "gpu_session.sh")
+    env = {**os.environ, "PYTHON": str(fake), "ZO_SESSION_S": "570"}
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", script, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    text = (out / "session.txt").read_text()
+    shares = re.findall(r"^--- (\S+): (\d+)s$", text, re.M)
+    assert [p for p, _ in shares] == ["scale", "two-ranks", "anchors"], text
+    # each part its weight's share of what is left when it starts (the stand-in's parts take no time, so each later
+    # part has the whole rest): 560 s after the 10 s for the archive, scale 5/10, two-ranks 1/5, anchors 4/4
+    assert [int(s) for _, s in shares] == [280, 112, 560], shares
+    made = calls.read_text().splitlines()
+    assert sum("pip install" in c and "-e ." in c for c in made) == 1, made  # one build, the parts reuse it
+    scale = next(c for c in made if "bench/scale_check.py" in c)
+    assert "--settings s2-8bit,s2-fp32,s3-cpu" in scale and "--min-share-s 90" in scale, scale
+    assert int(re.search(r"--budget-s (\d+)", scale).group(1)) < 280, scale
+    assert text.count("skipped (ZO_SKIP_BUILD=1") == 2, text  # the scale and anchors parts reuse the build
+    assert any("tests/test_gpu_two_ranks.py" in c for c in made) and any("bench/profile_step.py" in c for c in made)
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8 and all(re.fullmatch(r"[\w.-]+", p.name) for p in files), files
+    assert (out / "session.tgz").stat().st_size > 0, run.stdout
+    bad = subprocess.run(["bash", script, str(tmp_path / "bad"), "scale,bogus"], env=env, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "unknown part 'bogus'" in bad.stderr
+    assert not (tmp_path / "bad" / "session.tgz").exists()

@@ -144,9 +144,9 @@ def test_a_given_shape_is_trained_as_given_and_its_params_not_compared():
             scale_check.main(parent)
     p, ch = vars(seen["parent"]), vars(seen["child"])
     assert ch.pop("child") == "s2-8bit" and ch.pop("out") == "part.json" and ch.pop("budget_s") == 100.0
-    for key in ("out", "child", "budget_s", "settings", "in_process"):
+    for key in ("out", "child", "budget_s", "settings", "in_process", "min_share_s"):  # (the parent's own)
         p.pop(key)
-    ch.pop("settings"), ch.pop("in_process")
+    ch.pop("settings"), ch.pop("in_process"), ch.pop("min_share_s")
     assert ch == p
 
 
@@ -268,6 +268,15 @@ def test_a_later_setting_starts_only_with_its_minimum_left(tmp_path, monkeypatch
     clock[0], ran[:] = 0.0, []
     scale_check.main([str(out), *CPU_ARGS, "--settings", settings, "--budget-s", "60", "--in-process"])
     assert ran == [("s2-8bit-sync", 45.0)]  # the headline runs whatever is left; nothing after it
+    # --min-share-s (gpu_check's ZO_SCALE_MIN_SHARE_S; bench/gpu_session.sh gives 90): the last one's 80 s do not
+    # reach 90 either, 70 let it start
+    for least, last in ((90, False), (70, True)):
+        clock[0], ran[:] = 0.0, []
+        scale_check.main([str(out), *CPU_ARGS, "--settings", settings, "--budget-s", "380", "--in-process",
+                          "--min-share-s", str(least)])  # fmt: skip
+        assert [s for s, _ in ran] == settings.split(",")[: 4 if last else 3], (least, ran)
+    with pytest.raises(SystemExit):
+        scale_check.main([str(out), *CPU_ARGS, "--min-share-s", "-1"])
 
 
 def test_sync_tokens_grow_where_the_device_has_room():

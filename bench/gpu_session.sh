@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One device command for a lent GPU (the device tool: 15 minutes a session, 10 a command, the machine given back
+# after 30 s idle, at most 8 files back from OUTDIR, 2 folders down): build once, then the parts of
+# bench/gpu_check.sh named in PLAN, each a gpu_check.sh run of its own with ZO_SKIP_BUILD=1 and its share of the
+# command's time, every output folded into OUTDIR/session.tgz, each part's summary.json beside it.
+#   bash bench/gpu_session.sh OUTDIR [PLAN]
+# PLAN: comma-separated parts, run in that order (default scale,two-ranks,anchors: what the H200 runs of 2026-11-27
+# left unmeasured):
+#   scale       gpu_check.sh scale: ZO_SCALE_SETTINGS (default here s2-8bit,s2-fp32,s3-cpu: the DPU settings)
+#   two-ranks   tests/test_gpu_two_ranks.py alone (stages 1, 2, 3, 3+cpu on two gloo processes over CUDA tensors)
+#   default     gpu_check.sh (tests, pack, transport, step rows, ...; it wants 345 s or more)
+#   anchors     gpu_check.sh anchors (step rows at batch 32, activations, anchors with .whl/ carried, the profile)
+# ZO_SESSION_S: the command's seconds (default 570, under the tool's 600 s limit); the build takes what it needs
+# (~50 s), then each part gets its weight's share of what is left (scale 5, two-ranks 1, default 7, anchors 4), less
+# 10 s for the archive. What comes back: session.tgz (every part's folder), session.txt (every part's summary.txt,
+# in order), and PART-summary.json for each gpu_check.sh part: at most 6 files.
+# On an H100 (its scale row never measured): ZO_SCALE_SETTINGS=s2-8bit-sync,s2-8bit. Without a GPU each part takes
+# gpu_check.sh's own no-GPU path (the CPU-side checks; two-ranks skips). Never run on a GPU yet (written after the
+# H200 runs of 2026-11-27; tests/test_gpu_check_stages.py runs it on a stand-in machine).
+set -uo pipefail
+out="${1:?usage: bash bench/gpu_session.sh OUTDIR [PLAN]}"
+plan="${2:-scale,two-ranks,anchors}"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+cd "$(dirname "$0")/.."
+py="${PYTHON:-python3}"
+total="${ZO_SESSION_S:-570}"
+start=$(date +%s)
+work="$(mktemp -d)"
+text="$out/session.txt"
+: >"$text"
+say() { echo "$*" | tee -a "$text"; }
+weight() { case "$1" in scale) echo 5 ;; two-ranks) echo 1 ;; default) echo 7 ;; anchors) echo 4 ;; *) echo 0 ;; esac; }
+IFS=, read -r -a parts <<<"$plan"
+for p in "${parts[@]}"; do
+  if [ "$(weight "$p")" = 0 ]; then
+    echo "bash bench/gpu_session.sh OUTDIR [PLAN]: unknown part '$p' (scale, two-ranks, default, anchors)" >&2
+    exit 2
+  fi
+done
+say "gpu_session $(date -u +%Y-%m-%dT%H:%M:%SZ): plan $plan, ${total}s"
+t0=$(date +%s)
+timeout 150 "$py" -m pip install -q --no-build-isolation --no-deps -e . >"$work/build.log" 2>&1
+say "build (pip install -e .): rc $? in $(($(date +%s) - t0))s"
+status=0
+left_weight=0
+for p in "${parts[@]}"; do left_weight=$((left_weight + $(weight "$p"))); done
+for p in "${parts[@]}"; do
+  w=$(weight "$p")
+  left=$((total - ($(date +%s) - start) - 10))
+  budget=$((left * w / left_weight))
+  left_weight=$((left_weight - w))
+  if [ "$budget" -lt 30 ]; then
+    say "$p: NOT RUN (${budget}s of the ${total}s left for it)"
+    status=1
+    continue
+  fi
+  say "--- $p: ${budget}s"
+  dir="$work/$p"
+  mkdir -p "$dir"
+  t0=$(date +%s)
+  case "$p" in
+    two-ranks)
+      # (the launch's own bound under the part's budget: a hang ends with both ranks' stacks)
+      ZO_TWO_RANK_JOIN_S=$((budget - 15)) timeout -k 5 "$budget" "$py" -m pytest -q -rs -p no:cacheprovider \
+        --junitxml="$dir/tests-two-ranks.xml" tests/test_gpu_two_ranks.py >"$dir/log.txt" 2>&1
+      rc=$?
+      tail -3 "$dir/log.txt" | tee -a "$text"
+      ;;
+    *)
+      mode=$([ "$p" = default ] && echo "" || echo "$p")
+      # (a scale setting after the first starts with 90 s left, not gpu_check's 150: on the H200 the 12.0B DPU
+      # setting took 69 s in all)
+      ZO_SKIP_BUILD=1 ZO_CHECK_BUDGET_S=$((budget - 5)) ZO_SCALE_SETTINGS="${ZO_SCALE_SETTINGS:-s2-8bit,s2-fp32,s3-cpu}" \
+        ZO_SCALE_MIN_SHARE_S="${ZO_SCALE_MIN_SHARE_S:-90}" timeout -k 5 "$budget" bash bench/gpu_check.sh "$dir" $mode \
+        >/dev/null 2>&1
+      rc=$?
+      cat "$dir/summary.txt" >>"$text" 2>/dev/null
+      [ -s "$dir/summary.json" ] && cp "$dir/summary.json" "$out/$p-summary.json"
+      ;;
+  esac
+  say "$p: rc $rc in $(($(date +%s) - t0))s"
+  [ "$rc" = 0 ] || status=1
+done
+tar czf "$out/session.tgz" -C "$work" . && rm -rf "$work"
+say "gpu_session: $([ $status = 0 ] && echo passed || echo 'FAILED (a part above)') in $(($(date +%s) - start))s;" \
+  "commit each PART-summary.json as bench/results/gpu-DATE-DEVICE[-PART].json"
+exit $status
