@@ -4,22 +4,24 @@
 # bench/gpu_check.sh named in PLAN, each a gpu_check.sh run of its own with ZO_SKIP_BUILD=1 and its share of the
 # command's time, every output folded into OUTDIR/session.tgz, each part's summary.json beside it.
 #   bash bench/gpu_session.sh OUTDIR [PLAN]
-# PLAN: comma-separated parts, run in that order (default scale,two-ranks,anchors: what the H200 runs of 2026-11-27
-# left unmeasured):
+# PLAN: comma-separated parts, run in that order (default scale,tests,anchors: what the H200 runs of 2026-11-27
+# left unmeasured, and the GPU tests of what changed since):
 #   scale       gpu_check.sh scale: ZO_SCALE_SETTINGS (default here s2-8bit,s2-fp32,s3-cpu: the DPU settings)
-#   two-ranks   tests/test_gpu_two_ranks.py alone (stages 1, 2, 3, 3+cpu on two gloo processes over CUDA tensors)
+#   tests       gpu_check.sh's tests without its benchmarks: tests/test_gpu.py, test_transport.py and the CUDA
+#               activation test, then tests/test_gpu_two_ranks.py (stages 1, 2, 3, 3+cpu on two gloo processes over
+#               CUDA tensors) with what is left of the part
 #   default     gpu_check.sh (tests, pack, transport, step rows, ...; it wants 345 s or more)
 #   anchors     gpu_check.sh anchors (step rows at batch 32, activations, anchors with .whl/ carried, the profile)
 # ZO_SESSION_S: the command's seconds (default 570, under the tool's 600 s limit); the build takes what it needs
-# (~50 s), then each part gets its weight's share of what is left (scale 5, two-ranks 1, default 7, anchors 4), less
+# (~50 s), then each part gets its weight's share of what is left (scale 6, tests 3, default 7, anchors 4), less
 # 10 s for the archive. What comes back: session.tgz (every part's folder), session.txt (every part's summary.txt,
 # in order), and PART-summary.json for each gpu_check.sh part: at most 6 files.
 # On an H100 (its scale row never measured): ZO_SCALE_SETTINGS=s2-8bit-sync,s2-8bit. Without a GPU each part takes
-# gpu_check.sh's own no-GPU path (the CPU-side checks; two-ranks skips). Never run on a GPU yet (written after the
+# gpu_check.sh's own no-GPU path (the CPU-side checks; the tests skip). Never run on a GPU yet (written after the
 # H200 runs of 2026-11-27; tests/test_gpu_check_stages.py runs it on a stand-in machine).
 set -uo pipefail
 out="${1:?usage: bash bench/gpu_session.sh OUTDIR [PLAN]}"
-plan="${2:-scale,two-ranks,anchors}"
+plan="${2:-scale,tests,anchors}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 cd "$(dirname "$0")/.."
@@ -30,11 +32,11 @@ work="$(mktemp -d)"
 text="$out/session.txt"
 : >"$text"
 say() { echo "$*" | tee -a "$text"; }
-weight() { case "$1" in scale) echo 5 ;; two-ranks) echo 1 ;; default) echo 7 ;; anchors) echo 4 ;; *) echo 0 ;; esac; }
+weight() { case "$1" in scale) echo 6 ;; tests) echo 3 ;; default) echo 7 ;; anchors) echo 4 ;; *) echo 0 ;; esac; }
 IFS=, read -r -a parts <<<"$plan"
 for p in "${parts[@]}"; do
   if [ "$(weight "$p")" = 0 ]; then
-    echo "bash bench/gpu_session.sh OUTDIR [PLAN]: unknown part '$p' (scale, two-ranks, default, anchors)" >&2
+    echo "bash bench/gpu_session.sh OUTDIR [PLAN]: unknown part '$p' (scale, tests, default, anchors)" >&2
     exit 2
   fi
 done
@@ -60,12 +62,25 @@ for p in "${parts[@]}"; do
   mkdir -p "$dir"
   t0=$(date +%s)
   case "$p" in
-    two-ranks)
-      # (the launch's own bound under the part's budget: a hang ends with both ranks' stacks)
-      ZO_TWO_RANK_JOIN_S=$((budget - 15)) timeout -k 5 "$budget" "$py" -m pytest -q -rs -p no:cacheprovider \
-        --junitxml="$dir/tests-two-ranks.xml" tests/test_gpu_two_ranks.py >"$dir/log.txt" 2>&1
+    tests)
+      # the one-GPU tests (101 in 67 s on the H200), then the two ranks with the rest (the launch's own bound under
+      # it: a hang ends with both ranks' stacks)
+      timeout -k 5 $((budget * 3 / 5)) "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$dir/tests.xml" \
+        tests/test_gpu.py tests/test_transport.py \
+        tests/test_activations.py::test_cuda_offload_bitwise_no_per_step_allocation_and_lower_peak >"$dir/log.txt" 2>&1
       rc=$?
-      tail -3 "$dir/log.txt" | tee -a "$text"
+      tail -1 "$dir/log.txt" | tee -a "$text"
+      rest=$((budget - ($(date +%s) - t0) - 5))
+      if [ "$rest" -lt 30 ]; then
+        say "two ranks: NOT RUN (${rest}s of the part left)"
+        rc=1
+      else
+        ZO_TWO_RANK_JOIN_S=$((rest - 12)) timeout -k 5 "$rest" "$py" -m pytest -q -rs -p no:cacheprovider \
+          --junitxml="$dir/tests-two-ranks.xml" tests/test_gpu_two_ranks.py >"$dir/log-two-ranks.txt" 2>&1
+        rc2=$?
+        tail -1 "$dir/log-two-ranks.txt" | tee -a "$text"
+        [ "$rc" = 0 ] && rc=$rc2
+      fi
       ;;
     *)
       mode=$([ "$p" = default ] && echo "" || echo "$p")
