@@ -50,16 +50,18 @@
 #   Adam on first use) -> OUTDIR/summary.json's "step", "activations" and "anchors" rows; then, with what is left
 #   (up to 120 s), bench/profile_step.py -> OUTDIR/profile.json (the step under torch.profiler). (Order: what was never
 #   measured on a GPU first.)
+# Tests mode: bash bench/gpu_check.sh OUTDIR tests  builds, then the default run's two test stages alone (the GPU tests,
+#   then the two ranks), no benchmarks: bench/gpu_session.sh's tests part. Never run on a GPU.
 # Run on a GPU in this form (one H200: default and anchors modes 2026-11-26 and -27, the scale mode 2026-11-27); its
 # no-GPU path runs in .ci/run.
 # Without a GPU it says so, runs the CPU-side compile checks (every Triton kernel to cubin for sm_80/sm_90,
 # cuda/*.cu with nvcc where present) and the benchmarks' collection (the CUDA ones skip, with the reason),
 # and exits with their status (0 when they pass).
 set -uo pipefail
-out="${1:?usage: bash bench/gpu_check.sh OUTDIR [scale|anchors]}"
+out="${1:?usage: bash bench/gpu_check.sh OUTDIR [scale|anchors|tests]}"
 mode="${2:-default}"
-if [ "$mode" != default ] && [ "$mode" != scale ] && [ "$mode" != anchors ]; then
-  echo "usage: bash bench/gpu_check.sh OUTDIR [scale|anchors]  (unknown mode: $mode)" >&2
+if [ "$mode" != default ] && [ "$mode" != scale ] && [ "$mode" != anchors ] && [ "$mode" != tests ]; then
+  echo "usage: bash bench/gpu_check.sh OUTDIR [scale|anchors|tests]  (unknown mode: $mode)" >&2
   exit 2
 fi
 mkdir -p "$out"
@@ -145,23 +147,43 @@ install_wheels() { # the anchors' wheels from .whl/ (bench/fetch_anchor_wheels.s
   return $rc
 }
 build_stage() { # build_stage CAP RESERVE: pip install -e . (ZO_SKIP_BUILD=1, a second command on the same warm
-  # machine whose first one built this tree: skipped, the build it left is used)
+  # machine whose first one built this tree: skipped, the build it left is used). Without an importable build after
+  # it every later stage fails in seconds (2026-11-27: a budget under the build's reserve left it NOT RUN and the run
+  # went on through nine failures): the run stops here instead, saying why
   if [ "${ZO_SKIP_BUILD:-0}" = 1 ] && "$py" -c "import zo_kernels._cpu" >>"$log" 2>&1; then
     say "$(printf '%-34s %s' "build (pip install -e .)" "skipped (ZO_SKIP_BUILD=1; the build already here is used)")"
     return 0
   fi
-  limited "$1" "$2" "build (pip install -e .)" "$py" -m pip install --no-build-isolation --no-deps -e .
-}
-require_build() { # after build_stage: without an importable build every later stage fails in seconds (2026-11-27: a
-  # budget under the build's reserve left it NOT RUN and the run went on through nine failures); stop here instead
+  local rc=0
+  limited "$1" "$2" "build (pip install -e .)" "$py" -m pip install --no-build-isolation --no-deps -e . || rc=1
   if ! "$py" -c "import zo_kernels._cpu" >>"$log" 2>&1; then
     say "no importable build (zo_kernels._cpu): every stage after the build needs one, so none ran. The build runs"
-    say "  only with ZO_CHECK_BUDGET_S over its reserve plus its own time (reserve: 240 s scale, 250 anchors, 330"
-    say "  default; the build ~50 s), or build first (pip install --no-build-isolation --no-deps -e .) and pass"
+    say "  only with ZO_CHECK_BUDGET_S over its reserve plus its own time (reserve: 240 s scale and tests, 250 anchors,"
+    say "  330 default; the build ~50 s), or build first (pip install --no-build-isolation --no-deps -e .) and pass"
     say "  ZO_SKIP_BUILD=1"
     say "result: FAILED before any stage ran on $gpu"
     exit 1
   fi
+  return $rc
+}
+gpu_tests_stage() { # gpu_tests_stage CAP RESERVE: the tests that need the GPU, then the two ranks (up to 60 s, leaving
+  # RESERVE), each a pytest of its own: a crash in one (the H200's first run: SIGSEGV in test_gpu.py) does not hide
+  # the other's results. (Not tests/test_gpu_shaped.py nor test_activations.py's CopyEngineTransport tests: CPU only,
+  # 37 s on a loaded 2-core machine, run by every default pytest; nor tests/test_buckets.py: with a GPU it runs only
+  # the torch path on CPU tensors, test_gpu.py runs the compiled kernels.)
+  local rc=0 t
+  limited "$1" "$(($2 + 30))" "tests: GPU, CUDA" "$py" -m pytest -q -rs -p no:cacheprovider \
+    --junitxml="$out/tests.xml" tests/test_gpu.py tests/test_transport.py \
+    tests/test_activations.py::test_cuda_offload_bitwise_no_per_step_allocation_and_lower_peak || rc=1
+  grep -E "passed|failed|error" "$log" | grep -E "^[0-9=]" | tail -2 >>"$summary"
+  # (the launch's own bound, 22 s under the stage's limit (38 s under 60), for pytest's start and the stacks' dump: a
+  # hang ends with both ranks' stacks and the finished cases; the H200 run of 2026-11-27 was cut at the stage's limit
+  # with no case finished and nothing to say where it stood)
+  t=$(stage_s 60 "$2")
+  limited 60 "$2" "tests: two ranks on one GPU" env ZO_TWO_RANK_JOIN_S=$((t > 42 ? t - 22 : 20)) "$py" -m pytest -q \
+    -rs -p no:cacheprovider --junitxml="$out/tests-two-ranks.xml" tests/test_gpu_two_ranks.py || rc=1
+  grep -E "passed|failed|error|no tests ran" "$log" | grep -E "^[0-9=n]" | tail -1 >>"$summary"
+  return $rc
 }
 activations_stage() { # activations_stage CAP RESERVE: bench/activation_rows.py, its budget under the stage's limit
   local t
@@ -185,7 +207,6 @@ if [ "$mode" = anchors ]; then  # step rows at a batch whose forward + backward 
   # (with ZO_SKIP_BUILD=1 and ZO_CHECK_BUDGET_S=340: the step rows 150 s (the 1.3B rows build a model and pin ~20 GB
   # of host memory each), the activations 120 s, the anchors the rest: 60 s or more)
   build_stage 150 250 || status=1
-  require_build
   t=$(stage_s 150 70)
   limited 150 70 "bench: step rows at batch ${ZO_BIG_BATCH:-32}" "$py" bench/step_rows.py "$out/step.json" \
     --sizes "${ZO_STEP_SIZES:-95M,1.3B}" --modes dpu --gpu-fractions 0,auto --checkpoint --budget-s "$((t / 2))" \
@@ -210,9 +231,15 @@ if [ "$mode" = anchors ]; then  # step rows at a batch whose forward + backward 
     "on $gpu in $(($(date +%s) - start))s"
   exit $status
 fi
+if [ "$mode" = tests ]; then  # the default run's test stages alone, no benchmarks (bench/gpu_session.sh's tests part)
+  build_stage 150 240 || status=1
+  gpu_tests_stage "$((budget * 3 / 5))" 0 || status=1
+  say "result: $([ $status = 0 ] && echo 'GPU tests passed' || echo 'GPU tests FAILED') on $gpu" \
+    "in $(($(date +%s) - start))s"
+  exit $status
+fi
 if [ "$mode" = scale ]; then
   build_stage 150 240 || status=1
-  require_build
   left=$((budget - ($(date +%s) - start) - 20))
   limited "$left" 15 "scale: largest model per setting" "$py" bench/scale_check.py "$out/scale.json" \
     --settings "$scale_settings" --budget-s "$((left - 10))" \
@@ -228,27 +255,13 @@ fi
 export ZO_BENCH_SIZES="${ZO_BENCH_SIZES:-1e7,1e8}" ZO_BENCH_COPY_MIB="${ZO_BENCH_COPY_MIB:-64,256,1024}"
 say "benchmark sizes: ZO_BENCH_SIZES=$ZO_BENCH_SIZES ZO_BENCH_COPY_MIB=$ZO_BENCH_COPY_MIB; budget ${budget}s"
 build_stage 150 330 || status=1
-require_build
 if [ "${ZO_CHECK_COMPILE:-0}" = 1 ]; then  # (CI compiles every kernel for sm_80/sm_90 on the CPU: 57 s here on the H200)
   limited 60 300 "triton kernels -> cubin sm_80/90" env -u TRITON_INTERPRET "$py" tests/triton_compile.py \
     "$out/triton_compile.json" || status=1
 else
   say "$(printf '%-34s %s' "triton kernels -> cubin sm_80/90" "not run (CI compiles them on the CPU; ZO_CHECK_COMPILE=1)")"
 fi
-# (not tests/test_gpu_shaped.py nor test_activations.py's CopyEngineTransport tests: CPU only, 37 s on a loaded
-# 2-core machine, run by every default pytest; nor tests/test_buckets.py: with a GPU it runs only the torch path on
-# CPU tensors, test_gpu.py runs the compiled kernels. The stage's 150 s are for what needs the GPU)
-# two commands: a crash in one (the H200's first run: SIGSEGV in test_gpu.py) does not hide the other's results
-limited 110 270 "tests: GPU, CUDA" "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/tests.xml" \
-  tests/test_gpu.py tests/test_transport.py \
-  tests/test_activations.py::test_cuda_offload_bitwise_no_per_step_allocation_and_lower_peak || status=1
-grep -E "passed|failed|error" "$log" | grep -E "^[0-9=]" | tail -2 >>"$summary"
-# (the launch's own bound, 38 s, under the stage's 60 s with pytest's start and the stacks' dump: a hang ends with
-# both ranks' stacks and the finished cases; the H200 run of 2026-11-27 was cut at the stage's limit with no case
-# finished and nothing to say where it stood)
-limited 60 240 "tests: two ranks on one GPU" env ZO_TWO_RANK_JOIN_S=38 "$py" -m pytest -q -rs -p no:cacheprovider \
-  --junitxml="$out/tests-two-ranks.xml" tests/test_gpu_two_ranks.py || status=1
-grep -E "passed|failed|error|no tests ran" "$log" | grep -E "^[0-9=n]" | tail -1 >>"$summary"
+gpu_tests_stage 110 240 || status=1
 bench() { # bench CAP RESERVE NAME JSON FILE [pytest args]: one benchmark suite into OUTDIR/JSON
   local cap="$1" reserve="$2" name="$3" json="$out/$4"
   shift 4

@@ -2,14 +2,14 @@
 # One device command for a lent GPU (the device tool: 15 minutes a session, 10 a command, the machine given back
 # after 30 s idle, at most 8 files back from OUTDIR, 2 folders down): build once, then the parts of
 # bench/gpu_check.sh named in PLAN, each a gpu_check.sh run of its own with ZO_SKIP_BUILD=1 and its share of the
-# command's time, every output folded into OUTDIR/session.tgz, each part's summary.json beside it.
+# command's time, every output folded into OUTDIR/session.tgz, each part's summary.json (where it writes one) beside it.
 #   bash bench/gpu_session.sh OUTDIR [PLAN]
 # PLAN: comma-separated parts, run in that order (default scale,tests,anchors: what the H200 runs of 2026-11-27
 # left unmeasured, and the GPU tests of what changed since):
 #   scale       gpu_check.sh scale: ZO_SCALE_SETTINGS (default here s2-8bit,s2-fp32,s3-cpu: the DPU settings)
-#   tests       gpu_check.sh's tests without its benchmarks: tests/test_gpu.py, test_transport.py and the CUDA
-#               activation test, then tests/test_gpu_two_ranks.py (stages 1, 2, 3, 3+cpu on two gloo processes over
-#               CUDA tensors) with what is left of the part
+#   tests       gpu_check.sh tests: the default run's tests without its benchmarks (tests/test_gpu.py,
+#               test_transport.py and the CUDA activation test, then tests/test_gpu_two_ranks.py: stages 1, 2, 3,
+#               3+cpu on two gloo processes over CUDA tensors)
 #   default     gpu_check.sh (tests, pack, transport, step rows, ...; it wants 345 s or more)
 #   anchors     gpu_check.sh anchors (step rows at batch 32, activations, anchors with .whl/ carried, the profile)
 # ZO_SESSION_S: the command's seconds (default 570, under the tool's 600 s limit); the build takes what it needs
@@ -61,39 +61,15 @@ for p in "${parts[@]}"; do
   dir="$work/$p"
   mkdir -p "$dir"
   t0=$(date +%s)
-  case "$p" in
-    tests)
-      # the one-GPU tests (101 in 67 s on the H200), then the two ranks with the rest (the launch's own bound under
-      # it: a hang ends with both ranks' stacks)
-      timeout -k 5 $((budget * 3 / 5)) "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$dir/tests.xml" \
-        tests/test_gpu.py tests/test_transport.py \
-        tests/test_activations.py::test_cuda_offload_bitwise_no_per_step_allocation_and_lower_peak >"$dir/log.txt" 2>&1
-      rc=$?
-      tail -1 "$dir/log.txt" | tee -a "$text"
-      rest=$((budget - ($(date +%s) - t0) - 5))
-      if [ "$rest" -lt 30 ]; then
-        say "two ranks: NOT RUN (${rest}s of the part left)"
-        rc=1
-      else
-        ZO_TWO_RANK_JOIN_S=$((rest - 12)) timeout -k 5 "$rest" "$py" -m pytest -q -rs -p no:cacheprovider \
-          --junitxml="$dir/tests-two-ranks.xml" tests/test_gpu_two_ranks.py >"$dir/log-two-ranks.txt" 2>&1
-        rc2=$?
-        tail -1 "$dir/log-two-ranks.txt" | tee -a "$text"
-        [ "$rc" = 0 ] && rc=$rc2
-      fi
-      ;;
-    *)
-      mode=$([ "$p" = default ] && echo "" || echo "$p")
-      # (a scale setting after the first starts with 90 s left, not gpu_check's 150: on the H200 the 12.0B DPU
-      # setting took 69 s in all)
-      ZO_SKIP_BUILD=1 ZO_CHECK_BUDGET_S=$((budget - 5)) ZO_SCALE_SETTINGS="${ZO_SCALE_SETTINGS:-s2-8bit,s2-fp32,s3-cpu}" \
-        ZO_SCALE_MIN_SHARE_S="${ZO_SCALE_MIN_SHARE_S:-90}" timeout -k 5 "$budget" bash bench/gpu_check.sh "$dir" $mode \
-        >/dev/null 2>&1
-      rc=$?
-      cat "$dir/summary.txt" >>"$text" 2>/dev/null
-      [ -s "$dir/summary.json" ] && cp "$dir/summary.json" "$out/$p-summary.json"
-      ;;
-  esac
+  mode=$([ "$p" = default ] && echo "" || echo "$p")
+  # (a scale setting after the first starts with 90 s left, not gpu_check's 150: on the H200 the 12.0B DPU setting
+  # took 69 s in all)
+  ZO_SKIP_BUILD=1 ZO_CHECK_BUDGET_S=$((budget - 5)) ZO_SCALE_SETTINGS="${ZO_SCALE_SETTINGS:-s2-8bit,s2-fp32,s3-cpu}" \
+    ZO_SCALE_MIN_SHARE_S="${ZO_SCALE_MIN_SHARE_S:-90}" timeout -k 5 "$budget" bash bench/gpu_check.sh "$dir" $mode \
+    >/dev/null 2>&1
+  rc=$?
+  cat "$dir/summary.txt" >>"$text" 2>/dev/null
+  [ -s "$dir/summary.json" ] && cp "$dir/summary.json" "$out/$p-summary.json"
   say "$p: rc $rc in $(($(date +%s) - t0))s"
   [ "$rc" = 0 ] || status=1
 done

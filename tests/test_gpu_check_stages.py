@@ -465,7 +465,7 @@ def test_gpu_session_runs_its_parts_in_order_within_one_command(tmp_path):
     scale = next(c for c in made if "bench/scale_check.py" in c)
     assert "--settings s2-8bit,s2-fp32,s3-cpu" in scale and "--min-share-s 90" in scale, scale
     assert int(re.search(r"--budget-s (\d+)", scale).group(1)) < 280, scale
-    assert text.count("skipped (ZO_SKIP_BUILD=1") == 2, text  # the scale and anchors parts reuse the build
+    assert text.count("skipped (ZO_SKIP_BUILD=1") == 3, text  # every part, a gpu_check.sh run, reuses the build
     assert any("tests/test_gpu.py" in c for c in made) and any("tests/test_gpu_two_ranks.py" in c for c in made)
     assert any("bench/profile_step.py" in c for c in made)
     files = [p for p in out.rglob("*") if p.is_file()]
