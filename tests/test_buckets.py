@@ -517,7 +517,7 @@ def test_host_work_per_call_is_independent_of_the_tensor_count(monkeypatch):
     from zo_kernels.kernels import pack as kpack
 
     launches = []
-    monkeypatch.setattr(kpack, "pack", lambda *a: launches.append(a))
+    monkeypatch.setattr(kpack, "pack", lambda *a, **k: launches.append(a))
     lines = {}
     for n in (64, 640):
         ts = [torch.randn(100 + i) for i in range(n)]

@@ -338,22 +338,18 @@ class PackPlan:
             flat = out if out.numel() == self.total else out[: self.total]
         if (impl or self.impl) == "triton":
             table, work, n_work, part, count = self._tables(ptrs)
-            if n_work:
+            if into is not None:
+                sum_sq, found = into
+            else:  # new ones: the launch writes them (zeros where there is nothing to launch)
+                new = torch.empty if n_work else torch.zeros
+                sum_sq = new((), dtype=torch.float32, device=self.device)
+                found = new((), dtype=torch.bool, device=self.device)
+            if n_work:  # (nothing to pack: the totals gain 0 and no flag)
                 from . import pack as kpack
 
-                if into is None:
-                    sum_sq = torch.empty((), dtype=torch.float32, device=self.device)
-                    found = torch.empty((), dtype=torch.bool, device=self.device)
-                    kpack.pack(table, work, n_work, flat, scale, part, count, sum_sq, found)
-                    bump_version(flat)
-                    return Packed(flat, self.offsets, found, sum_sq)
-                kpack.pack(table, work, n_work, flat, scale, part, count, *into, accumulate=True)
-                bump_version(flat, *into)
-                return Packed(flat, self.offsets, into[1], into[0])
-            if into is not None:  # nothing to pack: adds 0, flags nothing
-                return Packed(flat, self.offsets, into[1], into[0])
-            return Packed(flat, self.offsets, torch.zeros((), dtype=torch.bool, device=self.device),
-                          torch.zeros((), dtype=torch.float32, device=self.device))  # fmt: skip
+                kpack.pack(table, work, n_work, flat, scale, part, count, sum_sq, found, accumulate=into is not None)
+                bump_version(flat, *(into or ()))
+            return Packed(flat, self.offsets, found, sum_sq)
         if self.device.type == "cpu" and scale == 1.0 and self.same_dtype:
             packed = self._pack_cpu_exact(ptrs, flat)
         else:
