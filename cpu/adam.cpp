@@ -891,9 +891,10 @@ void run_parallel(RangeFn fn, const Coef& c, const Bufs& b, int64_t n, int threa
 // rho = b1^2 / b2 (B = 1 at step 1, ~7.3 for (0.9, 0.999) at large t). Quantized m and sqrt(v) break that bond: a
 // block's sqrt(v) scale is set by its largest element, and an element whose sqrt(v) rounds to a few codes or to 0
 // while its m does not got an update of up to |m| / eps (measured on a 2.6B GPT: 17 x lr by step 3; heavy-tailed
-// gradients: 692 x the bound within 14 steps, tests/test_cpu_adam_formats.py). The kernel raises the denominator to |m_hat| / B, i.e. to |m| * m_cap with
-// m_cap = 1 / (bc1 B) = sqrt((1 - b2) / (bc2 S)) / (1 - b1): exact moments never reach it, quantized ones move no
-// element further than exact Adam ever could. 0 (no guard) where B is infinite (b2 = 0 after step 1, or S overflows).
+// gradients: 692 x the bound within 14 steps, tests/test_cpu_adam_formats.py). The kernel raises the denominator to
+// |m_hat| / B, i.e. to |m| * m_cap with m_cap = 1 / (bc1 B) = sqrt((1 - b2) / (bc2 S)) / (1 - b1): exact moments
+// never reach it, quantized ones move no element further than exact Adam ever could. 0 (no guard) where B is
+// infinite (b2 = 0 after step 1, or S overflows).
 double update_cap(const AdamParams& a) {
   require(a.step >= 1, "step must be >= 1, got " + std::to_string(a.step));
   require(a.beta1 >= 0 && a.beta1 < 1, "beta1 must be in [0, 1), got " + std::to_string(a.beta1));
