@@ -201,6 +201,43 @@ def _measure(names: list[str], model: Stack, device: torch.device, dtype: torch.
     return list(rows.values())
 
 
+HOST_PROVIDERS = ("none", "torch", "zo_resident", "zo")
+
+
+def host_overhead(device: torch.device, dtype: torch.dtype, new_transport: Callable, layers: int = 32,
+                  rounds: int = 20) -> dict:  # fmt: skip
+    """The host time each provider adds per checkpointed block: the bench's block at hidden 32, batch 1, sequence
+    8, so small that the device's work is negligible and a step's wall time is the host's (forward, recomputation,
+    backward). Each provider's best step of `rounds` (interleaved round by round, after two warm-up rounds), in
+    microseconds per block; zo's overhead is its figure above torch's checkpoint, torch's own above no
+    checkpointing. On a host-bound model (the main rows' on the H200: the device busy 24 of 93 ms) the step ratio
+    to torch's checkpoint is about 1 + blocks x zo's overhead / torch's step. `new_transport` makes zo's transport:
+    on the CPU a synchronous HostTransport (the copy runs inline, where a GPU's queued copy is a C call), not the
+    GPU-shaped one, whose copy thread's handoffs are no part of zo's host cost on a GPU."""
+    torch.manual_seed(0)
+    model = Stack(layers, 32, 2).to(device, dtype)
+    transports = {n: new_transport() for n in HOST_PROVIDERS if n.startswith("zo")}
+    best = dict.fromkeys(HOST_PROVIDERS, float("inf"))
+    try:
+        setups = {n: provider_setup(n, device, transports.get(n)) for n in HOST_PROVIDERS}
+        steps = {n: make_step(model, device, dtype, 1, 8, 32, ctx) for n, (_, ctx, _) in setups.items()}
+        for rnd in range(rounds + 2):
+            for n in HOST_PROVIDERS:
+                model.wrap = setups[n][0]
+                t0 = time.perf_counter()
+                steps[n]()
+                if rnd >= 2:
+                    best[n] = min(best[n], time.perf_counter() - t0)
+    finally:
+        model.wrap = None
+        for t in transports.values():
+            t.close()
+    us = {n: best[n] / layers * 1e6 for n in HOST_PROVIDERS}
+    return {"provider": "host_overhead", "layers": layers, "hidden": 32, "batch": 1, "seq": 8,
+            "us_per_block": us, "torch_over_none_us": us["torch"] - us["none"],
+            "zo_resident_over_torch_us": us["zo_resident"] - us["torch"], "zo_over_torch_us": us["zo"] - us["torch"]}
+
+
 class HostFull(Exception):
     """A try ran out of pinned host memory (save_on_cpu's, or zo's pool): the search ends there, bounded by the
     host, not by the device cap."""
@@ -336,6 +373,44 @@ SEARCH_WEIGHT = {"torch": 3, "zo_half": 3, "zo": 2, "torch_offload": 2, "torch_h
 # save_on_cpu last: its tries pin every saved tensor in host memory (tens of GiB at the long sequences: slow)
 
 
+def relate(rows: list[dict]) -> None:
+    """Each row's step and peak as ratios to torch's checkpoint of the same shape (the comparison the rows are for)."""
+    base = {r["provider"]: r for r in rows if "step_ms" in r}
+    if "torch" not in base:
+        return
+    for r in base.values():
+        r["step_vs_torch_checkpoint"] = r["step_ms"] / base["torch"]["step_ms"]
+        for key in ("peak_activation_gib", "cpu_peak_activation_units"):
+            if r.get(key) is not None and base["torch"].get(key):
+                r["peak_vs_torch_checkpoint"] = r[key] / base["torch"][key]
+
+
+def measure_wide(providers: list[str], shape: dict, device: torch.device, dtype: torch.dtype, a: argparse.Namespace,
+                 new_transport: Callable, label: str) -> list[dict]:  # fmt: skip
+    """The providers' steps on a second, wide model (shape: layers, hidden, heads, batch, seq), a.wide_rounds
+    rounds, rows with shape "wide". The main shape (hidden 512) is host-bound on an H200 (the device busy 24 of
+    93 ms for torch's checkpoint), so its step ratios measure Python per block; at hidden 4096 and 8192 tokens the
+    device's work is several times the host's, each checkpoint 64 MiB, and a ratio says whether the copies hide
+    under compute (issue 21's condition: PCIe covers the checkpoint bytes). Built on the device (no fp32 copy on
+    the host), freed before the searches."""
+    w = argparse.Namespace(**{**vars(a), **shape, "rounds": a.wide_rounds})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Stack(w.layers, w.hidden, w.heads)
+    model.to(dtype)
+    print(f"activations, wide: {w.layers} blocks x hidden {w.hidden}, batch {w.batch}, seq {w.seq}")
+    try:
+        rows = [{"device": label, **shape, "dtype": str(dtype).removeprefix("torch."), **r, "shape": "wide"}
+                for r in measure(providers, model, device, dtype, w, new_transport)]  # fmt: skip
+    finally:
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    relate(rows)
+    return rows
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -351,6 +426,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--profile", action="store_true", help="one step per provider under torch.profiler")
     ap.add_argument("--budget-s", type=float, default=45.0)
     ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--host-rounds", type=int, default=20,
+                    help="rounds of the host-overhead row (tiny blocks: each provider's host time per block); 0: none")
+    ap.add_argument("--wide", default=None,
+                    help="LAYERS,HIDDEN,HEADS,BATCH,SEQ of a second shape whose step the device, not the host, sets "
+                         "(rows with shape 'wide', timed only); default 8,4096,32,2,4096 on CUDA, none on the CPU")
+    ap.add_argument("--wide-rounds", type=int, default=3)
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     cuda = device.type == "cuda"
@@ -367,6 +448,12 @@ def main(argv: list[str]) -> int:
     bad = [p for p in providers if p not in PROVIDERS]
     if bad:
         ap.error(f"--providers: unknown {bad} (known: {', '.join(PROVIDERS)})")
+    wide = a.wide if a.wide is not None else "8,4096,32,2,4096" if cuda else "none"
+    try:
+        wide = None if wide == "none" else dict(zip(("layers", "hidden", "heads", "batch", "seq"),
+                                                    map(int, wide.split(",")), strict=True))  # fmt: skip
+    except ValueError:
+        ap.error(f"--wide: LAYERS,HIDDEN,HEADS,BATCH,SEQ (five ints) or none, got {a.wide!r}")
     start = time.perf_counter()
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
@@ -395,28 +482,35 @@ def main(argv: list[str]) -> int:
             json.dump(rows, f, indent=1)
         os.replace(a.out + ".tmp", a.out)
 
-    rows += [{**common, **r} for r in measure(providers, model, device, dtype, a, new_transport)]
+    rows += [{**common, **r, "shape": "main"} for r in measure(providers, model, device, dtype, a, new_transport)]
     if not cuda:  # what the CPU can say of the device memory (the longest sequence is only searched on CUDA)
         for r in rows:
             if "step_ms" in r:
                 r["cpu_peak_activation_units"] = cpu_peak_units(r["provider"], model, a)
-    base = {r["provider"]: r for r in rows if "step_ms" in r}
-    if "torch" in base:  # the comparison the rows are for: each against torch's checkpoint
-        for r in base.values():
-            r["step_vs_torch_checkpoint"] = r["step_ms"] / base["torch"]["step_ms"]
-            for key in ("peak_activation_gib", "cpu_peak_activation_units"):
-                if r.get(key) is not None and base["torch"].get(key):
-                    r["peak_vs_torch_checkpoint"] = r[key] / base["torch"][key]
+    relate(rows)
+    if a.host_rounds > 0:
+        from zo_kernels.transport import HostTransport
+
+        host = host_overhead(device, dtype, new_transport if cuda else HostTransport, rounds=a.host_rounds)
+        rows.append({**common, **host, "layers": host["layers"], "hidden": host["hidden"], "batch": host["batch"]})
+        us = host["us_per_block"]
+        print("  host time per block (hidden 32, seq 8: the host's alone): " + ", ".join(
+            f"{n} {v:.1f} us" for n, v in us.items()) + f"; zo above torch's checkpoint "
+            f"{host['zo_over_torch_us']:.1f} us (resident {host['zo_resident_over_torch_us']:.1f}), torch's "
+            f"checkpoint above none {host['torch_over_none_us']:.1f} us")  # fmt: skip
     write()
+    if wide is not None:  # a model whose step the device sets: where the checkpoints' copies must hide under compute
+        rows += measure_wide(providers, wide, device, dtype, a, new_transport, label)
+        write()
     if not cuda:
         print("  (cpu_peak_activation_units: the most bytes a step held at once, in [batch, seq, hidden] activations; "
               "None for save_on_cpu and torch_offload, whose host is this memory too)")  # fmt: skip
-    for row in rows:
+    for row in (r for r in rows if r["provider"] in PROVIDERS):
         print(f"  {row['provider']:<12} " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                                     for k, v in row.items() if k not in common and k != "provider"))
     if a.profile:
         for r in rows:
-            if "step_ms" in r and r["provider"] in PROFILED:
+            if "step_ms" in r and r["provider"] in PROFILED and r["shape"] == "main":
                 try:
                     r["profile"] = profiled_step(r["provider"], model, device, dtype, a, transport)
                 except Exception as e:  # noqa: BLE001 - never run on a GPU: a failure must not cost the searches
@@ -438,7 +532,8 @@ def main(argv: list[str]) -> int:
         index = torch.device(device).index
         index = torch.cuda.current_device() if index is None else index  # the call wants an index, not "cuda"
         torch.cuda.set_per_process_memory_fraction(min(1.0, (model_gib + a.cap_gib) * 2**30 / total), index)
-        searched = sorted((r for r in rows if "error" not in r), key=lambda r: SEARCH_ORDER.index(r["provider"]))
+        searched = sorted((r for r in rows if "step_ms" in r and r["shape"] == "main"),
+                          key=lambda r: SEARCH_ORDER.index(r["provider"]))
         for i, r in enumerate(searched):
             left = a.budget_s - (time.perf_counter() - start)
             share = SEARCH_WEIGHT[r["provider"]] / sum(SEARCH_WEIGHT[q["provider"]] for q in searched[i:])

@@ -108,7 +108,16 @@ def activation_targets(rows: list[dict]) -> dict:
     """Issue 21's targets over the activation rows (where measured): zo's offloaded checkpoint against torch's
     checkpoint (step time <= 1.05x, per block and per half block; longest sequence >= 2x, zo's longest of its
     segmentations against torch's longest of its, each naming the rows it compares) and against save_on_cpu (step
-    time < 1x); and, beside them, against torch's checkpoint under save_on_cpu (transformers 5's offload: < 1x)."""
+    time < 1x); and, beside them, against torch's checkpoint under save_on_cpu (transformers 5's offload: < 1x).
+    The rows of the wide shape (activation_rows.py --wide: a model whose step the device sets) are judged too, their
+    step ratios named wide_*."""
+    out = _activation_targets([r for r in rows if r.get("shape", "main") == "main"])
+    wide = _activation_targets([r for r in rows if r.get("shape") == "wide"])
+    out.update({f"wide_{k}": v for k, v in wide.items() if k.startswith("step_")})
+    return out
+
+
+def _activation_targets(rows: list[dict]) -> dict:
     by = {r.get("provider"): r for r in rows if "step_ms" in r}
     zo, out = by.get("zo"), {}
     if zo is None:
@@ -308,12 +317,18 @@ def main(paths: list[str]) -> int:
             bar = f"{'>=' if t.get('at_least') else '<='} {t['bar']}"
             print(f"  target {name}: worst {t['value']:.3f} (bar {bar}): {'MET' if t['met'] else 'MISSED'}")
         for r in data["activations"]:
+            if "us_per_block" in r:
+                print("  activations host time per block: " + ", ".join(
+                    f"{n} {v:.1f} us" for n, v in r["us_per_block"].items()) + f" (zo above torch's checkpoint "
+                    f"{r['zo_over_torch_us']:.1f} us, resident {r['zo_resident_over_torch_us']:.1f})")  # fmt: skip
+                continue
             if "step_ms" not in r:
                 print(f"  activations {r.get('provider')}: {r.get('error')}")
                 continue
             peak = f", peak activations {r['peak_activation_gib']:.2f} GiB" if "peak_activation_gib" in r else ""
             longest = f", longest seq {r['longest_seq']}" if r.get("longest_seq") else ""
-            print(f"  activations {r['provider']} seq {r['seq']}: {r['step_ms']:.1f} ms{peak}{longest}")
+            shape = "" if r.get("shape", "main") == "main" else f" ({r['shape']}: {r['layers']} x {r['hidden']})"
+            print(f"  activations {r['provider']}{shape} seq {r['seq']}: {r['step_ms']:.1f} ms{peak}{longest}")
         for name, t in data["targets"]["activations"].items():
             print(f"  target activations {name}: {t['value']:.3f} (bar {t['bar']}): {'MET' if t['met'] else 'MISSED'}")
         print(f"{outdir}/summary.json: {len(data['pack'])} pack, {len(data['step'])} step, "

@@ -769,10 +769,19 @@ def test_activation_rows_script_runs_on_the_cpu(tmp_path):
 
     out = tmp_path / "activations.json"
     argv = [str(out), "--device", "cpu", "--layers", "3", "--hidden", "32", "--heads", "2", "--seq", "16",
-            "--rounds", "1", "--profile"]  # fmt: skip
+            "--rounds", "1", "--profile", "--host-rounds", "1", "--wide", "2,64,2,1,32"]  # fmt: skip
     assert activation_rows.main(argv) == 0
-    rows = {r["provider"]: r for r in json.loads(out.read_text())}
+    everything = json.loads(out.read_text())
+    rows = {r["provider"]: r for r in everything if r.get("shape") == "main"}
     assert list(rows) == list(activation_rows.PROVIDERS) and all("step_ms" in r for r in rows.values()), rows
+    wide = {r["provider"]: r for r in everything if r.get("shape") == "wide"}  # the second shape: timed only
+    assert list(wide) == list(activation_rows.PROVIDERS) and all("step_ms" in r for r in wide.values()), wide
+    assert wide["zo"]["hidden"] == 64 and wide["zo"]["seq"] == 32 and wide["torch"]["step_vs_torch_checkpoint"] == 1
+    assert all("profile" not in r and "longest_seq" not in r for r in wide.values())
+    host = [r for r in everything if r["provider"] == "host_overhead"]
+    assert len(host) == 1 and set(host[0]["us_per_block"]) == set(activation_rows.HOST_PROVIDERS)
+    assert all(v > 0 for v in host[0]["us_per_block"].values())
+    assert host[0]["zo_over_torch_us"] == host[0]["us_per_block"]["zo"] - host[0]["us_per_block"]["torch"]
     assert "device = CPU" in rows["zo"]["device"]
     for name in ("zo", "zo_half"):  # offloaded: two device slots, whatever the segmentation
         assert rows[name]["checkpoint_allocations_per_step"] == 0 and rows[name]["device_blocks"] == 2, rows[name]
@@ -801,7 +810,7 @@ def test_activation_rows_a_failed_profile_is_a_note(tmp_path, monkeypatch):
     monkeypatch.setattr(activation_rows, "profiled_step", broken)
     out = tmp_path / "activations.json"
     argv = [str(out), "--device", "cpu", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
-            "--rounds", "1", "--profile", "--providers", "torch,zo"]  # fmt: skip
+            "--rounds", "1", "--profile", "--providers", "torch,zo", "--host-rounds", "0"]  # fmt: skip
     assert activation_rows.main(argv) == 0
     rows = json.loads(out.read_text())
     assert [r["provider"] for r in rows] == ["torch", "zo"]
@@ -946,6 +955,21 @@ def test_device_blocks_are_reused_smallest_fit_first():
     assert buf.device_allocations == before + 1 and third.numel() == _ALIGN
     buf.give_device(third)
     assert buf.take_device(_ALIGN).data_ptr() == third.data_ptr() and buf.device_allocations == before + 1
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_block_seen_in_many_shapes_gives_each_step_its_own(engine, offload):
+    """The device blocks' typed views are cached per block and shape: ten shapes of one byte size (one block each
+    step), one after another and back, each step's gradients bit for bit torch's, and no block keeps more than 8
+    views (a cache keyed by the block alone would hand a step the last step's shape)."""
+    model = blocks(3)
+    buf = ActivationBuffers("cpu", engine)
+    shapes = [(1, 30), (2, 15), (3, 10), (5, 6), (6, 5), (10, 3), (15, 2), (30, 1), (1, 2, 15), (2, 3, 5), (1, 30)]
+    for lead in shapes + shapes[::-1]:
+        x = torch.randn(*lead, WIDTH, generator=torch.Generator().manual_seed(len(lead) * 31 + lead[-1]))
+        same(run(model, functools.partial(zk.checkpoint, offload=offload, buffers=buf), x), run(model, torch_ck, x))
+    assert buf.device_allocations == (2 if offload else 3), buf.device_allocations  # one size: the blocks reused
+    assert 0 < max(len(v) for v in buf._views.values()) <= 8
 
 
 def test_host_work_per_segment_does_not_grow_with_the_chain(engine, monkeypatch):

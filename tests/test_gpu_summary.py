@@ -177,6 +177,31 @@ def test_summary_json_judges_the_activation_rows(tmp_path):
     assert t["value"] == 2.25 and not t["met"] and "at most" in t["note"]
 
 
+def test_summary_judges_the_wide_shape_apart_and_reads_the_host_row(tmp_path, capsys):
+    """activation_rows.py's wide rows (a model whose step the device sets) are judged against torch's checkpoint of
+    the same shape, as wide_*; they never stand in for the main shape's; the host-overhead row is printed, not
+    judged."""
+    main = [{"provider": "torch", "seq": 4096, "step_ms": 100.0, "shape": "main"},
+            {"provider": "zo", "seq": 4096, "step_ms": 120.0, "shape": "main"}]
+    wide = [{"provider": "torch", "seq": 4096, "step_ms": 300.0, "shape": "wide", "layers": 8, "hidden": 4096},
+            {"provider": "zo", "seq": 4096, "step_ms": 306.0, "shape": "wide", "layers": 8, "hidden": 4096},
+            {"provider": "torch_offload", "seq": 4096, "step_ms": 360.0, "shape": "wide", "layers": 8,
+             "hidden": 4096}]  # fmt: skip
+    host = {"provider": "host_overhead", "us_per_block": {"none": 200.0, "torch": 600.0, "zo_resident": 640.0,
+                                                          "zo": 700.0},
+            "zo_over_torch_us": 100.0, "zo_resident_over_torch_us": 40.0, "torch_over_none_us": 400.0}  # fmt: skip
+    (tmp_path / "activations.json").write_text(json.dumps(main + [host] + wide))
+    t = summary.summary_json(str(tmp_path))["targets"]["activations"]
+    assert t["step_vs_torch_checkpoint"] == {"value": 1.2, "bar": 1.05, "met": False}  # the main shape's alone
+    assert t["wide_step_vs_torch_checkpoint"] == {"value": 1.02, "bar": 1.05, "met": True}
+    assert t["wide_step_vs_torch_offload"] == {"value": 0.85, "bar": 1.0, "met": True}
+    assert "step_vs_torch_offload" not in t  # (the main shape has no torch_offload row)
+    assert summary.main(["--summary-json", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "host time per block: none 200.0 us" in out and "zo above torch's checkpoint 100.0 us" in out
+    assert "zo (wide: 8 x 4096) seq 4096: 306.0 ms" in out
+
+
 def test_dashboard_tells_rows_of_one_size_and_mode_apart_and_reads_targets(tmp_path):
     """Two step rows of one size and mode differ by gpu_fraction: the step, phases and targets tables show it (a new
     user read them as duplicates); a pack row's target shows as MET/MISSED with its bars, not a Python dict."""

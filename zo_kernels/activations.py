@@ -68,6 +68,10 @@ class ActivationBuffers:
         self._held: list[_Link] = []  # the segments whose arguments may still be on the device, oldest first
         self._lock = threading.RLock()  # (a segment's finalizer gives its blocks back, maybe inside a locked region)
         self._landing: dict[int, Event] = {}  # device block address -> an H2D copy into it no one has waited for
+        # device block address -> {(shape, dtype): the block's first bytes as that tensor}: a step asks for the
+        # shapes the last one did, and a view made afresh costs three view calls (a third of zo's host time per
+        # resident segment on the CPU)
+        self._views: dict[int, dict[tuple[torch.Size, torch.dtype], torch.Tensor]] = {}
         # tensors a segment of these buffers has checkpointed, while their objects live: a later segment given one
         # of them again (an encoder's output passed to every decoder layer) keeps it by reference, as torch does
         self._taken = WeakIdKeyDictionary()
@@ -134,6 +138,19 @@ class ActivationBuffers:
         if landing is not None:  # a prefetch whose segment was dropped before its restore may still be writing it
             self.transport.device_wait(landing)
         return block
+
+    def typed(self, block: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The first bytes of a device block as a contiguous tensor of `shape` and `dtype` (made once per block and
+        shape; a block that has been asked for more than 8 shapes forgets the older ones)."""
+        views = self._views.get(block.data_ptr())
+        if views is None:
+            views = self._views[block.data_ptr()] = {}
+        t = views.get((shape, dtype))
+        if t is None:
+            if len(views) >= 8:
+                views.clear()
+            t = views[(shape, dtype)] = _view(block, shape, dtype)
+        return t
 
     def give_device(self, block: torch.Tensor) -> None:
         """Return a block from `take_device` (the compute stream orders its next use after the current one)."""
@@ -243,14 +260,17 @@ class _Segment:
         # given back as one tensor in every place (nn.MultiheadAttention takes its fused path when query is key)
         self.groups: list[list[int | str]] = _groups(args, kwargs, buffers.device, buffers._taken)
         self.slots = [g[0] for g in self.groups]  # where each checkpointed tensor was first passed
-        for k in self.slots:
-            buffers._taken[_get(args, kwargs, k)] = True
+        kept = [kwargs[k] if isinstance(k, str) else args[k] for k in self.slots]
+        taken = buffers._taken
+        for t in kept:
+            taken[t] = True
         self.args: tuple[Any, ...] | None = args  # only during the forward call
         self.kwargs: dict[str, Any] | None = kwargs
-        self.meta = [(t.shape, t.dtype, t.requires_grad) for t in (_get(args, kwargs, k) for k in self.slots)]
+        self.meta = [(t.shape, t.dtype, t.requires_grad) for t in kept]
         self.host: list[torch.Tensor] = []  # offload: the pinned copies
         self.d2h: list[Event] = []
         self.device: list[torch.Tensor] = []  # the device blocks holding the checkpoint now (may be empty)
+        self.views: list[torch.Tensor] = []  # those blocks as the checkpointed tensors (shape, dtype)
         self.h2d: Event | None = None  # offload: the prefetch into self.device, not yet waited for
         self.held: list[torch.Tensor] = []  # offload, state held: the arguments themselves, still on the device
         self.versions: list[int] = []  # offload: each held argument's version counter when it was taken
@@ -263,16 +283,19 @@ class _Segment:
     def store(self) -> None:
         """Copy the arguments into their blocks (host: queued D2H; device: a copy on the compute stream)."""
         assert self.args is not None and self.kwargs is not None
+        buffers, args, kwargs = self.buffers, self.args, self.kwargs
         for k in self.slots:
-            x = _get(self.args, self.kwargs, k).detach()
+            x = (kwargs[k] if isinstance(k, str) else args[k]).detach()
             x = x if x.is_contiguous() else x.contiguous()
             if self.offload:
                 self.held.append(x)
                 self.versions.append(x._version)
             else:
-                block = self.buffers.take_device(x.numel() * x.element_size())
+                block = buffers.take_device(x.numel() * x.element_size())
                 self.device.append(block)
-                _view(block, x.shape, x.dtype).copy_(x)
+                view = buffers.typed(block, x.shape, x.dtype)
+                view.copy_(x)
+                self.views.append(view)
         self.args = self.kwargs = None
         self.state = "held" if self.offload else "stored"
         if self.offload:
@@ -308,10 +331,11 @@ class _Segment:
         for ev in self.d2h:
             tr.wait(ev)  # written by the D2H stream, read by the H2D stream: done long ago by now
         self.d2h = []
-        for h, (_, dtype, _) in zip(self.host, self.meta, strict=True):
+        for h, (shape, dtype, _) in zip(self.host, self.meta, strict=True):
             block = self.buffers.take_device(h.numel() * h.element_size())
             self.device.append(block)
-            self.h2d = tr.h2d(_view(block, (h.numel(),), dtype), h)
+            self.views.append(self.buffers.typed(block, shape, dtype))
+            self.h2d = tr.h2d(self.buffers.typed(block, (h.numel(),), dtype), h)
             with self.buffers._lock:
                 self.buffers._landing[block.data_ptr()] = self.h2d
         self.state = "restoring"
@@ -338,8 +362,7 @@ class _Segment:
             prev = self.buffers._previous(self)
             if prev is not None:
                 prev.prefetch()  # one segment ahead, under this segment's compute
-        return [_view(b, shape, dtype).detach().requires_grad_(rg)
-                for b, (shape, dtype, rg) in zip(self.device, self.meta, strict=True)]  # fmt: skip
+        return [v.detach().requires_grad_(rg) for v, (_, _, rg) in zip(self.views, self.meta, strict=True)]
 
     def release_device(self) -> None:
         """The segment's backward is done: an offloaded checkpoint's device blocks are free again."""
@@ -349,6 +372,7 @@ class _Segment:
             for b in self.device:
                 self.buffers.give_device(b)
             self.device.clear()
+            self.views.clear()
             self.state = "stored"
 
     def __call__(self, *call_args: Any, **call_kwargs: Any) -> Any:
@@ -360,7 +384,7 @@ class _Segment:
                 for k in g:
                     if isinstance(k, str):
                         kwargs[k] = self.kwargs[k]
-            grads = [g for g in self.groups if _get(args, kwargs, g[0]).requires_grad]
+            grads = [g for g, (_, _, rg) in zip(self.groups, self.meta, strict=True) if rg]
             if self.offload and grads and torch.is_grad_enabled():  # (resident blocks: nothing to release)
                 outs = _Release.apply(self, *(_get(args, kwargs, g[0]) for g in grads))
                 for g, o in zip(grads, outs, strict=True):

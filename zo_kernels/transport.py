@@ -99,7 +99,7 @@ class HostPool:
             raise ValueError(f"numel must be a positive int, got {numel!r}")
         if dtype not in _FLOATS:
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         with self._lock:
             blocks = self._free.get(nbytes)
             if blocks:
