@@ -156,11 +156,13 @@ class PackPlan:
         self._ends: list[int] = []
         self._overlap: tuple[int, int] | None = None  # two tensors sharing memory (pack reads them; unpack refuses)
         self._device_tables = None  # (work, n_work, part, count, pack work, unpack work) once on a GPU
+        self._kernels = None  # the Triton kernels' module (kernels/pack.py), imported with the first tables
         self._table: torch.Tensor | None = None  # the tensor table on the device, made once (_upload)
         self._table_stale = True  # it does not hold the addresses of the last check (_upload rewrites it)
         self._host_tables: list[torch.Tensor] = []  # its pinned host copies, written in place in turn
         self._uploaded: list = []  # CUDA events: the last copy out of each host copy
         self._out_checked: tuple[int, int] | None = None  # (address, numel) of an `out` whose memory was checked
+        self._apart_checked: tuple | None = None  # ((address, numel) of out, the tensors' addresses) found apart
         self._into_checked: tuple[int, int] | None = None  # the addresses of an `into` pair whose memory was checked
         self._writable = False  # the tensors at these addresses were checked writable (unpack on the CPU)
         self._gap_index: torch.Tensor | None = None
@@ -265,6 +267,7 @@ class PackPlan:
         if self._device_tables is None:
             from . import pack as kpack
 
+            self._kernels = kpack  # (a function-level import costs ~0.6 us a call: the pack call's is this)
             rows = kpack.work_rows(self.segs)
             work = _pinned(torch.tensor(rows, dtype=torch.int64).reshape(-1, 2), self.device)
             n_work = len(rows)
@@ -334,7 +337,9 @@ class PackPlan:
             span = (out.data_ptr(), out.numel())
             check_out(out, self.dtype, self.total, self.device, memory=span != self._out_checked)
             self._out_checked = span  # its storage (bounds, writable) is checked once per address
-            self.check_apart(out, "out")
+            if (span, ptrs) != self._apart_checked:  # (the same bucket and addresses as the last call: still apart)
+                self.check_apart(out, "out")
+                self._apart_checked = (span, ptrs)
             flat = out if out.numel() == self.total else out[: self.total]
         if (impl or self.impl) == "triton":
             table, work, n_work, part, count = self._tables(ptrs)
@@ -345,9 +350,8 @@ class PackPlan:
                 sum_sq = new((), dtype=torch.float32, device=self.device)
                 found = new((), dtype=torch.bool, device=self.device)
             if n_work:  # (nothing to pack: the totals gain 0 and no flag)
-                from . import pack as kpack
-
-                kpack.pack(table, work, n_work, flat, scale, part, count, sum_sq, found, accumulate=into is not None)
+                self._kernels.pack(table, work, n_work, flat, scale, part, count, sum_sq, found,
+                                   accumulate=into is not None)  # fmt: skip
                 bump_version(flat, *(into or ()))
             return Packed(flat, self.offsets, found, sum_sq)
         if self.device.type == "cpu" and scale == 1.0 and self.same_dtype:
@@ -412,9 +416,7 @@ class PackPlan:
         if (impl or self.impl) == "triton":
             table, work, n_work, _, _ = self._tables(ptrs)
             if n_work:
-                from . import pack as kpack
-
-                kpack.unpack(table, work, n_work, flat)
+                self._kernels.unpack(table, work, n_work, flat)
                 bump_version(*tensors)
             return
         for t, off in zip(tensors, self.offsets):
