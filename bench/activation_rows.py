@@ -228,6 +228,10 @@ def host_overhead(device: torch.device, dtype: torch.dtype, new_transport: Calla
                 steps[n]()
                 if rnd >= 2:
                     best[n] = min(best[n], time.perf_counter() - t0)
+        top = {}
+        for n in ("torch", "zo"):  # where the host time goes, function by function (cProfile inflates small calls)
+            model.wrap = setups[n][0]
+            top[n] = _top_functions(steps[n], layers)
     finally:
         model.wrap = None
         for t in transports.values():
@@ -235,7 +239,31 @@ def host_overhead(device: torch.device, dtype: torch.dtype, new_transport: Calla
     us = {n: best[n] / layers * 1e6 for n in HOST_PROVIDERS}
     return {"provider": "host_overhead", "layers": layers, "hidden": 32, "batch": 1, "seq": 8,
             "us_per_block": us, "torch_over_none_us": us["torch"] - us["none"],
-            "zo_resident_over_torch_us": us["zo_resident"] - us["torch"], "zo_over_torch_us": us["zo"] - us["torch"]}
+            "zo_resident_over_torch_us": us["zo_resident"] - us["torch"], "zo_over_torch_us": us["zo"] - us["torch"],
+            "profiled_top_us_per_block": top}
+
+
+def _top_functions(step: Callable[[], None], layers: int, steps: int = 3, top: int = 10) -> dict:
+    """Own time per block under cProfile over `steps` steps (cProfile inflates small calls: read it for where, not
+    how much): the `top` functions overall and zo_kernels' own, each [file:line(function), us], and zo_kernels'
+    total."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
+    per_block = 1e6 / (steps * layers)
+    rows = sorted(((f, line, name, v[2] * per_block) for (f, line, name), v in stats.items()), key=lambda r: -r[3])
+    ours = [r for r in rows if f"{os.sep}zo_kernels{os.sep}" in r[0]]
+
+    def named(rs: list) -> list[list]:
+        return [[f"{os.path.basename(f)}:{line}({name})", round(us, 2)] for f, line, name, us in rs[:top]]
+
+    return {"all": named(rows), "zo_kernels": named(ours), "zo_kernels_us": round(sum(r[3] for r in ours), 2)}
 
 
 class HostFull(Exception):
@@ -497,7 +525,8 @@ def main(argv: list[str]) -> int:
         print("  host time per block (hidden 32, seq 8: the host's alone): " + ", ".join(
             f"{n} {v:.1f} us" for n, v in us.items()) + f"; zo above torch's checkpoint "
             f"{host['zo_over_torch_us']:.1f} us (resident {host['zo_resident_over_torch_us']:.1f}), torch's "
-            f"checkpoint above none {host['torch_over_none_us']:.1f} us")  # fmt: skip
+            f"checkpoint above none {host['torch_over_none_us']:.1f} us; under cProfile zo_kernels' own functions "
+            f"{host['profiled_top_us_per_block']['zo']['zo_kernels_us']:.1f} us per offloaded block")  # fmt: skip
     write()
     if wide is not None:  # a model whose step the device sets: where the checkpoints' copies must hide under compute
         rows += measure_wide(providers, wide, device, dtype, a, new_transport, label)

@@ -782,6 +782,9 @@ def test_activation_rows_script_runs_on_the_cpu(tmp_path):
     assert len(host) == 1 and set(host[0]["us_per_block"]) == set(activation_rows.HOST_PROVIDERS)
     assert all(v > 0 for v in host[0]["us_per_block"].values())
     assert host[0]["zo_over_torch_us"] == host[0]["us_per_block"]["zo"] - host[0]["us_per_block"]["torch"]
+    prof = host[0]["profiled_top_us_per_block"]  # where the host time goes: zo's own functions apart
+    assert prof["torch"]["zo_kernels_us"] == 0 and prof["zo"]["zo_kernels_us"] > 0
+    assert any("activations.py" in name for name, _ in prof["zo"]["zo_kernels"]), prof["zo"]
     assert "device = CPU" in rows["zo"]["device"]
     for name in ("zo", "zo_half"):  # offloaded: two device slots, whatever the segmentation
         assert rows[name]["checkpoint_allocations_per_step"] == 0 and rows[name]["device_blocks"] == 2, rows[name]
