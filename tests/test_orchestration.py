@@ -60,3 +60,33 @@ def test_per_step_host_work_is_not_per_tensor_per_hook():
         assert calls[0] <= 2 * n + 1, (calls[0], n)
         assert opt.grads._found_inf is scalars[0] and opt.grads._sum_sq is scalars[1]  # zeroed in place
     opt.close()
+
+
+def test_the_offload_phase_is_told_in_parts(monkeypatch):
+    """stats' time_offload (the host's time per bucket in backward) in parts: offload_wait, offload_pack and
+    offload_copy, within it, each where its time goes (a copy call slowed by 3 ms shows in offload_copy, not in the
+    pack), and the gradient hooks' own time apart (time_hooks)."""
+    import time
+
+    from zo_kernels.transport import CopyEngineTransport
+
+    model = make_model()
+    tr = CopyEngineTransport()
+    opt = zk.ZeroOffloadAdamW(model.parameters(), transport=tr, bucket_numel=4096, lr=1e-3)
+    real = tr.d2h
+    monkeypatch.setattr(tr, "d2h", lambda dst, src: (time.sleep(0.003), real(dst, src))[1])
+    x = make_data(1)[0][0]
+    try:
+        for _ in range(2):
+            opt.backward(model(x[:, :-1], x[:, 1:]))
+            opt.step()
+            opt.zero_grad()
+        s = opt.stats
+        buckets = len(opt.layout.buckets)
+        parts = s["time_offload_wait"] + s["time_offload_pack"] + s["time_offload_copy"]
+        assert buckets >= 3 and 0 < parts <= s["time_offload"] * (1 + 1e-9), s
+        assert s["time_offload_copy"] >= 0.003 * buckets > s["time_offload_pack"], s
+        assert s["time_hooks"] > 0 and s["time_offload_wait"] >= 0
+    finally:
+        opt.close()
+        tr.close()

@@ -58,7 +58,9 @@ class GradPath:
         dtype, device: the parameters' (and the buckets') dtype and device.
         transport, comm: the copies to the host and the process group.
         scaler: the loss scaler (p.grad norms are reported unscaled).
-        times: the phase times ("reduce", "offload", "backward_offload_wait" are added here).
+        times: the phase times ("reduce", "offload", "backward_offload_wait" are added here; "offload" in parts too:
+            "offload_wait" ordering after the copies still reading a bucket buffer, "offload_pack", "offload_copy"
+            the copies' calls; "hooks" the gradient hooks' own time, outside the buckets' launches).
         slots: landing buffers (2 under the delayed update: gradient i+1 never overwrites gradient i).
         threads: CPU threads for the sums of squares.
         guard: raises when the optimizer can no longer be used (closed, or failed earlier).
@@ -205,6 +207,7 @@ class GradPath:
         i = self.layout.index[p]
 
         def hook(grad: torch.Tensor) -> None:
+            t0 = time.perf_counter()
             # checked once per pass, on its first gradient (_begin_micro checks every param): not once per tensor
             if not self.in_backward and not self.connected(p):
                 self.check_connected()  # raises, naming the first param that was cast or moved
@@ -234,10 +237,12 @@ class GradPath:
             if isinstance(p.grad, MovedGrad):
                 p.grad = None  # the earlier micro-batches' gradient is on the host; autograd starts afresh
             self._seen.add(p)
+            self.times.add("hooks", time.perf_counter() - t0)
 
         return hook
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         if p.grad is None or not self.in_backward:
             return
         if p.grad.is_sparse:
@@ -247,6 +252,7 @@ class GradPath:
             self.on_grad(p)
         bucket = self.layout.bucket_of[p]
         bucket.ready += 1
+        self.times.add("hooks", time.perf_counter() - t0)
         self._launch_ready()
 
     def landing_free(self, s: int, host: bool = False) -> None:
@@ -324,6 +330,7 @@ class GradPath:
         k = b.index % 2
         lay, comm = self.layout, self.comm
         self._wait_buffer(k, host=False)  # inside a gradient hook: order the device, never block the host
+        t_wait = time.perf_counter()
         if self.direct_landing:  # one rank, host memory is the device: pack straight into the landing buffer
             buf = self.landing[self.slot][b.lo : b.hi]  # one rank: partition coordinates are flat ones
         else:
@@ -337,6 +344,7 @@ class GradPath:
             buf[end:lo].zero_()  # a unit's padding
             end = lo + self._pack(b.index, i, grads[i:j], buf[lo:]).flat.numel()  # (Σg², flag: into the totals)
         buf[end:].zero_()
+        t_pack = time.perf_counter()
         for (p, _, _), h in zip(b.params, has):
             if h:  # the device gradient is freed as soon as its bucket has left
                 self._place_moved_grad(p)
@@ -367,8 +375,12 @@ class GradPath:
                     self._tail(self.device_landing, pa, pa + c - a).copy_(src[head:])
                 if gathering:  # selective: on the compute stream, after the reduce, before the buffer's reuse
                     self.selected.gather(src, pa)
+        t3 = time.perf_counter()
         self.times.add("reduce", t2 - t1)
-        self.times.add("offload", (t1 - t0) + (time.perf_counter() - t2))
+        self.times.add("offload", (t1 - t0) + (t3 - t2))
+        self.times.add("offload_wait", t_wait - t0)
+        self.times.add("offload_pack", t_pack - t_wait)
+        self.times.add("offload_copy", t3 - t2)
 
     def _pack(self, bucket: int, unit: int, grads: list[torch.Tensor], out: torch.Tensor):
         """Pack with the unit's launch plan (gradients have their params' sizes and dtype: the plan holds while the
