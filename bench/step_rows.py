@@ -92,7 +92,7 @@ CONFIGS = {
 VOCAB = 256
 PHASES = ("offload", "reduce", "backward_offload_wait", "step", "kernel", "cpu_update", "writeback", "dpu_wait",
           "all_gather", "forward_writeback_wait", "selective", "offload_wait", "offload_pack", "offload_copy",
-          "hooks")  # fmt: skip
+          "hooks", "global_checks")  # fmt: skip
 # (offload_*: parts of offload, the host's time per bucket in backward: 0.40-0.44 ms a bucket on the H200's host at
 # 95M and 1.3B, 2026-11-27, where the pack's call is ~0.03 ms; hooks: the gradient hooks' own time beside it)
 

@@ -87,6 +87,7 @@ def test_the_offload_phase_is_told_in_parts(monkeypatch):
         assert buckets >= 3 and 0 < parts <= s["time_offload"] * (1 + 1e-9), s
         assert s["time_offload_copy"] >= 0.003 * buckets > s["time_offload_pack"], s
         assert s["time_hooks"] > 0 and s["time_offload_wait"] >= 0
+        assert 0 < s["time_global_checks"] <= s["time_reduce"], s  # (one rank: reduce is the checks' read)
     finally:
         opt.close()
         tr.close()

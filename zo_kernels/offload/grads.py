@@ -60,7 +60,8 @@ class GradPath:
         scaler: the loss scaler (p.grad norms are reported unscaled).
         times: the phase times ("reduce", "offload", "backward_offload_wait" are added here; "offload" in parts too:
             "offload_wait" ordering after the copies still reading a bucket buffer, "offload_pack", "offload_copy"
-            the copies' calls; "hooks" the gradient hooks' own time, outside the buckets' launches).
+            the copies' calls; "hooks" the gradient hooks' own time, outside the buckets' launches; "global_checks"
+            reduce's part in step(): the overflow flag and Σg² read, at one rank the wait for backward's last kernels).
         slots: landing buffers (2 under the delayed update: gradient i+1 never overwrites gradient i).
         threads: CPU threads for the sums of squares.
         guard: raises when the optimizer can no longer be used (closed, or failed earlier).
@@ -498,6 +499,7 @@ class GradPath:
             t = t.cpu()
             sum_sq, found, got = float(t[0]), bool(t[1] > 0), (t[2:] > 0).tolist()
         self.times.add("reduce", time.perf_counter() - t0)
+        self.times.add("global_checks", time.perf_counter() - t0)  # (reduce's part in step(): at one rank all of it)
         return found, sum_sq, got
 
     def zero_grad(self, set_to_none: bool = True) -> None:
