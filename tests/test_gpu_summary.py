@@ -200,6 +200,14 @@ def test_summary_judges_the_wide_shape_apart_and_reads_the_host_row(tmp_path, ca
     out = capsys.readouterr().out
     assert "host time per block: none 200.0 us" in out and "zo above torch's checkpoint 100.0 us" in out
     assert "zo (wide: 8 x 4096) seq 4096: 306.0 ms" in out
+    host["profiled_top_us_per_block"] = {"zo": {"all": [["checkpoint.py:1165(unpack_hook)", 58.4]],
+                                                "zo_kernels": [], "zo_kernels_us": 12.5}}  # fmt: skip
+    gpu = tmp_path / "gpu-2026-01-05-H200.json"
+    gpu.write_text(json.dumps({"device": "H200", "date": "2026-01-05", "commit": "abc", "step": [],
+                               "activations": main + [host] + wide}))  # fmt: skip
+    page = dashboard.render([gpu])  # the host row's figures in the table, its function lists only in the JSON
+    assert "host_overhead" in page and "zo_resident 640" in page and "wide" in page
+    assert "unpack_hook" not in page and "profiled_top_us_per_block" not in page
 
 
 def test_dashboard_tells_rows_of_one_size_and_mode_apart_and_reads_targets(tmp_path):

@@ -320,7 +320,9 @@ def gpu_section(label: str, data: dict) -> str:
 
 def _profile_columns(row: dict) -> dict:
     """An activation row with its profiled step (bench/activation_rows.py --profile) as two columns: wall and
-    device-busy ms per step (its gaps and runtime calls stay in the JSON)."""
+    device-busy ms per step (its gaps and runtime calls stay in the JSON); the host-overhead row without its
+    function lists (in the JSON too)."""
+    row = {k: v for k, v in row.items() if k != "profiled_top_us_per_block"}
     prof = row.get("profile")
     if not isinstance(prof, dict):
         return row
