@@ -1013,3 +1013,40 @@ def test_offloaded_checkpoints_leave_the_device_memory():
     assert units[12]["torch"] - units[4]["torch"] > 7.5, units
     assert units[12]["zo"] - units[4]["zo"] < 2, units
     assert units[12]["zo_half"] < units[12]["zo"] < units[12]["torch"], units
+
+
+def test_activation_rows_copy_host_time_on_a_stand_in(monkeypatch):
+    """bench/activation_rows.py's copy_host_us (CUDA only: never run here) against a stand-in of CudaTransport's
+    surface, torch.cuda's calls stubbed: every part is timed and named, the transport closed (the code path a GPU
+    run takes, short of the device)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import activation_rows as ar
+
+    calls = []
+
+    class Stream:
+        def wait_stream(self, other):
+            calls.append("wait_stream")
+
+    class StandIn(HostTransport):
+        h2d_stream = Stream()
+
+        def _check_endpoints(self, dst, src, to_device):
+            calls.append("checks")
+
+        def _event(self, stream):
+            calls.append("event")
+            return None
+
+        def close(self):
+            calls.append("close")
+            super().close()
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    got = ar.copy_host_us(StandIn(), calls=3)
+    assert set(got) == {"d2h", "h2d", "checks", "wait_stream", "event", "event_and_device_wait"}, got
+    assert all(v > 0 for v in got.values()) and calls[-1] == "close" and calls.count("checks") == 4
