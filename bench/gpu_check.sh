@@ -185,11 +185,12 @@ gpu_tests_stage() { # gpu_tests_stage CAP RESERVE: the tests that need the GPU, 
   grep -E "passed|failed|error|no tests ran" "$log" | grep -E "^[0-9=n]" | tail -1 >>"$summary"
   return $rc
 }
-activations_stage() { # activations_stage CAP RESERVE: bench/activation_rows.py, its budget under the stage's limit
-  local t
-  t=$(stage_s "$1" "$2")  # (the scripts' budgets: what their stage's limit leaves, less a margin to write their rows)
-  limited "$1" "$2" "bench: activations (issue 21)" "$py" bench/activation_rows.py "$out/activations.json" \
-    --budget-s "$((t * 3 / 4))" --profile
+activations_stage() { # activations_stage CAP RESERVE [ARGS]: bench/activation_rows.py, its budget under the stage's limit
+  local t cap="$1" reserve="$2"
+  shift 2
+  t=$(stage_s "$cap" "$reserve")  # (the scripts' budgets: what their stage's limit leaves, less a margin for their rows)
+  limited "$cap" "$reserve" "bench: activations (issue 21)" "$py" bench/activation_rows.py "$out/activations.json" \
+    --budget-s "$((t * 3 / 4))" --profile "$@"
 }
 anchors_stage() { # anchors_stage CAP RESERVE TIMEOUT: bench/anchors.py, each system at most TIMEOUT s
   local t nvcc_dir
@@ -284,7 +285,7 @@ limited 150 60 "bench: step in parts (step_rows)" "$py" bench/step_rows.py "$out
 limited 120 70 "README: the GPU examples" "$py" tests/readme_blocks.py --gpu || status=1
 # --- end of the README examples ---
 install_wheels || status=1
-activations_stage 60 15 || status=1
+activations_stage 60 15 --wide none || status=1  # (the wide shape's ~25 s: the anchors mode's, with 120 s)
 anchors_stage 200 5 100 || status=1
 say "--- benchmark ratios (bench/summary.py; best of N rounds)"
 "$py" bench/summary.py "$out"/bench-*.json 2>>"$log" | tee -a "$summary" || status=1

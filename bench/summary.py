@@ -113,7 +113,7 @@ def activation_targets(rows: list[dict]) -> dict:
     step ratios named wide_*."""
     out = _activation_targets([r for r in rows if r.get("shape", "main") == "main"])
     wide = _activation_targets([r for r in rows if r.get("shape") == "wide"])
-    out.update({f"wide_{k}": v for k, v in wide.items() if k.startswith("step_")})
+    out.update({f"wide_{k}": v for k, v in wide.items() if k.startswith(("step_", "half_step_"))})
     return out
 
 
@@ -323,7 +323,8 @@ def main(paths: list[str]) -> int:
                     f"{r['zo_over_torch_us']:.1f} us, resident {r['zo_resident_over_torch_us']:.1f})")  # fmt: skip
                 continue
             if "step_ms" not in r:
-                print(f"  activations {r.get('provider')}: {r.get('error')}")
+                wide = " (wide)" if r.get("shape") == "wide" else ""
+                print(f"  activations {r.get('provider')}{wide}: {r.get('error')}")
                 continue
             peak = f", peak activations {r['peak_activation_gib']:.2f} GiB" if "peak_activation_gib" in r else ""
             longest = f", longest seq {r['longest_seq']}" if r.get("longest_seq") else ""

@@ -1050,3 +1050,29 @@ def test_activation_rows_copy_host_time_on_a_stand_in(monkeypatch):
     got = ar.copy_host_us(StandIn(), calls=3)
     assert set(got) == {"d2h", "h2d", "checks", "wait_stream", "event", "event_and_device_wait"}, got
     assert all(v > 0 for v in got.values()) and calls[-1] == "close" and calls.count("checks") == 4
+
+
+def test_activation_rows_a_failed_new_stage_is_a_row(tmp_path, monkeypatch):
+    """The host-overhead row and the wide shape have never run on a GPU: either failing (the wide model out of
+    memory, say) is a row that says why, and the script goes on to the rest (the profile, on a GPU the searches)."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import activation_rows
+
+    def broken(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    monkeypatch.setattr(activation_rows, "host_overhead", broken)
+    monkeypatch.setattr(activation_rows, "measure_wide", broken)
+    out = tmp_path / "activations.json"
+    argv = [str(out), "--device", "cpu", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
+            "--rounds", "1", "--providers", "torch,zo", "--host-rounds", "1", "--wide", "2,64,2,1,32",
+            "--profile"]  # fmt: skip
+    assert activation_rows.main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [r["provider"] for r in rows] == ["torch", "zo", "host_overhead", "wide"], rows
+    assert all("OutOfMemoryError" in r["error"] for r in rows[2:]) and rows[3]["shape"] == "wide"
+    assert all("profile" in r for r in rows[:2])  # the profile ran after them

@@ -199,6 +199,8 @@ def test_gpu_check_gives_each_script_a_budget_under_its_stage_limit(tmp_path):
     stages = _stand_in_gpu_check(tmp_path, "default", 180)
     for name in ("bench: activations (issue 21)", "bench: anchors (same GPT)", "bench: step in parts (step_rows)"):
         _budget_under_limit(stages, name)
+    # the default run's activations have ~60 s: no wide shape (its ~25 s would leave the searches nothing)
+    assert stages["bench: activations (issue 21)"][1].endswith("--profile --wide none")
 
 
 def test_gpu_check_anchors_mode_runs_the_last_two_stages_alone(tmp_path):
@@ -214,6 +216,7 @@ def test_gpu_check_anchors_mode_runs_the_last_two_stages_alone(tmp_path):
                             "bench: anchors (same GPT)", profile]  # fmt: skip
     assert stages[profile][0] == 120 and "bench/profile_step.py" in stages[profile][1]  # (what the others leave)
     assert stages[step][0] == 150 and stages["bench: activations (issue 21)"][0] == 120
+    assert "--wide" not in stages["bench: activations (issue 21)"][1]  # (the wide shape, the script's default)
     assert stages["bench: anchors (same GPT)"][0] == 170 and "--timeout-s 150" in stages["bench: anchors (same GPT)"][1]
     assert "--batch 32" in stages[step][1] and "--checkpoint" in stages[step][1]
     assert "--state-dtype 8bit" in stages[step][1]  # (issue 20: the host moves fewer bytes, the tail holds fewer)

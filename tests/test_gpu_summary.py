@@ -196,10 +196,16 @@ def test_summary_judges_the_wide_shape_apart_and_reads_the_host_row(tmp_path, ca
     assert t["wide_step_vs_torch_checkpoint"] == {"value": 1.02, "bar": 1.05, "met": True}
     assert t["wide_step_vs_torch_offload"] == {"value": 0.85, "bar": 1.0, "met": True}
     assert "step_vs_torch_offload" not in t  # (the main shape has no torch_offload row)
+    wide.append({"provider": "zo_half", "seq": 4096, "step_ms": 330.0, "shape": "wide", "layers": 8, "hidden": 4096})
+    wide.append({"provider": "save_on_cpu", "seq": 4096, "error": "OutOfMemoryError", "shape": "wide"})
+    (tmp_path / "activations.json").write_text(json.dumps(main + [host] + wide))
+    t = summary.summary_json(str(tmp_path))["targets"]["activations"]
+    assert t["wide_half_step_vs_torch_checkpoint"] == {"value": 1.1, "bar": 1.05, "met": False}
+    assert "half_step_vs_torch_checkpoint" not in t  # (the main shape has no zo_half row)
     assert summary.main(["--summary-json", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "host time per block: none 200.0 us" in out and "zo above torch's checkpoint 100.0 us" in out
-    assert "zo (wide: 8 x 4096) seq 4096: 306.0 ms" in out
+    assert "zo (wide: 8 x 4096) seq 4096: 306.0 ms" in out and "save_on_cpu (wide): OutOfMemoryError" in out
     host["profiled_top_us_per_block"] = {"zo": {"all": [["checkpoint.py:1165(unpack_hook)", 58.4]],
                                                 "zo_kernels": [], "zo_kernels_us": 12.5}}  # fmt: skip
     gpu = tmp_path / "gpu-2026-01-05-H200.json"

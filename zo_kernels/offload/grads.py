@@ -227,9 +227,13 @@ class GradPath:
                 # (an outer backward that will close the pass is still running), or a new backward pass (the
                 # last one ran entirely inside nested backwards, which cannot close it). Either way the pass is
                 # cut here, which is exact: the parts are summed like micro-batches.
-                self._end_micro(same_backward=bool(self._callback_tasks))
+                t1 = time.perf_counter()  # (a pass's end and start are not the hook's own time: their flush,
+                self._end_micro(same_backward=bool(self._callback_tasks))  # waits and sums have phases of
+                t0 += time.perf_counter() - t1  # their own or are waits orchestration leaves out)
             if not self.in_backward:
+                t1 = time.perf_counter()
                 self._begin_micro()
+                t0 += time.perf_counter() - t1
             if not in_nested_backward():
                 task = torch._C._current_graph_task_id()
                 if task not in self._callback_tasks:  # the outermost backward closes the pass when it ends
