@@ -234,11 +234,12 @@ class GradPath:
                 t1 = time.perf_counter()
                 self._begin_micro()
                 t0 += time.perf_counter() - t1
-            if not in_nested_backward():
-                task = torch._C._current_graph_task_id()
-                if task not in self._callback_tasks:  # the outermost backward closes the pass when it ends
-                    self._callback_tasks.add(task)
-                    torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_callback)
+            task = torch._C._current_graph_task_id()
+            # the outermost backward closes the pass when it ends (asked once per graph task: is it nested? a walk
+            # up the Python stack, long under a trainer's frames)
+            if task not in self._callback_tasks and not in_nested_backward():
+                self._callback_tasks.add(task)
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_callback)
             if isinstance(p.grad, MovedGrad):
                 p.grad = None  # the earlier micro-batches' gradient is on the host; autograd starts afresh
             self._seen.add(p)
