@@ -121,3 +121,39 @@ def test_the_nesting_question_is_asked_once_per_backward(monkeypatch):
         opt.step()
         assert len(list(model.parameters())) > 5 and len(asked) == 1, len(asked)
     opt.close()
+
+
+def test_the_all_at_once_connection_check_agrees_with_the_one_by_one():
+    """param_views.all_aliases (the step's and each pass's check that the model still holds the optimizer's
+    parameters, in C-level passes over the list) says True exactly when is_alias_of holds for every param, whatever
+    was done to one of them (as module._apply does it, through .data): replaced, cast (also a zero-size one, whose
+    address is not compared), given other data of its size, a zero-size one given data."""
+    from zo_kernels.param_views import alias, all_aliases, is_alias_of
+
+    sizes = [(4, 3), (0,), (5,), (2, 2)]
+    offsets, off = [], 0
+    for s in sizes:
+        offsets.append(off)
+        off += torch.Size(s).numel()
+    flat = torch.randn(off)
+
+    def fresh() -> list[torch.nn.Parameter]:
+        return [torch.nn.Parameter(alias(flat, o, torch.Size(s).numel(), torch.Size(s)))
+                for o, s in zip(offsets, sizes)]  # fmt: skip
+
+    changes = [
+        ("none", lambda ps: None),
+        ("replaced", lambda ps: setattr(ps[0], "data", ps[0].data.clone())),
+        ("cast", lambda ps: setattr(ps[2], "data", ps[2].data.double())),
+        ("zero-size cast", lambda ps: setattr(ps[1], "data", torch.empty(0, dtype=torch.float16))),
+        ("other data", lambda ps: setattr(ps[2], "data", torch.randn(5))),
+        ("zero-size given data", lambda ps: setattr(ps[1], "data", torch.randn(3))),
+    ]
+    for name, change in changes:
+        ps = fresh()
+        by_param = dict(zip(ps, offsets))
+        check = all_aliases(ps, flat, by_param)
+        change(ps)
+        want = all(is_alias_of(p, flat, by_param[p]) for p in ps)
+        assert check() == want, name
+        assert want == (name == "none"), name

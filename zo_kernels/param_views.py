@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -54,6 +56,27 @@ def is_alias_of(p: torch.Tensor, flat: torch.Tensor, offset: int) -> bool:
     if p.dtype != flat.dtype or p.device != flat.device:
         return False
     return p.numel() == 0 or p.data_ptr() == flat.data_ptr() + offset * flat.element_size()
+
+
+_DTYPE = attrgetter("dtype")
+
+
+def all_aliases(params: list[torch.Tensor], flat: torch.Tensor, offsets: dict[torch.Tensor, int]) -> Callable[[], bool]:
+    """A check that is_alias_of holds for every param, in a few C-level passes over the list (sizes, addresses,
+    dtypes, devices) instead of one Python call per param; False: ask is_alias_of param by param (to name one)."""
+    numels = tuple(p.numel() for p in params)
+    nonempty = [p for p in params if p.numel()]
+    base, size = flat.data_ptr(), flat.element_size()
+    want = tuple(base + offsets[p] * size for p in nonempty)
+    dtype, index = flat.dtype, flat.get_device()
+    on = attrgetter("is_cuda" if flat.is_cuda else "is_cpu")  # (get_device() is -1 for the CPU and for meta alike)
+
+    def check() -> bool:
+        return (tuple(map(torch.Tensor.numel, params)) == numels and tuple(map(torch.Tensor.data_ptr, nonempty)) == want
+                and set(map(_DTYPE, params)) <= {dtype} and all(map(on, params))
+                and set(map(torch.Tensor.get_device, params)) <= {index})
+
+    return check
 
 
 MOVED_GRAD_HELP = (

@@ -66,6 +66,8 @@ class GradPath:
         threads: CPU threads for the sums of squares.
         guard: raises when the optimizer can no longer be used (closed, or failed earlier).
         connected: whether a param is still the optimizer's (not cast or moved since).
+        all_connected: whether every param is (a fast check of all at once, or None); False: `connected` one by
+            one says which is not.
         all_reduce: every rank gets every reduced bucket (ZeRO-1), not only its own part (ZeRO-2/3).
         on_grad, on_pass_end: told when a param's gradient arrives and when a backward pass (final=True) or a
             part of one ends (ZeRO-3 frees the gathered parameters).
@@ -79,13 +81,14 @@ class GradPath:
 
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, transport: Transport, comm: Comm,
                  scaler: LossScaler, times: PhaseTimes, *, slots: int, threads: int, guard: Callable[[], None],
-                 connected: Callable[[torch.Tensor], bool], all_reduce: bool = False,
+                 connected: Callable[[torch.Tensor], bool], all_connected: Callable[[], bool] | None = None,
+                 all_reduce: bool = False,
                  on_grad: Callable[[torch.Tensor], None] | None = None,
                  on_pass_end: Callable[[bool], None] | None = None, split: int | None = None,
                  selected: SelectedGrad | None = None) -> None:  # fmt: skip
         self.layout, self.dtype, self.device, self.transport, self.comm = layout, dtype, device, transport, comm
         self.scaler, self.times, self.threads, self.guard = scaler, times, threads, guard
-        self.connected, self.all_reduce = connected, all_reduce
+        self.connected, self.all_connected, self.all_reduce = connected, all_connected, all_reduce
         self.predivide = 1.0 / comm.world  # the reduction sums averages (as DDP does): no overflow the mean has not
         self.on_grad, self.on_pass_end = on_grad, on_pass_end
         self.split = split = layout.part if split is None else split
@@ -166,6 +169,8 @@ class GradPath:
 
     def check_connected(self) -> None:
         """The model's params must still be the optimizer's (e.g. not replaced by model.float() or model.to())."""
+        if self.all_connected is not None and self.all_connected():
+            return
         for i, p in enumerate(self.layout.params):
             if not self.connected(p):
                 raise RuntimeError(f"param {i} (shape {tuple(p.shape)}, {p.dtype} on {p.device}) is no longer the "

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..cpu_adam import _check_threads, _real, bump_version, check_hparams
 from ..optim_contract import check_torch_options, run_load_post_hooks, run_load_pre_hooks, state_dict_with_hooks
-from ..param_views import alias, is_alias_of
+from ..param_views import alias, all_aliases, is_alias_of
 from ..transport import HostTransport, Transport, default_transport
 from . import report, state
 from .checks import DTYPES, MAX_THREADS, check_int, check_offload, check_params, check_stage, check_trainable
@@ -379,9 +379,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         shards = self.shards
         if shards is None:
             connected = lambda p: is_alias_of(p, self.flat, self._offset[p])  # noqa: E731
+            all_connected = all_aliases(self.layout.params, self.flat, self._offset)
             own, publish, update_transport = self.flat[self.part_lo : self.part_hi], self._publish_flat, self.transport
         else:  # (offload_param="nvme": no `own`; the update writes the parameters' file of the swapper)
             connected, own, publish = shards.connected, shards.shard, shards.on_update
+            all_connected = None
             # a shard in host memory is written there by host copies; on the device, through the transport
             update_transport = self.transport if self.offload_param is None else HostTransport()
         self._own_update_transport = update_transport is not self.transport
@@ -409,6 +411,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                   self._times,  # (a second landing buffer: DPU's update, selective's sum read one)
                                   slots=2 if self.delay_update_after is not None or self.selective is not None else 1,
                                   threads=self.threads, guard=self._check_alive, connected=connected,
+                                  all_connected=all_connected,
                                   all_reduce=self.stage == 1, on_grad=shards and shards.on_grad,
                                   on_pass_end=shards and shards.on_pass_end, split=self.split,
                                   selected=selected)  # fmt: skip
