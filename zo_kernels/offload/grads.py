@@ -117,6 +117,7 @@ class GradPath:
         self.iteration = 0  # step() calls that consumed gradients
         self.last_got: list[bool] = []  # which params had a gradient at the last step (zero_grad(set_to_none=False))
         self.hooks: list[Any] = []
+        self._placeholders: list[MovedGrad | None] = [None] * len(layout.params)  # each param's p.grad placeholder
         self.plans: dict[tuple[int, int], Any] = {}  # a launch plan per (bucket, unit): validated and uploaded once
         # the pass's overflow flag and sum of squares, on the device; zeroed by reset(), never reallocated per step
         self._found_inf = torch.zeros((), dtype=torch.bool, device=self.device)
@@ -405,7 +406,10 @@ class GradPath:
 
     def _place_moved_grad(self, p: torch.Tensor) -> None:
         i = self.layout.index[p]
-        p.grad = MovedGrad(p, self, i)
+        ph = self._placeholders[i]
+        if ph is None or ph.shape != p.shape:  # one per param, made once (a new one costs ~1.5 us, a param a step)
+            ph = self._placeholders[i] = MovedGrad(p, self, i)
+        p.grad = ph
         self._moved[i] = p
 
     def _wait_buffer(self, k: int, host: bool = True) -> None:
