@@ -118,6 +118,7 @@ class GradPath:
         self.last_got: list[bool] = []  # which params had a gradient at the last step (zero_grad(set_to_none=False))
         self.hooks: list[Any] = []
         self._placeholders: list[MovedGrad | None] = [None] * len(layout.params)  # each param's p.grad placeholder
+        self._hooks_s = 0.0  # the hooks' own seconds in the open pass (the "hooks" phase at its end)
         self.plans: dict[tuple[int, int], Any] = {}  # a launch plan per (bucket, unit): validated and uploaded once
         # the pass's overflow flag and sum of squares, on the device; zeroed by reset(), never reallocated per step
         self._found_inf = torch.zeros((), dtype=torch.bool, device=self.device)
@@ -249,7 +250,7 @@ class GradPath:
             if isinstance(p.grad, MovedGrad):
                 p.grad = None  # the earlier micro-batches' gradient is on the host; autograd starts afresh
             self._seen.add(p)
-            self.times.add("hooks", time.perf_counter() - t0)
+            self._hooks_s += time.perf_counter() - t0
 
         return hook
 
@@ -264,7 +265,7 @@ class GradPath:
             self.on_grad(p)
         bucket = self.layout.bucket_of[p]
         bucket.ready += 1
-        self.times.add("hooks", time.perf_counter() - t0)
+        self._hooks_s += time.perf_counter() - t0  # (into the phase at the pass's end: one add, not one a param)
         self._launch_ready()
 
     def landing_free(self, s: int, host: bool = False) -> None:
@@ -432,6 +433,8 @@ class GradPath:
         """End of a backward pass (or of a part of one): flush buckets with missing gradients (as zeros) and
         wait for the copies."""
         t0 = time.perf_counter()
+        self.times.add("hooks", self._hooks_s)
+        self._hooks_s = 0.0
         self._launch_ready(flush=True)
         self.transport.synchronize()  # every copy: step() reads the landing buffer on the host (the one host wait)
         for k in range(2):
