@@ -375,3 +375,57 @@ def test_training_bits_do_not_depend_on_the_thread_count():
     for threads in (3, 8):
         got, norms = train(threads)
         assert norms == ref_norms and all(torch.equal(a, b) for a, b in zip(got, ref)), threads
+
+
+class _SharedReentrant(torch.nn.Module):
+    """Blocks under reentrant checkpointing, block 0's layer also used inside every other block's segment (a param
+    shared by two segments: its second gradient cuts the optimizer's pass), a frozen head: every trainable gradient
+    arrives inside a nested backward, which cannot end the pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.head = torch.nn.Linear(16, 1)
+        self.head.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for b in self.blocks:
+            x = checkpoint(lambda t, b=b: torch.tanh(b(t) + self.blocks[0](t)), x, use_reentrant=True)
+        return self.head(x).sum()
+
+
+def _shared_reentrant_run(use_zo: bool, clip: bool, max_grad_norm: float | None = None) -> torch.Tensor:
+    torch.manual_seed(0)
+    net = _SharedReentrant()
+    ps = [p for p in net.parameters() if p.requires_grad]
+    opt = (zk.ZeroOffloadAdamW(ps, lr=1e-2, dtype=torch.float32, max_grad_norm=max_grad_norm) if use_zo
+           else torch.optim.AdamW(ps, lr=1e-2))  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        for _ in range(2):
+            net(torch.randn(8, 16, generator=g).requires_grad_()).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ps, 0.5)
+        opt.step()
+        opt.zero_grad()
+    return torch.cat([p.detach().reshape(-1) for p in ps])
+
+
+def test_a_pass_left_open_by_nested_backwards_is_stepped_exactly():
+    """Every gradient inside reentrant checkpoints, a shared param cutting the pass: step() closes it and updates as
+    torch's AdamW does (it refused the gradients still in p.grad as "set by hand" before)."""
+    want = _shared_reentrant_run(False, clip=False)
+    got = _shared_reentrant_run(True, clip=False)
+    assert (got - want).abs().max() < 1e-5
+
+
+def test_clipping_a_pass_left_open_by_nested_backwards_is_refused():
+    """The same with torch's clip_grad_norm_ between backward and step: some gradients are still in p.grad and the
+    others on the host, so a clip would multiply gradients already sent (the update was off by 3e-3, silently):
+    refused, saying what to do, before anything is changed; max_grad_norm= clips it exactly."""
+    with pytest.raises(RuntimeError, match="use_reentrant=False.*max_grad_norm"):
+        _shared_reentrant_run(True, clip=True)
+    want = _shared_reentrant_run(False, clip=True)
+    assert (_shared_reentrant_run(True, clip=False, max_grad_norm=0.5) - want).abs().max() < 1e-5

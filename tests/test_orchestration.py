@@ -121,6 +121,19 @@ def test_the_nesting_question_is_asked_once_per_backward(monkeypatch):
         opt.step()
         assert len(list(model.parameters())) > 5 and len(asked) == 1, len(asked)
     opt.close()
+    # reentrant checkpointing: each segment's nested backward is asked once too, not once per gradient in it
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+    opt = zk.ZeroOffloadAdamW(blocks.parameters(), lr=1e-3, dtype=torch.float32)
+    asked.clear()
+    h = torch.randn(2, 8, requires_grad=True)
+    for b in blocks:
+        h = checkpoint(b, h, use_reentrant=True)
+    h.sum().backward()
+    opt.step()
+    assert len(asked) == 4, len(asked)  # four nested backwards, eight gradients
+    opt.close()
 
 
 def test_the_all_at_once_connection_check_agrees_with_the_one_by_one():
@@ -188,3 +201,18 @@ def test_each_param_has_one_placeholder_for_the_run(monkeypatch):
     assert sorted(made) == list(range(n)), made  # each param once, over three steps
     assert len(set(norms)) == 3 and all(v > 0 for v in norms), norms  # each step's own gradient
     opt.close()
+
+
+def test_a_cast_model_still_hears_why_after_zero_grad_keeping_zeros():
+    """The reused placeholder no longer fits a param of a model cast after step(): zero_grad(set_to_none=False) makes
+    a fitting one (torch refused the old one halfway through, with its own words), and the next backward names the
+    cast, as it did with a new placeholder every step."""
+    model = make_model()
+    opt = zk.ZeroOffloadAdamW(model.parameters(), lr=1e-3)
+    x = make_data(1)[0][0]
+    opt.backward(model(x[:, :-1], x[:, 1:]))
+    opt.step()
+    model.half()
+    opt.zero_grad(set_to_none=False)
+    with pytest.raises(RuntimeError, match="no longer the optimizer's"):
+        opt.backward(model(x[:, :-1], x[:, 1:]))

@@ -26,6 +26,16 @@ from .report import PhaseTimes
 from .scaler import LossScaler
 from .selected import SelectedGrad
 
+NESTED_OPEN_HELP = (
+    "p.grad was read (a norm, a multiplication, zero_) while {n} parameters (the first: param {first}) still hold "
+    "their gradient on the device and the others' are on the host: this backward's gradients all arrived inside "
+    "reentrant checkpointing's nested backwards, which cannot end the optimizer's pass, and some parameter got none "
+    "or was shared by two checkpointed segments, so the pass was left open. Clipping now would multiply gradients "
+    "already sent. Nothing was changed. Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (HF: "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': False}})), or clip with "
+    "ZeroOffloadAdamW(max_grad_norm=...) instead of clip_grad_norm_"
+)
+
 UNSCALED_BACKWARD_HELP = (
     "a backward pass began outside opt.backward(loss) while the loss scale is {scale:g} (loss_scale was given): "
     "its gradients would be 1/{scale:g} of the true ones. Call opt.backward(loss) (Lightning: override "
@@ -151,6 +161,7 @@ class GradPath:
         self.in_backward = False  # a backward pass is open: gradients arriving belong to it
         self._seen: set[torch.Tensor] = set()  # params whose gradient arrived in the open backward pass
         self._callback_tasks: set[int] = set()  # autograd graph tasks that will close the open pass
+        self._nested_tasks: set[int] = set()  # graph tasks of the open pass known to be nested (they cannot close it)
         self._moved: dict[int, torch.Tensor] = {}  # params whose p.grad is a MovedGrad placeholder, by index
         self._got = [False] * n  # which params received a gradient since the last step
         self.factor = [1.0] * n  # p.grad.mul_(f) since the last step (framework clipping)
@@ -181,9 +192,11 @@ class GradPath:
                                    "Build the optimizer after the last cast or move")  # fmt: skip
 
     def check_untouched(self) -> None:
-        """p.grad is None or our placeholder: a gradient set by hand would otherwise be silently ignored."""
+        """p.grad is None or our placeholder: a gradient set by hand would otherwise be silently ignored. (In a pass
+        left open by nested backwards, a param whose gradient arrived in it holds that gradient until the pass ends.)"""
+        open_pass = self.in_backward and torch._C._current_graph_task_id() == -1
         for i, p in enumerate(self.layout.params):
-            if p.grad is not None and not isinstance(p.grad, MovedGrad):
+            if p.grad is not None and not isinstance(p.grad, MovedGrad) and not (open_pass and p in self._seen):
                 raise RuntimeError(f"param {i} has a p.grad that did not come from backward (set by hand?): "
                                    "ZeroOffloadAdamW takes gradients only from backward passes")  # fmt: skip
 
@@ -244,9 +257,12 @@ class GradPath:
             task = torch._C._current_graph_task_id()
             # the outermost backward closes the pass when it ends (asked once per graph task: is it nested? a walk
             # up the Python stack, long under a trainer's frames)
-            if task not in self._callback_tasks and not in_nested_backward():
-                self._callback_tasks.add(task)
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_callback)
+            if task not in self._callback_tasks and task not in self._nested_tasks:
+                if in_nested_backward():
+                    self._nested_tasks.add(task)
+                else:
+                    self._callback_tasks.add(task)
+                    torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_callback)
             if isinstance(p.grad, MovedGrad):
                 p.grad = None  # the earlier micro-batches' gradient is on the host; autograd starts afresh
             self._seen.add(p)
@@ -408,7 +424,9 @@ class GradPath:
     def _place_moved_grad(self, p: torch.Tensor) -> None:
         i = self.layout.index[p]
         ph = self._placeholders[i]
-        if ph is None or ph.shape != p.shape:  # one per param, made once (a new one costs ~1.5 us, a param a step)
+        # one per param, made once (a new one costs ~1.5 us, a param a step); again if it no longer fits p (its shape
+        # under ZeRO-3's gathers; a cast model: the next backward says so, as with a new placeholder)
+        if ph is None or ph.shape != p.shape or ph.dtype is not p.dtype or ph.device != p.device:
             ph = self._placeholders[i] = MovedGrad(p, self, i)
         p.grad = ph
         self._moved[i] = p
@@ -450,6 +468,7 @@ class GradPath:
         self.in_backward = False
         if not same_backward:
             self._callback_tasks = set()
+            self._nested_tasks = set()
             self.n_backward += 1
         self._norm_cache = {}
         self.n_micro += 1
@@ -560,6 +579,11 @@ class GradPath:
     def _host_gradient(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(last micro-batch's reduced gradient, sum of the earlier ones or None) of this rank's partition."""
         self.guard()
+        if self.in_backward and torch._C._current_graph_task_id() == -1:  # a pass left open by nested backwards
+            held = [self.layout.index[p] for b in self.layout.buckets[self._next_bucket :] for p, _, _ in b.params
+                    if p.grad is not None and not isinstance(p.grad, MovedGrad)]  # fmt: skip
+            if held:
+                raise RuntimeError(NESTED_OPEN_HELP.format(n=len(held), first=held[0]))
         self.close_pass()
         if self.in_backward or self.n_micro == 0:
             raise RuntimeError("p.grad is read during backward: its gradient is complete only after backward")
