@@ -2,6 +2,7 @@
 masters, written here): issue 10's findings, one test each, and misuse that must fail loudly (issue 11)."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -417,7 +418,8 @@ def test_a_pass_left_open_by_nested_backwards_is_stepped_exactly():
     """Every gradient inside reentrant checkpoints, a shared param cutting the pass: step() closes it and updates as
     torch's AdamW does (it refused the gradients still in p.grad as "set by hand" before)."""
     want = _shared_reentrant_run(False, clip=False)
-    got = _shared_reentrant_run(True, clip=False)
+    with pytest.warns(UserWarning, match="shared by two checkpointed segments"):  # (p.grad was part of it)
+        got = _shared_reentrant_run(True, clip=False)
     assert (got - want).abs().max() < 1e-5
 
 
@@ -428,4 +430,67 @@ def test_clipping_a_pass_left_open_by_nested_backwards_is_refused():
     with pytest.raises(RuntimeError, match="use_reentrant=False.*max_grad_norm"):
         _shared_reentrant_run(True, clip=True)
     want = _shared_reentrant_run(False, clip=True)
-    assert (_shared_reentrant_run(True, clip=False, max_grad_norm=0.5) - want).abs().max() < 1e-5
+    with pytest.warns(UserWarning, match="opt.backward"):
+        assert (_shared_reentrant_run(True, clip=False, max_grad_norm=0.5) - want).abs().max() < 1e-5
+
+
+class _UnusedReentrant(torch.nn.Module):
+    """Reentrant checkpointed blocks, a frozen head, and a trainable layer that gets no gradient (its bucket is held
+    back, so the pass stays open after backward), no param shared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.unused = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 1)
+        self.head.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for b in self.blocks:
+            x = checkpoint(lambda t, b=b: torch.tanh(b(t)), x, use_reentrant=True)
+        return self.head(x).sum()
+
+
+def _unused_reentrant_run(use_zo: bool, micro: int, clip: bool, through_opt: bool = False) -> torch.Tensor:
+    torch.manual_seed(0)
+    net = _UnusedReentrant()
+    ps = [p for p in net.parameters() if p.requires_grad]
+    opt = (zk.ZeroOffloadAdamW(ps, lr=1e-2, dtype=torch.float32, bucket_numel=300) if use_zo
+           else torch.optim.AdamW(ps, lr=1e-2))  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        for _ in range(micro):
+            loss = net(torch.randn(8, 16, generator=g).requires_grad_())
+            opt.backward(loss) if through_opt else loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ps, 0.5)
+        opt.step()
+        opt.zero_grad()
+    return torch.cat([p.detach().reshape(-1) for p in ps])
+
+
+def test_clipping_a_whole_gradient_left_in_p_grad():
+    """The pass left open by a param without a gradient (every other one inside reentrant checkpoints): the held
+    gradients are whole, so clip_grad_norm_ reads them in p.grad and the sent ones on the host, and the step equals
+    torch's AdamW after the same clip (it read the held ones after sending them: their scaling was lost)."""
+    want = _unused_reentrant_run(False, 1, clip=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert (_unused_reentrant_run(True, 1, clip=True) - want).abs().max() < 1e-5
+
+
+def test_a_partial_gradient_left_in_p_grad_is_told():
+    """Two micro-batches by loss.backward(), every gradient inside reentrant checkpoints, one param without one: the
+    second micro-batch's gradients sit in p.grad until step() while the first's are on the host, where no norm can
+    see the split (torch reads only tensors). step() is exact and says so, once; through opt.backward(loss) (which
+    ends the pass) clipping is exact too, without a word."""
+    want = _unused_reentrant_run(False, 2, clip=False)
+    with pytest.warns(UserWarning, match="opt.backward\\(loss\\) instead of loss.backward"):
+        got = _unused_reentrant_run(True, 2, clip=False)
+    assert (got - want).abs().max() < 1e-5
+    want = _unused_reentrant_run(False, 2, clip=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert (_unused_reentrant_run(True, 2, clip=True, through_opt=True) - want).abs().max() < 1e-5

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -28,12 +29,20 @@ from .selected import SelectedGrad
 
 NESTED_OPEN_HELP = (
     "p.grad was read (a norm, a multiplication, zero_) while {n} parameters (the first: param {first}) still hold "
-    "their gradient on the device and the others' are on the host: this backward's gradients all arrived inside "
-    "reentrant checkpointing's nested backwards, which cannot end the optimizer's pass, and some parameter got none "
-    "or was shared by two checkpointed segments, so the pass was left open. Clipping now would multiply gradients "
-    "already sent. Nothing was changed. Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (HF: "
-    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': False}})), or clip with "
-    "ZeroOffloadAdamW(max_grad_norm=...) instead of clip_grad_norm_"
+    "part of their gradient on the device and the rest is on the host: this backward's gradients all arrived inside "
+    "reentrant checkpointing's nested backwards, which cannot end the optimizer's pass, and {why}. Clipping now "
+    "would read and scale part of a gradient. Nothing was changed. Use torch.utils.checkpoint.checkpoint(..., "
+    "use_reentrant=False) (HF: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': "
+    "False}})), or clip with ZeroOffloadAdamW(max_grad_norm=...) instead of clip_grad_norm_"
+)
+
+PARTIAL_HELP = (
+    "this step's gradients all arrived inside reentrant checkpointing's nested backwards and loss.backward() was "
+    "called directly, so the optimizer learns that a backward ended only when the next one, or step(), begins: "
+    "until step() some p.grad held only the last part of their gradient (the rest summed on the host: earlier "
+    "micro-batches', or before a parameter shared by two checkpointed segments cut the pass), and a clip_grad_norm_ "
+    "between backward and step() would have read and scaled that part alone. The step itself is exact. Call "
+    "opt.backward(loss) instead of loss.backward(), or checkpoint with use_reentrant=False"
 )
 
 UNSCALED_BACKWARD_HELP = (
@@ -129,6 +138,7 @@ class GradPath:
         self.hooks: list[Any] = []
         self._placeholders: list[MovedGrad | None] = [None] * len(layout.params)  # each param's p.grad placeholder
         self._hooks_s = 0.0  # the hooks' own seconds in the open pass (the "hooks" phase at its end)
+        self._warned_partial = False  # PARTIAL_HELP said (once per optimizer)
         self.plans: dict[tuple[int, int], Any] = {}  # a launch plan per (bucket, unit): validated and uploaded once
         # the pass's overflow flag and sum of squares, on the device; zeroed by reset(), never reallocated per step
         self._found_inf = torch.zeros((), dtype=torch.bool, device=self.device)
@@ -476,10 +486,15 @@ class GradPath:
             self.on_pass_end(not same_backward)
         self.times.add("backward_offload_wait", time.perf_counter() - t0)
 
-    def close_pass(self) -> None:
+    def close_pass(self, warn_partial: bool = False) -> None:
         """End the open pass if no backward is running: its gradients all arrived in nested (reentrant) backwards,
-        which cannot close it."""
+        which cannot close it. warn_partial (step()): say once if some p.grad held part of a gradient meanwhile."""
         if self.in_backward and torch._C._current_graph_task_id() == -1:
+            if warn_partial and self.n_micro and not self._warned_partial and any(
+                    p.grad is not None and not isinstance(p.grad, MovedGrad)
+                    for b in self.layout.buckets[self._next_bucket :] for p, _, _ in b.params):  # fmt: skip
+                self._warned_partial = True
+                warnings.warn(PARTIAL_HELP, stacklevel=6)  # (at the caller of opt.step())
             self._end_micro()
 
     # ------------------------------------------------------------------ the step's and the user's calls
@@ -582,8 +597,17 @@ class GradPath:
         if self.in_backward and torch._C._current_graph_task_id() == -1:  # a pass left open by nested backwards
             held = [self.layout.index[p] for b in self.layout.buckets[self._next_bucket :] for p, _, _ in b.params
                     if p.grad is not None and not isinstance(p.grad, MovedGrad)]  # fmt: skip
-            if held:
-                raise RuntimeError(NESTED_OPEN_HELP.format(n=len(held), first=held[0]))
+            if held and not self.n_micro and self.comm.world == 1:
+                # (a param without a gradient kept its bucket back) the held gradients are whole: they stay in
+                # p.grad, where a norm or a multiplication reads them as torch would, and leave at step(); the
+                # sent ones are read where they landed
+                self.transport.synchronize()
+                return self.landing[self.slot], None
+            if held:  # part of a held gradient is on the host already, or not yet reduced over the ranks
+                why = ("the gradients are not yet averaged over the ranks" if not self.n_micro else
+                       "a parameter shared by two checkpointed segments cut the pass, or earlier micro-batches' "
+                       "gradients are summed on the host")  # fmt: skip
+                raise RuntimeError(NESTED_OPEN_HELP.format(n=len(held), first=held[0], why=why))
         self.close_pass()
         if self.in_backward or self.n_micro == 0:
             raise RuntimeError("p.grad is read during backward: its gradient is complete only after backward")

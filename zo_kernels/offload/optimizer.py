@@ -707,7 +707,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             self._group_hparams(group)
             check_torch_options(group, f"param group {gi}")
-        self.grads.close_pass()  # the last backward ran entirely inside nested (reentrant) backwards
+        self.grads.close_pass(warn_partial=True)  # the last backward ran entirely inside nested (reentrant) backwards
         self.grads.drop_cleared()
         if self.max_grad_norm is not None and any(f != 1.0 for f in self.grads.factor):
             raise RuntimeError("the gradients were clipped twice: by p.grad.mul_ (e.g. Trainer's or accelerate's "
