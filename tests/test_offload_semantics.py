@@ -397,21 +397,29 @@ class _SharedReentrant(torch.nn.Module):
         return self.head(x).sum()
 
 
-def _shared_reentrant_run(use_zo: bool, clip: bool, max_grad_norm: float | None = None) -> torch.Tensor:
+def _reentrant_run(net_class: type, use_zo: bool, clip: bool, micro: int = 2, through_opt: bool = False,
+                   **opt_kw) -> torch.Tensor:  # fmt: skip
+    """Two steps of `micro` backward passes each (loss.backward(), or opt.backward(loss)), clip_grad_norm_ before each
+    step if `clip`; the trainable params after them. ZeroOffloadAdamW (fp32, opt_kw) or torch's AdamW."""
     torch.manual_seed(0)
-    net = _SharedReentrant()
+    net = net_class()
     ps = [p for p in net.parameters() if p.requires_grad]
-    opt = (zk.ZeroOffloadAdamW(ps, lr=1e-2, dtype=torch.float32, max_grad_norm=max_grad_norm) if use_zo
+    opt = (zk.ZeroOffloadAdamW(ps, lr=1e-2, dtype=torch.float32, **opt_kw) if use_zo
            else torch.optim.AdamW(ps, lr=1e-2))  # fmt: skip
     g = torch.Generator().manual_seed(1)
     for _ in range(2):
-        for _ in range(2):
-            net(torch.randn(8, 16, generator=g).requires_grad_()).backward()
+        for _ in range(micro):
+            loss = net(torch.randn(8, 16, generator=g).requires_grad_())
+            opt.backward(loss) if through_opt else loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(ps, 0.5)
         opt.step()
         opt.zero_grad()
     return torch.cat([p.detach().reshape(-1) for p in ps])
+
+
+def _shared_reentrant_run(use_zo: bool, clip: bool, max_grad_norm: float | None = None) -> torch.Tensor:
+    return _reentrant_run(_SharedReentrant, use_zo, clip, **({"max_grad_norm": max_grad_norm} if use_zo else {}))
 
 
 def test_a_pass_left_open_by_nested_backwards_is_stepped_exactly():
@@ -454,21 +462,8 @@ class _UnusedReentrant(torch.nn.Module):
 
 
 def _unused_reentrant_run(use_zo: bool, micro: int, clip: bool, through_opt: bool = False) -> torch.Tensor:
-    torch.manual_seed(0)
-    net = _UnusedReentrant()
-    ps = [p for p in net.parameters() if p.requires_grad]
-    opt = (zk.ZeroOffloadAdamW(ps, lr=1e-2, dtype=torch.float32, bucket_numel=300) if use_zo
-           else torch.optim.AdamW(ps, lr=1e-2))  # fmt: skip
-    g = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        for _ in range(micro):
-            loss = net(torch.randn(8, 16, generator=g).requires_grad_())
-            opt.backward(loss) if through_opt else loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(ps, 0.5)
-        opt.step()
-        opt.zero_grad()
-    return torch.cat([p.detach().reshape(-1) for p in ps])
+    kw = {"bucket_numel": 300} if use_zo else {}  # (a bucket of its own for the param without a gradient)
+    return _reentrant_run(_UnusedReentrant, use_zo, clip, micro, through_opt, **kw)
 
 
 def test_clipping_a_whole_gradient_left_in_p_grad():
