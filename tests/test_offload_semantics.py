@@ -448,8 +448,8 @@ class _UnusedReentrant(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
+        self.unused = torch.nn.Linear(16, 16)  # (first: its bucket is the last one sent, so the blocks' are sent)
         self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
-        self.unused = torch.nn.Linear(16, 16)
         self.head = torch.nn.Linear(16, 1)
         self.head.requires_grad_(False)
 
@@ -489,3 +489,53 @@ def test_a_partial_gradient_left_in_p_grad_is_told():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert (_unused_reentrant_run(True, 2, clip=True, through_opt=True) - want).abs().max() < 1e-5
+
+
+class _TwoLosses(torch.nn.Module):
+    """Two losses whose gradients all arrive inside reentrant checkpoints: the first leaves z's bucket without a
+    gradient (p's held behind it), the second gives a its only one, joining the same open pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p2, self.z, self.p, self.a = (torch.nn.Parameter(torch.randn(16)) for _ in range(4))
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+
+    def loss1(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = checkpoint(lambda t: torch.tanh(t * self.p2 + self.p), x, use_reentrant=True)
+        for b in self.blocks:
+            x = checkpoint(lambda t, b=b: torch.tanh(b(t)), x, use_reentrant=True)
+        return x.square().sum()
+
+    def loss2(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(lambda t: torch.tanh(t * self.a), x, use_reentrant=True).square().sum()
+
+
+def test_a_norm_read_in_an_open_pass_is_not_reused_once_more_gradients_land():
+    """A norm read (a clip that logs) in the pass left open, then a backward whose gradients join that pass (its
+    buckets go, p's with them), then the clip: norms of what landed since, not the ones read before (the clip read
+    23.95 where torch reads 27.75, the update off by 1e-3)."""
+
+    def run(use_zo: bool) -> tuple[torch.Tensor, list[float]]:
+        torch.manual_seed(0)
+        net = _TwoLosses()
+        ps = list(net.parameters())
+        opt = (zk.ZeroOffloadAdamW(ps, lr=1e-2, dtype=torch.float32, bucket_numel=16) if use_zo
+               else torch.optim.AdamW(ps, lr=1e-2))  # fmt: skip
+        g = torch.Generator().manual_seed(1)
+        norms = []
+        for _ in range(2):
+            net.loss1(torch.randn(8, 16, generator=g).requires_grad_()).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(ps, 1e9)))  # a read, no scaling
+            net.loss2(torch.randn(8, 16, generator=g).requires_grad_()).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(ps, 0.5)))
+            opt.step()
+            opt.zero_grad()
+        return torch.cat([p.detach().reshape(-1) for p in ps]), norms
+
+    (want, want_norms), (got, got_norms) = run(False), run(True)
+    assert got_norms == pytest.approx(want_norms, rel=1e-5)
+    assert (got - want).abs().max() < 1e-5

@@ -41,8 +41,8 @@ PARTIAL_HELP = (
     "called directly, so the optimizer learns that a backward ended only when the next one, or step(), begins: "
     "until step() some p.grad held only the last part of their gradient (the rest summed on the host: earlier "
     "micro-batches', or before a parameter shared by two checkpointed segments cut the pass), and a clip_grad_norm_ "
-    "between backward and step() would have read and scaled that part alone. The step itself is exact. Call "
-    "opt.backward(loss) instead of loss.backward(), or checkpoint with use_reentrant=False"
+    "between backward and step() read and scaled that part alone (torch's own tensors: unseen here; without one the "
+    "step is exact). Call opt.backward(loss) instead of loss.backward(), or checkpoint with use_reentrant=False"
 )
 
 UNSCALED_BACKWARD_HELP = (
@@ -366,6 +366,8 @@ class GradPath:
 
     def _launch(self, b: Bucket) -> None:
         t0 = time.perf_counter()
+        if self._norm_cache:  # (norms read in a pass left open by nested backwards: this bucket changes them)
+            self._norm_cache = {}
         k = b.index % 2
         lay, comm = self.layout, self.comm
         self._wait_buffer(k, host=False)  # inside a gradient hook: order the device, never block the host
