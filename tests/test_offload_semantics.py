@@ -539,3 +539,63 @@ def test_a_norm_read_in_an_open_pass_is_not_reused_once_more_gradients_land():
     (want, want_norms), (got, got_norms) = run(False), run(True)
     assert got_norms == pytest.approx(want_norms, rel=1e-5)
     assert (got - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("offload_param", [None, "cpu"])
+def test_stage3_two_backwards_whose_gradients_all_arrive_in_nested_ones(offload_param):
+    """ZeRO-3, every gradient inside reentrant checkpoints, two loss.backward() per step: the second backward learns
+    that the first ended only at its own first repeated gradient, inside its own recomputation; the units that
+    recomputation gathered stay until its backward is done (they were freed there: "The size of tensor a (0) must
+    match ..."), and the steps equal torch's AdamW."""
+
+    def run(use_zo: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        net = _UnusedReentrant()
+        ps = [p for p in net.parameters() if p.requires_grad]
+        opt = (zk.ZeroOffloadAdamW(net, lr=1e-2, dtype=torch.float32, stage=3, offload_param=offload_param)
+               if use_zo else torch.optim.AdamW(ps, lr=1e-2))  # fmt: skip
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            for _ in range(2):
+                net(torch.randn(8, 16, generator=g).requires_grad_()).backward()
+            opt.step()
+            opt.zero_grad()
+        if use_zo:
+            opt.synchronize()
+            out = torch.cat([s["master"].reshape(-1).float() for s in opt.state_dict()["state"].values()])
+            opt.close()
+            return out
+        return torch.cat([p.detach().reshape(-1) for p in ps])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the partial-gradient note: no norm is read here)
+        got = run(True)
+    assert (got - run(False)).abs().max() < 1e-5
+
+
+def test_stage3_frees_a_unit_whose_gradient_never_came_at_the_backward_s_end():
+    """ZeRO-3: a module whose bias gets no gradient keeps its unit gathered in backward for a gradient that never
+    comes; the end of the backward frees it (and, where the next backward's recomputation is running then, only at
+    a later end: above)."""
+
+    class Half(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, self.weight)  # its bias gets no gradient
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(16, 16), Half(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(self.first(x)).sum()
+
+    torch.manual_seed(0)
+    net = Net()
+    opt = zk.ZeroOffloadAdamW(net, lr=1e-2, dtype=torch.float32, stage=3)
+    for _ in range(2):
+        net(torch.randn(4, 16)).backward()
+        assert all(p.numel() == 0 for p in net.parameters()), [p.numel() for p in net.parameters()]
+        opt.step()
+        opt.zero_grad()
+    opt.close()

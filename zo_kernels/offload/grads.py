@@ -89,7 +89,7 @@ class GradPath:
             one says which is not.
         all_reduce: every rank gets every reduced bucket (ZeRO-1), not only its own part (ZeRO-2/3).
         on_grad, on_pass_end: told when a param's gradient arrives and when a backward pass (final=True) or a
-            part of one ends (ZeRO-3 frees the gathered parameters).
+            part of one ends, and whether a backward is still running then (ZeRO-3 frees the gathered parameters).
         split: gpu_fraction (twin.py): only the partition's head [0, split) lands on the host; the tail's gradients
             never leave the device (`device_landing`, partition offset - split: one buffer, and one fp32
             accumulator, also under DPU: the device's update reads them at once, and the next backward's first write
@@ -103,7 +103,7 @@ class GradPath:
                  connected: Callable[[torch.Tensor], bool], all_connected: Callable[[], bool] | None = None,
                  all_reduce: bool = False,
                  on_grad: Callable[[torch.Tensor], None] | None = None,
-                 on_pass_end: Callable[[bool], None] | None = None, split: int | None = None,
+                 on_pass_end: Callable[[bool, bool], None] | None = None, split: int | None = None,
                  selected: SelectedGrad | None = None) -> None:  # fmt: skip
         self.layout, self.dtype, self.device, self.transport, self.comm = layout, dtype, device, transport, comm
         self.scaler, self.times, self.threads, self.guard = scaler, times, threads, guard
@@ -258,8 +258,8 @@ class GradPath:
                 # last one ran entirely inside nested backwards, which cannot close it). Either way the pass is
                 # cut here, which is exact: the parts are summed like micro-batches.
                 t1 = time.perf_counter()  # (a pass's end and start are not the hook's own time: their flush,
-                self._end_micro(same_backward=bool(self._callback_tasks))  # waits and sums have phases of
-                t0 += time.perf_counter() - t1  # their own or are waits orchestration leaves out)
+                self._end_micro(same_backward=bool(self._callback_tasks), in_hook=True)  # waits and sums have
+                t0 += time.perf_counter() - t1  # phases of their own or are waits orchestration leaves out)
             if not self.in_backward:
                 t1 = time.perf_counter()
                 self._begin_micro()
@@ -459,9 +459,10 @@ class GradPath:
         if self.in_backward:
             self._end_micro()
 
-    def _end_micro(self, same_backward: bool = False) -> None:
+    def _end_micro(self, same_backward: bool = False, in_hook: bool = False) -> None:
         """End of a backward pass (or of a part of one): flush buckets with missing gradients (as zeros) and
-        wait for the copies."""
+        wait for the copies. in_hook: ended by a gradient hook, inside a running backward (a new one, if not
+        same_backward)."""
         t0 = time.perf_counter()
         self.times.add("hooks", self._hooks_s)
         self._hooks_s = 0.0
@@ -485,7 +486,7 @@ class GradPath:
         self._norm_cache = {}
         self.n_micro += 1
         if self.on_pass_end is not None:
-            self.on_pass_end(not same_backward)
+            self.on_pass_end(not same_backward, in_hook)
         self.times.add("backward_offload_wait", time.perf_counter() - t0)
 
     def close_pass(self, warn_partial: bool = False) -> None:

@@ -453,13 +453,15 @@ class ParamShards:
             u.reshard()
             u.held = False
 
-    def on_pass_end(self, final: bool) -> None:
-        """A backward pass ended: free every unit still gathered (no forward is running)."""
+    def on_pass_end(self, final: bool, running: bool = False) -> None:
+        """A backward pass ended: free every unit still gathered (no forward is running). running: another backward
+        is (the pass of one whose gradients all arrived in nested backwards ends only at the next one's first repeated
+        gradient, inside that one's recomputation): its units stay gathered until a pass ends with none running."""
         if not final:
             return
         for u in self.units:
             u.arrived = set()
-            if u.users == 0:
+            if u.users == 0 and not running:
                 u.reshard()
                 u.held = False
         self.pos = 0
