@@ -599,3 +599,25 @@ def test_stage3_frees_a_unit_whose_gradient_never_came_at_the_backward_s_end():
         opt.step()
         opt.zero_grad()
     opt.close()
+
+
+def test_model_zero_grad_after_a_pass_left_open_discards_it():
+    """Every gradient inside reentrant checkpoints, none sent yet (a param without one holds the first bucket back),
+    then model.zero_grad(): step() updates nothing, as torch's AdamW with no gradient (it stepped on zeros: weight
+    decay and the moments moved)."""
+
+    class LastUnused(_UnusedReentrant):
+        def __init__(self) -> None:
+            super().__init__()
+            self.unused2 = torch.nn.Linear(16, 16)  # declared last: its bucket goes first, so nothing is sent
+
+    torch.manual_seed(0)
+    net = LastUnused()
+    ps = [p for p in net.parameters() if p.requires_grad]
+    before = torch.cat([p.detach().reshape(-1).clone() for p in ps])
+    opt = zk.ZeroOffloadAdamW(ps, lr=1e-2, dtype=torch.float32, weight_decay=0.1)
+    net(torch.randn(8, 16).requires_grad_()).backward()
+    net.zero_grad()
+    opt.step()
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in ps]), before)
+    assert opt.stats["skipped"] and opt.stats["skip_reason"] == "no gradients"

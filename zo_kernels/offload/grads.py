@@ -498,7 +498,10 @@ class GradPath:
                     for b in self.layout.buckets[self._next_bucket :] for p, _, _ in b.params):  # fmt: skip
                 self._warned_partial = True
                 warnings.warn(PARTIAL_HELP, stacklevel=6)  # (at the caller of opt.step())
+            cleared = bool(self._seen) and all(p.grad is None for p in self._seen)
             self._end_micro()
+            if warn_partial and cleared:  # model.zero_grad() since that backward: its gradients are discarded, as
+                self.zero_grad()  # torch discards them (held ones would otherwise be stepped on as zeros)
 
     # ------------------------------------------------------------------ the step's and the user's calls
 
