@@ -204,7 +204,7 @@ class GradPath:
     def check_untouched(self) -> None:
         """p.grad is None or our placeholder: a gradient set by hand would otherwise be silently ignored. (In a pass
         left open by nested backwards, a param whose gradient arrived in it holds that gradient until the pass ends.)"""
-        open_pass = self.in_backward and torch._C._current_graph_task_id() == -1
+        open_pass = self._left_open()
         for i, p in enumerate(self.layout.params):
             if p.grad is not None and not isinstance(p.grad, MovedGrad) and not (open_pass and p in self._seen):
                 raise RuntimeError(f"param {i} has a p.grad that did not come from backward (set by hand?): "
@@ -489,13 +489,20 @@ class GradPath:
             self.on_pass_end(not same_backward, in_hook)
         self.times.add("backward_offload_wait", time.perf_counter() - t0)
 
+    def _left_open(self) -> bool:
+        """A pass is open and no backward is running: its gradients all arrived in nested (reentrant) backwards."""
+        return self.in_backward and torch._C._current_graph_task_id() == -1
+
+    def _held(self) -> list[int]:
+        """The params whose gradient is still in p.grad, a real tensor (their buckets not yet sent)."""
+        return [self.layout.index[p] for b in self.layout.buckets[self._next_bucket :] for p, _, _ in b.params
+                if p.grad is not None and not isinstance(p.grad, MovedGrad)]  # fmt: skip
+
     def close_pass(self, warn_partial: bool = False) -> None:
         """End the open pass if no backward is running: its gradients all arrived in nested (reentrant) backwards,
         which cannot close it. warn_partial (step()): say once if some p.grad held part of a gradient meanwhile."""
-        if self.in_backward and torch._C._current_graph_task_id() == -1:
-            if warn_partial and self.n_micro and not self._warned_partial and any(
-                    p.grad is not None and not isinstance(p.grad, MovedGrad)
-                    for b in self.layout.buckets[self._next_bucket :] for p, _, _ in b.params):  # fmt: skip
+        if self._left_open():
+            if warn_partial and self.n_micro and not self._warned_partial and self._held():
                 self._warned_partial = True
                 warnings.warn(PARTIAL_HELP, stacklevel=6)  # (at the caller of opt.step())
             cleared = bool(self._seen) and all(p.grad is None for p in self._seen)
@@ -600,9 +607,8 @@ class GradPath:
     def _host_gradient(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(last micro-batch's reduced gradient, sum of the earlier ones or None) of this rank's partition."""
         self.guard()
-        if self.in_backward and torch._C._current_graph_task_id() == -1:  # a pass left open by nested backwards
-            held = [self.layout.index[p] for b in self.layout.buckets[self._next_bucket :] for p, _, _ in b.params
-                    if p.grad is not None and not isinstance(p.grad, MovedGrad)]  # fmt: skip
+        if self._left_open():
+            held = self._held()
             if held and not self.n_micro and self.comm.world == 1:
                 # (a param without a gradient kept its bucket back) the held gradients are whole: they stay in
                 # p.grad, where a norm or a multiplication reads them as torch would, and leave at step(); the
