@@ -562,15 +562,14 @@ def main(argv: list[str]) -> int:
         except Exception as e:  # noqa: BLE001 - a row that says why; the searches still run
             host = {"provider": "host_overhead", "error": f"{type(e).__name__}: {e}"[:300]}
             print(f"  host time per block: failed: {host['error']}")
+        else:
+            print("  host time per block (hidden 32, seq 8: the host's alone): " + ", ".join(
+                f"{n} {v:.1f} us" for n, v in host["us_per_block"].items()) + f"; zo above torch's checkpoint "
+                f"{host['zo_over_torch_us']:.1f} us (resident {host['zo_resident_over_torch_us']:.1f}), torch's "
+                f"checkpoint above none {host['torch_over_none_us']:.1f} us; under cProfile zo_kernels' own "
+                f"functions {host['profiled_top_us_per_block']['zo']['zo_kernels_us']:.1f} us per offloaded "
+                "block")  # fmt: skip
         rows.append({**common, **host})
-    if rows and "us_per_block" in rows[-1]:
-        host = rows[-1]
-        us = host["us_per_block"]
-        print("  host time per block (hidden 32, seq 8: the host's alone): " + ", ".join(
-            f"{n} {v:.1f} us" for n, v in us.items()) + f"; zo above torch's checkpoint "
-            f"{host['zo_over_torch_us']:.1f} us (resident {host['zo_resident_over_torch_us']:.1f}), torch's "
-            f"checkpoint above none {host['torch_over_none_us']:.1f} us; under cProfile zo_kernels' own functions "
-            f"{host['profiled_top_us_per_block']['zo']['zo_kernels_us']:.1f} us per offloaded block")  # fmt: skip
     write()
     if wide is not None:  # a model whose step the device sets: where the checkpoints' copies must hide under compute
         try:
