@@ -220,9 +220,12 @@ if [ "$mode" = anchors ]; then  # step rows at a batch whose forward + backward 
   # (OUTDIR/profile.json, row by row, the worst-explained first: the 1.3B DPU step with 80% of its optimizer on the
   # device spent 52% of its 110 ms outside kernels and copies on the H200, 2026-11-27; then DPU at gpu_fraction 0,
   # then sync at both)
-  limited 120 3 "bench: the step under torch.profiler" "$py" bench/profile_step.py "$out/profile.json" \
-    --sizes "${ZO_PROFILE_SIZES:-1.3B,95M}" --modes dpu,sync --gpu-fractions "${ZO_PROFILE_FRACTIONS:-0.8,0}" \
-    --steps 2 || status=1
+  # (ZO_SKIP_PROFILE=1: bench/gpu_session.sh's profile part ran it already, with a share of its own)
+  if [ "${ZO_SKIP_PROFILE:-0}" != 1 ]; then
+    limited 120 3 "bench: the step under torch.profiler" "$py" bench/profile_step.py "$out/profile.json" \
+      --sizes "${ZO_PROFILE_SIZES:-1.3B,95M}" --modes dpu,sync --gpu-fractions "${ZO_PROFILE_FRACTIONS:-0.8,0}" \
+      --steps 2 || status=1
+  fi
   ZO_DEVICE="$gpu" ZO_COMMIT="$commit" "$py" bench/summary.py --summary-json "$out" 2>>"$log" | tee -a "$summary" \
     && rm -f "$out/anchors.json" "$out/activations.json" "$out/step.json" || status=1
   say "commit it as bench/results/gpu-$(date -u +%Y-%m-%d)-${device_tag:-GPU}-anchors.json (and profile.json as"

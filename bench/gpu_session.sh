@@ -4,24 +4,28 @@
 # bench/gpu_check.sh named in PLAN, each a gpu_check.sh run of its own with ZO_SKIP_BUILD=1 and its share of the
 # command's time, every output folded into OUTDIR/session.tgz, each part's summary.json (where it writes one) beside it.
 #   bash bench/gpu_session.sh OUTDIR [PLAN]
-# PLAN: comma-separated parts, run in that order (default scale,tests,anchors: what the H200 runs of 2026-11-27
-# left unmeasured, and the GPU tests of what changed since):
+# PLAN: comma-separated parts, run in that order (default scale,tests,profile,anchors: what the H200 runs of
+# 2026-11-27 left unmeasured or unexplained, and the GPU tests of what changed since):
 #   scale       gpu_check.sh scale: ZO_SCALE_SETTINGS (default here s2-8bit,s2-fp32,s3-cpu: the DPU settings)
 #   tests       gpu_check.sh tests: the default run's tests without its benchmarks (tests/test_gpu.py,
 #               test_transport.py and the CUDA activation test, then tests/test_gpu_two_ranks.py: stages 1, 2, 3,
 #               3+cpu on two gloo processes over CUDA tensors)
 #   default     gpu_check.sh (tests, pack, transport, step rows, ...; it wants 345 s or more)
+#   profile     bench/profile_step.py alone, the rows whose time nothing attributed first: the 95M GPT's DPU and
+#               synchronous steps at gpu_fraction 0 (1.20x and 1.19x their floor on the H200, 17-9% orchestration),
+#               then the 1.3B GPT's at 0.8 and 0 (the DPU step at 0.8: 52% of 110 ms outside kernels and copies),
+#               each run's rows in OUTDIR/profile.json as they finish (the anchors part then skips its own profile)
 #   anchors     gpu_check.sh anchors (step rows at batch 32, activations, anchors with .whl/ carried, the profile)
 # ZO_SESSION_S: the command's seconds (default 570, under the tool's 600 s limit); the build takes what it needs
-# (~50 s), then each part gets its weight's share of what is left (scale 6, tests 3, default 7, anchors 4), less
-# 10 s for the archive. What comes back: session.tgz (every part's folder), session.txt (every part's summary.txt,
-# in order), and PART-summary.json for each gpu_check.sh part: at most 6 files.
+# (~50 s), then each part gets its weight's share of what is left (scale 6, tests 3, default 7, profile 2,
+# anchors 4), less 10 s for the archive. What comes back: session.tgz (every part's folder), session.txt (every
+# part's summary.txt, in order), PART-summary.json for each gpu_check.sh part and profile.json: at most 7 files.
 # On an H100 (its scale row never measured): ZO_SCALE_SETTINGS=s2-8bit-sync,s2-8bit. Without a GPU each part takes
 # gpu_check.sh's own no-GPU path (the CPU-side checks; the tests skip). Never run on a GPU yet (written after the
 # H200 runs of 2026-11-27; tests/test_gpu_check_stages.py runs it on a stand-in machine).
 set -uo pipefail
 out="${1:?usage: bash bench/gpu_session.sh OUTDIR [PLAN]}"
-plan="${2:-scale,tests,anchors}"
+plan="${2:-scale,tests,profile,anchors}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 cd "$(dirname "$0")/.."
@@ -32,11 +36,12 @@ work="$(mktemp -d)"
 text="$out/session.txt"
 : >"$text"
 say() { echo "$*" | tee -a "$text"; }
-weight() { case "$1" in scale) echo 6 ;; tests) echo 3 ;; default) echo 7 ;; anchors) echo 4 ;; *) echo 0 ;; esac; }
+weight() { case "$1" in scale) echo 6 ;; tests) echo 3 ;; default) echo 7 ;; profile) echo 2 ;; anchors) echo 4 ;;
+  *) echo 0 ;; esac; }
 IFS=, read -r -a parts <<<"$plan"
 for p in "${parts[@]}"; do
   if [ "$(weight "$p")" = 0 ]; then
-    echo "bash bench/gpu_session.sh OUTDIR [PLAN]: unknown part '$p' (scale, tests, default, anchors)" >&2
+    echo "bash bench/gpu_session.sh OUTDIR [PLAN]: unknown part '$p' (scale, tests, default, profile, anchors)" >&2
     exit 2
   fi
 done
@@ -44,6 +49,22 @@ say "gpu_session $(date -u +%Y-%m-%dT%H:%M:%SZ): plan $plan, ${total}s"
 t0=$(date +%s)
 timeout 150 "$py" -m pip install -q --no-build-isolation --no-deps -e . >"$work/build.log" 2>&1
 say "build (pip install -e .): rc $? in $(($(date +%s) - t0))s"
+# the profile part: the 95M rows (both modes at gpu_fraction 0) with 40% of its time, then the 1.3B ones (DPU at 0.8
+# first) with the rest; each script writes its rows as they finish, merged into OUTDIR/profile.json
+profile_part() {
+  local dir="$1" budget="$2" rc=0 first
+  first=$((budget * 2 / 5))
+  timeout -k 5 "$first" "$py" bench/profile_step.py "$dir/profile-95M.json" --sizes 95M --modes dpu,sync \
+    --gpu-fractions 0 --steps 2 >"$dir/profile.txt" 2>&1 || rc=1
+  timeout -k 5 "$((budget - ($(date +%s) - t0) - 3))" "$py" bench/profile_step.py "$dir/profile-1.3B.json" \
+    --sizes 1.3B --modes dpu,sync --gpu-fractions 0.8,0 --steps 2 >>"$dir/profile.txt" 2>&1 || rc=1
+  cat "$dir/profile.txt" >>"$text"
+  "$py" -c 'import json, os, sys; rows = [r for f in sys.argv[2:] if os.path.exists(f) for r in json.load(open(f))]
+json.dump(rows, open(sys.argv[1], "w"), indent=1)' "$out/profile.json" "$dir/profile-95M.json" \
+    "$dir/profile-1.3B.json" || rc=1
+  return $rc
+}
+skip_profile=$([[ ",$plan," == *,profile,* ]] && echo 1 || echo 0)  # (the anchors part's profile: done already)
 status=0
 left_weight=0
 for p in "${parts[@]}"; do left_weight=$((left_weight + $(weight "$p"))); done
@@ -61,10 +82,17 @@ for p in "${parts[@]}"; do
   dir="$work/$p"
   mkdir -p "$dir"
   t0=$(date +%s)
+  if [ "$p" = profile ]; then
+    profile_part "$dir" "$budget"
+    rc=$?
+    say "$p: rc $rc in $(($(date +%s) - t0))s"
+    [ "$rc" = 0 ] || status=1
+    continue
+  fi
   mode=$([ "$p" = default ] && echo "" || echo "$p")
   # (a scale setting after the first starts with 90 s left, not gpu_check's 150: on the H200 the 12.0B DPU setting
   # took 69 s in all)
-  ZO_SKIP_BUILD=1 ZO_CHECK_BUDGET_S=$((budget - 5)) ZO_SCALE_SETTINGS="${ZO_SCALE_SETTINGS:-s2-8bit,s2-fp32,s3-cpu}" \
+  ZO_SKIP_PROFILE=$skip_profile ZO_SKIP_BUILD=1 ZO_CHECK_BUDGET_S=$((budget - 5)) ZO_SCALE_SETTINGS="${ZO_SCALE_SETTINGS:-s2-8bit,s2-fp32,s3-cpu}" \
     ZO_SCALE_MIN_SHARE_S="${ZO_SCALE_MIN_SHARE_S:-90}" timeout -k 5 "$budget" bash bench/gpu_check.sh "$dir" $mode \
     >/dev/null 2>&1
   rc=$?

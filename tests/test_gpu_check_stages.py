@@ -457,12 +457,14 @@ def test_gpu_session_runs_its_parts_in_order_within_one_command(tmp_path):
     run = subprocess.run(["bash", script, str(out)], env=env, capture_output=True, text=True, timeout=300)
     text = (out / "session.txt").read_text()
     shares = re.findall(r"^--- (\S+): (\d+)s$", text, re.M)
-    assert [p for p, _ in shares] == ["scale", "tests", "anchors"], text
+    assert [p for p, _ in shares] == ["scale", "tests", "profile", "anchors"], text
     # each part its weight's share of what is left when it starts (the stand-in's parts take about no time, so each
-    # later part has nearly the whole rest): of 560 s after the 10 s for the archive, scale 6/13 (258), tests 3/7 of
-    # what is left then (240), anchors all of it (560); a loaded machine's seconds of bash take a little off each
-    scale_s, tests_s, anchors_s = (int(s) for _, s in shares)
-    assert 240 <= scale_s <= 258 and 220 <= tests_s <= 240 and 520 <= anchors_s <= 560, shares
+    # later part has nearly the whole rest): of 560 s after the 10 s for the archive, scale 6/15 (224), tests 3/9 of
+    # what is left then (186), profile 2/6 (186), anchors all of it (560); a loaded machine's seconds of bash take a
+    # little off each
+    scale_s, tests_s, profile_s, anchors_s = (int(s) for _, s in shares)
+    assert 205 <= scale_s <= 224 and 170 <= tests_s <= 187 and 170 <= profile_s <= 187, shares
+    assert 520 <= anchors_s <= 560, shares
     made = calls.read_text().splitlines()
     assert sum("pip install" in c and "-e ." in c for c in made) == 1, made  # one build, the parts reuse it
     scale = next(c for c in made if "bench/scale_check.py" in c)
@@ -470,7 +472,13 @@ def test_gpu_session_runs_its_parts_in_order_within_one_command(tmp_path):
     assert int(re.search(r"--budget-s (\d+)", scale).group(1)) < 280, scale
     assert text.count("skipped (ZO_SKIP_BUILD=1") == 3, text  # every part, a gpu_check.sh run, reuses the build
     assert any("tests/test_gpu.py" in c for c in made) and any("tests/test_gpu_two_ranks.py" in c for c in made)
-    assert any("bench/profile_step.py" in c for c in made)
+    # the profile part: the 95M rows first, then the 1.3B ones with the DPU step at 0.8 first; the anchors part
+    # skips its own profile (the stand-in's gpu_check runs would have called it once more)
+    profiles = [c for c in made if "bench/profile_step.py" in c]
+    assert len(profiles) == 2, profiles
+    assert "--sizes 95M" in profiles[0] and "--gpu-fractions 0 " in profiles[0] + " "
+    assert "--sizes 1.3B --modes dpu,sync --gpu-fractions 0.8,0" in profiles[1]
+    assert (out / "profile.json").exists() or "profile: rc" in text
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) <= 8 and all(re.fullmatch(r"[\w.-]+", p.name) for p in files), files
     assert (out / "session.tgz").stat().st_size > 0, run.stdout
