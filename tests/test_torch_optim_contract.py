@@ -549,3 +549,36 @@ def test_state_of_torchs_other_implementations_loads(kind, option):
     train(m, opt, 2, seed=3)
     train(ref, topt, 2, seed=3)
     close(m, ref)
+
+
+@pytest.mark.parametrize("gpu_fraction", [0.0, 1.0])
+def test_tensor_lr_changed_by_the_scheduler_after_a_delayed_step(monkeypatch, gpu_fraction):
+    """Under DPU the update runs after step() returns (a background thread; with gpu_fraction the device's stream):
+    it takes the lr as step() read it. A tensor lr changed in place by the scheduler right after step() must not
+    reach it: the run equals the same run with a float lr of the same values (powers of two: exact either way). The
+    update is made late on purpose (CPU Adam's call slowed, the device stand-in's stream delayed), as a long CPU Adam
+    is on a real model; before the fix the tensor's next value leaked in (1e-2 off after three steps)."""
+    import time
+
+    import zo_kernels.offload.update as upd
+
+    real = upd.cpu_adam_step
+
+    def late(*a, **k):
+        time.sleep(0.05)
+        return real(*a, **k)
+
+    monkeypatch.setattr(upd, "cpu_adam_step", late)
+    masters = []
+    for lr in (2.0**-6, torch.tensor(2.0**-6)):
+        m = model()
+        opt = ZeroOffloadAdamW(m.parameters(), lr=lr, dtype=torch.float32, delay_update_after=0,
+                               gpu_fraction=gpu_fraction)  # fmt: skip
+        if gpu_fraction:
+            opt.update.stream.delay_s = 0.05
+        sch = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        train(m, opt, 3, sch)
+        masters.append([st["master"].clone() for st in opt.state_dict()["state"].values()])
+        opt.close()
+    for a, b in zip(*masters):
+        assert torch.equal(a, b)

@@ -519,9 +519,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
 
     def _group_hparams(self, group: dict[str, Any]) -> dict[str, Any]:
-        """A param group's hyper-parameters as the update takes them, checked."""
-        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        return dict(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"], weight_decay=group["weight_decay"],
+        """A param group's hyper-parameters as the update takes them, checked, as numbers: a tensor lr (or beta)
+        is read now, not when a delayed update runs, after the scheduler has changed it in place."""
+        lr, beta1, beta2, eps, weight_decay = check_hparams(group["lr"], group["betas"], group["eps"],
+                                                            group["weight_decay"])  # fmt: skip
+        return dict(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
                     maximize=bool(group.get("maximize")))  # fmt: skip
 
     def register_external_parameter(self, module: torch.nn.Module, param: torch.Tensor) -> None:
