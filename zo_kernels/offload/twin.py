@@ -371,7 +371,10 @@ class TwinUpdate(StateViews):
 
     @torch.no_grad()
     def refresh_stale_masters(self) -> None:
-        """Keep the fp32 masters if the device params are still their cast; else take them from the model."""
+        """Keep the fp32 masters if the device params are still their cast; else take them from the model (as
+        HostUpdate's: not while an update's writeback is pending)."""
+        if self.staged or (self.host is not None and self.host.staged):
+            return
         master = self.state()[0]
         if not torch.equal(master.to(self.own.dtype), self.own.cpu()):
             warnings.warn("the model's parameters changed since the optimizer took its fp32 masters (e.g. "

@@ -596,7 +596,11 @@ class HostUpdate(StateViews):
 
     @torch.no_grad()
     def refresh_stale_masters(self) -> None:
-        """Keep the fp32 masters if the device params are still their cast; else take them from the model."""
+        """Keep the fp32 masters if the device params are still their cast; else take them from the model. With an
+        update's writeback pending (DPU) the model lags the masters by that update by design, which is no edit of
+        it: the masters are kept and the writeback follows (refresh_from_model takes the model's instead)."""
+        if self.staged:
+            return
         if self.params_in_swapper:  # the parameters' file holds the masters' cast, unless new weights were stored
             self._refresh_stale_masters_in_swapper()
             return
