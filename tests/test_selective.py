@@ -778,3 +778,33 @@ def test_a_window_sum_past_its_timeout_is_fatal_and_close_still_closes(monkeypat
     opt.close()
     assert opt._closed
     opt.close()  # (again: nothing)
+
+
+def test_a_state_saved_with_a_writeback_pending_loads_into_selective_with_the_model_updated():
+    """A delayed update's state saved between its update and its writeback (the model one update behind the masters)
+    loaded into a selective optimizer: the model holds the loaded masters' cast right after the load, as in every
+    synchronous optimizer. A selective step writes its parameters only at the end of a window or a synchronisation
+    point, after that step's forward: the pending writeback kept for it (before the fix) left the first forward on
+    the older parameters (1e-2 off at once, 4.9e-3 after three steps at fraction 1.0, exact AdamW)."""
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    model = net()
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, delay_update_after=0)
+    for _ in range(3):
+        opt.backward((model(x) - y).square().mean())
+        opt.step()
+    weights, sd = copy.deepcopy(model.state_dict()), opt.state_dict()
+    assert sd["zero_offload"]["staged"]  # (the case)
+    saved = [st["master"].clone() for st in sd["state"].values()]
+    opt.close()
+    model = net()
+    model.load_state_dict(weights)  # the model as saved with it: one update behind
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, selective={"fraction": 1.0})
+    opt.load_state_dict(sd)
+    for p, m in zip(model.parameters(), saved):
+        assert torch.equal(p.detach(), m)
+    opt.close()

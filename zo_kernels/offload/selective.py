@@ -476,6 +476,13 @@ class SelectiveUpdate(HostUpdate):
         """Every reader and writer of the state (state_dict, opt.state, load, synchronize, close) drains first."""
         self.drain()
 
+    @torch.no_grad()
+    def resume(self, staged: bool) -> None:
+        """After a load: the device parameters from the masters now. A delayed update's state saved with its
+        writeback pending (`staged`) finds no later point here to send it: a selective step writes its parameters
+        at the end of a window or a synchronisation point, after that step's forward has read them."""
+        super().resume(staged=False)
+
     def close(self) -> None:
         """Stop the sum thread and the background worker (after finish_pending)."""
         if self._sum_executor is not None:
