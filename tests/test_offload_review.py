@@ -274,3 +274,18 @@ def test_a_state_without_masters_loaded_with_an_update_pending_keeps_the_masters
     for p, m in zip(model.parameters(), after):
         assert torch.equal(p.detach(), m.to(torch.bfloat16).reshape(p.shape))
     opt.close()
+
+
+def test_every_use_after_close_raises():
+    """After close() every method that reads or moves the state raises saying so (synchronize() and
+    memory_report() returned quietly before, reading buffers already given back)."""
+    a, b = pair()
+    opt = zk.ZeroOffloadAdamW([a, b], dtype=torch.float32, delay_update_after=0, **HP)
+    (a.sum() + b.sum()).backward()
+    opt.step()
+    opt.close()
+    for use in (opt.synchronize, opt.memory_report, opt.state_dict, opt.step, opt.zero_grad,
+                opt.refresh_masters_from_model):  # fmt: skip
+        with pytest.raises(RuntimeError, match="was closed"):
+            use()
+    opt.close()  # (closing twice is fine)

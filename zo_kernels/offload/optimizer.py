@@ -817,6 +817,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Finish a pending delayed update and send its parameters to the device (e.g. before evaluation)."""
+        self._check_open()
         self.update.finish_pending(write=True)
         self.update.wait_written()
 
@@ -840,8 +841,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """Load a state dict of this class (any world size) or of torch.optim.AdamW.
 
         Without `master` entries (a plain AdamW state dict) the fp32 masters are kept if the model's device
-        parameters are still their cast, else refreshed from the model (with a warning): load the model's
-        weights before constructing the optimizer to keep full precision. Everything is checked first.
+        parameters are still their cast (or a delayed update's writeback is pending: the model lags it by design),
+        else refreshed from the model (with a warning): load the model's weights before constructing the optimizer
+        to keep full precision. Everything is checked first.
         Every param-group key is restored (e.g. a scheduler's `initial_lr`); a parameter without saved state
         starts afresh (step 0, zero moments), as in torch.
         A state saved between a delayed update and its writeback restores that writeback as pending (the
@@ -853,10 +855,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def refresh_masters_from_model(self) -> None:
         """Take the fp32 masters from the model's current (device) parameters, e.g. after model.load_state_dict."""
+        self._check_open()
         self.update.refresh_from_model()
 
     def memory_report(self) -> MemoryReport:
         """Every buffer this rank holds (device, host, NVMe), measured, each next to its formula (docs/design.md)."""
+        self._check_open()
         return report.measure(self)
 
     def close(self) -> None:
