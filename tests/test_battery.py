@@ -1064,6 +1064,8 @@ _zo_load("exp_avg_sq-nan", ValueError, "exp_avg_sq", lambda sd: sd["state"][0].u
 _zo_load("step-str", (ValueError, TypeError), "step", lambda sd: sd["param_groups"][0].update(step="abc"))
 _zo_load("no-good-steps", ValueError, "good_steps",
          lambda sd: sd["zero_offload"].pop("good_steps"))
+_zo_load("staged-str", ValueError, "staged", lambda sd: sd["zero_offload"].update(staged="yes"))
+_zo_load("dynamic-float", ValueError, "dynamic", lambda sd: sd["zero_offload"].update(dynamic=1.5))
 _zo_load("state-shape", ValueError, "exp_avg", lambda sd: sd["state"][0].update(exp_avg=torch.zeros(2, 2)), owner=None)
 _zo_load("amsgrad", ValueError, "amsgrad", lambda sd: sd["param_groups"][0].update(amsgrad=True))  # issue 19
 

@@ -130,6 +130,9 @@ def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[
     extra = state_dict.get("zero_offload", {})
     if not isinstance(extra, dict):
         raise ValueError(f"state_dict['zero_offload'] must be a dict, got {type(extra).__name__}")
+    for key in ("staged", "dynamic"):  # (truth-tested when loaded: "yes" or 1.5 would pass for True)
+        if key in extra and not isinstance(extra[key], bool):
+            raise ValueError(f"state_dict['zero_offload'][{key!r}] must be a bool, got {type(extra[key]).__name__}")
     if "loss_scale" in extra:
         if _real(extra["loss_scale"], "state_dict['zero_offload']['loss_scale']") <= 0:
             raise ValueError("state_dict['zero_offload']['loss_scale'] must be > 0")
