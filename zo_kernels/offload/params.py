@@ -18,14 +18,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves
 
 from ..cpu_adam import bump_version
 from ..transport import Event, Transport
 from .comm import Comm, _all_gather_single
 from .layout import FlatLayout
 from .report import PhaseTimes
-from .unit import Unit, UnitState
+from .unit import Unit, UnitState, tensors_in
 
 Uses = list[tuple[torch.nn.Module, list[int]]]  # (module, the units it uses)
 
@@ -84,11 +83,24 @@ class _Parameters(dict):
             self.shards.fetch(p)
         return p
 
+    def items(self) -> Any:  # (module.parameters() and named_parameters() read these: inside a forward, gathered)
+        self._fetch_all()
+        return dict.items(self)
+
+    def values(self) -> Any:
+        self._fetch_all()
+        return dict.values(self)
+
+    def _fetch_all(self) -> None:
+        if self.shards.running:
+            for name in dict.keys(self):
+                self[name]
+
     def __deepcopy__(self, memo: dict) -> dict:
-        return {k: self.shards.whole_copy(p, memo) for k, p in self.items()}
+        return {k: self.shards.whole_copy(p, memo) for k, p in dict.items(self)}
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # (torch.save(model), pickle: whole parameters, a plain dict)
-        return dict, ({k: self.shards.whole_copy(p, {}) for k, p in self.items()},)
+        return dict, ({k: self.shards.whole_copy(p, {}) for k, p in dict.items(self)},)
 
 
 class ParamShards:
@@ -429,14 +441,17 @@ class ParamShards:
             self.running.pop()
         for u in units:
             u.users = max(0, u.users - 1)
+        handed = tensors_in(out)  # (also in a dataclass or object the forward returns)
         if torch.is_grad_enabled():
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+            for t in handed:
+                if t.requires_grad:
                     t.register_hook(lambda g, units=units: self._pre_backward(units))
         if torch._C._current_graph_task_id() == -1:  # (a forward recomputed inside backward keeps its units)
-            for u in units:
-                if u.idle:
-                    u.reshard(out)
+            kept = [t for t in vars(module).values() if isinstance(t, torch.Tensor)]  # (e.g. self.cache = w[:n])
+            ids = {id(t) for t in handed}
+            for u in units:  # (a unit whose parameter itself is handed out, `return self.queries`, stays whole until
+                if u.idle and not any(id(p) in ids for p in u.params):  # its gradient arrives or the pass ends)
+                    u.reshard((handed, kept))
 
     @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _pre_backward(self, units: list[Unit]) -> None:

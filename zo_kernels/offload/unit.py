@@ -204,10 +204,45 @@ class Unit:
                     "first")  # fmt: skip
 
 
+_ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.nn.Module, torch.dtype, torch.device, type)
+MAX_OBJECTS = 10_000  # tensors_in's bound on the objects it opens (an output holding a whole object graph)
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors a forward's output holds: in pytree containers (lists, tuples, dicts, HF's ModelOutput), and in
+    the dataclasses, sets and plain objects' attributes among them (each object opened once; modules, classes and
+    functions are not). A forward returning `MyOutput(hidden=...)` hands its tensors out like a tuple does."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    todo = [obj]
+    while todo and len(seen) < MAX_OBJECTS:
+        for leaf in tree_leaves(todo.pop()):
+            if isinstance(leaf, torch.Tensor):
+                found.append(leaf)
+            elif isinstance(leaf, _ATOMS) or callable(leaf) or id(leaf) in seen:
+                continue
+            elif isinstance(leaf, (set, frozenset)):
+                seen.add(id(leaf))
+                todo.append(list(leaf))
+            elif hasattr(leaf, "__dict__") or hasattr(leaf, "__slots__"):
+                seen.add(id(leaf))
+                todo.append([getattr(leaf, k, None) for k in _fields(leaf)])
+    return found
+
+
+def _fields(obj: Any) -> list[str]:
+    """Names of an object's attributes: its __dict__'s and its __slots__ (a dataclass(slots=True) has no dict)."""
+    names = list(getattr(obj, "__dict__", {}))
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else list(slots)
+    return names
+
+
 def _viewed_by(buf: torch.Tensor, outputs: Any) -> bool:
-    """Some tensor in `outputs` shares buf's storage."""
+    """Some tensor in `outputs` (see tensors_in) shares buf's storage."""
     if outputs is None:
         return False
     ptr = buf.untyped_storage().data_ptr()
-    return any(isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device == buf.device
-               and t.untyped_storage().data_ptr() == ptr for t in tree_leaves(outputs))  # fmt: skip
+    return any(t.layout == torch.strided and t.device == buf.device and t.untyped_storage().data_ptr() == ptr
+               for t in tensors_in(outputs))  # fmt: skip
