@@ -567,3 +567,28 @@ def test_dataclass_outputs_returned_parameters_and_parameters_read_in_forward_tr
         losses[stage] = got
         opt.close()
     assert losses[2] == losses[3]
+
+
+def test_a_submodules_load_state_dict_reaches_the_next_forward_as_at_stage_2():
+    """model[1].load_state_dict(...) at stage 3 (the load hooks were on the root only: "size mismatch ... the shape
+    in current model is torch.Size([0])"); then refresh_masters_from_model(), as at stage 2; two more steps equal
+    stage 2's bit for bit."""
+    losses = {}
+    for stage in (2, 3):
+        model, x = _seq(2), torch.randn(3, 8)
+        opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=stage)
+        opt.backward(model(x).square().mean())
+        opt.step()
+        new = {"weight": torch.full((8, 8), 0.5), "bias": torch.zeros(8)}
+        model[1].load_state_dict(new)
+        opt.refresh_masters_from_model()
+        assert torch.equal(model[1].state_dict()["weight"], new["weight"])
+        got = []
+        for _ in range(2):
+            loss = model(x).square().mean()
+            opt.backward(loss)
+            opt.step()
+            got.append(loss.item())
+        losses[stage] = got
+        opt.close()
+    assert losses[2] == losses[3]

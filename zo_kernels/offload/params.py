@@ -151,6 +151,7 @@ class ParamShards:
         self._saving: list[Unit] = []  # units kept for a state_dict() in progress
         self._in_root_save = False  # the model's own state_dict() is running
         self._loading: list[Unit] = []  # units kept for a load_state_dict() in progress
+        self._loader: torch.nn.Module | None = None  # the module whose load_state_dict() that is
 
     # ------------------------------------------------------------------ construction
 
@@ -190,8 +191,11 @@ class ParamShards:
         self._hook(root.register_state_dict_pre_hook, lambda *a: setattr(self, "_in_root_save", True))
         self._hook(root.register_state_dict_post_hook, lambda *a: self._release_saved(root_done=True))
         # root.load_state_dict(): the units whole while it copies, then each rank's shard of them kept
-        self._hook(root.register_load_state_dict_pre_hook, lambda *a: self._keep_for_load())
-        self._hook(root.register_load_state_dict_post_hook, lambda *a: self._store_loaded())
+        # model.load_state_dict(), or a submodule's: its pre-hooks run for every module the load visits, the first
+        # with prefix "" (the module it was called on), whose post-hook runs last
+        for module in root.modules():
+            self._hook(module.register_load_state_dict_pre_hook, self._load_pre_hook)
+            self._hook(module.register_load_state_dict_post_hook, lambda m, keys: self._store_loaded(m))
 
     def _hook(self, register: Any, fn: Any, **kw: Any) -> None:
         self.hooks.append(register(_Hook(fn), **kw))
@@ -359,16 +363,25 @@ class ParamShards:
             u.unkeep()
         self._saving = []
 
-    def _keep_for_load(self) -> None:
-        """Before model.load_state_dict(): every unit whole (a collective with several ranks: all load)."""
+    def _load_pre_hook(self, module: torch.nn.Module, state_dict: Any, prefix: str, *rest: Any) -> None:
+        if prefix == "":  # (the module load_state_dict() was called on; its children's pre-hooks follow)
+            self._keep_for_load(module)
+
+    def _keep_for_load(self, module: torch.nn.Module) -> None:
+        """Before model.load_state_dict() (or a submodule's, `module`): every unit whole (a collective with several
+        ranks: all load)."""
+        self._loader = module
         self._loading = [u for u in self.units if u.whole is None or (u.state is UnitState.GATHERED and u.idle)]
         for u in self._loading:
             u.keep()
 
-    def _store_loaded(self) -> None:
-        """After model.load_state_dict(): what it wrote becomes the shards (the masters follow with the optimizer's
-        load_state_dict or refresh_masters_from_model, as at stage 2)."""
-        loading, self._loading = self._loading, []
+    def _store_loaded(self, module: torch.nn.Module) -> None:
+        """After model.load_state_dict() (the post-hook of the module it was called on): what it wrote becomes the
+        shards (the masters follow with the optimizer's load_state_dict or refresh_masters_from_model, as at stage
+        2)."""
+        if module is not self._loader:
+            return
+        loading, self._loading, self._loader = self._loading, [], None
         self.write_back()
         for u in loading:
             u.unkeep()
