@@ -1076,3 +1076,49 @@ def test_activation_rows_a_failed_new_stage_is_a_row(tmp_path, monkeypatch):
     assert [r["provider"] for r in rows] == ["torch", "zo", "host_overhead", "wide"], rows
     assert all("OutOfMemoryError" in r["error"] for r in rows[2:]) and rows[3]["shape"] == "wide"
     assert all("profile" in r for r in rows[:2])  # the profile ran after them
+
+
+def test_double_backward_through_offloaded_checkpoints(engine):
+    """A gradient penalty (torch.autograd.grad with create_graph=True, then backward through it) over 4 offloaded
+    segments: torch's gradients, bit for bit. The first backward gave each segment's device blocks back while the
+    higher-order graph still read the restored checkpoint, and the next segment's prefetch copied into them (autograd
+    caught the overwrite as an in-place change here; unseen, the gradients would have been wrong)."""
+    torch.manual_seed(0)
+    lins = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(4)]
+    x0 = x_input(4)
+
+    def grads(ck):
+        x = x0.clone().requires_grad_()
+        h = x * 1.0
+        for lin in lins:
+            h = ck(lambda t, lin=lin: torch.tanh(lin(t)) * t, h)
+        (g,) = torch.autograd.grad(h.square().sum(), x, create_graph=True)
+        g.square().sum().backward()
+        out = [x.grad, *(q.grad for lin in lins for q in lin.parameters())]
+        for lin in lins:
+            lin.zero_grad()
+        return out
+
+    same(grads(functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine))), grads(torch_ck))
+
+
+def test_one_tensor_passed_by_position_and_by_name_stays_one_tensor(engine):
+    """The same tensor, needing no gradient, passed positionally and by keyword (self-attention's query, key and
+    value): one tensor in every place in the recomputation too, as torch's checkpoint gives it (the keyword places
+    were left out of its group: nn.MultiheadAttention's recomputation took another path, "Recomputed values ...
+    different metadata", and a function branching on `q is k` gave other gradients)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(WIDTH, WIDTH)
+    x = x_input(4)  # needs no grad
+
+    def fn(q, key=None, value=None):
+        return torch.tanh(lin(q)) if (q is key and key is value) else torch.sigmoid(lin(q))  # (each saves its output)
+
+    def grads(ck):
+        lin.zero_grad()
+        ck(fn, x, key=x, value=x).sum().backward()
+        return [q.grad.clone() for q in lin.parameters()]
+
+    want = grads(torch_ck)
+    for offload in (True, False):
+        same(grads(functools.partial(zk.checkpoint, offload=offload, buffers=ActivationBuffers("cpu", engine))), want)

@@ -244,8 +244,8 @@ class _Release(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         seg = ctx.seg()
-        if seg is not None:
-            seg.release_device()
+        if seg is not None and not torch.is_grad_enabled():  # (create_graph=True: the graph being built reads the
+            seg.release_device()  # restored checkpoint later, so its blocks are not reused; freed with the segment)
         return (None, *grads)
 
 
@@ -422,7 +422,9 @@ def _groups(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device,
     of the same buffers checkpointed (`taken`) is kept by reference too: one given to many segments lives on
     anyway, and a copy per segment would cost a host block and a device slot each."""
     keys: list[int | str] = [i for i, a in enumerate(args) if _offloadable(a, device) and a not in taken]
-    keys += [k for k, v in kwargs.items() if _offloadable(v, device) and v.requires_grad and v not in taken]
+    kept = {id(args[i]) for i in keys}  # (a tensor kept positionally is one tensor in its keyword places too)
+    keys += [k for k, v in kwargs.items()
+             if _offloadable(v, device) and (v.requires_grad or id(v) in kept) and v not in taken]  # fmt: skip
     groups: dict[int, list[int | str]] = {}
     for k in keys:
         groups.setdefault(id(_get(args, kwargs, k)), []).append(k)
