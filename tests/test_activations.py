@@ -1122,3 +1122,65 @@ def test_one_tensor_passed_by_position_and_by_name_stays_one_tensor(engine):
     want = grads(torch_ck)
     for offload in (True, False):
         same(grads(functools.partial(zk.checkpoint, offload=offload, buffers=ActivationBuffers("cpu", engine))), want)
+
+
+def test_a_function_returning_its_argument_as_is_returns_that_argument(engine):
+    """nn.Identity, dropout in eval, a function returning its input in a tuple: the output is the argument itself,
+    as torch's checkpoint returns it, and it can be changed in place (it was a view made inside the offload's
+    custom Function: "Output 0 of _Release is a view and is being modified inplace"); gradients as torch's."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(WIDTH, WIDTH)
+    x0 = x_input(4)
+
+    def grads(ck, fn):
+        lin.zero_grad()
+        h = lin(x0)
+        y = ck(fn, h)
+        y = y[0] if isinstance(y, tuple) else y
+        assert y is h
+        y.mul_(2.0)
+        lin(y).sum().backward()
+        return [q.grad.clone() for q in lin.parameters()]
+
+    for fn in (torch.nn.Identity(), lambda t: F.dropout(t, 0.1, training=False), lambda t: (t, t.sum())):
+        want = grads(torch_ck, fn)
+        same(grads(functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine)), fn), want)
+
+
+def test_a_failed_reservation_counts_only_the_blocks_it_made_and_keeps_them():
+    """reserve() with a block the allocator refuses (out of memory): the counters hold only the blocks that exist
+    (they counted the refused one: 4.6e18 bytes), and the blocks made before it are free blocks for later segments
+    (they were dropped)."""
+    buf = ActivationBuffers("cpu", HostTransport())
+    with pytest.raises(RuntimeError):
+        buf.reserve([1024, 2**62])
+    assert (buf.device_allocations, buf.device_bytes) == (1, 1024)
+    block = buf.take_device(1024)  # the reserved one, not a new allocation
+    assert buf.device_allocations == 1 and block.numel() == 1024
+
+
+def test_an_error_about_another_view_is_not_blamed_on_the_arguments(engine):
+    """An in-place change of a view some other custom Function made (of a parameter) inside the function: autograd's
+    own error, naming that view, as torch's checkpoint gives it (it was rewritten into "the function modified one of
+    its tensor arguments in place")."""
+
+    class Same(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    w0 = torch.nn.Parameter(torch.randn(WIDTH, WIDTH))
+
+    def fn(t):
+        w = Same.apply(w0)
+        w.mul_(1.0)
+        return t @ w
+
+    x = x_input(2).requires_grad_() * 1.0
+    with pytest.raises(RuntimeError, match="custom Function") as e:
+        zk.checkpoint(fn, x, buffers=ActivationBuffers("cpu", engine))
+    assert "tensor arguments" not in str(e.value)

@@ -94,12 +94,18 @@ class ActivationBuffers:
         if any(n % 2 for n in host_blocks):
             raise ValueError(f"host_blocks: checkpoints are 16- or 32-bit, so their byte counts are even, got "
                              f"{list(host_blocks)}")  # fmt: skip
-        blocks = [self.take_device(n) for n in device_blocks]
-        for b in blocks:
-            self.give_device(b)
-        host = [self.take_host(n // 2, torch.float16) for n in host_blocks]
-        for h in host:
-            self.transport.pool.give(h)
+        blocks: list[torch.Tensor] = []
+        host: list[torch.Tensor] = []
+        try:  # (one that fails, e.g. out of memory: those taken before it are free blocks all the same)
+            for n in device_blocks:
+                blocks.append(self.take_device(n))
+            for n in host_blocks:
+                host.append(self.take_host(n // 2, torch.float16))
+        finally:
+            for b in blocks:
+                self.give_device(b)
+            for h in host:
+                self.transport.pool.give(h)
 
     def reserve_for(self, seq: int, batch: int, hidden: int, layers: int, *, dtype: torch.dtype = torch.bfloat16,
                     offload: bool = True, segments: int = 1) -> None:  # fmt: skip
@@ -130,11 +136,12 @@ class ActivationBuffers:
             if fit is not None:
                 block = self._free[fit].pop()
                 landing = self._landing.pop(block.data_ptr(), None)
-            else:
+        if block is None:
+            block = torch.empty(size, dtype=torch.uint8, device=self.device)  # (out of memory: nothing counted)
+            with self._lock:
                 self.device_allocations += 1
                 self.device_bytes += size
-        if block is None:
-            return torch.empty(size, dtype=torch.uint8, device=self.device)
+            return block
         if landing is not None:  # a prefetch whose segment was dropped before its restore may still be writing it
             self.transport.device_wait(landing)
         return block
@@ -385,9 +392,11 @@ class _Segment:
                     if isinstance(k, str):
                         kwargs[k] = self.kwargs[k]
             grads = [g for g, (_, _, rg) in zip(self.groups, self.meta, strict=True) if rg]
+            passed: dict[int, torch.Tensor] = {}  # id of a _Release output -> the argument it stands for
             if self.offload and grads and torch.is_grad_enabled():  # (resident blocks: nothing to release)
                 outs = _Release.apply(self, *(_get(args, kwargs, g[0]) for g in grads))
                 for g, o in zip(grads, outs, strict=True):
+                    passed[id(o)] = _get(args, kwargs, g[0])
                     for k in g:
                         _put(args, kwargs, k, o)
             self.store()
@@ -395,9 +404,11 @@ class _Segment:
                 out = self.function(*args, **kwargs)
             except RuntimeError as e:
                 text = str(e)  # (autograd's own words name _Release, or a view made in a custom Function)
-                if self.offload and ("_Release" in text or ("custom Function" in text and "inplace" in text)):
+                if self.offload and "_Release" in text:
                     raise RuntimeError(_MODIFIED_HELP) from e
                 raise
+            if passed:  # a function returning an argument as it is (nn.Identity, dropout in eval) returns the
+                out = _returned_as_is(out, passed)  # argument itself, as torch's checkpoint does, not our view of it
             if self.offload:
                 self.buffers._settle(self, graph=not _needs_no_grad(out))
             return out
@@ -440,6 +451,19 @@ def _put(args: list[Any], kwargs: dict[str, Any], key: int | str, value: Any) ->
         kwargs[key] = value
     else:
         args[key] = value
+
+
+def _returned_as_is(out: Any, passed: dict[int, torch.Tensor]) -> Any:
+    """`out` with each of _Release's outputs in it (a tensor, or in a list, tuple or dict) replaced by the argument
+    it stands for."""
+    if isinstance(out, torch.Tensor):
+        return passed.get(id(out), out)
+    if isinstance(out, (list, tuple)) and any(id(o) in passed for o in out):
+        got = [passed.get(id(o), o) for o in out]
+        return type(out)(*got) if hasattr(out, "_fields") else type(out)(got)
+    if isinstance(out, dict) and any(id(o) in passed for o in out.values()):
+        return type(out)((k, passed.get(id(o), o)) for k, o in out.items())
+    return out
 
 
 def _needs_no_grad(out: Any) -> bool:
