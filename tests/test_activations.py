@@ -1184,3 +1184,33 @@ def test_an_error_about_another_view_is_not_blamed_on_the_arguments(engine):
     with pytest.raises(RuntimeError, match="custom Function") as e:
         zk.checkpoint(fn, x, buffers=ActivationBuffers("cpu", engine))
     assert "tensor arguments" not in str(e.value)
+
+
+def test_selective_activation_checkpointing_context_fn_with_offload(engine):
+    """torch's selective activation checkpointing (context_fn=create_selective_checkpoint_contexts, addmm saved,
+    the rest recomputed) with offloaded segments: torch's gradients, bit for bit. The restore's own view and copy
+    ops ran inside the recomputation's policy mode, which refused them ("aten.slice.Tensor encountered during
+    backward but not found in storage")."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *a, **k):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    torch.manual_seed(0)
+    lins = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(3)]
+
+    def grads(ck):
+        x = x_input(4).requires_grad_()
+        h = x * 1.0
+        for lin in lins:
+            h = ck(lambda t, lin=lin: torch.tanh(lin(t)), h, context_fn=context_fn)
+        h.sum().backward()
+        out = [x.grad, *(q.grad.clone() for lin in lins for q in lin.parameters())]
+        for lin in lins:
+            lin.zero_grad()
+        return out
+
+    want = grads(torch_ck)
+    for offload in (True, False):
+        same(grads(functools.partial(zk.checkpoint, offload=offload, buffers=ActivationBuffers("cpu", engine))), want)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .transport import Event, Transport, default_transport
@@ -413,7 +414,9 @@ class _Segment:
                 self.buffers._settle(self, graph=not _needs_no_grad(out))
             return out
         args, kwargs = list(call_args), dict(call_kwargs)
-        for g, t in zip(self.groups, self.restore(), strict=True):
+        with _disable_current_modes():  # (the restore's own views and copies are not the function's: a selective
+            restored = self.restore()  # checkpointing policy's mode, active for the recomputation, must not see them)
+        for g, t in zip(self.groups, restored, strict=True):
             for k in g:
                 _put(args, kwargs, k, t)
         return self.function(*args, **kwargs)
