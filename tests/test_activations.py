@@ -1214,3 +1214,24 @@ def test_selective_activation_checkpointing_context_fn_with_offload(engine):
     want = grads(torch_ck)
     for offload in (True, False):
         same(grads(functools.partial(zk.checkpoint, offload=offload, buffers=ActivationBuffers("cpu", engine))), want)
+
+
+def test_channels_last_inputs_are_restored_with_their_strides(engine):
+    """A conv stack on channels_last inputs: torch's gradients bit for bit (offloaded and resident). The checkpoint
+    was made contiguous (NCHW), so the recomputation ran the convolution in another memory format and its weight
+    gradient differed by ~1e-6; now the block holds the input as it lies and gives its strides back."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(8, 8, 3, padding=1)
+    x0 = torch.randn(2, 8, 6, 6, generator=torch.Generator().manual_seed(3)).to(memory_format=torch.channels_last)
+
+    def grads(ck):
+        conv.zero_grad(set_to_none=True)
+        h = x0.clone(memory_format=torch.channels_last).requires_grad_()
+        for _ in range(3):
+            h = ck(lambda t: torch.tanh(conv(t)), h)
+        h.square().sum().backward()
+        return [conv.weight.grad.clone(), conv.bias.grad.clone()]
+
+    want = grads(torch_ck)
+    for offload in (True, False):
+        same(grads(functools.partial(zk.checkpoint, offload=offload, buffers=ActivationBuffers("cpu", engine))), want)

@@ -275,6 +275,7 @@ class _Segment:
         self.args: tuple[Any, ...] | None = args  # only during the forward call
         self.kwargs: dict[str, Any] | None = kwargs
         self.meta = [(t.shape, t.dtype, t.requires_grad) for t in kept]
+        self.orders: list[tuple[int, ...] | None] = []  # per checkpoint: the permutation back from memory order
         self.host: list[torch.Tensor] = []  # offload: the pinned copies
         self.d2h: list[Event] = []
         self.device: list[torch.Tensor] = []  # the device blocks holding the checkpoint now (may be empty)
@@ -292,9 +293,10 @@ class _Segment:
         """Copy the arguments into their blocks (host: queued D2H; device: a copy on the compute stream)."""
         assert self.args is not None and self.kwargs is not None
         buffers, args, kwargs = self.buffers, self.args, self.kwargs
-        for k in self.slots:
-            x = (kwargs[k] if isinstance(k, str) else args[k]).detach()
-            x = x if x.is_contiguous() else x.contiguous()
+        for i, k in enumerate(self.slots):
+            x, back = _memory_order((kwargs[k] if isinstance(k, str) else args[k]).detach())
+            self.orders.append(back)
+            self.meta[i] = (x.shape, *self.meta[i][1:])  # (the block holds x's memory order: channels_last's NHWC)
             if self.offload:
                 self.held.append(x)
                 self.versions.append(x._version)
@@ -358,7 +360,8 @@ class _Segment:
             prev = self.buffers._previous(self)
             if prev is not None:
                 prev.prefetch()
-            return [x.detach().requires_grad_(rg) for x, (_, _, rg) in zip(self.held, self.meta, strict=True)]
+            return [_ordered(x, back).detach().requires_grad_(rg)
+                    for x, back, (_, _, rg) in zip(self.held, self.orders, self.meta, strict=True)]  # fmt: skip
         if self.offload:
             self.prefetch()  # no-op if prefetched
             if self.state == "restoring":
@@ -370,7 +373,8 @@ class _Segment:
             prev = self.buffers._previous(self)
             if prev is not None:
                 prev.prefetch()  # one segment ahead, under this segment's compute
-        return [v.detach().requires_grad_(rg) for v, (_, _, rg) in zip(self.views, self.meta, strict=True)]
+        return [_ordered(v, back).detach().requires_grad_(rg)
+                for v, back, (_, _, rg) in zip(self.views, self.orders, self.meta, strict=True)]  # fmt: skip
 
     def release_device(self) -> None:
         """The segment's backward is done: an offloaded checkpoint's device blocks are free again."""
@@ -454,6 +458,26 @@ def _put(args: list[Any], kwargs: dict[str, Any], key: int | str, value: Any) ->
         kwargs[key] = value
     else:
         args[key] = value
+
+
+def _memory_order(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """x as a contiguous tensor of its elements in memory order, and the permutation that gives x's strides back: a
+    dense tensor of permuted strides (channels_last) is kept as it lies, so the recomputation reads it with the
+    strides the forward read (a kernel may take another path, and round otherwise); anything else contiguous."""
+    if x.is_contiguous():
+        return x, None
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+    xp = x.permute(order)
+    if not xp.is_contiguous():
+        return x.contiguous(), None
+    back = [0] * x.dim()
+    for i, d in enumerate(order):
+        back[d] = i
+    return xp, tuple(back)
+
+
+def _ordered(x: torch.Tensor, back: tuple[int, ...] | None) -> torch.Tensor:
+    return x if back is None else x.permute(back)
 
 
 def _returned_as_is(out: Any, passed: dict[int, torch.Tensor]) -> Any:
