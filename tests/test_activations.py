@@ -677,6 +677,7 @@ def test_bad_arguments_are_refused_before_anything_changes(engine):
         (ValueError, "seq must be an int >= 1", lambda: buf.reserve_for(0, 1, WIDTH, 2)),
         (ValueError, "segments must be an int >= 1", lambda: buf.reserve_for(4, 1, WIDTH, 2, segments=0)),
         (TypeError, "dtype must be", lambda: buf.reserve_for(4, 1, WIDTH, 2, dtype=torch.int64)),
+        (TypeError, "offload must be a bool", lambda: buf.reserve_for(4, 1, WIDTH, 2, offload="no")),
     ]
     for exc, match, call in cases:
         with pytest.raises(exc, match=match):

@@ -120,6 +120,8 @@ class ActivationBuffers:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if dtype not in _OFFLOADED:
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        if not isinstance(offload, bool):  # ("no" would reserve as True)
+            raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
         nbytes = seq * batch * hidden * torch.empty((), dtype=dtype).element_size()
         n = layers * segments
         if offload:
