@@ -22,6 +22,7 @@ from oracle import FeatureNet
 from test_oracle_matrix import CASES, Case, run_two_ranks, run_zo
 
 import zo_kernels as zk
+from zo_kernels.offload.unit import UnitState
 from zo_kernels.transport import CopyEngineTransport
 
 STAGES = ("1", "3", "3+cpu", "3+nvme")
@@ -245,6 +246,34 @@ def test_device_working_set_is_bounded(offload: str, prefetch: int, tmp_path) ->
     assert opt.device_bytes.now == buckets, "a gathered unit was not freed after the step"
     opt.close()
     transport.close()
+
+
+@pytest.mark.parametrize("evals", [(0,), (2,), (0, 1, 2, 3)])
+def test_evaluation_forwards_keep_the_prefetch_of_training(monkeypatch, evals) -> None:
+    """A forward without gradients (an evaluation) before the first step or between steps: the training iterations
+    after it prefetch as without it (all but the first use of each pass), and it leaves no unit gathered. It was
+    counted as the iteration's uses: before the first step it entered the recorded order, and every later backward
+    found the order out of step (10 of 18 uses prefetched, for good); between steps the next iteration prefetched
+    nothing."""
+    torch.manual_seed(0)
+    model = Stack()
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3, prefetch=1)
+    log: list[bool] = []
+    use = opt.shards._use
+    monkeypatch.setattr(opt.shards, "_use", lambda u: (log.append(u.live), use(u)))
+    g = torch.Generator().manual_seed(1)
+    n = len(opt.shards.units)
+    for it in range(4):
+        x, y = torch.randint(0, 37, (4, 6), generator=g), torch.randint(0, 37, (4, 6), generator=g)
+        if it in evals:
+            with torch.no_grad():
+                model(x, y)
+            assert all(u.state is UnitState.SHARDED for u in opt.shards.units)
+        log.clear()
+        model(x, y).backward()
+        opt.step()
+        assert sum(log) == (0 if it == 0 else 2 * n - 2), (it, log)
+    opt.close()
 
 
 def test_prefetch_gathers_ahead_in_the_recorded_order(monkeypatch) -> None:

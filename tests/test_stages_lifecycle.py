@@ -85,15 +85,15 @@ def test_forward_returning_a_view_of_its_parameter_trains_as_at_stage2() -> None
 @pytest.mark.parametrize("prefetch", [2, 3])
 @pytest.mark.parametrize("how", ["load_state_dict", "gathered_write"])
 def test_a_write_of_the_weights_reaches_a_prefetched_unit(how: str, prefetch: int) -> None:
-    """A forward without gradients leaves the next units prefetched; new weights written by model.load_state_dict()
-    or inside opt.gathered(write=True) must reach the next forward (the prefetched buffers kept the old ones)."""
+    """A forward whose backward never comes leaves the next units prefetched; new weights written by
+    model.load_state_dict() or inside opt.gathered(write=True) must reach the next forward (the prefetched buffers
+    kept the old ones)."""
     model = _seq()
     opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3, prefetch=prefetch)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
     model(x).sum().backward()
     opt.step()  # the order is recorded: prefetch is on from now
-    with torch.no_grad():
-        model(x)  # leaves units gathered ahead for a backward that never comes
+    model(x)  # a forward whose backward never comes leaves units gathered ahead for it
     g = torch.Generator().manual_seed(3)
     new = {k: torch.randn(s, generator=g) for k, s in _shapes(_seq()).items()}  # (model.state_dict() would gather)
     if how == "load_state_dict":
@@ -130,8 +130,7 @@ def test_load_state_dict_reaches_a_unit_prefetched_in_a_nested_module(prefetch: 
     x = torch.randn(3, 8)
     model(x).sum().backward()
     opt.step()
-    with torch.no_grad():
-        model(x)
+    model(x)  # (its backward never comes: units gathered ahead)
     torch.manual_seed(0)
     new = {k: torch.randn(s) for k, s in _shapes(Parent()).items()}
     model.load_state_dict(new)
@@ -417,8 +416,7 @@ def _two_rank_body(rank: int, store: str) -> None:
         x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
         model(x).sum().backward()
         opt.step()
-        with torch.no_grad():
-            model(x)  # leaves units prefetched
+        model(x)  # a forward whose backward never comes leaves units prefetched
         new = {k: torch.randn(s, generator=torch.Generator().manual_seed(3)) for k, s in _shapes(_seq()).items()}
         model.load_state_dict(new)  # every rank loads the same values
         ref = _seq()

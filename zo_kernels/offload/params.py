@@ -145,6 +145,8 @@ class ParamShards:
         self.order: list[int] = []  # units in the order of their uses in one iteration (forward, then backward)
         self.recording = True  # until the first step
         self.pos = 0  # uses since the last backward pass ended
+        self.forward_uses: int | None = None  # how many of the recorded uses are the forward's (the rest backward's)
+        self._first: dict[int, int] = {}  # unit -> its first place in the order (an eval forward's prefetch)
         self.hooks: list[Any] = []
         self.running: list[torch.nn.Module] = []  # the modules whose forward runs now, innermost last
         self._patched: list[torch.nn.Module] = []  # modules whose `_parameters` is a _Parameters
@@ -294,7 +296,16 @@ class ParamShards:
         self.times.add("gather_wait", time.perf_counter() - t0)
 
     def _use(self, u: Unit) -> None:
-        """u is about to be used: gather it, record the order (first iteration) and prefetch what follows."""
+        """u is about to be used: gather it, record the order (first iteration) and prefetch what follows. A forward
+        without gradients outside backward (an evaluation) records nothing and keeps the iteration's place in the
+        order: it prefetches the forward's next units from u's own place."""
+        if not torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            i = self._first.get(u.index)
+            if self.prefetch and i is not None:
+                for j in self.order[i + 1 : min(i + 1 + self.prefetch, self.forward_uses or 0)]:
+                    self.units[j].start()
+            u.finish()
+            return
         if self.recording:
             self.order.append(u.index)
         elif self.prefetch and self.pos < len(self.order) and self.order[self.pos] == u.index:
@@ -468,6 +479,8 @@ class ParamShards:
 
     @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _pre_backward(self, units: list[Unit]) -> None:
+        if self.recording and self.forward_uses is None:
+            self.forward_uses = len(self.order)
         for u in units:
             if not u.held or u.state in (UnitState.SHARDED, UnitState.GATHERING):
                 self._use(u)
@@ -498,6 +511,10 @@ class ParamShards:
         """The step wrote new parameters into the shard: the one invalidation path; the next iteration uses the
         recorded order."""
         self.invalidate(written=[])
+        if self.recording:
+            self.forward_uses = len(self.order) if self.forward_uses is None else self.forward_uses
+            for i, index in enumerate(self.order[: self.forward_uses]):
+                self._first.setdefault(index, i)
         self.recording, self.pos = False, 0
 
 
