@@ -83,24 +83,11 @@ class _Parameters(dict):
             self.shards.fetch(p)
         return p
 
-    def items(self) -> Any:  # (module.parameters() and named_parameters() read these: inside a forward, gathered)
-        self._fetch_all()
-        return dict.items(self)
-
-    def values(self) -> Any:
-        self._fetch_all()
-        return dict.values(self)
-
-    def _fetch_all(self) -> None:
-        if self.shards.running:
-            for name in dict.keys(self):
-                self[name]
-
     def __deepcopy__(self, memo: dict) -> dict:
-        return {k: self.shards.whole_copy(p, memo) for k, p in dict.items(self)}
+        return {k: self.shards.whole_copy(p, memo) for k, p in self.items()}
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # (torch.save(model), pickle: whole parameters, a plain dict)
-        return dict, ({k: self.shards.whole_copy(p, {}) for k, p in dict.items(self)},)
+        return dict, ({k: self.shards.whole_copy(p, {}) for k, p in self.items()},)
 
 
 class ParamShards:
