@@ -127,7 +127,7 @@ MUTANTS = [
        "        if self.staged:\n            return\n        if self.params_in_swapper:",
        "        if self.params_in_swapper:", ("tests/test_offload_review.py", "-k", "without_masters")),
     _m("stage3-objects-in-outputs-unseen", "stage 3", "zo_kernels/offload/unit.py",
-       'elif hasattr(leaf, "__dict__") or hasattr(leaf, "__slots__"):', "elif False:",
+       "elif dataclasses.is_dataclass(leaf):", "elif False:",
        ("tests/test_stages_lifecycle.py", "-k", "handed_out or dataclass_outputs")),
     # ---- selective: the selection's gradient gathered on the device follows the host's (selected.py)
     _m("selective-zero-grad-keeps-device-gradient", "selective", "zo_kernels/offload/grads.py",

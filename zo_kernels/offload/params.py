@@ -452,7 +452,7 @@ class ParamShards:
             self.running.pop()
         for u in units:
             u.users = max(0, u.users - 1)
-        handed = tensors_in(out)  # (also in a dataclass or object the forward returns)
+        handed = tensors_in(out)  # (also in a dataclass or set the forward returns)
         if torch.is_grad_enabled():
             for t in handed:
                 if t.requires_grad:
@@ -462,7 +462,7 @@ class ParamShards:
             ids = {id(t) for t in handed}
             for u in units:  # (a unit whose parameter itself is handed out, `return self.queries`, stays whole until
                 if u.idle and not any(id(p) in ids for p in u.params):  # its gradient arrives or the pass ends)
-                    u.reshard((handed, kept))
+                    u.reshard((out, kept))
 
     @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _pre_backward(self, units: list[Unit]) -> None:

@@ -17,6 +17,7 @@ for backward until its gradients arrive (`held`); an idle one may be resharded o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from enum import Enum, auto
 from typing import Any
@@ -208,10 +209,12 @@ _ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.nn.Module, to
 MAX_OBJECTS = 10_000  # tensors_in's bound on the objects it opens (an output holding a whole object graph)
 
 
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """The tensors a forward's output holds: in pytree containers (lists, tuples, dicts, HF's ModelOutput), and in
-    the dataclasses, sets and plain objects' attributes among them (each object opened once; modules, classes and
-    functions are not). A forward returning `MyOutput(hidden=...)` hands its tensors out like a tuple does."""
+def tensors_in(obj: Any, objects: bool = False) -> list[torch.Tensor]:
+    """The tensors a forward's output holds: in pytree containers (lists, tuples, dicts, HF's ModelOutput) and in
+    the dataclasses and sets among them (a forward returning `MyOutput(hidden=...)` hands its tensors out as a tuple
+    does); with `objects`, in any object's attributes too (each object opened once; modules, classes and functions
+    are not): the search for views of a unit's buffer. (The pre-backward hooks do not go into objects: an HF cache
+    returned by the model holds every layer's keys and values, which are no output of the module's own.)"""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
     todo = [obj]
@@ -224,14 +227,17 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
             elif isinstance(leaf, (set, frozenset)):
                 seen.add(id(leaf))
                 todo.append(list(leaf))
-            elif hasattr(leaf, "__dict__") or hasattr(leaf, "__slots__"):
+            elif dataclasses.is_dataclass(leaf):
+                seen.add(id(leaf))
+                todo.append([getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)])
+            elif objects and (hasattr(leaf, "__dict__") or hasattr(leaf, "__slots__")):
                 seen.add(id(leaf))
                 todo.append([getattr(leaf, k, None) for k in _fields(leaf)])
     return found
 
 
 def _fields(obj: Any) -> list[str]:
-    """Names of an object's attributes: its __dict__'s and its __slots__ (a dataclass(slots=True) has no dict)."""
+    """Names of an object's attributes: its __dict__'s and its __slots__."""
     names = list(getattr(obj, "__dict__", {}))
     for cls in type(obj).__mro__:
         slots = cls.__dict__.get("__slots__", ())
@@ -240,9 +246,9 @@ def _fields(obj: Any) -> list[str]:
 
 
 def _viewed_by(buf: torch.Tensor, outputs: Any) -> bool:
-    """Some tensor in `outputs` (see tensors_in) shares buf's storage."""
+    """Some tensor in `outputs` (see tensors_in: also in objects' attributes) shares buf's storage."""
     if outputs is None:
         return False
     ptr = buf.untyped_storage().data_ptr()
     return any(t.layout == torch.strided and t.device == buf.device and t.untyped_storage().data_ptr() == ptr
-               for t in tensors_in(outputs))  # fmt: skip
+               for t in tensors_in(outputs, objects=True))  # fmt: skip
