@@ -141,6 +141,8 @@ for _name, _kw, _exc, _arg in [
     ("grad_scale-1e40", dict(grad_scale=1e40), ValueError, "grad_scale"),
     ("threads-0", dict(threads=0), ValueError, "threads"),
     ("threads-2**31", dict(threads=2**31), ValueError, "threads"),
+    # (65536 passed the old bound: libgomp failed to start that many threads and exited the process)
+    ("threads-65536", dict(threads=65536), ValueError, "threads"),
     ("threads-str", dict(threads="4"), TypeError, "threads"), ("isa-bad", dict(isa="avx9"), ValueError, "isa"),
     ("tile-0", dict(tile_numel=0, sink=lambda a, b: None), ValueError, "tile_numel"),
     ("tile-float", dict(tile_numel=2.0, sink=lambda a, b: None), TypeError, "tile_numel"),
@@ -405,6 +407,18 @@ def _():
 def _():
     x = t(8)
     return lambda: zk.sum_squares(x, threads=2**40), [x]
+
+
+@case("sum_squares-threads-65536", ValueError, "threads")
+def _():
+    x = t(1 << 16)
+    return lambda: zk.sum_squares(x, threads=65536), [x]
+
+
+@case("accumulate-threads-65536", ValueError, "threads")
+def _():
+    acc, x = t(1 << 16), t(1 << 16)
+    return lambda: zk.accumulate(acc, x, threads=65536), [acc, x]
 
 
 @case("stream_pass-grad-size", ValueError, "grad")

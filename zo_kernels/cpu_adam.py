@@ -33,7 +33,11 @@ MAX_SEED = 2**64 - 1
 
 FP32_MAX = torch.finfo(torch.float32).max  # a hyper-parameter beyond it is inf once the kernel rounds it
 FP32_TINY = torch.finfo(torch.float32).tiny
-MAX_THREADS = 1 << 16
+# A kernel's parallel region starts the whole `threads` team (cpu/adam.cpp for_ranges): tens of thousands of threads
+# exhaust the process's thread limit and libgomp exits the process. The bound: 8 per CPU this process may run on, at
+# least 256 (oversubscribing a small machine stays possible: tests of the threads' order do it).
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+MAX_THREADS = max(256, 8 * _CPUS)
 MAX_STEP = 2**63 - 1  # the kernel's int64
 
 # Tile handed to the sink when the caller gives a sink but no tile size: 1M elements is ~28 MB of
@@ -735,7 +739,8 @@ def _check_threads(threads: int | None) -> int:
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     if threads > MAX_THREADS:
-        raise ValueError(f"threads must be <= {MAX_THREADS}, got {threads}")
+        raise ValueError(f"threads must be <= {MAX_THREADS} (8 per CPU this process may run on, at least 256), got "
+                         f"{threads}")  # fmt: skip
     return threads
 
 
