@@ -620,3 +620,14 @@ def _resized(t):
 def _inference(value):
     with torch.inference_mode():
         return torch.tensor(value)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("out_dtype", FLOATS, ids=str)
+def test_a_negative_scale_leaves_the_gaps_positive_zero(impl, out_dtype):
+    """The gaps of an aligned bucket are +0 whatever the scale's sign, bit for bit the torch path's (the kernel's
+    masked lanes loaded 0 and multiplied it by the scale: -0.0 in every gap for a negative one)."""
+    tensors = [torch.ones(3), torch.full((17,), 2.0), torch.ones(1)]
+    flat_ref, _ = expected_pack(tensors, out_dtype, -2.0, 8)
+    p = zk.pack(tensors, dtype=out_dtype, scale=-2.0, align=8, impl=impl)
+    assert_bits_equal(p.flat, flat_ref, "flat (gaps +0)")

@@ -121,6 +121,8 @@ def _st(ptr, x, mask, KIND: tl.constexpr, FULL: tl.constexpr):
 def _pack_block(src, dst, offs, n_read, n_write, scale, acc, bad,
                 IN_KIND: tl.constexpr, OUT_KIND: tl.constexpr, FULL: tl.constexpr):  # fmt: skip
     x = _ld(src + offs, offs < n_read, IN_KIND, FULL) * scale
+    if not FULL:  # (a masked lane loads 0, and 0 x a negative scale is -0.0: a gap holds +0, as the torch path's)
+        x = tl.where(offs < n_read, x, 0.0)
     y = _st(dst + offs, x, offs < n_write, OUT_KIND, FULL)
     return acc + x * x, bad | (y != y) | (tl.abs(y) == float("inf"))  # inline: a call costs the interpreter ~1 ms
 
