@@ -631,3 +631,38 @@ def test_a_negative_scale_leaves_the_gaps_positive_zero(impl, out_dtype):
     flat_ref, _ = expected_pack(tensors, out_dtype, -2.0, 8)
     p = zk.pack(tensors, dtype=out_dtype, scale=-2.0, align=8, impl=impl)
     assert_bits_equal(p.flat, flat_ref, "flat (gaps +0)")
+
+
+def test_out_and_into_misuse_is_refused_also_at_a_known_address():
+    """What a fresh plan refuses is refused at an address the plan has seen: a negated view of a checked `out` (the
+    bucket came out negated), an inference tensor as `out` (written, then refused, or silently with align 1) or
+    among unpack's tensors (the earlier ones written); and `into` overlapping itself or the bucket (the running sum
+    overwrote bucket element 0; a flag inside the sum's bytes corrupted it). Each leaves every tensor unchanged."""
+    x = torch.arange(1.0, 6.0)
+    b = torch.zeros(5)
+    zk.pack([x], out=b)  # the plan has seen b
+    with pytest.raises(ValueError, match="negated"):
+        zk.pack([x], out=torch._neg_view(b))
+    with torch.inference_mode():
+        inf_out = torch.zeros(8)
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        zk.pack([x], out=inf_out, align=8)
+    assert not inf_out.any()
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        zk.pack([x], out=inf_out)
+    assert not inf_out.any()
+    a = torch.zeros(4)
+    with torch.inference_mode():
+        c = torch.zeros(4)
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        zk.unpack(torch.arange(1.0, 9.0), [a, c])
+    assert not a.any() and not c.any()
+    out = torch.zeros(5)
+    flag = torch.zeros((), dtype=torch.bool)
+    with pytest.raises(ValueError, match="into\\[0\\] \\(sum_sq\\) and out overlap"):
+        zk.pack([x], out=out, into=(out[0], flag))
+    assert not out.any() and not flag
+    raw = torch.zeros(4, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="overlap"):
+        zk.pack([x], into=(raw.view(torch.float32)[0], raw[3].view(torch.bool)))
+    assert not raw.any()

@@ -27,6 +27,7 @@ from .layout_guard import guard as layout_guard
 
 CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _DTYPE, _CPU, _NEEDS_GRAD = attrgetter("dtype"), attrgetter("is_cpu"), attrgetter("requires_grad")
+_INFERENCE = torch.Tensor.is_inference
 
 
 def check_float(t, name: str) -> None:
@@ -46,6 +47,8 @@ def check_writable(t: torch.Tensor, name: str) -> None:
     if t.requires_grad and torch.is_grad_enabled():
         raise RuntimeError(f"{name} requires grad: it cannot be written in place here (use torch.no_grad() or "
                            f"{name}.detach())")  # fmt: skip
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        _refuse_written(t, name)
     check_memory(t, name, written=t.device.type == "cpu")
 
 
@@ -63,8 +66,18 @@ def check_out(out, dtype: torch.dtype, numel: int, device: torch.device, name: s
         raise ValueError(f"{name} is on {out.device}, the tensors on {device}")
     if out.requires_grad and torch.is_grad_enabled():
         check_writable(out, name)
+    if out.is_neg() or out.is_inference():  # (every call: the memory check below runs once per address)
+        _refuse_written(out, name)
     if memory:
         check_memory(out, name, written=out.device.type == "cpu")
+
+
+def _refuse_written(t: torch.Tensor, name: str) -> None:
+    """A negated view or an inference tensor cannot be written here (check_out's and unpack's refusal)."""
+    if t.is_neg():
+        raise ValueError(f"{name} is a negated or conjugated view; pass {name}.resolve_neg()")
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{name} is an inference tensor: outside inference mode it cannot be written in place")
 
 
 def check_into(into, device: torch.device) -> None:
@@ -161,9 +174,9 @@ class PackPlan:
         self._table_stale = True  # it does not hold the addresses of the last check (_upload rewrites it)
         self._host_tables: list[torch.Tensor] = []  # its pinned host copies, written in place in turn
         self._uploaded: list = []  # CUDA events: the last copy out of each host copy
-        self._out_checked: tuple[int, int] | None = None  # (address, numel) of an `out` whose memory was checked
+        self._out_checked: tuple | None = None  # (address, numel, storage bytes) of an `out` whose memory was checked
         self._apart_checked: tuple | None = None  # ((address, numel) of out, the tensors' addresses) found apart
-        self._into_checked: tuple[int, int] | None = None  # the addresses of an `into` pair whose memory was checked
+        self._into_checked: tuple | None = None  # an `into` pair's addresses and out's span, their memory checked
         self._writable = False  # the tensors at these addresses were checked writable (unpack on the CPU)
         self._gap_index: torch.Tensor | None = None
         self.uploads = 0  # tensor tables uploaded (a test counts them)
@@ -324,17 +337,18 @@ class PackPlan:
         allocation, no further kernel), and the result holds these two tensors; None: new ones."""
         ptrs, tensors = self.check(tensors)
         scale = scale if type(scale) is float and -3.4e38 < scale < 3.4e38 else _real(scale, "scale")
+        span = None if out is None else (out.data_ptr(), out.numel(), out.untyped_storage().nbytes())
         if into is not None:
             check_into(into, self.device)
-            where = (into[0].data_ptr(), into[1].data_ptr())
-            if where != self._into_checked:  # their storage (bounds, alignment, writable), once per address pair
+            where = (into[0].data_ptr(), into[1].data_ptr(), span)
+            if where != self._into_checked:  # their storage (bounds, alignment, writable), once per addresses
                 for t, name in zip(into, ("into[0] (sum_sq)", "into[1] (found_inf)")):
                     check_memory(t, name, written=t.device.type == "cpu")
+                self._check_into_apart(into, out)
                 self._into_checked = where
         if out is None:
             flat = torch.empty(self.total, dtype=self.dtype, device=self.device)
-        else:
-            span = (out.data_ptr(), out.numel())
+        else:  # (the storage's size in the key: one resized at the same address is checked again)
             check_out(out, self.dtype, self.total, self.device, memory=span != self._out_checked)
             self._out_checked = span  # its storage (bounds, writable) is checked once per address
             if (span, ptrs) != self._apart_checked:  # (the same bucket and addresses as the last call: still apart)
@@ -363,6 +377,22 @@ class PackPlan:
         into[0].add_(packed.sum_sq)
         into[1].logical_or_(packed.found_inf)
         return Packed(flat, self.offsets, into[1], into[0])
+
+    def _check_into_apart(self, into: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None) -> None:
+        """The two totals share no byte with each other, with the bucket or with the tensors packed."""
+        (s, f), spans = into, []
+        for t, name in ((s, "into[0] (sum_sq)"), (f, "into[1] (found_inf)")):
+            lo = t.data_ptr()
+            spans.append((lo, lo + t.element_size(), name))
+            self.check_apart(t, name)
+        if spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]:
+            raise ValueError("into: sum_sq and found_inf overlap in memory; each must be its own buffer")
+        if out is not None:
+            lo = out.data_ptr()
+            hi = lo + out.numel() * out.element_size()
+            for a, b, name in spans:
+                if a < hi and lo < b:
+                    raise ValueError(f"{name} and out overlap in memory; each must be its own buffer")
 
     def _pack_cpu_exact(self, ptrs: tuple[int, ...], flat: torch.Tensor) -> Packed:
         """The bucket holds the values unchanged (the offload step's case): one C++ pass per tensor copies it,
@@ -398,6 +428,9 @@ class PackPlan:
     def unpack(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], *, impl: str | None = None) -> None:
         """tensors[i] <- flat[offsets[i]:][:numels[i]], cast to tensors[i].dtype."""
         ptrs, tensors = self.check(tensors, written=True)
+        if any(map(_INFERENCE, tensors)) and not torch.is_inference_mode_enabled():  # (written: refused before any)
+            i = next(i for i, t in enumerate(tensors) if t.is_inference())
+            _refuse_written(tensors[i], f"{self.name}[{i}]")
         if torch.is_grad_enabled() and any(map(_NEEDS_GRAD, tensors)):
             i = next(i for i, t in enumerate(tensors) if t.requires_grad)
             raise RuntimeError(f"{self.name}[{i}] requires grad: it cannot be written in place here (use "
