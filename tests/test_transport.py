@@ -439,3 +439,53 @@ def test_h2d_tiles_failing_part_way_leaves_the_queued_tiles_known(monkeypatch):
         tr.wait(ev)
     assert (dst[:200] == 1.0).all() and (dst[200:] == 0.0).all()
     tr.close()
+
+
+def test_tiled_writeback_refused_by_the_transport_changes_nothing():
+    """A staging buffer the transport would refuse (pageable for a copy engine, a pool block given back) or a dst
+    that is a pool block: refused before tile 0 is updated (param, moments and staging unchanged); the update of
+    tile 0 ran first, then its copy raised."""
+    from zo_kernels.transport import CopyEngineTransport, Staging, tiled_writeback
+
+    n = 1000
+    tr = CopyEngineTransport()
+    pooled_dst, staging = tr.pool.take(n, torch.bfloat16), tr.pool.take(n, torch.bfloat16)
+    given_back = tr.pool.take(n, torch.bfloat16)
+    tr.pool.give(given_back)
+    cases = [
+        ("page-locked", torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)),
+        ("page-locked|given back", torch.empty(n, dtype=torch.bfloat16), given_back),
+        ("device memory", pooled_dst, staging),
+    ]
+    for match, dst, buf in cases:
+        p, g = torch.randn(n), torch.randn(n, dtype=torch.bfloat16)
+        m, v = torch.zeros(n), torch.zeros(n)
+        before = [t.clone() for t in (p, m, v, buf)]
+        with pytest.raises((ValueError, RuntimeError), match=match):
+            tiled_writeback(tr, p, g, m, v, dst=dst, staging=Staging(buf, 256), step=1, lr=1e-2)
+        for a, b in zip((p, m, v, buf), before):
+            assert torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a.nan_to_num(), b.nan_to_num())
+    tr.close()
+
+
+def test_a_closed_transport_refuses_copies():
+    """A copy after close() is refused (it ran at once, on the caller's thread, ahead of copies still queued: the
+    older copy landed last)."""
+    from zo_kernels.transport import CopyEngineTransport
+
+    tr = CopyEngineTransport(delay_s=0.05)
+    s1 = tr.pool.take(4, torch.float32).fill_(1.0)
+    s2 = tr.pool.take(4, torch.float32).fill_(2.0)
+    dst = torch.zeros(4)
+    tr.h2d(dst, s1)
+    tr.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        tr.h2d(dst, s2)
+    with pytest.raises(RuntimeError, match="closed"):
+        tr.record_h2d()
+    tr.synchronize()
+    assert torch.equal(dst, torch.ones(4))
+    host = HostTransport()
+    host.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        host.h2d(torch.zeros(2), torch.ones(2))

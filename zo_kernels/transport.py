@@ -250,6 +250,7 @@ class Transport:
     device: torch.device
     pool: HostPool
     needs_staging: bool = True  # False where host memory is the device's: updates may write in place
+    closed: bool = False  # close() was called: copies are refused
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         """Queue dst (device) <- src (host). src must stay unchanged until the event is done."""
@@ -275,6 +276,10 @@ class Transport:
     def tile_sink(self, dst: torch.Tensor, src: torch.Tensor) -> TileSink | None:
         """A C tile sink queueing the H2D copy of each finished tile of src to dst, or None (copies from Python)."""
         return None
+
+    def check_h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Raise what h2d(dst, src) would raise for its endpoints, copying nothing (a caller that writes src first
+        checks before it writes)."""
 
     def record_h2d(self) -> Event:
         """An event after every H2D copy queued so far (those queued by a C tile sink included)."""
@@ -339,13 +344,21 @@ class HostTransport(Transport):
                 self._error = e
             ev.set()
 
-    def _submit(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+    def check_h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._check_copy(dst, src)
+
+    def _check_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.closed:
+            raise RuntimeError("this transport was closed: make a new one")
         _check_pair(dst, src)
         for t, name in ((dst, "dst"), (src, "src")):
             if t.device.type != "cpu":
                 raise ValueError(f"{name} must be a CPU tensor for HostTransport, got {t.device}")
             self.pool.check_usable(t, name)
         check_no_overlap({"dst": dst, "src": src})
+
+    def _submit(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        self._check_copy(dst, src)
         if self._queue is None:
             self._copy(dst, src)
             return Event()
@@ -367,6 +380,8 @@ class HostTransport(Transport):
         return self._submit(dst, src)
 
     def record_h2d(self) -> Event:
+        if self.closed:
+            raise RuntimeError("this transport was closed: make a new one")
         return Event() if self._queue is None else self._enqueue(None, None)
 
     def wait(self, event: Event | None) -> None:
@@ -384,6 +399,9 @@ class HostTransport(Transport):
         self.wait(self._last)
 
     def close(self, timeout_s: float = 10.0) -> None:
+        """Let the queued copies finish (up to `timeout_s`) and stop the copy thread; a later copy is refused (it
+        would have run at once, ahead of copies still queued)."""
+        self.closed = True
         if self._queue is not None:
             self._queue.put(None)
             self._queue = None
@@ -437,6 +455,10 @@ class CopyEngineTransport(HostTransport):
                              "synchronous")  # fmt: skip
         if device_side.numel() and self.pool.holds(device_side):
             raise ValueError(f"{'dst' if host_name == 'src' else 'src'} must be device memory, not a pool block")
+
+    def check_h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._check_sides(dst, src, "src")
+        self._check_copy(dst, src)
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         self._check_sides(dst, src, "src")
@@ -502,6 +524,8 @@ class CudaTransport(Transport):
         return ev
 
     def _check_endpoints(self, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> None:
+        if self.closed:
+            raise RuntimeError("this transport was closed: make a new one")
         _check_pair(dst, src)
         dev, host = (dst, src) if to_device else (src, dst)
         if dev.device != self.device:
@@ -512,6 +536,9 @@ class CudaTransport(Transport):
         self.pool.check_usable(host, name)
         if host.numel() and self._cu.pointer_kind(host.data_ptr()) != 1:
             raise ValueError(f"{name} must be page-locked (from transport.pool or pinned), or the copy is synchronous")
+
+    def check_h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._check_endpoints(dst, src, True)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> Event:
         self._check_endpoints(dst, src, to_device)
@@ -600,9 +627,11 @@ class CudaTransport(Transport):
             self.wait(self._event(stream))
 
     def close(self) -> None:
-        """Wait for the copies, then give every pinned block back (freed once no tensor views it)."""
+        """Wait for the copies, then give every pinned block back (freed once no tensor views it); a later copy is
+        refused."""
         self.synchronize()
         self.pool.close()
+        self.closed = True
 
 
 def default_transport(device: torch.device) -> Transport:
@@ -692,7 +721,9 @@ def tiled_writeback(
         in_place = dst.data_ptr() == staging.buf.data_ptr() and staging.buf.numel() >= plan.numel
         check_no_overlap({"dst": dst, **state, **({} if in_place else {"staging": staging.buf})})
     tile = staging.tile_numel
-    staging.region(0, 0, min(tile, plan.numel), plan.numel)  # raises on a staging buffer too small to use
+    _, first = staging.region(0, 0, min(tile, plan.numel), plan.numel)  # raises on a staging buffer too small to use
+    if plan.numel and first.data_ptr() != dst.data_ptr():  # (the transport's own refusals, before tile 0 is written)
+        transport.check_h2d(dst[: first.numel()], first)
     full = staging.buf.numel() >= plan.numel
     try:
         return _writeback_tiles(transport, plan, dst, staging, timings, full)
