@@ -497,6 +497,32 @@ def _():
     return opt.step, [p]
 
 
+def _cpuadam_loaded(step):
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = zk.CPUAdam([a, b], lr=0.1)
+    a.grad, b.grad = torch.ones(4), torch.ones(4)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][1]["step"] = torch.tensor(step)
+    return opt, sd, [a, b]
+
+
+for _name, _step in (("inf", float("inf")), ("nan", float("nan")), ("1e30", 1e30)):
+    @case(f"cpuadam-load-step-{_name}", ValueError, "step")
+    def _(step=_step):  # (inf and nan raised OverflowError / ValueError not naming it; 1e30 loaded, and the next
+        opt, sd, params = _cpuadam_loaded(step)  # step updated param 0, then raised on param 1)
+        return lambda: opt.load_state_dict(sd), [*params, *(t for st in opt.state.values() for t in st.values())]
+
+
+@case("cpuadam-next-step-past-int64", ValueError, "step")
+def _():  # a step set in the state by hand: refused before any parameter is updated (param 0 was, then it raised)
+    opt, _, params = _cpuadam_loaded(0.0)
+    opt.state[params[1]]["step"] = torch.tensor(2.0**63, dtype=torch.float64)
+    for p in params:
+        p.grad = torch.ones(4)
+    return opt.step, params
+
+
 @case("cpuadam-version-counter", RuntimeError, "inplace")
 def _():
     p = torch.randn(5, requires_grad=True)

@@ -887,8 +887,10 @@ class CPUAdam(torch.optim.Optimizer):
                                          f"{tuple(p.shape)}")  # fmt: skip
                 step = st["step"]
                 step = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
-                if isinstance(step, bool) or not isinstance(step, (int, float)) or step < 0 or step != int(step):
-                    raise ValueError(f"state_dict state {i!r} 'step' must be a whole number >= 0, got {step!r}")
+                if (isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step)
+                        or step < 0 or step != int(step) or step >= MAX_STEP):  # fmt: skip
+                    raise ValueError(f"state_dict state {i!r} 'step' must be a whole number in [0, {MAX_STEP}), got "
+                                     f"{step!r}")  # fmt: skip
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -910,6 +912,10 @@ class CPUAdam(torch.optim.Optimizer):
                 if p.grad.shape != p.shape:
                     got, want = tuple(p.grad.shape), tuple(p.shape)
                     raise ValueError(f"param group {gi} param {pi}: grad shape {got} != param shape {want}")
+                st = self.state.get(p)
+                if st and int(st["step"].item()) + 1 > MAX_STEP:
+                    raise ValueError(f"param group {gi} param {pi}: its next step would pass {MAX_STEP} (the kernel's "
+                                     "int64)")  # fmt: skip
                 work.append((group, p))
         seeds = {p: i for i, p in enumerate(self._params())}
         for group, p in work:
