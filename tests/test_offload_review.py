@@ -289,3 +289,53 @@ def test_every_use_after_close_raises():
         with pytest.raises(RuntimeError, match="was closed"):
             use()
     opt.close()  # (closing twice is fine)
+
+
+@pytest.mark.parametrize("failure", ["bad lr", "no trainable param", "allocation"])
+def test_a_new_optimizer_that_fails_leaves_the_old_one_running(failure, monkeypatch):
+    """A second optimizer over the same params replaces the first only once it is built: refused arguments or a
+    failed build (a full disk for its NVMe files, stood in for here) leave the first one training (it was closed
+    first: 'this ZeroOffloadAdamW was closed', and with NVMe its state files deleted)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    opt = zk.ZeroOffloadAdamW(model, dtype=torch.float32, delay_update_after=0, **HP)
+    opt.backward(model(x).square().mean())
+    opt.step()
+    params = list(model.parameters())
+    if failure == "bad lr":
+        make = lambda: zk.ZeroOffloadAdamW([{"params": params, "lr": -1.0}], module=model)  # noqa: E731
+    elif failure == "no trainable param":
+        frozen = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+        make = lambda: zk.ZeroOffloadAdamW([{"params": params}, {"params": [frozen]}])  # noqa: E731
+    else:
+        def full_disk(*a, **k):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(zk.ZeroOffloadAdamW, "_allocate", full_disk)
+        make = lambda: zk.ZeroOffloadAdamW(model, dtype=torch.float32)  # noqa: E731
+    with pytest.raises((ValueError, OSError)):
+        make()
+    monkeypatch.undo()
+    assert not opt._closed
+    opt.backward(model(x).square().mean())  # the first one goes on
+    opt.step()
+    opt.close()
+
+
+def test_a_new_optimizer_takes_its_masters_after_the_old_ones_pending_update():
+    """The old optimizer's delayed update reaches the parameters before the new one takes its masters from them
+    (the new one is built, then the old one closed): the new masters are the old ones."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    old = zk.ZeroOffloadAdamW(model, dtype=torch.float32, delay_update_after=0, **HP)
+    for _ in range(2):
+        old.backward(model(x).square().mean())
+        old.step()
+    masters = [st["master"].clone() for st in old.state_dict()["state"].values()]
+    new = zk.ZeroOffloadAdamW(model, dtype=torch.float32, **HP)
+    assert old._closed
+    for a, (_, st) in zip(masters, sorted(new.state_dict()["state"].items())):
+        assert torch.equal(a, st["master"])
+    new.close()

@@ -56,13 +56,16 @@ def _trainable_only(group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _close_owners(groups: list[dict[str, Any]]) -> None:
-    """A new optimizer over these params replaces the one that owns them (as with torch's): it is closed."""
+def _owners(groups: list[dict[str, Any]]) -> list[ZeroOffloadAdamW]:
+    """The open optimizers that own these params: a new optimizer over them replaces them (as with torch's), closed
+    once it is built (one at stage 3 first: it hands the parameters back whole)."""
+    found: list[ZeroOffloadAdamW] = []
     for g in groups:
         for p in g["params"]:
             old = getattr(p, "_zo_owner", lambda: None)()
-            if old is not None and not old._closed and p in old._index:  # not a deepcopy's inherited attribute
-                old.close()
+            if old is not None and not old._closed and p in old._index and old not in found:  # (not a deepcopy's)
+                found.append(old)
+    return found
 
 
 def _from(part: str, name: str, doc: str) -> property:
@@ -281,7 +284,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "
                             f"got {type(process_group).__name__}")  # fmt: skip
         groups = check_params(params)
-        _close_owners(groups)  # (a stage-3 one hands the parameters back whole: their shapes are checked next)
+        for g in groups:  # (checked before an optimizer owning these params is touched: a refusal leaves it running)
+            self._group_hparams({**defaults, **{k: v for k, v in g.items() if k != "params"}})
+        owners = _owners(groups)
+        for old in owners:
+            if old.stage == 3:  # it hands the parameters back whole: their shapes are checked next
+                old.close()
         trainable, device = check_trainable(groups)
         names = check_init(init, module, trainable, offload_optimizer)
         if init is not None:
@@ -318,8 +326,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                  block=block_of(self.state_format))  # fmt: skip
         self.transport = transport if transport is not None else default_transport(device)
         self._own_transport = transport is None  # close() closes (returns the pinned memory of) what it made
+        for old in owners:  # its last update reaches the parameters this one takes its masters from
+            if not old._closed:
+                old.synchronize()
         # (touches the model only once nothing else can fail)
         self._allocate(trainable, nvme_dir, uses, None if init is None else (init, names))
+        for old in owners:  # replaced once this one is built (a failure above, e.g. a full disk, leaves it running)
+            old.close()
         if init is not None:
             materialise_followers(init, module, {id(p) for p in trainable}, dtype)
         self._cast_followers(followers)
