@@ -244,8 +244,37 @@ def test_loads_torch_adafactor_state_dict() -> None:
             assert torch.equal(got[i][k], v), (i, k)
 
 
+def test_state_dict_hooks_group_check_and_torchs_foreach_state() -> None:
+    """As ZeroOffloadAdamW and torch's Adafactor: the state-dict hooks run (they were skipped), a param group
+    appended by hand is refused by state_dict() (it was saved), and a torch.optim.Adafactor(foreach=True) state
+    loads with the loading optimizer keeping its own foreach (it took True, and every step then refused it)."""
+    model = FeatureNet(VOCAB, WIDTH, seed=2)
+    x, y = torch.randint(0, VOCAB, (2, BATCH, SEQ))
+    ref = torch.optim.Adafactor(model.parameters(), **ADAFACTOR, foreach=True)
+    model(x, y).backward()
+    ref.step()
+    model.zero_grad()
+    opt = zk.ZeroOffloadAdafactor(model, **ADAFACTOR, dtype=torch.float32)
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append("save post"))
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load pre"))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+    opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+    assert not opt.param_groups[0].get("foreach")
+    opt.backward(model(x, y))
+    opt.step()  # (it raised: foreach=True is not supported)
+    opt.state_dict()
+    assert calls == ["load pre", "load post", "save pre", "save post"]
+    opt.param_groups.append(dict(opt.param_groups[0], params=[]))
+    with pytest.raises(RuntimeError, match="param_groups was changed"):
+        opt.state_dict()
+    opt.param_groups.pop()
+    opt.close()
+
+
 @pytest.mark.parametrize(("kw", "name"), [(dict(lr=-1.0), "lr"), (dict(beta2_decay=0.5), "beta2_decay"),
-                                          (dict(eps=(None, -1.0)), "eps"), (dict(d=0.0), "d"),
+                                          (dict(eps=(None, -1.0)), "eps"), (dict(d=0.0), "d"), (dict(d=0.5), "d"),
                                           (dict(eps=1e-3), "eps"), (dict(state_dtype="8bit"), "state_dtype"),
                                           (dict(offload_optimizer="nvme"), "offload_optimizer"),
                                           (dict(maximize=1), "maximize")])  # fmt: skip

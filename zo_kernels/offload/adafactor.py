@@ -19,7 +19,14 @@ import torch
 import torch.distributed as dist
 
 from ..cpu_adam import _real
-from ..optim_contract import check_group_keys, check_state_dict_layout
+from ..optim_contract import (
+    check_group_keys,
+    check_state_dict_layout,
+    keep_implementation,
+    run_load_post_hooks,
+    run_load_pre_hooks,
+    state_dict_with_hooks,
+)
 from .checks import check_int
 from .comm import Comm
 from .layout import Run
@@ -293,8 +300,8 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
             raise ValueError(f"eps[0] must be >= 0 or None, got {eps[0]}")
         if not (_real(eps[1], "eps[1]") >= 0):
             raise ValueError(f"eps[1] must be >= 0, got {eps[1]}")
-        if not (_real(group["d"], "d") > 0):
-            raise ValueError(f"d must be > 0, got {group['d']}")
+        if not (_real(group["d"], "d") >= 1):  # (torch's Adafactor: the clipping threshold is at least 1)
+            raise ValueError(f"d must be >= 1, got {group['d']}")
         if not (_real(group["weight_decay"], "weight_decay") >= 0):
             raise ValueError(f"weight_decay must be >= 0, got {group['weight_decay']}")
         if not isinstance(group["maximize"], bool):
@@ -304,8 +311,13 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
                     weight_decay=float(group["weight_decay"]), maximize=group["maximize"])  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
-        """torch.optim.Adafactor's layout: per param step, row_var/col_var or variance, plus master (fp32, CPU)."""
+        """torch.optim.Adafactor's layout: per param step, row_var/col_var or variance, plus master (fp32, CPU); the
+        state-dict hooks run around it, as torch's."""
+        return state_dict_with_hooks(self, self._state_dict)
+
+    def _state_dict(self) -> dict[str, Any]:
         self._check_alive()
+        self._check_groups()
         self.update.finish_pending(write=False)
         lay = self.layout
         full = self.comm.gather(self.update.master, lay.part * self.world)  # (a collective on several ranks)
@@ -362,19 +374,24 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of this class or of torch.optim.Adafactor (then the masters are the model's)."""
+        """Load a state dict of this class or of torch.optim.Adafactor (then the masters are the model's); the
+        loading optimizer keeps its own foreach/differentiable options; the load hooks run as torch's."""
+        state_dict = run_load_pre_hooks(self, state_dict)
         self._check_loadable()
+        self._check_groups()
         self._check_between_steps()
         plan = self.check_state_dict(state_dict)
         self.update.finish_pending(write=False)
         with self._midway():  # (Ctrl-C...) part of the state the loaded one: as after an interrupted step
             self._load_checked(state_dict, plan)
         self._loaded()
+        run_load_post_hooks(self)
 
     def _load_checked(self, state_dict: dict[str, Any], plan: list) -> None:
         """load_state_dict's changes, everything checked."""
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
-            group.update({k: (tuple(v) if k == "eps" else v) for k, v in saved.items() if k != "params"})
+            group.update({k: (tuple(v) if k == "eps" else v) for k, v in keep_implementation(saved, group).items()
+                          if k != "params"})  # fmt: skip
         self.update.steps = [0] * len(self.layout.params)
         for st in self.update.stats.values():
             for t in st.values():
