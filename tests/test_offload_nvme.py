@@ -354,3 +354,21 @@ def test_nvme_writeback_sends_each_tile_as_soon_as_it_is_updated(tmp_path, monke
     transport.close()
     assert tiles > 100 and log.count("copy") == tiles, (tiles, log.count("copy"))
     assert log[: log.index("copy") + 2] == ["update", "copy", "update"], log[:10]
+
+
+def test_memory_report_and_training_go_on_with_the_nvme_directory_deleted(tmp_path):
+    """The scratch directory deleted under a running optimizer: training goes on on the open files, and
+    memory_report() reports them (it scanned the directory: FileNotFoundError); close() ends cleanly."""
+    import shutil
+
+    model = make_model(seed=0)
+    opt = zk.ZeroOffloadAdamW(model.parameters(), lr=2e-3, offload_optimizer="nvme", nvme_dir=str(tmp_path))
+    x = make_data(1, batch=4, seed=3)[0][0]
+    opt.backward(model(x[:, :-1], x[:, 1:]))
+    opt.step()
+    want = opt.memory_report().nvme_bytes
+    shutil.rmtree(opt.update.swapper.path)
+    opt.backward(model(x[:, :-1], x[:, 1:]))
+    opt.step()
+    assert opt.memory_report().nvme_bytes == want
+    opt.close()

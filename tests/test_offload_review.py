@@ -339,3 +339,29 @@ def test_a_new_optimizer_takes_its_masters_after_the_old_ones_pending_update():
     for a, (_, st) in zip(masters, sorted(new.state_dict()["state"].items())):
         assert torch.equal(a, st["master"])
     new.close()
+
+
+def test_close_after_a_failed_background_update_releases_everything(monkeypatch, tmp_path):
+    """A delayed update that failed in its worker, not yet reported: close() raises its error, and releases all the
+    same (it raised first and left the hooks on, the optimizer open and its NVMe scratch on disk until a second
+    close or exit)."""
+    import os
+
+    import zo_kernels.offload.update as upd
+
+    a, b = pair()
+    opt = zk.ZeroOffloadAdamW([a, b], dtype=torch.float32, delay_update_after=0, offload_optimizer="nvme",
+                              nvme_dir=str(tmp_path), **HP)  # fmt: skip
+    scratch = opt.update.swapper.path
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("the worker's failure")
+
+    monkeypatch.setattr(upd, "cpu_adam_step", boom)
+    (a.sum() + b.sum()).backward()
+    opt.step()  # the update starts in the background and fails there
+    with pytest.raises(RuntimeError, match="the worker's failure"):
+        opt.close()
+    assert opt._closed and not os.path.exists(scratch)
+    (a.sum() + b.sum()).backward()  # no hook of the closed optimizer's: a plain backward
+    assert a.grad is not None

@@ -148,6 +148,17 @@ class NvmeSwapper:
         """The scratch directory holding the files."""
         return self._scratch.path
 
+    def file_sizes(self) -> dict[str, int]:
+        """Each file's size on disk by name ("master.bin", ...); a file unlinked under the swapper (its directory
+        deleted while it runs: it still works on the open files) counts its reserved size."""
+        sizes = {}
+        for f in self._files:
+            try:
+                sizes[os.path.basename(f.path)] = os.stat(f.path).st_size
+            except FileNotFoundError:
+                sizes[os.path.basename(f.path)] = f.nbytes
+        return sizes
+
     @property
     def direct(self) -> bool:
         """Whether the files are read and written with O_DIRECT."""

@@ -881,8 +881,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         At stage 3 the model gets its parameters back whole (with several ranks a collective: all ranks close)."""
         if self._closed:
             return
-        self.update.finish_pending(write=True)
-        self.update.wait_written()
+        failed = None
+        try:  # (a failed background update raises here: everything is released all the same, then it is raised)
+            self.update.finish_pending(write=True)
+            self.update.wait_written()
+        except Exception as e:  # noqa: BLE001 (Ctrl-C stops the close: the update goes on, a second close finishes)
+            failed = e
         if self._forward_waits is not None:
             self._forward_waits.detach()
         self.grads.detach()
@@ -895,3 +899,5 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         # collectives, abort the process ("terminate called without an active exception"; tests/test_exit.py).
         self.comm.group = None
         self._closed = True
+        if failed is not None:
+            raise failed

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -171,8 +170,7 @@ def measure(opt: ZeroOffloadAdamW) -> MemoryReport:
         add("host", "selection index", "8S", 8 * s, nbytes([update.sel_buf]))
         add("host", "selection shuttle, pinned", "12S", 12 * s, nbytes([update.shuttle]))
     if swapper is not None:
-        files = [f for f in os.scandir(swapper.path) if f.name.endswith(".bin")]
-        size = {f.name: f.stat().st_size for f in files}
+        size = swapper.file_sizes()  # (not a scan of the directory: it may have been deleted under the run)
         shard_file = round_up(2 * part) if swapper.params_dtype is not None else 0
         add("nvme", "p32, m, v files", f"{k:g}{p_}", swapper.file_bytes - shard_file,
             sum(v for name, v in size.items() if name != "params.bin"))  # fmt: skip
