@@ -687,3 +687,25 @@ def test_cpuadam_state_dtype_checked():
         zk.CPUAdam([torch.zeros(3)], state_dtype=torch.float16)
     with pytest.raises(ValueError, match="state_dtype must be"):
         zk.CPUAdam([torch.zeros(3)], state_dtype="4bit")
+
+
+@pytest.mark.xfail(strict=True, reason="known limit of the 8-bit format (found 2026-11-27, not fixed): requantization "
+                   "rounds to nearest under a block scale another element holds up, so an element whose gradient "
+                   "stops keeps codes 1/1 and moves ~1.8 x lr a step for ever; stochastic rounding (as the bf16 "
+                   "moments have) is the planned fix. This test passes once it is fixed: then drop the mark")
+def test_8bit_moments_of_an_element_whose_gradient_stops_decay():
+    """Element 0 of a 256-element block gets gradient 1 every step (it sets the block's scales); element 1 gets one
+    gradient of 0.05 at step 50, then zeros. Exact Adam moves element 1 by ~0.0138 in all (m decays as 0.9^t);
+    the 8-bit moments must leave it within lr of that after 250 steps (they leave it 0.36 away, and growing)."""
+    n, lr = 256, 1e-3
+    p8, p32 = torch.zeros(n), torch.zeros(n)
+    m8, v8 = moments("8bit", n)
+    m32, v32 = torch.zeros(n), torch.zeros(n)
+    for step in range(1, 251):
+        g = torch.zeros(n)
+        g[0] = 1.0
+        if step == 50:
+            g[1] = 0.05
+        for p, m, v in ((p8, m8, v8), (p32, m32, v32)):
+            cpu_adam_step(p, g, m, v, step=step, lr=lr, weight_decay=0.0)
+    assert abs(p8[1].item() - p32[1].item()) < lr, (p8[1].item(), p32[1].item())
