@@ -553,17 +553,24 @@ def test_dataclass_outputs_and_returned_parameters_train_as_at_stage_2():
         torch.manual_seed(0)
         model, x = _Odd(), torch.randn(3, 8)
         opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=stage)
-        got = []
-        for _ in range(3):
-            with torch.no_grad():
-                got.append(model(x).item())
-            loss = model(x)
-            opt.backward(loss)
-            opt.step()
-            got.append(loss.item())
-        losses[stage] = got
+        losses[stage] = _losses(model, opt, x, 3, evaluate=True)
         opt.close()
     assert losses[2] == losses[3]
+
+
+def _losses(model: nn.Module, opt: zk.ZeroOffloadAdamW, x: torch.Tensor, steps: int, evaluate: bool = False,
+            loss=lambda y: y) -> list[float]:  # fmt: skip
+    """Each step's loss (and with `evaluate`, a no-grad forward's before it)."""
+    got = []
+    for _ in range(steps):
+        if evaluate:
+            with torch.no_grad():
+                got.append(loss(model(x)).item())
+        out = loss(model(x))
+        opt.backward(out)
+        opt.step()
+        got.append(out.item())
+    return got
 
 
 def test_a_submodules_load_state_dict_reaches_the_next_forward_as_at_stage_2():
@@ -580,12 +587,6 @@ def test_a_submodules_load_state_dict_reaches_the_next_forward_as_at_stage_2():
         model[1].load_state_dict(new)
         opt.refresh_masters_from_model()
         assert torch.equal(model[1].state_dict()["weight"], new["weight"])
-        got = []
-        for _ in range(2):
-            loss = model(x).square().mean()
-            opt.backward(loss)
-            opt.step()
-            got.append(loss.item())
-        losses[stage] = got
+        losses[stage] = _losses(model, opt, x, 2, loss=lambda y: y.square().mean())
         opt.close()
     assert losses[2] == losses[3]
