@@ -854,9 +854,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """Load a state dict of this class (any world size) or of torch.optim.AdamW.
 
         Without `master` entries (a plain AdamW state dict) the fp32 masters are kept if the model's device
-        parameters are still their cast (or a delayed update's writeback is pending: the model lags it by design),
-        else refreshed from the model (with a warning): load the model's weights before constructing the optimizer
-        to keep full precision. Everything is checked first.
+        parameters are still their cast, else refreshed from the model (with a warning): load the model's
+        weights before constructing the optimizer to keep full precision, and call synchronize() first while a
+        delayed update is pending (its writeback has not reached the model: its update would be dropped).
+        Everything is checked first.
         Every param-group key is restored (e.g. a scheduler's `initial_lr`); a parameter without saved state
         starts afresh (step 0, zero moments), as in torch.
         A state saved between a delayed update and its writeback restores that writeback as pending (the

@@ -31,7 +31,7 @@ import torch
 from .device_adam import DeviceState
 from .formats import block_of, bytes_per_element, cut_raw
 from .layout import FlatLayout, Run
-from .update import HostUpdate, MasterFill, StateViews, stopped_waiting
+from .update import HostUpdate, MasterFill, StateViews, stale_warning, stopped_waiting
 
 
 def check_gpu_fraction(x: Any) -> float:
@@ -372,14 +372,11 @@ class TwinUpdate(StateViews):
     @torch.no_grad()
     def refresh_stale_masters(self) -> None:
         """Keep the fp32 masters if the device params are still their cast; else take them from the model (as
-        HostUpdate's: not while an update's writeback is pending)."""
-        if self.staged or (self.host is not None and self.host.staged):
-            return
+        HostUpdate's)."""
         master = self.state()[0]
         if not torch.equal(master.to(self.own.dtype), self.own.cpu()):
-            warnings.warn("the model's parameters changed since the optimizer took its fp32 masters (e.g. "
-                          "model.load_state_dict after construction): masters refreshed from the model, losing "
-                          "the bits below its dtype", stacklevel=5)  # fmt: skip
+            warnings.warn(stale_warning(self.staged or (self.host is not None and self.host.staged)),
+                          stacklevel=5)  # fmt: skip
             self.refresh_from_model()
 
     @torch.no_grad()

@@ -42,6 +42,16 @@ def sr_pieces(x: int, y: int) -> Iterator[tuple[int, int]]:
 MasterFill = Callable[[int, int, torch.Tensor], Any]  # (a, b, out): the fp32 masters of partition range [a, b)
 
 
+def stale_warning(staged: bool) -> str:
+    """refresh_stale_masters' warning; `staged`: a delayed update's writeback was pending."""
+    text = ("the model's parameters changed since the optimizer took its fp32 masters (e.g. model.load_state_dict "
+            "after construction): masters refreshed from the model, losing the bits below its dtype")  # fmt: skip
+    if staged:
+        text += ("; a delayed update had not reached the model yet, and is dropped: call opt.synchronize() before "
+                 "loading a state without masters to keep it")  # fmt: skip
+    return text
+
+
 def stopped_waiting(fut: Future, e: BaseException) -> bool:
     """Whether `e`, raised while waiting for `fut`, stopped the wait (Ctrl-C...) and not the job, which goes on."""
     return not (fut.done() and fut.exception() is e)
@@ -596,11 +606,10 @@ class HostUpdate(StateViews):
 
     @torch.no_grad()
     def refresh_stale_masters(self) -> None:
-        """Keep the fp32 masters if the device params are still their cast; else take them from the model. With an
-        update's writeback pending (DPU) the model lags the masters by that update by design, which is no edit of
-        it: the masters are kept and the writeback follows (refresh_from_model takes the model's instead)."""
-        if self.staged:
-            return
+        """Keep the fp32 masters if the device params are still their cast; else take them from the model, with a
+        warning (stale_warning). With a delayed update's writeback pending the model lags the masters by that
+        update: nothing tells that lag from an edit of the model (model.load_state_dict, whose values must win), so
+        the model's values are taken and the warning says how to keep the update (synchronize() first)."""
         if self.params_in_swapper:  # the parameters' file holds the masters' cast, unless new weights were stored
             self._refresh_stale_masters_in_swapper()
             return
@@ -608,9 +617,7 @@ class HostUpdate(StateViews):
         device_part = self.own.cpu()
         master = self.state()[0]
         if not torch.equal(master.to(self.own.dtype), device_part):
-            warnings.warn("the model's parameters changed since the optimizer took its fp32 masters (e.g. "
-                          "model.load_state_dict after construction): masters refreshed from the model, losing "
-                          "the bits below its dtype", stacklevel=5)  # fmt: skip
+            warnings.warn(stale_warning(self.staged), stacklevel=5)
             master.copy_(device_part)
             self.save_master(master)
 
@@ -626,9 +633,7 @@ class HostUpdate(StateViews):
 
         self.swapper.read(compare)
         if stale:
-            warnings.warn("the model's parameters changed since the optimizer took its fp32 masters (e.g. "
-                          "model.load_state_dict after construction): masters refreshed from the model, losing "
-                          "the bits below its dtype", stacklevel=5)  # fmt: skip
+            warnings.warn(stale_warning(self.staged), stacklevel=5)
             self.refresh_from_model()
 
     @torch.no_grad()
