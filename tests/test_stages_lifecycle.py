@@ -590,3 +590,31 @@ def test_a_submodules_load_state_dict_reaches_the_next_forward_as_at_stage_2():
         losses[stage] = _losses(model, opt, x, 2, loss=lambda y: y.square().mean())
         opt.close()
     assert losses[2] == losses[3]
+
+
+def test_a_load_through_a_wrapper_and_after_a_failed_load():
+    """The optimizer's model loaded as a child of a wrapper (torch.compile's `_orig_mod.`, a Lightning module): the
+    units are kept for it as for the model's own load (keeping them only at the load's top level refused it: "size
+    mismatch ... torch.Size([0])"); a load that raised midway leaves nothing kept for the next one."""
+
+    class Wrap(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    model = _seq(2)
+    wrap = Wrap(model)
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3)
+    x = torch.randn(3, 8)
+    opt.backward(wrap(x).square().mean())
+    opt.step()
+    new = {f"inner.{k}": torch.full(s, 0.5) for k, s in _shapes(_seq(2)).items()}
+    with pytest.raises(RuntimeError, match="Missing key"):
+        wrap.load_state_dict({k: v for k, v in new.items() if "1.bias" not in k})  # (strict: raises after the load)
+    wrap.load_state_dict(new)
+    for k, v in wrap.state_dict().items():
+        assert torch.equal(v, new[k]), k
+    opt.close()

@@ -140,7 +140,8 @@ class ParamShards:
         self._saving: list[Unit] = []  # units kept for a state_dict() in progress
         self._in_root_save = False  # the model's own state_dict() is running
         self._loading: list[Unit] = []  # units kept for a load_state_dict() in progress
-        self._loader: torch.nn.Module | None = None  # the module whose load_state_dict() that is
+        self._loader: torch.nn.Module | None = None  # the outermost of our modules that load visits
+        self._load_keys: list | None = None  # that load's missing_keys list (one per load_state_dict() call)
 
     # ------------------------------------------------------------------ construction
 
@@ -180,8 +181,8 @@ class ParamShards:
         self._hook(root.register_state_dict_pre_hook, lambda *a: setattr(self, "_in_root_save", True))
         self._hook(root.register_state_dict_post_hook, lambda *a: self._release_saved(root_done=True))
         # root.load_state_dict(): the units whole while it copies, then each rank's shard of them kept
-        # model.load_state_dict(), or a submodule's: its pre-hooks run for every module the load visits, the first
-        # with prefix "" (the module it was called on), whose post-hook runs last
+        # model.load_state_dict(), a submodule's or a wrapper's (the root loaded as a child): its pre-hooks run for
+        # every module the load visits, outermost first, whose post-hook runs last
         for module in root.modules():
             self._hook(module.register_load_state_dict_pre_hook, self._load_pre_hook)
             self._hook(module.register_load_state_dict_post_hook, lambda m, keys: self._store_loaded(m))
@@ -361,8 +362,10 @@ class ParamShards:
             u.unkeep()
         self._saving = []
 
-    def _load_pre_hook(self, module: torch.nn.Module, state_dict: Any, prefix: str, *rest: Any) -> None:
-        if prefix == "":  # (the module load_state_dict() was called on; its children's pre-hooks follow)
+    def _load_pre_hook(self, module: torch.nn.Module, state_dict: Any, prefix: str, local_metadata: Any, strict: Any,
+                       missing_keys: list, *rest: Any) -> None:  # fmt: skip
+        if missing_keys is not self._load_keys:  # the first of a load (its one `missing_keys` list: a new one a call,
+            self._load_keys = missing_keys  # so a load that raised midway leaves nothing behind for the next)
             self._keep_for_load(module)
 
     def _keep_for_load(self, module: torch.nn.Module) -> None:
@@ -379,7 +382,7 @@ class ParamShards:
         2)."""
         if module is not self._loader:
             return
-        loading, self._loading, self._loader = self._loading, [], None
+        loading, self._loading, self._loader, self._load_keys = self._loading, [], None, None
         self.write_back()
         for u in loading:
             u.unkeep()
