@@ -134,6 +134,7 @@ class ParamShards:
         self.pos = 0  # uses since the last backward pass ended
         self.forward_uses: int | None = None  # how many of the recorded uses are the forward's (the rest backward's)
         self._first: dict[int, int] = {}  # unit -> its first place in the order (an eval forward's prefetch)
+        self._evaluating = False  # the outermost running forward began without gradients, outside backward
         self.hooks: list[Any] = []
         self.running: list[torch.nn.Module] = []  # the modules whose forward runs now, innermost last
         self._patched: list[torch.nn.Module] = []  # modules whose `_parameters` is a _Parameters
@@ -285,9 +286,11 @@ class ParamShards:
 
     def _use(self, u: Unit) -> None:
         """u is about to be used: gather it, record the order (first iteration) and prefetch what follows. A forward
-        without gradients outside backward (an evaluation) records nothing and keeps the iteration's place in the
-        order: it prefetches the forward's next units from u's own place."""
-        if not torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        begun without gradients outside backward (an evaluation: the outermost module's forward decides, so a
+        reentrant checkpoint's forward, run without gradients inside a training forward, is no evaluation) records
+        nothing and keeps the iteration's place in the order: it prefetches the forward's next units from u's own
+        place."""
+        if self._evaluating and torch._C._current_graph_task_id() == -1:
             i = self._first.get(u.index)
             if self.prefetch and i is not None:
                 for j in self.order[i + 1 : min(i + 1 + self.prefetch, self.forward_uses or 0)]:
@@ -443,6 +446,8 @@ class ParamShards:
 
     @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _pre_forward(self, module: torch.nn.Module, units: list[Unit]) -> None:
+        if not self.running:  # the outermost forward: an evaluation if begun without gradients outside backward
+            self._evaluating = not torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
         self.running.append(module)
         for u in units:
             u.check_untouched()
