@@ -479,6 +479,9 @@ class Pos(nn.Module):
             return {v}
         if kind == "object":
             return [Holder(v)]
+        if kind == "attribute list":
+            self.cache = [v]  # (a KV cache's form)
+            return v * 1
         self.cache = v  # "attribute"
         return v * 1
 
@@ -486,12 +489,12 @@ m = Pos()
 opt = zk.ZeroOffloadAdamW(m, lr=1e-2, dtype=torch.float32, stage=3)
 o = m(5)
 v = {"dataclass": lambda: o.table, "slots": lambda: o.table, "set": lambda: next(iter(o)),
-     "object": lambda: o[0].inner["t"], "attribute": lambda: m.cache}[kind]()
+     "object": lambda: o[0].inner["t"], "attribute": lambda: m.cache, "attribute list": lambda: m.cache[0]}[kind]()
 print(float(v.detach().sum()))
 """
 
 
-@pytest.mark.parametrize("kind", ["dataclass", "slots", "set", "object", "attribute"])
+@pytest.mark.parametrize("kind", ["dataclass", "slots", "set", "object", "attribute", "attribute list"])
 def test_a_view_of_a_parameter_handed_out_in_any_container_keeps_its_values(kind, tmp_path):
     """A forward handing out a view of its parameter inside a dataclass, a set, an object's attributes, or keeping it
     in a module attribute: the view keeps the values (the unit's buffer is let go to it, as for a tuple). The walk

@@ -27,6 +27,8 @@ from .report import PhaseTimes
 from .unit import Unit, UnitState, tensors_in
 
 Uses = list[tuple[torch.nn.Module, list[int]]]  # (module, the units it uses)
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # what a bare Module holds: parameters, buffers, hooks
+_PLAIN = (int, float, bool, str, type(None))  # attributes that hold no tensor (nn.Linear's in_features...)
 
 
 class DeviceBytes:
@@ -458,19 +460,29 @@ class ParamShards:
     def _post_forward(self, module: torch.nn.Module, units: list[Unit], out: Any) -> None:
         if self.running and self.running[-1] is module:
             self.running.pop()
+        if not units:  # (a parent with no parameters of its own, nor read from others: nothing to hook or free)
+            return
         for u in units:
             u.users = max(0, u.users - 1)
-        handed = tensors_in(out)  # (also in a dataclass or set the forward returns)
+        handed = [out] if isinstance(out, torch.Tensor) else tensors_in(out)  # (also in a dataclass or set)
         if torch.is_grad_enabled():
             for t in handed:
                 if t.requires_grad:
                     t.register_hook(lambda g, units=units: self._pre_backward(units))
         if torch._C._current_graph_task_id() == -1:  # (a forward recomputed inside backward keeps its units)
-            kept = [t for t in vars(module).values() if isinstance(t, torch.Tensor)]  # (e.g. self.cache = w[:n])
-            ids = {id(t) for t in handed}
-            for u in units:  # (a unit whose parameter itself is handed out, `return self.queries`, stays whole until
-                if u.idle and not any(id(p) in ids for p in u.params):  # its gradient arrives or the pass ends)
-                    u.reshard((out, kept))
+            ids = {id(t) for t in handed}  # (a unit whose parameter itself is handed out, `return self.queries`,
+            idle = [u for u in units if u.idle and not any(id(p) in ids for p in u.params)]  # stays whole for now)
+            if idle:
+                viewed = self._viewed(out, module)
+                for u in idle:
+                    u.reshard(viewed)
+
+    def _viewed(self, out: Any, module: torch.nn.Module) -> set[int]:
+        """The storages that a forward's output and its module's own attributes (`self.cache = w[:n]`, also in a
+        list or an object there) hold on the device: a unit's buffer among them is let go to them, not freed."""
+        attrs = [v for k, v in vars(module).items() if k not in _MODULE_INTERNALS and not isinstance(v, _PLAIN)]
+        found = [out] if isinstance(out, torch.Tensor) and not attrs else tensors_in((out, attrs), objects=True)
+        return {t.untyped_storage().data_ptr() for t in found if t.layout == torch.strided and t.device == self.device}
 
     @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _pre_backward(self, units: list[Unit]) -> None:

@@ -18,7 +18,7 @@ for backward until its gradients arrive (`held`); an idle one may be resharded o
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from enum import Enum, auto
 from typing import Any
 
@@ -125,11 +125,11 @@ class Unit:
                 p.data = self.buf[off : off + shape.numel()].view(shape)
         self.state = UnitState.GATHERED
 
-    def reshard(self, outputs: Any = None) -> None:
+    def reshard(self, viewed: Collection[int] = ()) -> None:
         """GATHERING/GATHERED -> SHARDED: the parameters empty, the buffer's storage resized to 0 (views autograd
-        saved, e.g. nn.Linear's weight.t(), then hold no memory until a pre-backward finish refills it). If a
-        tensor in `outputs` views the buffer (a forward returning a slice of its parameter), the buffer is let go
-        to it instead: the view keeps it alive, and the next gather takes a new one."""
+        saved, e.g. nn.Linear's weight.t(), then hold no memory until a pre-backward finish refills it). If the
+        buffer's storage is among `viewed` (storages a forward handed out: a slice of its parameter), it is let go
+        to them instead: the view keeps it alive, and the next gather takes a new one."""
         if self.state is UnitState.GATHERING:
             self._wait(self, self.pending)  # its copies and collective must not write freed memory
             self.pending = None
@@ -138,7 +138,7 @@ class Unit:
         for p, (off, _) in self._where.items():
             if p.numel() == 0 or is_alias_of(p, self.buf, off):  # (one set by hand stays: step() then refuses it)
                 p.data = self._empty
-        if _viewed_by(self.buf, outputs):
+        if self.buf.untyped_storage().data_ptr() in viewed:
             self.buf = None
         else:
             self.buf.untyped_storage().resize_(0)
@@ -243,12 +243,3 @@ def _fields(obj: Any) -> list[str]:
         slots = cls.__dict__.get("__slots__", ())
         names += [slots] if isinstance(slots, str) else list(slots)
     return names
-
-
-def _viewed_by(buf: torch.Tensor, outputs: Any) -> bool:
-    """Some tensor in `outputs` (see tensors_in: also in objects' attributes) shares buf's storage."""
-    if outputs is None:
-        return False
-    ptr = buf.untyped_storage().data_ptr()
-    return any(t.layout == torch.strided and t.device == buf.device and t.untyped_storage().data_ptr() == ptr
-               for t in tensors_in(outputs, objects=True))  # fmt: skip
