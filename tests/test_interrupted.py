@@ -401,3 +401,23 @@ def test_ctrl_c_while_waiting_for_gpu_fractions_device_part_is_recovered(tmp_pat
     with pytest.raises(RuntimeError, match="stopped midway.*load a checkpoint with the optimizer.s state"):
         step(model, opt)
     assert_recovered_by_load(tmp_path, model, opt, **kw)
+
+
+def test_close_with_an_update_past_its_timeout_releases_nothing_under_it(tmp_path, monkeypatch):
+    """close() while the background update runs past update_timeout_s: TimeoutError at once, nothing released (the
+    update may still write the state, its staging and files); once it has ended a second close() finishes. (A
+    change that released everything before raising waited for the update in close(), for ever if it hung.)"""
+    import time
+
+    model, opt = build(tmp_path, delay_update_after=0, update_timeout_s=0.2)
+    step(model, opt)
+    opt.synchronize()  # (the first update done before its kernel is slowed)
+    with monkeypatch.context() as m:
+        m.setattr(update, "cpu_adam_step", lambda *a, **k: time.sleep(1.5))
+        step(model, opt)
+        with pytest.raises(TimeoutError, match="update_timeout_s"):
+            opt.close()
+        assert not opt._closed
+        opt.update._executor.shutdown(wait=True)  # (the test waits for the slow update itself)
+    opt.close()
+    assert opt._closed

@@ -275,7 +275,16 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
 
     def close(self) -> None:
         """ZeroOffloadAdamW.close(), then the background update's own process group (if any) is destroyed."""
-        super().close()  # (raises, keeping the group, while the update may still run on it)
+        try:
+            super().close()  # (a timed-out update raises here, keeping the group it may still run on)
+        except TimeoutError:
+            raise
+        except Exception:  # noqa: BLE001 (a failed update: everything else is released; so is the group, then raise)
+            self._destroy_update_group()
+            raise
+        self._destroy_update_group()
+
+    def _destroy_update_group(self) -> None:
         comm = self.update.comm
         if comm is not self.comm and comm.group is not None:
             group, comm.group = comm.group, None

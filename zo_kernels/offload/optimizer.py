@@ -886,6 +886,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         try:  # (a failed background update raises here: everything is released all the same, then it is raised)
             self.update.finish_pending(write=True)
             self.update.wait_written()
+        except TimeoutError:  # the update may still run: nothing it writes is released under it
+            raise
         except Exception as e:  # noqa: BLE001 (Ctrl-C stops the close: the update goes on, a second close finishes)
             failed = e
         if self._forward_waits is not None:
