@@ -270,6 +270,10 @@ def test_state_dict_hooks_group_check_and_torchs_foreach_state() -> None:
     with pytest.raises(RuntimeError, match="param_groups was changed"):
         opt.state_dict()
     opt.param_groups.pop()
+    sd = opt.state_dict()
+    sd["zero_offload"]["staged"] = "no"  # (truth-tested, it loaded as True)
+    with pytest.raises(ValueError, match="staged"):
+        opt.load_state_dict(sd)
     opt.close()
 
 

@@ -666,3 +666,6 @@ def test_out_and_into_misuse_is_refused_also_at_a_known_address():
     with pytest.raises(ValueError, match="overlap"):
         zk.pack([x], into=(raw.view(torch.float32)[0], raw[3].view(torch.bool)))
     assert not raw.any()
+    longer = torch.zeros(6)  # the bucket is longer[:5]: its last element may hold the running sum
+    p = zk.pack([x], out=longer, into=(longer[5], flag))
+    assert torch.equal(p.flat, x) and longer[5].item() == (x * x).sum().item()

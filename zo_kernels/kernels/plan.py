@@ -340,7 +340,7 @@ class PackPlan:
         span = None if out is None else (out.data_ptr(), out.numel(), out.untyped_storage().nbytes())
         if into is not None:
             check_into(into, self.device)
-            where = (into[0].data_ptr(), into[1].data_ptr(), span)
+            where = (into[0].data_ptr(), into[1].data_ptr(), span)  # (the packed tensors: at a new into or out)
             if where != self._into_checked:  # their storage (bounds, alignment, writable), once per addresses
                 for t, name in zip(into, ("into[0] (sum_sq)", "into[1] (found_inf)")):
                     check_memory(t, name, written=t.device.type == "cpu")
@@ -379,7 +379,7 @@ class PackPlan:
         return Packed(flat, self.offsets, into[1], into[0])
 
     def _check_into_apart(self, into: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None) -> None:
-        """The two totals share no byte with each other, with the bucket or with the tensors packed."""
+        """The two totals share no byte with each other, with the bucket (out[:total]) or with the tensors packed."""
         (s, f), spans = into, []
         for t, name in ((s, "into[0] (sum_sq)"), (f, "into[1] (found_inf)")):
             lo = t.data_ptr()
@@ -387,9 +387,9 @@ class PackPlan:
             self.check_apart(t, name)
         if spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]:
             raise ValueError("into: sum_sq and found_inf overlap in memory; each must be its own buffer")
-        if out is not None:
+        if out is not None:  # (the bucket: out[:total]; what lies past it is the caller's)
             lo = out.data_ptr()
-            hi = lo + out.numel() * out.element_size()
+            hi = lo + self.total * out.element_size()
             for a, b, name in spans:
                 if a < hi and lo < b:
                     raise ValueError(f"{name} and out overlap in memory; each must be its own buffer")

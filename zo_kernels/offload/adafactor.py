@@ -350,7 +350,7 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> list[tuple[int, torch.Tensor, dict, int]]:
         """Check a state dict of this class or torch.optim.Adafactor against the optimizer; change nothing."""
-        from .state import _check_step
+        from .state import _check_step, check_flags
 
         groups, state = check_state_dict_layout(state_dict, len(self.param_groups))
         plan = []
@@ -378,6 +378,7 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
         extra = state_dict.get("zero_offload", {})
         if not isinstance(extra, dict):
             raise ValueError("state_dict['zero_offload'] must be a dict")
+        check_flags(extra)
         check_int(extra.get("iteration"), "state_dict['zero_offload']['iteration']", 0)
         return plan
 

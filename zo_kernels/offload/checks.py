@@ -6,11 +6,11 @@ from typing import Any
 
 import torch
 
+from ..cpu_adam import MAX_THREADS  # noqa: F401  (the kernels' bound on `threads`, re-exported)
 from ..optim_contract import check_torch_options, split_names
 from ..scratch import check_dir
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_THREADS = 4096
 
 
 def check_int(x: Any, name: str, minimum: int, required: bool = False) -> int | None:

@@ -29,7 +29,7 @@ from ..optim_contract import check_torch_options, run_load_post_hooks, run_load_
 from ..param_views import alias, all_aliases, is_alias_of
 from ..transport import HostTransport, Transport, default_transport
 from . import report, state
-from .checks import DTYPES, MAX_THREADS, check_int, check_offload, check_params, check_stage, check_trainable
+from .checks import DTYPES, check_int, check_offload, check_params, check_stage, check_trainable
 from .comm import COLLECTIVE_TIMEOUT_S, Comm, beside_compute, pin_rank_threads
 from .fence import ForwardWaits, TileFence
 from .formats import block_of, check_state_dtype
@@ -253,9 +253,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         bucket_numel = check_int(bucket_numel, "bucket_numel", 1)
         tile_numel = check_int(tile_numel, "tile_numel", 1)
         if threads is not None:
-            _check_threads(threads)
-            if threads > MAX_THREADS:
-                raise ValueError(f"threads must be <= {MAX_THREADS}, got {threads}")
+            _check_threads(threads)  # (at most MAX_THREADS: the kernels' bound)
         if transport is not None and not isinstance(transport, Transport):
             raise TypeError(f"transport must be a zo_kernels Transport or None, got {type(transport).__name__}")
         check_stage(stage, offload_param, module, nvme_dir, delay_update_after is not None, dtype)  # names the stage

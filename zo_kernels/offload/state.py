@@ -130,9 +130,7 @@ def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[
     extra = state_dict.get("zero_offload", {})
     if not isinstance(extra, dict):
         raise ValueError(f"state_dict['zero_offload'] must be a dict, got {type(extra).__name__}")
-    for key in ("staged", "dynamic"):  # (truth-tested when loaded: "yes" or 1.5 would pass for True)
-        if key in extra and not isinstance(extra[key], bool):
-            raise ValueError(f"state_dict['zero_offload'][{key!r}] must be a bool, got {type(extra[key]).__name__}")
+    check_flags(extra)
     if "loss_scale" in extra:
         if _real(extra["loss_scale"], "state_dict['zero_offload']['loss_scale']") <= 0:
             raise ValueError("state_dict['zero_offload']['loss_scale'] must be > 0")
@@ -147,6 +145,13 @@ def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[
             check_raw(moments.get(i, moments.get(str(i))), "8bit", opt.layout.shape[p].numel(),
                       f"state_dict['zero_offload']['moments'][{i!r}]")  # fmt: skip
     return plan
+
+
+def check_flags(extra: dict) -> None:
+    """state_dict['zero_offload']'s flags are bools (truth-tested when loaded: "yes" or 1.5 would pass for True)."""
+    for key in ("staged", "dynamic"):
+        if key in extra and not isinstance(extra[key], bool):
+            raise ValueError(f"state_dict['zero_offload'][{key!r}] must be a bool, got {type(extra[key]).__name__}")
 
 
 def _exact_moments(opt: ZeroOffloadAdamW, extra: dict) -> bool:
