@@ -745,8 +745,13 @@ def tiny(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
 
 
+# every case's scratch lies in one directory removed when the run ends (a directory per case was left in /tmp
+# by every run: thousands after a few days)
+_SCRATCH = tempfile.TemporaryDirectory(prefix="zo-battery-")
+
+
 def _tmp(name):
-    d = Path(tempfile.mkdtemp(prefix="zo-battery-"))
+    d = Path(tempfile.mkdtemp(dir=_SCRATCH.name))
     return d / name
 
 
@@ -947,7 +952,7 @@ def _():
 def _():
     from zo_kernels import cli as cli_mod
 
-    cwd = Path(tempfile.mkdtemp(prefix="zo-battery-cwd-"))
+    cwd = Path(tempfile.mkdtemp(prefix="cwd-", dir=_SCRATCH.name))
 
     def call():
         seen = []
