@@ -691,7 +691,7 @@ def test_cpuadam_state_dtype_checked():
 
 @pytest.mark.xfail(strict=True, reason="known limit of the 8-bit format (found 2026-11-27, not fixed): requantization "
                    "rounds to nearest under a block scale another element holds up, so an element whose gradient "
-                   "stops keeps codes 1/1 and moves ~1.8 x lr a step for ever; stochastic rounding (as the bf16 "
+                   "stops keeps codes 1/1 and moves ~lr a step for ever; stochastic rounding (as the bf16 "
                    "moments have) is the planned fix. This test passes once it is fixed: then drop the mark")
 def test_8bit_moments_of_an_element_whose_gradient_stops_decay():
     """Element 0 of a 256-element block gets gradient 1 every step (it sets the block's scales); element 1 gets one
