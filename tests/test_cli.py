@@ -189,6 +189,40 @@ def test_bench_bad_sizes(capsys):
     assert code == 2 and "cannot read 'big'" in err
 
 
+def test_cli_misuse_found_by_a_new_user_exits_2_in_one_line(capsys, tmp_path):
+    """Each exited 2 with one line naming the flag or file; before, a traceback or a silent other meaning: bench
+    --sizes 0.4 ran at n=0 and "" at the default; plan --auto --gpu-fraction dropped the fraction; dashboard -o a
+    path it cannot write, or a JSON with a null field, raised; bench ran its suite, then failed to write."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"benchmarks": [{"group": "g", "stats": None, "extra_info": {}}]}))
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    cases = [
+        (["bench", "--sizes", "0.4"], "--sizes"),
+        (["bench", "--sizes", ""], "--sizes"),
+        (["plan", "--params", "13B", "--auto", "--fwd-bwd-ms", "10", "--cpu-adam-rate", "1e9", "--gpu-fraction",
+          "0.5"], "--gpu-fraction or --auto"),
+        (["dashboard", str(FIXTURES[-1]), "-o", "/proc/version"], "--output"),
+        (["dashboard", str(bad), "-o", str(tmp_path / "o.html")], "malformed"),
+    ]  # fmt: skip
+    if os.geteuid() != 0:  # (root writes in a directory without write permission)
+        cases.append((["bench", "--suite", "transport", "-o", str(locked / "x.json")], "--output"))
+    for argv, message in cases:
+        code, out, err = run_cli(capsys, *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, (argv, err)
+    assert not (tmp_path / "o.html").exists() and not list(locked.iterdir())
+
+
+def test_plan_auto_with_accumulation_picks_a_fraction_that_fits(capsys):
+    """--auto --accumulation: the tail's fp32 gradient sum counted in the pick (its 4 bytes an element were left
+    out: the row it picked read "no (GPU)")."""
+    code, out, _ = run_cli(capsys, "plan", "--params", "13B", "--auto", "--fwd-bwd-ms", "10", "--cpu-adam-rate",
+                           "1e9", "--accumulation")  # fmt: skip
+    row = next(line for line in out.splitlines() if line.startswith("ZeRO-2 + offload"))
+    assert code == 0 and row.rstrip().endswith("yes"), row
+
+
 def test_dashboard_html_is_self_contained(tmp_path, capsys):
     out = tmp_path / "report.html"
     code, msg, _ = run_cli(capsys, "dashboard", *FIXTURES, "-o", str(out))

@@ -243,6 +243,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
                         "too (without them the activations are --activations, default 4GiB)")
         if selective and a.auto:
             raise argparse.ArgumentTypeError("--auto picks a gpu_fraction, which --selective refuses: give one")
+        if fraction and a.auto:  # (--auto's pick would replace it without a word)
+            raise argparse.ArgumentTypeError("--auto picks the gpu_fraction: give --gpu-fraction or --auto, not both")
         if not a.auto:
             for flag, attr in AUTO_RATES:
                 if getattr(a, attr) is not None:
@@ -262,7 +264,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
             fwd_bwd_s, cpu_rate, device_rate = auto
             row = plan(a.params, gpus, a.gpu_mem, a.host_mem, **kw).row("ZeRO-2 + offload")
             free = p.gpu_mem * (1 - p.reserve) - row.gpu_total
-            pick = pick_fraction(p.params / gpus, cpu_rate, device_rate, fwd_bwd_s, free, k + 2)
+            # a tail element holds k bytes of state and a 2-byte gradient, with accumulation a 4-byte sum too
+            pick = pick_fraction(p.params / gpus, cpu_rate, device_rate, fwd_bwd_s, free,
+                                 k + 2 + (4 if a.accumulation else 0))  # fmt: skip
             p = plan(a.params, gpus, a.gpu_mem, a.host_mem, gpu_fraction=pick.fraction, **kw)
     except ValueError as e:
         raise UsageError(re.sub(r"^\w+", lambda m: PLAN_OPTIONS.get(m[0], m[0]), str(e))) from None
@@ -325,12 +329,16 @@ def cmd_bench(a: argparse.Namespace) -> int:
     # pytest runs in the checkout: a relative path is made absolute here, relative to the caller's directory
     out = Path(a.output or f"bench-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json").absolute()
     _check_output_dir(out, "--output")
+    if a.sizes is not None and not a.sizes.strip():
+        raise UsageError("--sizes: give element counts, e.g. 1e6,1e7 (got an empty string)")
     sizes = a.sizes or "1e7"
     for s in sizes.split(","):
         try:
-            parse_count(s, "--sizes")
+            n = parse_count(s, "--sizes")
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if n != int(n) or not 1 <= n <= 2**40:
+            raise UsageError(f"--sizes: each a whole number of elements in [1, 2**40], got {s!r}")
     for s in [s for s in suites if s in NEEDS and not NEEDS[s][1]()]:
         print(f"bench {s}: not run, it needs {NEEDS[s][0]} and this machine has none ({NEEDS[s][2]})", flush=True)
         suites.remove(s)
@@ -350,10 +358,22 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def _check_output_dir(path: Path, option: str) -> None:
-    if Path(path).is_dir():
+    """The output can be written: a file's path in an existing directory, openable for writing (tried before any
+    work; a file made by the try is removed)."""
+    path = Path(path)
+    if path.is_dir():
         raise UsageError(f"{option}: {path} is a directory: give a file's path in it")
-    if not Path(path).absolute().parent.is_dir():
-        raise UsageError(f"{option}: directory {Path(path).absolute().parent} does not exist")
+    if not path.absolute().parent.is_dir():
+        raise UsageError(f"{option}: directory {path.absolute().parent} does not exist")
+    existed = path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{option}: cannot write {path}: {e.strerror or e}") from None
+    finally:
+        if not existed and path.exists():
+            path.unlink()
 
 
 def cmd_dashboard(a: argparse.Namespace) -> int:
@@ -367,7 +387,13 @@ def cmd_dashboard(a: argparse.Namespace) -> int:
         html = render([Path(r) for r in a.runs])
     except ValueError as e:
         raise UsageError(str(e)) from None
-    Path(a.output).write_text(html, encoding="utf-8")
+    except (TypeError, AttributeError, KeyError) as e:  # (a field of an unexpected type in one of the inputs)
+        raise UsageError(f"a malformed benchmark or GPU summary JSON among {', '.join(map(str, a.runs))}: "
+                         f"{type(e).__name__}: {e}") from None  # fmt: skip
+    try:
+        Path(a.output).write_text(html, encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"--output: cannot write {a.output}: {e.strerror or e}") from None
     print(f"wrote {a.output} ({len(html) / 1e3:.0f} KB, {len(a.runs)} run(s))")
     return 0
 
