@@ -827,7 +827,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             raise RuntimeError("this ZeroOffloadAdamW was closed: build a new one to go on training")
 
     def synchronize(self) -> None:
-        """Finish a pending delayed update and send its parameters to the device (e.g. before evaluation)."""
+        """Finish a pending delayed update and send its parameters to the device (e.g. before evaluation). Under the
+        delayed update this lands the update a step early: the next forward reads it, so training goes on along
+        another trajectory than without the call (as exact as it, one step less stale)."""
         self._check_open()
         self.update.finish_pending(write=True)
         self.update.wait_written()
