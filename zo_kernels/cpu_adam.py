@@ -913,18 +913,19 @@ class CPUAdam(torch.optim.Optimizer):
                     got, want = tuple(p.grad.shape), tuple(p.shape)
                     raise ValueError(f"param group {gi} param {pi}: grad shape {got} != param shape {want}")
                 st = self.state.get(p)
-                if st and int(st["step"].item()) + 1 > MAX_STEP:
+                step = int(st["step"].item()) + 1 if st else 1
+                if step > MAX_STEP:
                     raise ValueError(f"param group {gi} param {pi}: its next step would pass {MAX_STEP} (the kernel's "
                                      "int64)")  # fmt: skip
-                work.append((group, p))
+                work.append((group, p, step))
         seeds = {p: i for i, p in enumerate(self._params())}
-        for group, p in work:
+        for group, p, step in work:
             state = self.state[p]
             if len(state) == 0:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["exp_avg"], state["exp_avg_sq"] = zero_moments(p, self.state_dtype)
             cpu_adam_step(
-                p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], step=int(state["step"].item()) + 1,
+                p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], step=step,
                 lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                 adamw=group["adamw"], bias_correction=group["bias_correction"], maximize=bool(group.get("maximize")),
                 seed=seeds[p],

@@ -285,6 +285,11 @@ class Transport:
         """An event after every H2D copy queued so far (those queued by a C tile sink included)."""
         return Event()
 
+    def _check_open(self) -> None:
+        """A closed transport takes no copy (it would run at once, or through given-back pinned memory)."""
+        if self.closed:
+            raise RuntimeError("this transport was closed: make a new one")
+
     def wait(self, event: Event | None) -> None:
         """Block the host until the copy is done."""
         raise NotImplementedError
@@ -348,8 +353,7 @@ class HostTransport(Transport):
         self._check_copy(dst, src)
 
     def _check_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if self.closed:
-            raise RuntimeError("this transport was closed: make a new one")
+        self._check_open()
         _check_pair(dst, src)
         for t, name in ((dst, "dst"), (src, "src")):
             if t.device.type != "cpu":
@@ -380,8 +384,7 @@ class HostTransport(Transport):
         return self._submit(dst, src)
 
     def record_h2d(self) -> Event:
-        if self.closed:
-            raise RuntimeError("this transport was closed: make a new one")
+        self._check_open()
         return Event() if self._queue is None else self._enqueue(None, None)
 
     def wait(self, event: Event | None) -> None:
@@ -524,8 +527,7 @@ class CudaTransport(Transport):
         return ev
 
     def _check_endpoints(self, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> None:
-        if self.closed:
-            raise RuntimeError("this transport was closed: make a new one")
+        self._check_open()
         _check_pair(dst, src)
         dev, host = (dst, src) if to_device else (src, dst)
         if dev.device != self.device:

@@ -382,9 +382,9 @@ class ParamShards:
             u.keep()
 
     def _store_loaded(self, module: torch.nn.Module) -> None:
-        """After model.load_state_dict() (the post-hook of the module it was called on): what it wrote becomes the
-        shards (the masters follow with the optimizer's load_state_dict or refresh_masters_from_model, as at stage
-        2)."""
+        """After model.load_state_dict() (the post-hook of `_loader`, the outermost of our modules it visited): what
+        it wrote becomes the shards (the masters follow with the optimizer's load_state_dict or
+        refresh_masters_from_model, as at stage 2)."""
         if module is not self._loader:
             return
         loading, self._loading, self._loader, self._load_keys = self._loading, [], None, None
@@ -519,7 +519,8 @@ class ParamShards:
         recorded order."""
         self.invalidate(written=[])
         if self.recording:
-            self.forward_uses = len(self.order) if self.forward_uses is None else self.forward_uses
+            if self.forward_uses is None:  # (no backward reached a unit: every recorded use is the forward's)
+                self.forward_uses = len(self.order)
             for i, index in enumerate(self.order[: self.forward_uses]):
                 self._first.setdefault(index, i)
         self.recording, self.pos = False, 0
