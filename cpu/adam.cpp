@@ -86,6 +86,14 @@ inline uint16_t float_to_bf16_sr(float f, uint32_t r) {
   return uint16_t((f2u(f) + r) >> 16);
 }
 
+// The 8-bit exp_avg's 16 random bits for element i: the top half of uint32(i) * kWeyl + key (mod 2^32), key =
+// sr_key(seed, step). For one element the key makes them uniform and independent from step to step, which is what
+// stochastic rounding needs; along a block they are a golden-ratio (Weyl) sequence, so a block's roundings spread
+// evenly. One multiply-add per element (the vector kernels: one add per vector), where mix32's two multiplies made
+// the 8-bit pass 39% slower (AVX2, two threads).
+constexpr uint32_t kWeyl = 0x9e3779b9u;
+inline uint32_t weyl16(int64_t i, uint32_t key) { return (uint32_t(i) * kWeyl + key) >> 16; }
+
 // ---------------------------------------------------------------- 8-bit block scales
 // A block whose absmax is below 2^-100 (or zero) is stored as zeros: 127 / absmax must stay finite.
 constexpr uint32_t kTinyBits = uint32_t(127 - 100) << 23;
@@ -143,12 +151,13 @@ struct Blk {
   uint8_t* vc;
   void* out;
   float *ms, *vs;
+  int64_t index0;  // the hash index of the block's first element (exp_avg's stochastic rounding)
 };
 
 inline Blk block_at(const Bufs& b, int64_t b0, int gsz, int osz) {
   return {b.p + b0, static_cast<const char*>(b.g) + b0 * gsz, static_cast<int8_t*>(b.m) + b0,
           static_cast<uint8_t*>(b.v) + b0, b.out ? static_cast<char*>(b.out) + b0 * osz : nullptr,
-          b.ms + b0 / b.block, b.vs + b0 / b.block};
+          b.ms + b0 / b.block, b.vs + b0 / b.block, b.index0 + b0};
 }
 
 constexpr int dsize(int dt) { return dt == kF32 ? 4 : 2; }
@@ -217,9 +226,21 @@ inline uint8_t code_of(float x) {
   return uint8_t(uint32_t(c) & 0xffu);
 }
 
-// Requantize one block from its fp32 values (m in mb, sqrt(v) in rb) and their absmax bits.
+// y (= m * 127 / absmax, so |y| <= 127 + a few ulps, or NaN) to exp_avg's code, rounded stochastically with 16
+// random bits r: floor(y + r * 2^-16) in fp32 (the sum rounded to nearest even), clamped to [-127, 127]; NaN -> 0.
+// So a code moves up with probability (the fraction of y) and E[code] = y (within 2^-16): a small m decays as
+// 0.9^t in expectation, where rounding to nearest holds 0.9 x code 1..4 at its code for ever.
+inline int8_t code_sr(float y, uint32_t r) {
+  if (std::isnan(y)) return 0;
+  return int8_t(std::min(127.0f, std::max(-127.0f, std::floor(y + float(r) * 0x1p-16f))));
+}
+
+// Requantize one block from its fp32 values (m in mb, sqrt(v) in rb) and their absmax bits: exp_avg rounded
+// stochastically (code_sr with weyl16's bits), sqrt(v) to nearest (stochastic rounding would add a random walk
+// of ~9 codes to it at beta2 = 0.999). The stream pass only moves the bytes: codes rounded to nearest with
+// multiplier 1.
 inline void requant1(const float* mb, const float* rb, int64_t L, uint32_t am, uint32_t ar, const Blk& k,
-                     bool stream) {
+                     uint32_t key, bool stream) {
   float sm, im, sr, ir;
   block_scale(am, 127.0f, &sm, &im);
   block_scale(ar, 255.0f, &sr, &ir);
@@ -227,7 +248,7 @@ inline void requant1(const float* mb, const float* rb, int64_t L, uint32_t am, u
   *k.ms = sm;
   *k.vs = sr;
   for (int64_t j = 0; j < L; ++j) {
-    k.mc[j] = int8_t(code_of(mb[j] * im));
+    k.mc[j] = stream ? int8_t(code_of(mb[j])) : code_sr(mb[j] * im, weyl16(k.index0 + j, key));
     k.vc[j] = code_of(rb[j] * ir);
   }
 }
@@ -250,7 +271,7 @@ void block8(const Coef& c, const Blk& k, int64_t L) {
     am = std::max(am, f2u(m) & 0x7fffffffu);
     ar = std::max(ar, f2u(r) & 0x7fffffffu);
   }
-  requant1(mb, rb, L, am, ar, k, STREAM);
+  requant1(mb, rb, L, am, ar, k, c.key, STREAM);
 }
 
 template <int GDT, int ODT, bool STREAM>
@@ -430,6 +451,15 @@ inline void store_codes8(void* base, __m256 x, __m256 mult) {
   _mm_storel_epi64(static_cast<__m128i*>(base), b);
 }
 
+// x * mult -> scalar::code_sr as 8 bytes with the random bits r: + r * 2^-16, floor, clamp (a NaN passes min and
+// max as their second operand, then cvtps2dq makes it INT32_MIN, whose low byte is 0).
+inline void store_codes8_sr(void* base, __m256 x, __m256 mult, __m256i r) {
+  const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(r), _mm256_set1_ps(0x1p-16f));
+  __m256 t = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, mult), u));
+  t = _mm256_max_ps(_mm256_set1_ps(-127.0f), _mm256_min_ps(_mm256_set1_ps(127.0f), t));
+  store_codes8(base, t, _mm256_set1_ps(1.0f));
+}
+
 inline uint32_t hmax8(__m256i x) {
   alignas(32) uint32_t a[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(a), x);
@@ -467,8 +497,14 @@ void block8(const Coef& c, const Blk& k, int64_t L) {
   *k.ms = sm;
   *k.vs = sr;
   const __m256 mi = _mm256_set1_ps(im), ri = _mm256_set1_ps(ir);
-  for (int64_t j = 0; j < L; j += 8) {
-    store_codes8(k.mc + j, _mm256_load_ps(mb + j), mi);
+  // weyl16 on 8 lanes: uint32(index) * kWeyl + key, advanced by 8 * kWeyl a vector
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i w = _mm256_add_epi32(_mm256_set1_epi32(int(uint32_t(k.index0) * kWeyl + c.key)),
+                               _mm256_mullo_epi32(lanes, _mm256_set1_epi32(int(kWeyl))));
+  const __m256i dw = _mm256_set1_epi32(int(8u * kWeyl));
+  for (int64_t j = 0; j < L; j += 8, w = _mm256_add_epi32(w, dw)) {
+    if (STREAM) store_codes8(k.mc + j, _mm256_load_ps(mb + j), mi);
+    else store_codes8_sr(k.mc + j, _mm256_load_ps(mb + j), mi, _mm256_srli_epi32(w, 16));
     store_codes8(k.vc + j, _mm256_load_ps(rb + j), ri);
   }
 }
@@ -492,7 +528,7 @@ void run8(const Coef& coef, const Bufs& bufs, int64_t lo, int64_t hi) {
     std::memcpy(g, k.g, L * gsz);
     std::memcpy(mc, k.mc, L);
     std::memcpy(vc, k.vc, L);
-    block8<GDT, ODT, STREAM>(c, Blk{p, g, mc, vc, ODT == kNone ? nullptr : o, k.ms, k.vs}, L8);
+    block8<GDT, ODT, STREAM>(c, Blk{p, g, mc, vc, ODT == kNone ? nullptr : o, k.ms, k.vs, k.index0}, L8);
     std::memcpy(k.p, p, L * 4);
     std::memcpy(k.mc, mc, L);
     std::memcpy(k.vc, vc, L);
@@ -705,6 +741,15 @@ inline void store_codes16(void* base, __m512 x, __m512 mult, __mmask16 k) {
   st_epi8(base, k, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x, mult))));
 }
 
+// x * mult -> scalar::code_sr as 16 bytes with the random bits r: + r * 2^-16, floor, clamp (a NaN passes min and
+// max as their second operand, then cvtps2dq makes it INT32_MIN, whose low byte is 0).
+inline void store_codes16_sr(void* base, __m512 x, __m512 mult, __m512i r, __mmask16 k) {
+  const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(r), _mm512_set1_ps(0x1p-16f));
+  __m512 t = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, mult), u), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  t = _mm512_max_ps(_mm512_set1_ps(-127.0f), _mm512_min_ps(_mm512_set1_ps(127.0f), t));
+  st_epi8(base, k, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t)));
+}
+
 // One block of L <= 256 elements (masked lanes read as zeros: they stay zero and do not change the absmax).
 // FIXED: L known at compile time (a full block of 256: the loops unroll).
 // c and k by value: local, so the compiler keeps them in registers across the stores. NT: param_out aligned.
@@ -739,9 +784,15 @@ void block16(const Coef c, const Blk k, int64_t len) {
   *k.ms = sm;
   *k.vs = sr;
   const __m512 mi = _mm512_set1_ps(im), ri = _mm512_set1_ps(ir);
-  for (int64_t j = 0; j < L; j += 16) {
+  // weyl16 on 16 lanes: uint32(index) * kWeyl + key, advanced by 16 * kWeyl a vector
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i w = _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(k.index0) * kWeyl + c.key)),
+                               _mm512_mullo_epi32(lanes, _mm512_set1_epi32(int(kWeyl))));
+  const __m512i dw = _mm512_set1_epi32(int(16u * kWeyl));
+  for (int64_t j = 0; j < L; j += 16, w = _mm512_add_epi32(w, dw)) {
     const __mmask16 km = L - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (L - j)) - 1u);
-    store_codes16(k.mc + j, _mm512_load_ps(mb + j), mi, km);
+    if (STREAM) store_codes16(k.mc + j, _mm512_load_ps(mb + j), mi, km);
+    else store_codes16_sr(k.mc + j, _mm512_load_ps(mb + j), mi, _mm512_srli_epi32(w, 16), km);
     store_codes16(k.vc + j, _mm512_load_ps(rb + j), ri, km);
   }
 }

@@ -168,6 +168,19 @@ MUTANTS = [
     _m("grad-norm-in-16-bits", "offload step", "zo_kernels/param_views.py",
        "like = grads[k].dtype if grads[k].dtype.itemsize >= 4 else torch.float32", "like = grads[k].dtype",
        ("tests/test_oracle_matrix.py", "-k", "16_bit")),
+    # ---- the 8-bit exp_avg's stochastic rounding (2026-11-27)
+    _m("kernel-8bit-scalar-rounds-m-to-nearest", "kernel", "cpu/adam.cpp",
+       "code_sr(mb[j] * im, weyl16(k.index0 + j, key));", "int8_t(code_of(mb[j] * im));",
+       ("tests/test_cpu_adam_formats.py", "-k", "8bit")),
+    _m("kernel-8bit-avx2-weyl-not-advanced", "kernel", "cpu/adam.cpp",
+       "for (int64_t j = 0; j < L; j += 8, w = _mm256_add_epi32(w, dw)) {", "for (int64_t j = 0; j < L; j += 8) {",
+       ("tests/test_cpu_adam_formats.py", "-k", "8bit or identical")),
+    _m("tail-8bit-rounds-m-to-nearest", "gpu_fraction", "zo_kernels/kernels/adam.py",
+       "cm, sm = _requant(m, mask, 127.0, w, True)", "cm, sm = _requant(m, mask, 127.0, w, False)",
+       ("tests/test_device_adam.py", "-k", "triton or kernel")),
+    _m("tail-seeds-by-tail-index", "gpu_fraction", "zo_kernels/offload/device_adam.py",
+       "sr_args(self.seed, z))", "sr_args(self.seed, z - o))",
+       ("tests/test_device_adam.py", "-k", "host_only_run")),
 ]
 
 CPP_SUFFIXES = (".cpp", ".h", ".inc", ".cu")

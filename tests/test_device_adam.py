@@ -175,11 +175,11 @@ def test_triton_kernel_is_the_host_kernel_bit_for_bit(fmt, gdtype, weight_decay,
 
 
 @needs_interpreter
-@pytest.mark.parametrize("fmt", ["8bit", "fp32"])
+@pytest.mark.parametrize("fmt", ["8bit", "bf16", "fp32"])
 def test_with_the_kernel_the_tail_is_the_host_only_run_bit_for_bit(fmt, monkeypatch):
-    """The tail's update through the kernel (interpreted) is CPU Adam's arithmetic: gpu_fraction 0.5 trains the same
-    masters and moments (8-bit: codes and scales) as 0, bit for bit (no clipping: its norm sums the two parts in
-    another order; bf16's random bits come from another seed)."""
+    """The tail's update through the kernel (interpreted) is CPU Adam's arithmetic, its random bits (bf16, 8-bit
+    exp_avg) hashed from each element's partition offset as the host's: gpu_fraction 0.5 trains the same masters and
+    moments (8-bit: codes and scales) as 0, bit for bit (no clipping: its norm sums the two parts in another order)."""
     from test_twin import FORMATS, _train, assert_same_state
 
     import zo_kernels.offload.device_adam as device_adam
@@ -260,7 +260,7 @@ def test_the_tail_applies_the_8bit_guard_as_the_host_kernel(impl, monkeypatch):
     d = DeviceState("8bit", p.clone(), seed=1)
     for step, g in enumerate(_guard_case(n), 1):
         before = (p[5].item(), d.master[5].item())
-        zk.cpu_adam_step(p, g, m, v, step=step, **hp)
+        zk.cpu_adam_step(p, g, m, v, step=step, seed=1, **hp)
         d.step(g, 1.0, [(0, 0, n, step, 1.0)], [dict(hp, maximize=False)])
     bound = adam_bound(3, 0.9, 0.999)
     assert before[0] - p[5].item() == pytest.approx(1e-3 * bound, rel=1e-5)

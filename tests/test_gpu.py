@@ -579,10 +579,10 @@ def test_compiled_adam_kernel_is_the_host_kernel_bit_for_bit(fmt, gdtype):
         assert torch.equal(a.cpu().view(b.dtype), b)
 
 
-@pytest.mark.parametrize("state_dtype", ["8bit", torch.float32], ids=["8bit", "fp32"])
+@pytest.mark.parametrize("state_dtype", ["8bit", torch.bfloat16, torch.float32], ids=["8bit", "bf16", "fp32"])
 def test_gpu_fraction_is_the_host_only_run_on_cuda(state_dtype):
     """(NEVER RUN on a GPU) The tail updated by the compiled kernel on CUDA: gpu_fraction 0.5 gives the masters and
-    moments (8-bit: codes and scales) of gpu_fraction 0, bit for bit."""
+    moments (8-bit: codes and scales; bf16 bits) of gpu_fraction 0, bit for bit."""
     sds = []
     for fraction in (0.0, 0.5):
         model = make_model(seed=0).to(DEV)

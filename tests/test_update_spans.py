@@ -13,7 +13,9 @@ from offload_ref import make_data, make_model
 
 import zo_kernels as zk
 from zo_kernels.cpu_adam import copy_tile_sink
+from zo_kernels.offload import formats
 from zo_kernels.offload import update as update_module
+from zo_kernels.offload.device_adam import DeviceState
 from zo_kernels.transport import CopyEngineTransport
 
 FORMATS = ["bf16", "8bit"]
@@ -111,11 +113,12 @@ def test_the_kernel_phase_is_timed_with_staging_in_place(fmt):
 
 
 def test_no_kernel_call_crosses_a_multiple_of_the_rounding_period():
-    """bf16's random bits hash a 32-bit index: calls are cut at multiples of 2**32 and each piece's seed carries
-    its multiple, so elements 2**32 apart in a partition (a model over 4.3B parameters on one rank) round apart."""
-    p = update_module.SR_PERIOD
-    assert list(update_module.sr_pieces(p - 10, 2 * p + 5)) == [(p - 10, p), (p, 2 * p), (2 * p, 2 * p + 5)]
-    assert list(update_module.sr_pieces(3, 3)) == [] and list(update_module.sr_pieces(0, 7)) == [(0, 7)]
+    """The stochastic rounding's random bits hash a 32-bit index: calls are cut at multiples of 2**32 and each
+    piece's seed carries its multiple, so elements 2**32 apart in a partition (a model over 4.3B parameters on one
+    rank) round apart; the device tail cuts its pieces by partition offset as the host does."""
+    p = formats.SR_PERIOD
+    assert list(formats.sr_pieces(p - 10, 2 * p + 5)) == [(p - 10, p), (p, 2 * p), (2 * p, 2 * p + 5)]
+    assert list(formats.sr_pieces(3, 3)) == [] and list(formats.sr_pieces(0, 7)) == [(0, 7)]
 
     class Fake:
         layout = type("L", (), {"rank": 1})()
@@ -123,3 +126,7 @@ def test_no_kernel_call_crosses_a_multiple_of_the_rounding_period():
     sr = update_module.HostUpdate._sr
     assert sr(Fake(), 5) == {"seed": 1 << 40, "index0": 5}
     assert sr(Fake(), p + 5) == {"seed": (1 << 40) + 1, "index0": 5}
+    tail = DeviceState("bf16", torch.zeros(20), seed=1 << 40, offset=p - 7)
+    assert tail._pieces(0, 20) == [(0, 7, sr(Fake(), p - 7)), (7, 20, sr(Fake(), p))]
+    assert tail._pieces(2, 12, size=4) == [(2, 6, sr(Fake(), p - 5)), (6, 7, sr(Fake(), p - 1)),
+                                           (7, 11, sr(Fake(), p)), (11, 12, sr(Fake(), p + 4))]  # fmt: skip

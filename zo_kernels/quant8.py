@@ -28,10 +28,12 @@ def num_blocks(numel: int, block: int) -> int:
     return -(-numel // block)
 
 
-def quantize(t: torch.Tensor, *, signed: bool, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(t: torch.Tensor, *, signed: bool, block: int,
+             noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(codes, scales) of the 1-D fp32 values `t` (a moment: m, or v >= 0 when unsigned), on t's device, in blocks of
-    `block` from t's first element, as the kernels quantize (see Quantized8bit). A NaN gets code 0 (as the kernels'
-    conversion gives it) and makes its block's scale NaN."""
+    `block` from t's first element, as the kernels quantize (see Quantized8bit): to nearest, or with `noise` (signed
+    only: an integer tensor of t's length, 16 random bits per element) stochastically as the step rounds exp_avg. A
+    NaN gets code 0 (as the kernels' conversion gives it) and makes its block's scale NaN."""
     n = t.numel()
     x = t if signed else t.sqrt()
     pad = num_blocks(n, block) * block - n
@@ -41,7 +43,12 @@ def quantize(t: torch.Tensor, *, signed: bool, block: int) -> tuple[torch.Tensor
     scales = torch.where(small, torch.zeros_like(amax), amax)
     # (a tensor divided: a Python number over a tensor is computed as reciprocal x number, rounded twice)
     mult = torch.where(small, torch.zeros_like(amax), torch.full_like(amax, _levels(signed)) / amax)
-    codes = torch.round(xb * mult[:, None]).flatten()[:n].nan_to_num_(0.0)
+    y = (xb * mult[:, None]).flatten()[:n]
+    if noise is None:
+        codes = torch.round(y)
+    else:  # floor(y + r * 2^-16), the sum rounded to fp32 (the product is exact)
+        codes = (y + noise.to(torch.float32) * 2.0**-16).floor_().clamp_(-_levels(signed), _levels(signed))
+    codes = codes.nan_to_num_(0.0)
     return codes.to(torch.int8 if signed else torch.uint8), scales.contiguous()
 
 
@@ -65,7 +72,15 @@ class Quantized8bit:
     m / sqrt(v)'s relative error on the moments of a 300-step GPT run: 1.01%, 1.02% and 1.38%).
     Quantizing a block (in fp32, every operation rounded to nearest even): mult = levels / absmax, code =
     round(x * mult), which lies in [-127, 127] (signed) or [0, 255] since |x| <= absmax; a block with absmax
-    below 2^-100 is stored as zeros with scale 0; a NaN (only a diverged step makes one) gets code 0.
+    below 2^-100 is stored as zeros with scale 0; a NaN (only a diverged step makes one) gets code 0. The Adam step
+    rounds exp_avg's codes stochastically instead: code = floor(x * mult + r * 2^-16) (the sum rounded to fp32),
+    clamped to [-127, 127], r 16 random bits from (seed, step, element index) (cpu/adam.cpp's weyl16); so a code
+    moves up with probability (the fraction of x * mult), E[code] = x * mult, and an element's m decays as exact
+    Adam's in expectation once its gradient stops (rounded to nearest, 0.9 x code 1..4 rounds back to the same
+    code for ever under a scale another element of its block holds up). exp_avg_sq's codes round to nearest: at
+    beta2 = 0.999 stochastic rounding's error would persist ~1000 steps, a random walk of ~9 codes; rounded to
+    nearest, a sqrt(v) whose gradient stops stays at its code while its block's scale holds, which only shortens
+    that element's steps.
     Dequantizing: scale / levels in fp32, times the code. The last block may be short. `empty` (all codes and
     scales 0) represents zeros.
     """

@@ -10,9 +10,11 @@ root (div_rn, sqrt_rn; no contraction of the rest: enable_fp_fusion=False), so t
 bit for bit:
 - 8-bit: one program per block of 256 (the format's block, BLOCK_8BIT): dequantize with the block's scales (scale /
   levels, times the code; exp_avg_sq's codes hold sqrt(v)), update, take the block's new absmax from the bits of
-  |m| and sqrt(v) (NaN > inf > finite, as the kernel's integer max), requantize: mult = levels / absmax, code =
-  round-half-even(x * mult) (NaN -> 0), a block below 2^-100 stored as zeros with scale 0; the update's denominator
-  is at least |m| x update_cap (the host's guard: no element moves further than exact Adam could);
+  |m| and sqrt(v) (NaN > inf > finite, as the kernel's integer max), requantize: mult = levels / absmax, exp_avg's
+  code = floor(x * mult + r * 2^-16) clamped to [-127, 127] (stochastic, r = the top 16 bits of uint32(index) *
+  0x9E3779B9 + key, cpu/adam.cpp's weyl16), exp_avg_sq's round-half-even(x * mult); NaN -> 0, a block below
+  2^-100 stored as zeros with scale 0; the update's denominator is at least |m| x update_cap (the host's guard: no
+  element moves further than exact Adam could);
 - bf16: the stochastic rounding of the host kernel: 16 bits of mix32(uint32(index) ^ key) added to the fp32 bits,
   exp_avg the low half, exp_avg_sq the high, then truncated; NaN -> 0x7fc0.
 """
@@ -56,10 +58,11 @@ def _sr_bits(x, r):
 
 
 @triton.jit
-def _requant(x, mask, levels):
-    """A block's fp32 values -> (codes as int32, scale): absmax from the bits of |x| (integer max), codes
-    round-half-even(x * levels / absmax), NaN -> 0. A block whose absmax bits are below (127 - 100) << 23 (2^-100)
-    is stored as zeros; 12582912 = 1.5 * 2^23: y + it - it rounds |y| < 2^22 to an integer, half to even."""
+def _requant(x, mask, levels, r, STOCHASTIC: tl.constexpr):
+    """A block's fp32 values -> (codes as int32, scale): absmax from the bits of |x| (integer max), y = x * levels /
+    absmax, codes round-half-even(y), or with STOCHASTIC floor(y + r * 2^-16) clamped to [-levels, levels] (r: 16
+    random bits); NaN -> 0. A block whose absmax bits are below (127 - 100) << 23 (2^-100) is stored as zeros;
+    12582912 = 1.5 * 2^23: y + it - it rounds |y| < 2^22 to an integer, half to even."""
     bits = tl.where(mask, x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, 0)
     amax_bits = tl.max(bits, 0)
     amax = amax_bits.to(tl.float32, bitcast=True)
@@ -67,7 +70,11 @@ def _requant(x, mask, levels):
     scale = tl.where(small, 0.0, amax)
     mult = tl.where(small, 0.0, tl.math.div_rn(levels, tl.where(small, 1.0, amax)))
     y = x * mult
-    code = (y + 12582912.0) - 12582912.0
+    if STOCHASTIC:
+        code = tl.floor(y + r.to(tl.float32) * 0.0000152587890625)  # 2^-16
+        code = tl.minimum(tl.maximum(code, -levels), levels)
+    else:
+        code = (y + 12582912.0) - 12582912.0
     code = tl.where(y != y, 0.0, code)
     return code.to(tl.int32), scale
 
@@ -107,8 +114,10 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, n, index0, key_flip
     p = tl.fma(tl.math.div_rn(m, denom), neg_step_size, p)
     tl.store(p_ptr + offs, p, mask=mask)
     if FMT == 2:
-        cm, sm = _requant(m, mask, 127.0)
-        cr, sr = _requant(r, mask, 255.0)
+        key = key_flipped.to(tl.uint32, bitcast=True) ^ 0x80000000
+        w = ((index0 + offs).to(tl.uint32) * 0x9E3779B9 + key) >> 16  # (uint32: wraps modulo 2^32)
+        cm, sm = _requant(m, mask, 127.0, w, True)
+        cr, sr = _requant(r, mask, 255.0, w, False)
         tl.store(m_ptr + offs, cm.to(tl.int8), mask=mask)
         tl.store(v_ptr + offs, cr.to(tl.uint8), mask=mask)
         tl.store(ms_ptr + pid, sm)
@@ -129,8 +138,8 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, moments: list[torch.Tens
     """One AdamW step in place on contiguous 1-D tensors of one device: `master` fp32, `grad` fp32/fp16/bf16,
     `moments` [exp_avg, exp_avg_sq] fp32 or bf16 (fmt "fp32", "bf16") or [exp_avg codes int8, their scales,
     exp_avg_sq codes uint8, their scales] (fmt "8bit": master[0] starts a block; the last block may be short).
-    `key`: bf16's rounding key (offload.device_adam.sr_key(seed, step)), `index0`: the hash index of element 0.
-    Checked by the caller."""
+    `key`: the stochastic rounding's key (bf16 moments, 8-bit exp_avg: offload.device_adam.sr_key(seed, step)),
+    `index0`: the hash index of element 0 (index0 + numel <= 2**32). Checked by the caller."""
     n = master.numel()
     if n == 0:
         return

@@ -4,17 +4,19 @@ AdamW step that updates them there.
 The tail keeps its moments in the format the host keeps the head's (formats.py), so a checkpoint holds the same bits
 whatever the fraction.
 - On a GPU, every format by zo_kernels/kernels/adam.py's Triton kernel in one pass (16, 18 or 26 bytes per element):
-  CPU Adam's arithmetic operation for operation, so each element's new master and moments are the host kernel's bits
-  (with fp32 and 8-bit moments the run does not depend on the fraction, bit for bit).
+  CPU Adam's arithmetic operation for operation, and each element's random bits hashed from its partition offset as
+  the host hashes them, so each element's new master and moments are the host kernel's bits: the run does not
+  depend on the fraction, bit for bit, in every format.
 - Elsewhere (the CPU stand-in for the device, and the reference the kernel is compared with), fp32 moments are
   updated in place by torch's fused AdamW; bf16 and 8-bit moments in torch ops: decoded to fp32 a chunk at a time,
   updated (bf16: by the fused kernel; 8-bit: by torch ops with the host's guard, guarded_adamw), and encoded back as
   CPU Adam stores them (cpu/adam.cpp):
 - bf16: rounded stochastically: 16 random bits added to the fp32 bits, then truncated; the bits come from the host
   kernel's counter hash of (seed, step, element index), exp_avg's from its low 16 bits, exp_avg_sq's from its high
-  16; one seed for the tail (from its partition offset, as the host's tiles have theirs) and the element's index in
-  the tail, so the bits do not depend on the chunks;
-- 8-bit: requantized per block of BLOCK_8BIT from the block's new absmax (zo_kernels.quant8.quantize); a parameter
+  16; seed and index from the element's partition offset (formats.sr_args), as the host's, so the bits do not
+  depend on the chunks or the fraction;
+- 8-bit: requantized per block of BLOCK_8BIT from the block's new absmax (zo_kernels.quant8.quantize), exp_avg's
+  codes rounded stochastically with the host kernel's bits (weyl16: from the same key and index); a parameter
   starts on a block, the split and every chunk too, so every block is whole in one chunk.
 In torch ops only the update's fp32 rounding differs from the host's (torch's fused kernel against ours), as with
 fp32 moments.
@@ -34,7 +36,7 @@ import torch
 from .._cpu import update_cap
 from ..quant8 import dequantize, num_blocks, quantize
 from ..versions import default_impl
-from .formats import BLOCK_8BIT, MOMENTS, block_of, raw_spec
+from .formats import BLOCK_8BIT, MOMENTS, block_of, raw_spec, sr_args, sr_pieces
 
 # Elements per fused AdamW call on the tail: its fp32 scaled gradient is a copy of this many elements (64 MiB of device
 # workspace, whatever the tail's size; a 1.3B model's tail would otherwise need a copy of gigabytes).
@@ -68,13 +70,27 @@ def sr_key(seed: int, step: int) -> int:
     return _mix32(h ^ ((step >> 32) & M32))
 
 
+def sr_hash(n: int, seed: int, step: int, index0: int, device: torch.device) -> torch.Tensor:
+    """The 32-bit hashes (int64) of the n elements of a CPU Adam call with this seed at this step whose first element
+    has index `index0`: element i's h = mix32(uint32(index0 + i) ^ sr_key(seed, step))."""
+    index = torch.arange(index0, index0 + n, dtype=torch.int64, device=device) & M32
+    return _mix32(index ^ sr_key(seed, step))
+
+
+def weyl16(n: int, seed: int, step: int, index0: int, device: torch.device) -> torch.Tensor:
+    """The 8-bit exp_avg's 16 random bits (int64) of the n elements of a CPU Adam call with this seed at this step
+    whose first element has index `index0`: element i's (uint32(index0 + i) * 0x9E3779B9 + sr_key(seed, step)) mod
+    2**32, its top 16 bits (cpu/adam.cpp's weyl16)."""
+    index = torch.arange(index0, index0 + n, dtype=torch.int64, device=device) & M32
+    return ((_mul32(index, 0x9E3779B9) + sr_key(seed, step)) & M32) >> 16
+
+
 def round_bf16_sr(m: torch.Tensor, v: torch.Tensor, seed: int, step: int,
                   index0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """exp_avg and exp_avg_sq (1-D fp32, one length) rounded to bf16 as CPU Adam rounds the elements of a call with this
-    seed at this step whose first element has index `index0`: element i's hash h = mix32(uint32(index0 + i) ^ key),
-    exp_avg adds h's low 16 bits, exp_avg_sq its high 16, then the low 16 bits are dropped; NaN becomes 0x7fc0."""
-    index = torch.arange(index0, index0 + m.numel(), dtype=torch.int64, device=m.device) & M32
-    h = _mix32(index ^ sr_key(seed, step))
+    seed at this step whose first element has index `index0` (sr_hash): exp_avg adds h's low 16 bits, exp_avg_sq its
+    high 16, then the low 16 bits are dropped; NaN becomes 0x7fc0."""
+    h = sr_hash(m.numel(), seed, step, index0, m.device)
     out = []
     for x, r in ((m, h & 0xFFFF), (v, h >> 16)):
         bits = ((x.view(torch.int32).long() & M32) + r) >> 16
@@ -96,8 +112,9 @@ def decode(fmt: str, views: list[torch.Tensor], n: int) -> tuple[torch.Tensor, t
 def encode(fmt: str, views: list[torch.Tensor], n: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
            sr: tuple[int, int, int] | None = None) -> None:  # fmt: skip
     """Store fp32 values (on the views' device) as the first n elements of the moments in `views`: bf16 rounded to
-    nearest even, or with sr = (seed, step, index of element 0) stochastically as CPU Adam rounds; 8-bit quantized
-    per block, the rest of the last block (past n) keeping its values."""
+    nearest even, 8-bit quantized per block to nearest (the rest of the last block, past n, keeping its values); or
+    with sr = (seed, step, index of element 0) as CPU Adam's step stores them: bf16 stochastically, 8-bit exp_avg's
+    codes stochastically (the rest of its last block hashed on from n)."""
     if fmt == "bf16" and sr is not None:
         exp_avg, exp_avg_sq = round_bf16_sr(exp_avg, exp_avg_sq, sr[0], sr[1], index0=sr[2])
     if fmt != "8bit":
@@ -107,7 +124,10 @@ def encode(fmt: str, views: list[torch.Tensor], n: int, exp_avg: torch.Tensor, e
     for (codes, scales), x, signed in zip((views[:2], views[2:]), (exp_avg, exp_avg_sq), (True, False)):
         if codes.numel() > n:  # the rest of the last block as it is
             x = torch.cat([x, dequantize(codes, scales, signed=signed, block=BLOCK_8BIT)[n:]])
-        c, sc = quantize(x, signed=signed, block=BLOCK_8BIT)
+        noise = None
+        if signed and sr is not None:
+            noise = weyl16(x.numel(), sr[0], sr[1], sr[2], x.device)
+        c, sc = quantize(x, signed=signed, block=BLOCK_8BIT, noise=noise)
         codes.copy_(c)
         scales.copy_(sc)
 
@@ -118,11 +138,12 @@ class DeviceState:
     Args:
         fmt: the moments' format.
         master: the tail's fp32 masters, on the device (kept, not copied).
-        seed: bf16's stochastic rounding: the seed of the tail (its elements hashed by their index in the tail).
+        seed, offset: the stochastic rounding's (bf16 moments, 8-bit exp_avg): element i rounds as the host rounds
+            partition offset offset + i on a rank whose seed base is `seed` (formats.sr_args: rank << 40).
     """
 
-    def __init__(self, fmt: str, master: torch.Tensor, seed: int = 0) -> None:
-        self.fmt, self.master, self.seed = fmt, master, seed
+    def __init__(self, fmt: str, master: torch.Tensor, seed: int = 0, offset: int = 0) -> None:
+        self.fmt, self.master, self.seed, self.offset = fmt, master, seed, offset
         self.numel, self.block = master.numel(), block_of(fmt)
         n, dev = self.numel, master.device
         if fmt == "8bit":
@@ -180,6 +201,14 @@ class DeviceState:
         mc, ms, vc, vs = self.moments
         return [mc[a:b], ms[a // blk : -(-b // blk)], vc[a:b], vs[a // blk : -(-b // blk)]]
 
+    def _pieces(self, a: int, b: int, size: int | None = None) -> list[tuple[int, int, dict]]:
+        """[a, b) in tail coordinates cut where the partition offsets cross a multiple of formats.SR_PERIOD (and every
+        `size` elements from each cut), each piece with the rounding's seed and index of its first element
+        (formats.sr_args)."""
+        o = self.offset
+        return [(z - o, min(y, z + (size or y)) - o, sr_args(self.seed, z))
+                for x, y in sr_pieces(o + a, o + b) for z in range(x, y, size or y - x)]  # fmt: skip
+
     def step(self, grad: torch.Tensor, grad_scale: float, runs: list, hparams: list[dict]) -> None:
         """AdamW over `runs` (tail coordinates: (group, a, b, step, factor)) with the device gradient `grad` (16-bit or
         fp32, the tail's), on the current stream."""
@@ -187,19 +216,19 @@ class DeviceState:
         if (IMPL if IMPL != "auto" else default_impl(master.device.type)) == "triton":
             from ..kernels.adam import adam_step
 
-            for gi, a, b, step, factor in runs:
+            for gi, a0, b0, step, factor in runs:
                 h = hparams[gi]
-                adam_step(master[a:b], grad[a:b], self._views(a, b), self.fmt, step=step, lr=float(h["lr"]),
-                          betas=h["betas"], eps=float(h["eps"]), weight_decay=float(h["weight_decay"]),
-                          grad_scale=grad_scale * factor, maximize=bool(h["maximize"]), key=sr_key(self.seed, step),
-                          index0=a)  # fmt: skip
+                for a, b, sr in self._pieces(a0, b0):
+                    adam_step(master[a:b], grad[a:b], self._views(a, b), self.fmt, step=step, lr=float(h["lr"]),
+                              betas=h["betas"], eps=float(h["eps"]), weight_decay=float(h["weight_decay"]),
+                              grad_scale=grad_scale * factor, maximize=bool(h["maximize"]),
+                              key=sr_key(sr["seed"], step), index0=sr["index0"])  # fmt: skip
             return
         chunk = CHUNK_NUMEL if self.fmt == "fp32" else max(BLOCK_8BIT, CHUNK_NUMEL >> 2)
-        for gi, a, b, step, factor in runs:
+        for gi, a0, b0, step, factor in runs:
             h = hparams[gi]
             steps = torch.full((), float(step), dtype=torch.float32, device=master.device)
-            for x in range(a, b, chunk):
-                y = min(b, x + chunk)
+            for x, y, sr in self._pieces(a0, b0, chunk):
                 g = grad[x:y].float() * (grad_scale * factor)  # (a copy: the landing buffer keeps the gradient)
                 views = self._views(x, self._widen(y))
                 m, v = (t[x:y] for t in self.moments) if self.fmt == "fp32" else decode(self.fmt, views, y - x)
@@ -211,7 +240,7 @@ class DeviceState:
                                         weight_decay=float(h["weight_decay"]), eps=float(h["eps"]), amsgrad=False,
                                         maximize=bool(h["maximize"]))  # fmt: skip
                 if self.fmt != "fp32":
-                    encode(self.fmt, views, y - x, m, v, sr=(self.seed, step, x))
+                    encode(self.fmt, views, y - x, m, v, sr=(sr["seed"], step, sr["index0"]))
 
 
 def guarded_adamw(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, step: int,

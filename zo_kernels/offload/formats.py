@@ -9,6 +9,7 @@ of the update and every partition starts on a block boundary.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,6 +17,26 @@ import torch
 BLOCK_8BIT = 256  # elements per 8-bit block: one fp32 scale each (0.03 B/param per moment)
 NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", "8bit": "8bit"}
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# The stochastic rounding (bf16 moments, 8-bit exp_avg) hashes a 32-bit element index: no kernel call crosses a
+# multiple of SR_PERIOD (sr_pieces), and each piece has its own seed (sr_args).
+SR_PERIOD = 1 << 32
+
+
+def sr_pieces(x: int, y: int) -> Iterator[tuple[int, int]]:
+    """[x, y) cut at the multiples of SR_PERIOD (one piece below 2**32 elements a partition)."""
+    while x < y:
+        z = min(y, (x // SR_PERIOD + 1) * SR_PERIOD)
+        yield x, z
+        x = z
+
+
+def sr_args(base: int, x: int) -> dict:
+    """The rounding's seed and hash index for a kernel call starting at partition offset x (within one piece of
+    sr_pieces) of a rank whose seed base is `base` (rank << 40): base + x // SR_PERIOD, x % SR_PERIOD. So each element
+    rounds by its place in the partition, whoever updates it (the host's tiles, in memory or on NVMe, or
+    gpu_fraction's tail on the device) and however the calls are split; no two elements of a partition share their
+    random bits."""
+    return {"seed": base + x // SR_PERIOD, "index0": x % SR_PERIOD}
 
 
 def check_state_dtype(state_dtype: Any) -> str:

@@ -148,9 +148,9 @@ class TwinUpdate(StateViews):
             values.copy_(master[split:])
         else:
             master(split, layout.part, values)
-        # the device tail's fp32 master, exp_avg, exp_avg_sq in the format (K bytes per element of the tail); bf16's
-        # rounding seeded as the host's tiles are, by the partition offset
-        self.device_state = DeviceState(state_fmt, values.to(device), seed=(layout.rank << 40) + split)
+        # the device tail's fp32 master, exp_avg, exp_avg_sq in the format (K bytes per element of the tail); the
+        # stochastic rounding (bf16, 8-bit exp_avg) hashes each element's partition offset, as the host's tiles do
+        self.device_state = DeviceState(state_fmt, values.to(device), seed=layout.rank << 40, offset=split)
         self.stream = DeviceStream(device, timeout_s)
         self.steps = [0] * len(layout.params)
         self._failed: BaseException | None = None

@@ -17,7 +17,7 @@ from ..cpu_adam import bump_version, cpu_adam_step, plan_adam_step
 from ..nvme import TILE_MULTIPLE, Moment, NvmeSwapper, UpdateFn, as_float, assign, narrow
 from ..transport import Event, Staging, Transport, tiled_writeback
 from .fence import TileFence
-from .formats import BLOCK_8BIT, Moments, block_of, bytes_per_element, cut_raw
+from .formats import BLOCK_8BIT, Moments, block_of, bytes_per_element, cut_raw, sr_args, sr_pieces
 from .layout import FlatLayout, Run
 from .report import PhaseTimes
 
@@ -29,15 +29,6 @@ UPDATE_TIMEOUT_S = 600.0  # default bound on waiting for the background (DPU) up
 # operations, the likeliest reading). So a writeback is cut into at most this many tiles (whole update tiles; with the
 # parameters over the gradients, one more per break between the last update's runs: a skipped parameter's range).
 MAX_WRITEBACK_TILES = 32
-SR_PERIOD = 1 << 32  # the kernel hashes a 32-bit element index: a kernel call never crosses a multiple of it (_sr)
-
-
-def sr_pieces(x: int, y: int) -> Iterator[tuple[int, int]]:
-    """[x, y) cut at the multiples of SR_PERIOD (one piece below 2**32 elements a partition)."""
-    while x < y:
-        z = min(y, (x // SR_PERIOD + 1) * SR_PERIOD)
-        yield x, z
-        x = z
 
 MasterFill = Callable[[int, int, torch.Tensor], Any]  # (a, b, out): the fp32 masters of partition range [a, b)
 
@@ -467,12 +458,10 @@ class HostUpdate(StateViews):
             self._staging_read = events[-1]
 
     def _sr(self, x: int) -> dict:
-        """bf16's stochastic rounding for a kernel call starting at partition offset x, within one piece of
-        sr_pieces: the rank's seed with x's multiple of SR_PERIOD, and x's offset in it as the index of the call's
-        first element (the kernel hashes seed, step and a 32-bit index), so each element rounds by its place in the
-        partition whatever the calls' split: the same bits at every run and resume of this layout, tiled or not,
-        in memory or on NVMe, and no two elements of a partition share their random bits."""
-        return {"seed": (self.layout.rank << 40) + x // SR_PERIOD, "index0": x % SR_PERIOD}
+        """The stochastic rounding's seed and index for a kernel call starting at partition offset x, within one
+        piece of sr_pieces (formats.sr_args): the same bits at every run and resume of this layout, tiled or not, in
+        memory or on NVMe, on the host or in gpu_fraction's tail."""
+        return sr_args(self.layout.rank << 40, x)
 
     def _stream_update(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
                        writeback: bool, threads: int) -> None:  # fmt: skip
