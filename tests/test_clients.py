@@ -223,16 +223,23 @@ def test_trainer_clipping_matches_torch(tmp_path, trainer_reference):
     check_micro_batches(stats, MICRO, "Trainer")
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_trainer_checkpoint_resume(tmp_path, stage):
+@pytest.mark.parametrize("stage, delay", [(2, None), (3, None), (2, 1), (3, 1)],
+                         ids=["stage2", "stage3", "stage2-dpu", "stage3-dpu"])
+def test_trainer_checkpoint_resume(tmp_path, stage, delay):
     """save_steps=2 then resume_from_checkpoint in a new Trainer (new model, new optimizer): same end. At stage 3
-    Trainer's model.state_dict()/load_state_dict() gather by themselves."""
+    Trainer's model.state_dict()/load_state_dict() gather by themselves. With delay_update_after the checkpoint is
+    taken with a writeback pending: the model file holds the weights the next forward reads, the optimizer's state
+    the masters one update ahead. Trainer loads the model's weights first, then accelerate's prepare saves and loads
+    the new optimizer's state once (a round trip), then Trainer loads the checkpoint's: the round trip used to write
+    the new optimizer's construction masters over the loaded weights, and the state loaded last, its writeback
+    pending, kept them (the resumed run's first forward ran on the new model's initial weights)."""
     need("transformers", "accelerate", "safetensors")
     from safetensors import safe_open
 
     full = tiny_gpt2(0)
     full_losses, handle = record_losses(full)
-    make_trainer(full, zo_adamw(full, stage=stage), tmp_path / "full", max_grad_norm=0.0, save_steps=2).train()
+    kw = {"stage": stage, "delay_update_after": delay}
+    make_trainer(full, zo_adamw(full, **kw), tmp_path / "full", max_grad_norm=0.0, save_steps=2).train()
     handle.remove()
     ckpt = tmp_path / "full" / "checkpoint-2"
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
@@ -240,7 +247,7 @@ def test_trainer_checkpoint_resume(tmp_path, stage):
 
     resumed = tiny_gpt2(1)  # other weights: the checkpoint must bring them all
     losses, handle = record_losses(resumed)
-    make_trainer(resumed, zo_adamw(resumed, stage=stage), tmp_path / "resumed", max_grad_norm=0.0,
+    make_trainer(resumed, zo_adamw(resumed, **kw), tmp_path / "resumed", max_grad_norm=0.0,
                  save_steps=2).train(resume_from_checkpoint=str(ckpt))  # fmt: skip
     handle.remove()
     assert losses == full_losses[-len(losses) :] and len(losses) == (STEPS // 2) * MICRO, \

@@ -32,6 +32,7 @@ def state_dict(opt: ZeroOffloadAdamW) -> dict[str, Any]:
     opt._check_alive()
     opt._check_groups()
     opt.update.finish_pending(write=False)
+    _masters_follow_model(opt)
     keys = ("master", "exp_avg", "exp_avg_sq")
     lay = opt.layout
     params = [p for group in opt.param_groups for p in group["params"]]
@@ -66,6 +67,21 @@ def state_dict(opt: ZeroOffloadAdamW) -> dict[str, Any]:
     if opt.state_format == "8bit":
         extra["moments"] = raw_moments(opt)
     return {"state": state, "param_groups": groups, "zero_offload": extra}
+
+
+def _masters_follow_model(opt: ZeroOffloadAdamW) -> None:
+    """With no writeback pending, the model's parameters are the masters' cast unless the model was written since
+    (model.load_state_dict after construction): its values then win, as in a load without masters (quietly: the
+    state dict says what the model holds). Else a round trip, state_dict() then load_state_dict() (accelerate's
+    prepare does one: HF Trainer's resume loads the model's weights first), would write the stale masters over the
+    loaded weights; under DPU the checkpoint's state, saved with its writeback pending, then keeps them as the
+    parameters the next forward reads. The compare: a chunk of the parameters at a time, copied to the host. Not
+    with the state on NVMe (the compare would read every file once more): there a Trainer resume under DPU is not
+    bit-exact (README)."""
+    u = opt.update
+    if u.swapper is not None or u.staged or getattr(getattr(u, "host", None), "staged", False):
+        return
+    u.refresh_stale_masters(warn=False)
 
 
 def raw_moments(opt: ZeroOffloadAdamW) -> dict[int, dict[str, torch.Tensor]]:

@@ -370,13 +370,14 @@ class TwinUpdate(StateViews):
             self._publish()
 
     @torch.no_grad()
-    def refresh_stale_masters(self) -> None:
+    def refresh_stale_masters(self, warn: bool = True) -> None:
         """Keep the fp32 masters if the device params are still their cast; else take them from the model (as
         HostUpdate's)."""
         master = self.state()[0]
         if not torch.equal(master.to(self.own.dtype), self.own.cpu()):
-            warnings.warn(stale_warning(self.staged or (self.host is not None and self.host.staged)),
-                          stacklevel=5)  # fmt: skip
+            if warn:
+                warnings.warn(stale_warning(self.staged or (self.host is not None and self.host.staged)),
+                              stacklevel=5)  # fmt: skip
             self.refresh_from_model()
 
     @torch.no_grad()

@@ -33,6 +33,16 @@ MAX_WRITEBACK_TILES = 32
 MasterFill = Callable[[int, int, torch.Tensor], Any]  # (a, b, out): the fp32 masters of partition range [a, b)
 
 
+def same_cast(master: torch.Tensor, own: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """Whether `own` (the parameters, any device) holds the cast of the fp32 `master`, compared a chunk at a time
+    (a copy of the chunk, not of the partition)."""
+    for a in range(0, own.numel(), chunk):
+        b = min(own.numel(), a + chunk)
+        if not torch.equal(master[a:b].to(own.dtype), own[a:b].cpu()):
+            return False
+    return True
+
+
 def stale_warning(staged: bool) -> str:
     """refresh_stale_masters' warning; `staged`: a delayed update's writeback was pending."""
     text = ("the model's parameters changed since the optimizer took its fp32 masters (e.g. model.load_state_dict "
@@ -594,21 +604,28 @@ class HostUpdate(StateViews):
             self.write_staging()
 
     @torch.no_grad()
-    def refresh_stale_masters(self) -> None:
+    def refresh_stale_masters(self, warn: bool = True) -> None:
         """Keep the fp32 masters if the device params are still their cast; else take them from the model, with a
-        warning (stale_warning). With a delayed update's writeback pending the model lags the masters by that
+        warning (stale_warning) if `warn`. With a delayed update's writeback pending the model lags the masters by that
         update: nothing tells that lag from an edit of the model (model.load_state_dict, whose values must win), so
         the model's values are taken and the warning says how to keep the update (synchronize() first)."""
         if self.params_in_swapper:  # the parameters' file holds the masters' cast, unless new weights were stored
             self._refresh_stale_masters_in_swapper()
             return
         self.wait_written()
-        device_part = self.own.cpu()
-        master = self.state()[0]
-        if not torch.equal(master.to(self.own.dtype), device_part):
-            warnings.warn(stale_warning(self.staged), stacklevel=5)
-            master.copy_(device_part)
+        master = self._masters()
+        if not same_cast(master, self.own):
+            if warn:
+                warnings.warn(stale_warning(self.staged), stacklevel=5)
+            master.copy_(self.own.cpu())
             self.save_master(master)
+
+    def _masters(self) -> torch.Tensor:
+        """The partition's fp32 masters: in memory the tensor itself (no moment decoded), with NVMe a copy read from
+        the files."""
+        if self._state is not None:
+            return self._state[0]
+        return self._master if self.moments is not None else self.state()[0]
 
     def _refresh_stale_masters_in_swapper(self) -> None:
         """refresh_stale_masters with the 16-bit parameters in the swapper's fourth file: one read pass compares,
