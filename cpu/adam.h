@@ -9,7 +9,7 @@ namespace zo {
 enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kNone = 3 };
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 // How exp_avg / exp_avg_sq are stored. kState8: exp_avg int8 codes, exp_avg_sq uint8 codes, one fp32 scale per
-// block of each (see zo_kernels/quant8.py for the format); kStateBF16: rounded stochastically (see adam.cpp).
+// block of each (see zo_kernels/quant8.py for the format); kStateBF16 (and kState8's exp_avg): rounded stochastically (see adam.cpp).
 enum State : int { kStateF32 = 0, kStateBF16 = 1, kState8 = 2 };
 constexpr int64_t kMaxBlock = 256;
 
@@ -26,8 +26,8 @@ struct Buffers {
   float* exp_avg_scale = nullptr;     // kState8: ceil(n / block) fp32 scales each, updated in place
   float* exp_avg_sq_scale = nullptr;
   int64_t block = kMaxBlock;          // kState8: elements per scale, a multiple of 16 in [16, 256]
-  int64_t index0 = 0;                 // kStateBF16: the index of element 0 in the stochastic rounding's hash
-  uint64_t seed = 0;                  // kStateBF16: the hash's seed
+  int64_t index0 = 0;                 // kStateBF16, kState8: the index of element 0 in the stochastic rounding
+  uint64_t seed = 0;                  // kStateBF16, kState8: the rounding's seed
 };
 
 struct AdamParams {

@@ -1,7 +1,7 @@
 """The in-memory update of bf16 and 8-bit moments (offload/update.py, _tile_update): the kernel is called once per
 span of free staging instead of once per tile, and with a transport that has a C tile sink (CUDA's) the synchronous
 step's tiles are updated and queued by one C++ loop. That is exact because the values do not depend on the split:
-8-bit has no random bits, and bf16's stochastic rounding hashes each element's partition offset (before, each
+the stochastic roundings (bf16, 8-bit exp_avg) take their bits from each element's partition offset (before, each
 tile's call was seeded by its start, so another tiling rounded otherwise). Judged here by runs that differ only in
 how the update is cut (tile_numel, a C sink or copies from Python, DPU spans), bit for bit; the values themselves
 by the format oracle (tests/test_state_formats.py) and the NVMe path, bit for bit the in-memory one

@@ -326,8 +326,8 @@ class AdamPlan(NamedTuple):
     grad_code: int
     out_dtype: torch.dtype | None
     args: tuple  # step, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw, bias_correction, isa, threads
-    seed: int = 0  # bf16 moments: the stochastic rounding's seed
-    index0: int = 0  # bf16 moments: the hash index of element 0 (the rounding hashes seed, step, index0 + i)
+    seed: int = 0  # bf16 moments, 8-bit exp_avg: the stochastic rounding's seed
+    index0: int = 0  # bf16 / 8-bit: the index of element 0 (the rounding's bits: seed, step, index0 + i)
 
     @property
     def block(self) -> int:
@@ -494,7 +494,8 @@ def cpu_adam_step(
     identical, and calls over the parts of a tensor, each given its first element's index as `index0`, round as
     one call over all of it),
     or both `Quantized8bit` (exp_avg signed, exp_avg_sq unsigned, one block size; dequantized, updated in fp32
-    and requantized block by block in the same pass; `tile_numel` must then be a multiple of the block).
+    and requantized block by block in the same pass, exp_avg's codes rounded stochastically with bits from the same
+    (`seed`, `step`, `index0` + element index); `tile_numel` must then be a multiple of the block).
 
     `grad` (fp32/fp16/bf16) is multiplied by `grad_scale` first (by -grad_scale with `maximize`, as
     torch's). With `sink`, the tensor is processed in

@@ -124,8 +124,8 @@ def encode(fmt: str, views: list[torch.Tensor], n: int, exp_avg: torch.Tensor, e
     for (codes, scales), x, signed in zip((views[:2], views[2:]), (exp_avg, exp_avg_sq), (True, False)):
         if codes.numel() > n:  # the rest of the last block as it is
             x = torch.cat([x, dequantize(codes, scales, signed=signed, block=BLOCK_8BIT)[n:]])
-        noise = None
-        if signed and sr is not None:
+        noise = None  # (with sr the rest of the last block is rounded anew too: zero padding, where the host
+        if signed and sr is not None:  # leaves its zero codes, which round to zero)
             noise = weyl16(x.numel(), sr[0], sr[1], sr[2], x.device)
         c, sc = quantize(x, signed=signed, block=BLOCK_8BIT, noise=noise)
         codes.copy_(c)

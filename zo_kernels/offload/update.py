@@ -423,7 +423,7 @@ class HostUpdate(StateViews):
         writeback have landed); with writeback, where the transport has a C tile sink (CUDA's), a run's tiles are
         updated and queued to the device by one C++ loop without the GIL, else tile by tile from Python, each copy
         overlapping the next tile's update; the compute stream waits for the copies at the end. The values do not
-        depend on the split (8-bit has no random bits; bf16's are hashed from the partition offset: _sr). Before,
+        depend on the split (the random bits, bf16's and 8-bit exp_avg's, come from the partition offset: _sr). Before,
         a kernel call per tile from Python: on the H200 (8-bit, 16-core host) each tile cost ~0.4 ms beside its
         kernel's 0.3 ms (1.3B: 570 ms tiled against 182 ms for one call)."""
         send = writeback and not self.staging_in_place
