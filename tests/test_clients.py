@@ -223,22 +223,27 @@ def test_trainer_clipping_matches_torch(tmp_path, trainer_reference):
     check_micro_batches(stats, MICRO, "Trainer")
 
 
-@pytest.mark.parametrize("stage, delay", [(2, None), (3, None), (2, 1), (3, 1)],
-                         ids=["stage2", "stage3", "stage2-dpu", "stage3-dpu"])
-def test_trainer_checkpoint_resume(tmp_path, stage, delay):
+@pytest.mark.parametrize("stage, delay, nvme", [(2, None, False), (3, None, False), (2, 1, False), (3, 1, False),
+                                               (2, 1, True)],
+                         ids=["stage2", "stage3", "stage2-dpu", "stage3-dpu", "stage2-dpu-nvme"])  # fmt: skip
+def test_trainer_checkpoint_resume(tmp_path, stage, delay, nvme):
     """save_steps=2 then resume_from_checkpoint in a new Trainer (new model, new optimizer): same end. At stage 3
     Trainer's model.state_dict()/load_state_dict() gather by themselves. With delay_update_after the checkpoint is
     taken with a writeback pending: the model file holds the weights the next forward reads, the optimizer's state
     the masters one update ahead. Trainer loads the model's weights first, then accelerate's prepare saves and loads
     the new optimizer's state once (a round trip), then Trainer loads the checkpoint's: the round trip used to write
     the new optimizer's construction masters over the loaded weights, and the state loaded last, its writeback
-    pending, kept them (the resumed run's first forward ran on the new model's initial weights)."""
+    pending, kept them (the resumed run's first forward ran on the new model's initial weights); also with the
+    optimizer's state on NVMe."""
     need("transformers", "accelerate", "safetensors")
     from safetensors import safe_open
 
     full = tiny_gpt2(0)
     full_losses, handle = record_losses(full)
     kw = {"stage": stage, "delay_update_after": delay}
+    if nvme:
+        (tmp_path / "nvme").mkdir()
+        kw.update(offload_optimizer="nvme", nvme_dir=str(tmp_path / "nvme"))
     make_trainer(full, zo_adamw(full, **kw), tmp_path / "full", max_grad_norm=0.0, save_steps=2).train()
     handle.remove()
     ckpt = tmp_path / "full" / "checkpoint-2"

@@ -75,11 +75,13 @@ def _masters_follow_model(opt: ZeroOffloadAdamW) -> None:
     state dict says what the model holds). Else a round trip, state_dict() then load_state_dict() (accelerate's
     prepare does one: HF Trainer's resume loads the model's weights first), would write the stale masters over the
     loaded weights; under DPU the checkpoint's state, saved with its writeback pending, then keeps them as the
-    parameters the next forward reads. The compare: a chunk of the parameters at a time, copied to the host. Not
-    with the state on NVMe (the compare would read every file once more): there a Trainer resume under DPU is not
-    bit-exact (README)."""
+    parameters the next forward reads. The compare: a chunk of the parameters at a time, copied to the host; with
+    the state on NVMe a read pass over the files, so there only under DPU (where a state saved with its writeback
+    pending can follow)."""
     u = opt.update
-    if u.swapper is not None or u.staged or getattr(getattr(u, "host", None), "staged", False):
+    if u.staged or getattr(getattr(u, "host", None), "staged", False):
+        return
+    if u.swapper is not None and opt.delay_update_after is None:
         return
     u.refresh_stale_masters(warn=False)
 

@@ -613,19 +613,28 @@ class HostUpdate(StateViews):
             self._refresh_stale_masters_in_swapper()
             return
         self.wait_written()
-        master = self._masters()
-        if not same_cast(master, self.own):
+        if self.swapper is not None:  # a read pass compares tile by tile (the pool's memory only)
+            stale = not self._swapped_masters_match()
+            master = self.state()[0] if stale else None
+        else:
+            master = self._state[0] if self._state is not None else self._master  # (no moment decoded)
+            stale = not same_cast(master, self.own)
+        if stale:
             if warn:
                 warnings.warn(stale_warning(self.staged), stacklevel=5)
             master.copy_(self.own.cpu())
             self.save_master(master)
 
-    def _masters(self) -> torch.Tensor:
-        """The partition's fp32 masters: in memory the tensor itself (no moment decoded), with NVMe a copy read from
-        the files."""
-        if self._state is not None:
-            return self._state[0]
-        return self._master if self.moments is not None else self.state()[0]
+    def _swapped_masters_match(self) -> bool:
+        """Whether the device parameters are the cast of the masters in the swapper's files (one read pass)."""
+        own, same = self.own, [True]
+
+        def compare(lo: int, hi: int, master: torch.Tensor, *moments: Any) -> None:
+            if same[0] and not torch.equal(master.to(own.dtype), own[lo:hi].cpu()):
+                same[0] = False
+
+        self.swapper.read(compare)
+        return same[0]
 
     def _refresh_stale_masters_in_swapper(self) -> None:
         """refresh_stale_masters with the 16-bit parameters in the swapper's fourth file: one read pass compares,
