@@ -124,9 +124,9 @@ MUTANTS = [
        "return dict(lr=lr, betas=(beta1, beta2)", 'return dict(lr=group["lr"], betas=(beta1, beta2)',
        ("tests/test_torch_optim_contract.py", "-k", "tensor_lr")),
     _m("stale-check-skipped-under-a-pending-writeback", "checkpoints", "zo_kernels/offload/update.py",
-       "        self.wait_written()\n        device_part = self.own.cpu()\n",
+       "        self.wait_written()\n        if self.swapper is not None:  # a read pass",
        "        if self.staged:\n            return\n        self.wait_written()\n"
-       "        device_part = self.own.cpu()\n",
+       "        if self.swapper is not None:  # a read pass",
        ("tests/test_offload_review.py", "-k", "without_masters")),
     _m("stage3-objects-in-outputs-unseen", "stage 3", "zo_kernels/offload/unit.py",
        "elif dataclasses.is_dataclass(leaf):", "elif False:",

@@ -308,15 +308,16 @@ def test_stale_masters_are_refreshed_with_a_warning():
     assert torch.equal(opt.master[: opt.numel], flat(p.to(torch.bfloat16) for p in other.parameters()))
 
 
+@pytest.mark.parametrize("cls", [zk.ZeroOffloadAdamW, zk.ZeroOffloadAdafactor], ids=["adamw", "adafactor"])
 @pytest.mark.parametrize("delay", [None, 0], ids=["sync", "dpu"])
-def test_state_dict_round_trip_keeps_weights_loaded_into_the_model(delay):
+def test_state_dict_round_trip_keeps_weights_loaded_into_the_model(delay, cls):
     """model.load_state_dict after construction, then opt.load_state_dict(opt.state_dict()) (accelerate's prepare
     does this round trip, after HF Trainer's resume loaded the model's weights): the model keeps the loaded weights
     and the masters follow them. The state dict used to carry the construction's masters, and the load wrote them
     over the model; under DPU a checkpoint saved with its writeback pending then kept them as the next forward's
     parameters (a Trainer resume was not bit-exact: tests/test_clients.py::test_trainer_checkpoint_resume)."""
     model = make_model()
-    opt = zk.ZeroOffloadAdamW(model, delay_update_after=delay, **LR)
+    opt = cls(model, delay_update_after=delay, **LR)
     other = make_model(seed=5)
     loaded = {k: v.to(torch.bfloat16) for k, v in other.state_dict().items()}
     model.load_state_dict(loaded)

@@ -31,6 +31,7 @@ from .checks import check_int
 from .comm import Comm
 from .layout import Run
 from .optimizer import ZeroOffloadAdamW
+from .state import masters_follow_model
 from .update import HostUpdate
 
 
@@ -328,6 +329,7 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
         self._check_alive()
         self._check_groups()
         self.update.finish_pending(write=False)
+        masters_follow_model(self)  # (as ZeroOffloadAdamW's: weights loaded into the model since the last update)
         lay = self.layout
         full = self.comm.gather(self.update.master, lay.part * self.world)  # (a collective on several ranks)
         state, groups, idx = {}, [], 0

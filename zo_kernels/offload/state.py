@@ -32,7 +32,7 @@ def state_dict(opt: ZeroOffloadAdamW) -> dict[str, Any]:
     opt._check_alive()
     opt._check_groups()
     opt.update.finish_pending(write=False)
-    _masters_follow_model(opt)
+    masters_follow_model(opt)
     keys = ("master", "exp_avg", "exp_avg_sq")
     lay = opt.layout
     params = [p for group in opt.param_groups for p in group["params"]]
@@ -69,7 +69,7 @@ def state_dict(opt: ZeroOffloadAdamW) -> dict[str, Any]:
     return {"state": state, "param_groups": groups, "zero_offload": extra}
 
 
-def _masters_follow_model(opt: ZeroOffloadAdamW) -> None:
+def masters_follow_model(opt: ZeroOffloadAdamW) -> None:
     """With no writeback pending, the model's parameters are the masters' cast unless the model was written since
     (model.load_state_dict after construction): its values then win, as in a load without masters (quietly: the
     state dict says what the model holds). Else a round trip, state_dict() then load_state_dict() (accelerate's
