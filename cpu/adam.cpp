@@ -443,14 +443,18 @@ inline __m256 load_codes8(const void* base, bool is_signed) {
   return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
 }
 
-// x * mult -> scalar::code_of as 8 bytes: cvtps2dq, then the low byte of each lane (as vpmovdb).
-inline void store_codes8(void* base, __m256 x, __m256 mult) {
-  const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(x, mult));
+// The low byte of each of 8 int32 lanes (as vpmovdb) to 8 bytes.
+inline void store_low_bytes8(void* base, __m256i c) {
   const __m256i sh = _mm256_shuffle_epi8(c, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                                              -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                                              -1, -1));
   const __m128i b = _mm_unpacklo_epi32(_mm256_castsi256_si128(sh), _mm256_extracti128_si256(sh, 1));
   _mm_storel_epi64(static_cast<__m128i*>(base), b);
+}
+
+// x * mult -> scalar::code_of as 8 bytes: cvtps2dq, then the low byte of each lane.
+inline void store_codes8(void* base, __m256 x, __m256 mult) {
+  store_low_bytes8(base, _mm256_cvtps_epi32(_mm256_mul_ps(x, mult)));
 }
 
 // x * mult -> scalar::code_sr as 8 bytes with the random bits r: + r * 2^-16, floor, clamp (a NaN passes min and
@@ -459,7 +463,7 @@ inline void store_codes8_sr(void* base, __m256 x, __m256 mult, __m256i r) {
   const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(r), _mm256_set1_ps(0x1p-16f));
   __m256 t = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, mult), u));
   t = _mm256_max_ps(_mm256_set1_ps(-127.0f), _mm256_min_ps(_mm256_set1_ps(127.0f), t));
-  store_codes8(base, t, _mm256_set1_ps(1.0f));
+  store_low_bytes8(base, _mm256_cvtps_epi32(t));
 }
 
 inline uint32_t hmax8(__m256i x) {
