@@ -124,9 +124,9 @@ MUTANTS = [
        "return dict(lr=lr, betas=(beta1, beta2)", 'return dict(lr=group["lr"], betas=(beta1, beta2)',
        ("tests/test_torch_optim_contract.py", "-k", "tensor_lr")),
     _m("stale-check-skipped-under-a-pending-writeback", "checkpoints", "zo_kernels/offload/update.py",
-       "        self.wait_written()\n        if self.swapper is not None:  # a read pass",
+       "        self.wait_written()\n        own, ranges, stale = ",
        "        if self.staged:\n            return\n        self.wait_written()\n"
-       "        if self.swapper is not None:  # a read pass",
+       "        own, ranges, stale = ",
        ("tests/test_offload_review.py", "-k", "without_masters")),
     _m("stage3-objects-in-outputs-unseen", "stage 3", "zo_kernels/offload/unit.py",
        "elif dataclasses.is_dataclass(leaf):", "elif False:",
@@ -171,6 +171,9 @@ MUTANTS = [
     _m("state-dict-compares-under-a-pending-writeback", "checkpoints", "zo_kernels/offload/state.py",
        '    if u.staged or getattr(getattr(u, "host", None), "staged", False):\n        return\n', "",
        "tests/test_state_dict_reads_only.py"),
+    _m("refreshed-masters-skip-staging", "checkpoints", "zo_kernels/offload/update.py",
+       "                self.staging_buf[a:b].copy_(values)", "                pass",
+       ("tests/test_offload.py", "-k", "reach_staging")),
     # ---- the 8-bit exp_avg's stochastic rounding (2026-11-27)
     _m("kernel-8bit-scalar-rounds-m-to-nearest", "kernel", "cpu/adam.cpp",
        "code_sr(mb[j] * im, weyl16(k.index0 + j, key));", "int8_t(code_of(mb[j] * im));",

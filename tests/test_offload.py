@@ -330,6 +330,57 @@ def test_state_dict_round_trip_keeps_weights_loaded_into_the_model(delay, cls):
     opt.close()
 
 
+@pytest.mark.parametrize("case", ["adafactor-dpu", "adamw-nvme-dpu"])
+def test_masters_taken_at_state_dict_reach_staging(case, tmp_path):
+    """Weights loaded into the model, then state_dict() (the masters follow them), then a parameter gets no gradient
+    (frozen): the next writebacks keep the loaded weights. The refresh took the masters but left staging, which
+    holds the parameters a skipped range keeps, at the old ones: the frozen parameter went back to them at the next
+    writeback (found by a bug hunt)."""
+    kw = dict(delay_update_after=0)
+    if case == "adamw-nvme-dpu":
+        kw.update(offload_optimizer="nvme", nvme_dir=str(tmp_path))
+    cls = zk.ZeroOffloadAdafactor if case.startswith("adafactor") else zk.ZeroOffloadAdamW
+    model = make_model(seed=0)
+    opt = cls(model, lr=3e-3, dtype=torch.bfloat16, bucket_numel=50_000, **kw)
+    frozen = list(model.parameters())[-1]
+    for i, step in enumerate(make_data(4, batch=4, seed=2)):
+        if i == 2:
+            opt.synchronize()
+            model.load_state_dict(make_model(seed=5).state_dict())
+            opt.state_dict()
+            frozen.requires_grad_(False)
+            want = frozen.detach().clone()
+        x = step[0]
+        opt.backward(model(x[:, :-1], x[:, 1:]))
+        opt.step()
+    opt.synchronize()
+    assert torch.equal(frozen.detach(), want), "a skipped parameter went back to the weights before the load"
+    opt.close()
+
+
+def test_an_edited_parameter_takes_its_masters_alone():
+    """One element of one parameter edited between steps, then state_dict(): that parameter's masters follow the
+    model; every other parameter keeps its fp32 masters (the whole partition used to be taken from the 16-bit
+    parameters: every master truncated to its bf16 cast; found by a bug hunt)."""
+    model = make_model(seed=0)
+    opt = zk.ZeroOffloadAdamW(model, lr=3e-3, dtype=torch.bfloat16, bucket_numel=50_000)
+    for step in make_data(2, batch=4, seed=2):
+        x = step[0]
+        opt.backward(model(x[:, :-1], x[:, 1:]))
+        opt.step()
+    before = {i: st["master"].clone() for i, st in opt.state_dict()["state"].items()}
+    params = list(model.parameters())
+    with torch.no_grad():
+        params[-1].view(-1)[0] = 0.5
+    after = opt.state_dict()["state"]
+    last = len(params) - 1
+    assert torch.equal(after[last]["master"], params[-1].detach().float())
+    for i in range(last):
+        assert torch.equal(after[i]["master"], before[i]), f"param {i}'s fp32 masters were replaced"
+    assert not all(torch.equal(m, m.bfloat16().float()) for m in before.values()), "the test needs fp32 masters"
+    opt.close()
+
+
 def _bad_construction_cases():
     def mixed():
         return [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3, device="meta"))]

@@ -4,6 +4,8 @@ the background (DPU) worker."""
 
 from __future__ import annotations
 
+import bisect
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -33,14 +35,25 @@ MAX_WRITEBACK_TILES = 32
 MasterFill = Callable[[int, int, torch.Tensor], Any]  # (a, b, out): the fp32 masters of partition range [a, b)
 
 
-def same_cast(master: torch.Tensor, own: torch.Tensor, chunk: int = 1 << 22) -> bool:
-    """Whether `own` (the parameters, any device) holds the cast of the fp32 `master`, compared a chunk at a time
-    (a copy of the chunk, not of the partition)."""
-    for a in range(0, own.numel(), chunk):
-        b = min(own.numel(), a + chunk)
-        if not torch.equal(master[a:b].to(own.dtype), own[a:b].cpu()):
-            return False
-    return True
+def differing(master: torch.Tensor, own: torch.Tensor, ranges: list[tuple[int, int]], at: int,
+              chunk: int = 1 << 22) -> list[tuple[int, int]]:  # fmt: skip
+    """The ranges (partition coordinates, sorted) in which `own` (parameters, any device) is not the cast of the fp32
+    `master`, both starting at partition offset `at`; compared a chunk at a time (a copy of the chunk, not of the
+    partition)."""
+    out: list[tuple[int, int]] = []
+    n = own.numel()
+    for x in range(0, n, chunk):
+        y = min(n, x + chunk)
+        ne = master[x:y].to(own.dtype) != own[x:y].cpu()
+        if not bool(ne.any()):
+            continue
+        for a, b in ranges[max(0, bisect.bisect_right(ranges, (at + x, math.inf)) - 1) :]:
+            if a >= at + y:
+                break
+            lo, hi = max(a, at + x) - at - x, min(b, at + y) - at - x
+            if lo < hi and bool(ne[lo:hi].any()) and (not out or out[-1] != (a, b)):
+                out.append((a, b))
+    return out
 
 
 def stale_warning(staged: bool) -> str:
@@ -605,36 +618,43 @@ class HostUpdate(StateViews):
 
     @torch.no_grad()
     def refresh_stale_masters(self, warn: bool = True) -> None:
-        """Keep the fp32 masters if the device params are still their cast; else take them from the model, with a
-        warning (stale_warning) if `warn`. With a delayed update's writeback pending the model lags the masters by that
+        """Keep each parameter's fp32 masters if its device values are still their cast; else take that parameter's
+        from the model (and into staging, which holds the parameters a skipped range keeps), with a warning
+        (stale_warning) if `warn`. With a delayed update's writeback pending the model lags the masters by that
         update: nothing tells that lag from an edit of the model (model.load_state_dict, whose values must win), so
         the model's values are taken and the warning says how to keep the update (synchronize() first)."""
         if self.params_in_swapper:  # the parameters' file holds the masters' cast, unless new weights were stored
             self._refresh_stale_masters_in_swapper()
             return
         self.wait_written()
+        own, ranges, stale = self.own, self._param_ranges(), set()
         if self.swapper is not None:  # a read pass compares tile by tile (the pool's memory only)
-            stale = not self._swapped_masters_match()
+
+            def compare(lo: int, hi: int, master: torch.Tensor, *moments: Any) -> None:
+                stale.update(differing(master, own[lo:hi], ranges, lo))
+
+            self.swapper.read(compare)
             master = self.state()[0] if stale else None
         else:
             master = self._state[0] if self._state is not None else self._master  # (no moment decoded)
-            stale = not same_cast(master, self.own)
-        if stale:
-            if warn:
-                warnings.warn(stale_warning(self.staged), stacklevel=5)
-            master.copy_(self.own.cpu())
-            self.save_master(master)
+            stale.update(differing(master, own, ranges, 0))
+        if not stale:
+            return
+        if warn:
+            warnings.warn(stale_warning(self.staged), stacklevel=5)
+        to_staging = self.staging_buf is not None and not self.staging_in_place
+        if to_staging:
+            self.transport.wait(self._staging_read)  # (a copy of the last writeback may still read staging)
+        for a, b in sorted(stale):
+            values = own[a:b].cpu()
+            master[a:b].copy_(values)
+            if to_staging:
+                self.staging_buf[a:b].copy_(values)
+        self.save_master(master)
 
-    def _swapped_masters_match(self) -> bool:
-        """Whether the device parameters are the cast of the masters in the swapper's files (one read pass)."""
-        own, same = self.own, [True]
-
-        def compare(lo: int, hi: int, master: torch.Tensor, *moments: Any) -> None:
-            if same[0] and not torch.equal(master.to(own.dtype), own[lo:hi].cpu()):
-                same[0] = False
-
-        self.swapper.read(compare)
-        return same[0]
+    def _param_ranges(self) -> list[tuple[int, int]]:
+        """Each parameter's non-empty range of this rank's partition, in order."""
+        return sorted(r for r in map(self.layout.part_range, self.layout.params) if r[0] < r[1])
 
     def _refresh_stale_masters_in_swapper(self) -> None:
         """refresh_stale_masters with the 16-bit parameters in the swapper's fourth file: one read pass compares,
