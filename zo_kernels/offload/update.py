@@ -624,7 +624,7 @@ class HostUpdate(StateViews):
         update: nothing tells that lag from an edit of the model (model.load_state_dict, whose values must win), so
         the model's values are taken and the warning says how to keep the update (synchronize() first)."""
         if self.params_in_swapper:  # the parameters' file holds the masters' cast, unless new weights were stored
-            self._refresh_stale_masters_in_swapper()
+            self._refresh_stale_masters_in_swapper(warn)
             return
         self.wait_written()
         own, ranges, stale = self.own, self._param_ranges(), set()
@@ -656,7 +656,7 @@ class HostUpdate(StateViews):
         """Each parameter's non-empty range of this rank's partition, in order."""
         return sorted(r for r in map(self.layout.part_range, self.layout.params) if r[0] < r[1])
 
-    def _refresh_stale_masters_in_swapper(self) -> None:
+    def _refresh_stale_masters_in_swapper(self, warn: bool) -> None:
         """refresh_stale_masters with the 16-bit parameters in the swapper's fourth file: one read pass compares,
         one more pass takes the masters from the file if they differ."""
         stale = []
@@ -668,7 +668,8 @@ class HostUpdate(StateViews):
 
         self.swapper.read(compare)
         if stale:
-            warnings.warn(stale_warning(self.staged), stacklevel=5)
+            if warn:
+                warnings.warn(stale_warning(self.staged), stacklevel=5)
             self.refresh_from_model()
 
     @torch.no_grad()
