@@ -176,7 +176,7 @@ def _():
 @case("kernel-readonly-mmap", ValueError, "param")
 def _():
     n = 1 << 16
-    f = tempfile.NamedTemporaryFile(suffix=".bin", delete=False)
+    f = tempfile.NamedTemporaryFile(suffix=".bin", delete=False, dir=_SCRATCH.name)  # (removed with the scratch)
     f.write(np.ones(n, dtype=np.float32).tobytes())
     f.close()
     with open(f.name, "rb") as fh:
