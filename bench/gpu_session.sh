@@ -32,7 +32,6 @@ cd "$(dirname "$0")/.."
 py="${PYTHON:-python3}"
 total="${ZO_SESSION_S:-570}"
 start=$(date +%s)
-work="$(mktemp -d)"
 text="$out/session.txt"
 : >"$text"
 say() { echo "$*" | tee -a "$text"; }
@@ -45,6 +44,8 @@ for p in "${parts[@]}"; do
     exit 2
   fi
 done
+work="$(mktemp -d)"  # (after the plan's check: a refused plan leaves nothing behind)
+trap 'rm -rf "$work"' EXIT
 say "gpu_session $(date -u +%Y-%m-%dT%H:%M:%SZ): plan $plan, ${total}s"
 t0=$(date +%s)
 timeout 150 "$py" -m pip install -q --no-build-isolation --no-deps -e . >"$work/build.log" 2>&1

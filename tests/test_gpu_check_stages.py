@@ -441,7 +441,7 @@ def test_gpu_session_runs_its_parts_in_order_within_one_command(tmp_path):
     of the command's time left when it starts (what a part leaves unused goes to the later ones), each gpu_check
     part with ZO_SKIP_BUILD=1 and a budget under its share, the scale part's later settings allowed to start with
     90 s left; what comes back fits the device tool (at most 8 files, plain names); an unknown part is refused before
-    anything runs."""
+    anything runs; no scratch directory is left behind (a refused plan left an empty one in /tmp)."""
     import re
     import subprocess
 
@@ -452,7 +452,9 @@ def test_gpu_session_runs_its_parts_in_order_within_one_command(tmp_path):
                     "  *torch.__version__*) echo '2.11.0 13.0' ;;\nesac\nexit 0\n")  # fmt: skip
     fake.chmod(0o755)
     script = os.path.join(HERE, "..", "bench", "gpu_session.sh")
-    env = {**os.environ, "PYTHON": str(fake), "ZO_SESSION_S": "570"}
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    env = {**os.environ, "PYTHON": str(fake), "ZO_SESSION_S": "570", "TMPDIR": str(scratch)}
     out = tmp_path / "out"
     run = subprocess.run(["bash", script, str(out)], env=env, capture_output=True, text=True, timeout=300)
     text = (out / "session.txt").read_text()
@@ -486,3 +488,4 @@ def test_gpu_session_runs_its_parts_in_order_within_one_command(tmp_path):
                          text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "unknown part 'bogus'" in bad.stderr
     assert not (tmp_path / "bad" / "session.tgz").exists()
+    assert not list(scratch.iterdir()), list(scratch.iterdir())
