@@ -70,13 +70,6 @@ def sr_key(seed: int, step: int) -> int:
     return _mix32(h ^ ((step >> 32) & M32))
 
 
-def sr_hash(n: int, seed: int, step: int, index0: int, device: torch.device) -> torch.Tensor:
-    """The 32-bit hashes (int64) of the n elements of a CPU Adam call with this seed at this step whose first element
-    has index `index0`: element i's h = mix32(uint32(index0 + i) ^ sr_key(seed, step))."""
-    index = torch.arange(index0, index0 + n, dtype=torch.int64, device=device) & M32
-    return _mix32(index ^ sr_key(seed, step))
-
-
 def weyl16(n: int, seed: int, step: int, index0: int, device: torch.device) -> torch.Tensor:
     """The 8-bit exp_avg's 16 random bits (int64) of the n elements of a CPU Adam call with this seed at this step
     whose first element has index `index0`: element i's (uint32(index0 + i) * 0x9E3779B9 + sr_key(seed, step)) mod
@@ -88,9 +81,10 @@ def weyl16(n: int, seed: int, step: int, index0: int, device: torch.device) -> t
 def round_bf16_sr(m: torch.Tensor, v: torch.Tensor, seed: int, step: int,
                   index0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """exp_avg and exp_avg_sq (1-D fp32, one length) rounded to bf16 as CPU Adam rounds the elements of a call with this
-    seed at this step whose first element has index `index0` (sr_hash): exp_avg adds h's low 16 bits, exp_avg_sq its
-    high 16, then the low 16 bits are dropped; NaN becomes 0x7fc0."""
-    h = sr_hash(m.numel(), seed, step, index0, m.device)
+    seed at this step whose first element has index `index0`: element i's hash h = mix32(uint32(index0 + i) ^ key),
+    exp_avg adds h's low 16 bits, exp_avg_sq its high 16, then the low 16 bits are dropped; NaN becomes 0x7fc0."""
+    index = torch.arange(index0, index0 + m.numel(), dtype=torch.int64, device=m.device) & M32
+    h = _mix32(index ^ sr_key(seed, step))
     out = []
     for x, r in ((m, h & 0xFFFF), (v, h >> 16)):
         bits = ((x.view(torch.int32).long() & M32) + r) >> 16
