@@ -229,7 +229,7 @@ if [ "$mode" = anchors ]; then  # step rows at a batch whose forward + backward 
   ZO_DEVICE="$gpu" ZO_COMMIT="$commit" "$py" bench/summary.py --summary-json "$out" 2>>"$log" | tee -a "$summary" \
     && rm -f "$out/anchors.json" "$out/activations.json" "$out/step.json" || status=1
   say "commit it as bench/results/gpu-$(date -u +%Y-%m-%d)-${device_tag:-GPU}-anchors.json (and profile.json as"
-  say "  bench/results/gpu-$(date -u +%Y-%m-%d)-${device_tag:-GPU}-profile.json)"
+  say "  bench/results/profile-$(date -u +%Y-%m-%d)-${device_tag:-GPU}.json: not a summary, outside gpu-*.json)"
   say "result: $([ $status = 0 ] && echo 'anchors, step rows and activations passed' \
     || echo 'anchors, step rows or activations FAILED')" \
     "on $gpu in $(($(date +%s) - start))s"

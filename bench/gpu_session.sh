@@ -4,8 +4,9 @@
 # bench/gpu_check.sh named in PLAN, each a gpu_check.sh run of its own with ZO_SKIP_BUILD=1 and its share of the
 # command's time, every output folded into OUTDIR/session.tgz, each part's summary.json (where it writes one) beside it.
 #   bash bench/gpu_session.sh OUTDIR [PLAN]
-# PLAN: comma-separated parts, run in that order (default scale,tests,profile,anchors: what the H200 runs of
-# 2026-11-27 left unmeasured or unexplained, and the GPU tests of what changed since):
+# PLAN: comma-separated parts, run in that order (default tests,anchors: the sixth run, 2026-11-27, ran
+# scale,tests,profile,anchors in 535 s and cut the tests, the activation rows and all anchors but torch's at their
+# shares; its tests then passed in a second command. Tests need ~170 s, anchors ~300 s: two parts fill a command):
 #   scale       gpu_check.sh scale: ZO_SCALE_SETTINGS (default here s2-8bit,s2-fp32,s3-cpu: the DPU settings)
 #   tests       gpu_check.sh tests: the default run's tests without its benchmarks (tests/test_gpu.py,
 #               test_transport.py and the CUDA activation test, then tests/test_gpu_two_ranks.py: stages 1, 2, 3,
@@ -21,11 +22,11 @@
 # anchors 4), less 10 s for the archive. What comes back: session.tgz (every part's folder), session.txt (every
 # part's summary.txt, in order), PART-summary.json for each gpu_check.sh part and profile.json: at most 7 files.
 # On an H100 (its scale row never measured): ZO_SCALE_SETTINGS=s2-8bit-sync,s2-8bit. Without a GPU each part takes
-# gpu_check.sh's own no-GPU path (the CPU-side checks; the tests skip). Never run on a GPU yet (written after the
-# H200 runs of 2026-11-27; tests/test_gpu_check_stages.py runs it on a stand-in machine).
+# gpu_check.sh's own no-GPU path (the CPU-side checks; the tests skip). Ran once on a GPU (the H200's sixth run,
+# docs/gpu-runs.md); tests/test_gpu_check_stages.py runs it on a stand-in machine.
 set -uo pipefail
 out="${1:?usage: bash bench/gpu_session.sh OUTDIR [PLAN]}"
-plan="${2:-scale,tests,profile,anchors}"
+plan="${2:-tests,anchors}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 cd "$(dirname "$0")/.."
@@ -104,5 +105,6 @@ for p in "${parts[@]}"; do
 done
 tar czf "$out/session.tgz" -C "$work" . && rm -rf "$work"
 say "gpu_session: $([ $status = 0 ] && echo passed || echo 'FAILED (a part above)') in $(($(date +%s) - start))s;" \
-  "commit each PART-summary.json as bench/results/gpu-DATE-DEVICE[-PART].json"
+  "commit each PART-summary.json as bench/results/gpu-DATE-DEVICE[-PART].json, profile.json as" \
+  "bench/results/profile-DATE-DEVICE.json"
 exit $status

@@ -456,7 +456,8 @@ def test_gpu_session_runs_its_parts_in_order_within_one_command(tmp_path):
     scratch.mkdir()
     env = {**os.environ, "PYTHON": str(fake), "ZO_SESSION_S": "570", "TMPDIR": str(scratch)}
     out = tmp_path / "out"
-    run = subprocess.run(["bash", script, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(["bash", script, str(out), "scale,tests,profile,anchors"], env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
     text = (out / "session.txt").read_text()
     shares = re.findall(r"^--- (\S+): (\d+)s$", text, re.M)
     assert [p for p, _ in shares] == ["scale", "tests", "profile", "anchors"], text
@@ -484,6 +485,13 @@ def test_gpu_session_runs_its_parts_in_order_within_one_command(tmp_path):
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) <= 8 and all(re.fullmatch(r"[\w.-]+", p.name) for p in files), files
     assert (out / "session.tgz").stat().st_size > 0, run.stdout
+    # the default plan (after the sixth run, whose four parts cut three): the tests, then the anchors with the rest
+    default = subprocess.run(["bash", script, str(tmp_path / "default")], env=env, capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+    text = (tmp_path / "default" / "session.txt").read_text()
+    shares = re.findall(r"^--- (\S+): (\d+)s$", text, re.M)
+    assert [p for p, _ in shares] == ["tests", "anchors"], (text, default.stderr)
+    assert 215 <= int(shares[0][1]) <= 240, shares  # 3/7 of 560 s
     bad = subprocess.run(["bash", script, str(tmp_path / "bad"), "scale,bogus"], env=env, capture_output=True,
                          text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "unknown part 'bogus'" in bad.stderr
