@@ -284,15 +284,25 @@ def copy_host_us(transport, calls: int = 200) -> dict:
 def _top_functions(step: Callable[[], None], layers: int, steps: int = 3, top: int = 10) -> dict:
     """Own time per block under cProfile over `steps` steps (cProfile inflates small calls: read it for where, not
     how much): the `top` functions overall and zo_kernels' own, each [file:line(function), us], and zo_kernels'
-    total."""
+    total. Collected first, then profiled with the garbage collector off: a full collection (~0.1 s with torch
+    imported) landing in the profiled steps would be charged to whichever function allocated then (the H200's sixth
+    run: 1,617 us a block in torch's pack_hook)."""
     import cProfile
+    import gc
     import pstats
 
     prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        step()
-    prof.disable()
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        prof.enable()
+        for _ in range(steps):
+            step()
+        prof.disable()
+    finally:
+        if was_enabled:
+            gc.enable()
     stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
     per_block = 1e6 / (steps * layers)
     rows = sorted(((f, line, name, v[2] * per_block) for (f, line, name), v in stats.items()), key=lambda r: -r[3])
