@@ -357,7 +357,7 @@ def test_sigkill_during_save_never_corrupts_the_checkpoint(tmp_path):
 @pytest.mark.parametrize("kw", [dict(dtype=torch.float16, loss_scale="dynamic"), dict(delay_update_after=3)],
                          ids=["fp16-dynamic", "dpu"])  # fmt: skip
 def test_resume_is_bitwise_identical(tmp_path, kw):
-    data = make_data(12)
+    data = make_data(12, batch=4)
 
     def train(model, opt, steps):
         for s in steps:

@@ -95,19 +95,19 @@ def model_copy_init(model, init):
 
 def test_trains_like_reference_30_steps():
     model = make_model()
-    opt, stats, _ = check_against_references(model, make_data(30), zo_kw=LR, ref_kw=LR)
+    opt, stats, _ = check_against_references(model, make_data(30, batch=4), zo_kw=LR, ref_kw=LR)
     assert all(not s["skipped"] for s in stats)
     assert stats[-1]["grad_norm"] > 0 and all(k in stats[-1] for k in ("time_cpu_update", "time_offload"))
 
 
 def test_gradient_accumulation_4():
     model = make_model()
-    check_against_references(model, make_data(12, batch=4, micro=4), zo_kw=LR, ref_kw=LR)
+    check_against_references(model, make_data(12, batch=2, micro=4), zo_kw=LR, ref_kw=LR)
 
 
 def test_accumulation_does_not_leak_across_steps_or_zero_grad():
     """DeepSpeed shipped bugs here: grads of the last micro-batch dropped, or carried into the next step."""
-    data = make_data(6, batch=4, micro=3)
+    data = make_data(6, batch=2, micro=3)
     model = make_model()
     opt, _, _ = check_against_references(model, data, zo_kw=LR, ref_kw=LR, exact_only=True)
     # zero_grad between micro-batches discards what came before: same as never having run them
@@ -158,7 +158,7 @@ def test_unused_parameter_in_one_micro_batch():
 
 def test_clipping():
     model = make_model()
-    data = make_data(15)
+    data = make_data(15, batch=4)
     kw = dict(max_grad_norm=0.05, **LR)
     opt = zk.ZeroOffloadAdamW(model.parameters(), bucket_numel=20_000, **kw)
     ref = Reference(make_model(), zk.CPUAdam, **kw)
@@ -184,14 +184,14 @@ def groups_of(model):
 def test_two_param_groups_and_scheduler():
     model = make_model()
     sched = lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5)  # noqa: E731
-    opt, _, _ = check_against_references(model, make_data(12), zo_kw=dict(groups=groups_of, lr=2e-3),
+    opt, _, _ = check_against_references(model, make_data(12, batch=4), zo_kw=dict(groups=groups_of, lr=2e-3),
                                          ref_kw=dict(groups=groups_of, lr=2e-3), sched=sched)  # fmt: skip
     assert [g["lr"] for g in opt.param_groups] == [2e-3 * 0.125, 5e-3 * 0.125]
 
 
 def test_fp16_dynamic_loss_scale_with_an_inf_step():
     model = make_model()
-    data = make_data(10)
+    data = make_data(10, batch=4)
     kw = dict(dtype=torch.float16, loss_scale="dynamic", **LR)
     ref_kw = dict(dtype=torch.float16, loss_scale="dynamic", **LR)
     ref, _ = run_ref(make_model(), data, zk.CPUAdam, inject_at=4, **ref_kw)
@@ -219,7 +219,7 @@ def test_fp16_dynamic_loss_scale_with_an_inf_step():
 
 def test_delayed_parameter_update_matches_delayed_reference():
     model = make_model()
-    data = make_data(12)
+    data = make_data(12, batch=4)
     kw = dict(delay_update_after=3, **LR)
     opt, stats, ref = check_against_references(model, data, zo_kw=kw, ref_kw=kw, exact_only=True)
     assert [s["delayed"] for s in stats] == [False] * 3 + [True] * 9
