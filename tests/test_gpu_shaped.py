@@ -92,11 +92,11 @@ def test_the_gpu_path_is_taken():
 
 def test_a_missing_device_wait_is_caught():
     """The same run whose writeback is never waited for: the next forward reads parameters the H2D copies
-    have not written yet, and the comparison fails."""
-    reference = train(HostTransport(), "synchronous")
+    have not written yet, and the comparison fails (two steps: the second forward is the first to read them)."""
+    reference = train(HostTransport(), "synchronous", steps=2)
     tr = CopyEngineTransport(delay_s=0.01)
     tr.device_wait = lambda event: None  # a deliberately broken consumer
-    got = train(tr, "synchronous")
+    got = train(tr, "synchronous", steps=2)
     tr.close()
     with pytest.raises(AssertionError, match="differ"):
         assert_same_run(got, reference)
