@@ -51,7 +51,7 @@
 #   (up to 120 s), bench/profile_step.py -> OUTDIR/profile.json (the step under torch.profiler). (Order: what was never
 #   measured on a GPU first.)
 # Tests mode: bash bench/gpu_check.sh OUTDIR tests  builds, then the default run's two test stages alone (the GPU tests,
-#   then the two ranks), no benchmarks: bench/gpu_session.sh's tests part. Never run on a GPU.
+#   then the two ranks), no benchmarks: bench/gpu_session.sh's tests part (first run on the H200, sixth run).
 # Run on a GPU in this form (one H200: default and anchors modes 2026-11-26 and -27, the scale mode 2026-11-27); its
 # no-GPU path runs in .ci/run.
 # Without a GPU it says so, runs the CPU-side compile checks (every Triton kernel to cubin for sm_80/sm_90,

@@ -20,8 +20,8 @@ Chrome trace JSON, kept in a temporary file, never in OUT), per run:
 So one command answers what the step rows only bound: the H200's 1.3B DPU writeback phase (48 ms, the copy's
 whole time) and its 95M synchronous step's forward + backward, 16.5 ms inside the step against 8.3 alone.
 Without CUDA (or with --device cpu) it profiles the same on the CPU (no kernels: busy_ms and gaps are empty).
-NEVER RUN ON A GPU: written without one; tests/test_profile_step.py checks the trace analysis on a made-up trace
-and runs the script on the CPU.
+Written without a GPU; first run on the H200 in the sixth run (bench/results/profile-2026-11-27-H200.json);
+tests/test_profile_step.py checks the trace analysis on a made-up trace and runs the script on the CPU.
 """
 
 from __future__ import annotations

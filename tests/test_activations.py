@@ -1054,8 +1054,9 @@ def test_activation_rows_copy_host_time_on_a_stand_in(monkeypatch):
 
 
 def test_activation_rows_a_failed_new_stage_is_a_row(tmp_path, monkeypatch):
-    """The host-overhead row and the wide shape have never run on a GPU: either failing (the wide model out of
-    memory, say) is a row that says why, and the script goes on to the rest (the profile, on a GPU the searches)."""
+    """The wide shape has never run on a GPU (the host-overhead row first ran on the H200 in the sixth run): either
+    failing (the wide model out of memory, say) is a row that says why, and the script goes on to the rest (the
+    profile, on a GPU the searches)."""
     import json
     import os
     import sys

@@ -532,7 +532,7 @@ def _twin_run(delay_cycles: int, dpu: int | None) -> tuple[list[float], torch.Te
 
 @pytest.mark.parametrize("dpu", [None, 1])
 def test_gpu_fraction_waits_for_its_side_stream(dpu, monkeypatch):
-    """issue 20 (NEVER RUN on a GPU): the tail's update held on its side stream ~0.1 s changes nothing, bit for bit;
+    """issue 20 (passed on the H200): the tail's update held on its side stream ~0.1 s changes nothing, bit for bit;
     with the compute stream's wait for it removed, the forward reads the tail's old parameters and the losses
     differ."""
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -552,7 +552,7 @@ def test_gpu_fraction_waits_for_its_side_stream(dpu, monkeypatch):
 @pytest.mark.parametrize("fmt", ["8bit", "bf16", "fp32"])
 @pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16], ids=str)
 def test_compiled_adam_kernel_is_the_host_kernel_bit_for_bit(fmt, gdtype):
-    """gpu_fraction's tail (NEVER RUN on a GPU): zo_kernels/kernels/adam.py compiled, four
+    """gpu_fraction's tail (passed on the H200): zo_kernels/kernels/adam.py compiled, four
     steps against cpu_adam_step from the same state: masters, codes, scales, bf16 bits equal bit for bit (1M
     elements: thousands of programs, a call ending inside its last block)."""
     from zo_kernels.kernels.adam import adam_step
@@ -586,7 +586,7 @@ def test_compiled_adam_kernel_is_the_host_kernel_bit_for_bit(fmt, gdtype):
 
 @pytest.mark.parametrize("state_dtype", ["8bit", torch.bfloat16, torch.float32], ids=["8bit", "bf16", "fp32"])
 def test_gpu_fraction_is_the_host_only_run_on_cuda(state_dtype):
-    """(NEVER RUN on a GPU) The tail updated by the compiled kernel on CUDA: gpu_fraction 0.5 gives the masters and
+    """(Passed on the H200.) The tail updated by the compiled kernel on CUDA: gpu_fraction 0.5 gives the masters and
     moments (8-bit: codes and scales; bf16 bits) of gpu_fraction 0, bit for bit."""
     sds = []
     for fraction in (0.0, 0.5):
@@ -607,7 +607,7 @@ def test_gpu_fraction_is_the_host_only_run_on_cuda(state_dtype):
 
 
 def test_8bit_moments_decode_on_cuda_as_on_the_host():
-    """(NEVER RUN on a GPU) quant8.dequantize on CUDA divides the scale by a tensor: a tensor divided by a Python
+    """(Passed on the H200.) quant8.dequantize on CUDA divides the scale by a tensor: a tensor divided by a Python
     number is a multiplication by its rounded reciprocal on CUDA, and differed from the host's division for 4.5% of
     the /127 scales and 72% of the /255 ones (emulated): the checkpoint's fp32 moments of a tail are the host's."""
     from zo_kernels.quant8 import dequantize
@@ -622,7 +622,7 @@ def test_8bit_moments_decode_on_cuda_as_on_the_host():
 
 
 def test_loading_a_state_into_an_8bit_tail_allocates_nothing_on_the_device():
-    """(NEVER RUN on a GPU) load_state_dict and state_dict decode and encode the tail's moments on the host: the
+    """(Passed on the H200.) load_state_dict and state_dict decode and encode the tail's moments on the host: the
     device's allocation peak during them stays within 1 MiB of what it holds (the fp32 values of the whole tail would
     be 8 bytes per element)."""
     model = make_model(seed=0).to(DEV)
@@ -641,7 +641,7 @@ def test_loading_a_state_into_an_8bit_tail_allocates_nothing_on_the_device():
 
 
 def test_a_job_that_fails_midway_is_still_waited_for():
-    """(NEVER RUN on a GPU) gpu_fraction's device stream: a job that queued work and then raised (a compile error,
+    """(Passed on the H200.) gpu_fraction's device stream: a job that queued work and then raised (a compile error,
     Ctrl-C, out of memory) leaves an event behind its queued kernels, so the next wait covers them."""
     from zo_kernels.offload.twin import DeviceStream
 

@@ -342,8 +342,8 @@ def test_gpu_check_tests_stage_names_tests_that_exist(tmp_path):
 
 
 def test_step_rows_a_failing_row_leaves_the_others(tmp_path, monkeypatch):
-    """gpu_fraction "auto" (and selective) have never run on a GPU: one that fails there is a row saying why, and
-    the size's other rows (here the DPU ones) are still measured; the script exits 1."""
+    """gpu_fraction "auto" (and selective), written without a GPU (they ran on the H200 since): one that fails there
+    is a row saying why, and the size's other rows (here the DPU ones) are still measured; the script exits 1."""
     def broken(row, device):
         raise RuntimeError("injected: auto's pick failed")
 

@@ -3,8 +3,9 @@ model, the batches, the flat buffer and the buckets on the GPU; gloo moves the c
 stages 1, 2, 3 and 3 + offload_param="cpu", judged against the oracle (tests/oracle.py) run on the same device.
 
 The oracle matrix's harness (tests/test_oracle_matrix.py: run_two_ranks, run_zo, check_case) runs the cases; a
-DeviceCase only puts the case's model and batches on the device. NEVER RUN ON A GPU: written without one
-(bench/gpu_check.sh runs it on one). Skipped without CUDA; ZO_TWO_RANK_DEVICE=cpu runs the same body on the CPU.
+DeviceCase only puts the case's model and batches on the device. Written without a GPU; on the H200 (2026-11-27,
+sixth run, bench/gpu_session.sh) all 8 cases passed. Skipped without CUDA; ZO_TWO_RANK_DEVICE=cpu runs the same
+body on the CPU.
 """
 
 import dataclasses

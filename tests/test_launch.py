@@ -3,7 +3,7 @@ launch would pass (signature order, constexprs included); a new key goes through
 
 Triton here has no GPU, so the jitted kernel is replaced by a recorder that has the real kernel's parameter names
 and binds arguments as Triton does (positional, then keywords, by name); the real pack plan drives it. The runner
-path itself has never run on a GPU (tests/test_gpu.py compares it with Triton's launch there).
+path itself runs on a GPU in tests/test_gpu.py, which compares it with Triton's launch (passed on the H200).
 """
 
 from __future__ import annotations
