@@ -174,6 +174,9 @@ MUTANTS = [
     _m("refreshed-masters-skip-staging", "checkpoints", "zo_kernels/offload/update.py",
        "                self.staging_buf[a:b].copy_(values)", "                pass",
        ("tests/test_offload.py", "-k", "reach_staging")),
+    _m("twin-refresh-takes-the-whole-tail", "checkpoints", "zo_kernels/offload/twin.py",
+       "stale.update(differing(tail, self.own[s:], ranges, s))", "stale.update(r for r in ranges if r[1] > s)",
+       ("tests/test_offload.py", "-k", "edited_parameter")),
     # ---- the 8-bit exp_avg's stochastic rounding (2026-11-27)
     _m("kernel-8bit-scalar-rounds-m-to-nearest", "kernel", "cpu/adam.cpp",
        "code_sr(mb[j] * im, weyl16(k.index0 + j, key));", "int8_t(code_of(mb[j] * im));",

@@ -358,25 +358,30 @@ def test_masters_taken_at_state_dict_reach_staging(case, tmp_path):
     opt.close()
 
 
-def test_an_edited_parameter_takes_its_masters_alone():
+@pytest.mark.parametrize("edited", ["first", "last"])
+@pytest.mark.parametrize("gpu_fraction", [0.0, 0.5], ids=["host", "twin"])
+def test_an_edited_parameter_takes_its_masters_alone(gpu_fraction, edited):
     """One element of one parameter edited between steps, then state_dict(): that parameter's masters follow the
     model; every other parameter keeps its fp32 masters (the whole partition used to be taken from the 16-bit
-    parameters: every master truncated to its bf16 cast; found by a bug hunt)."""
+    parameters: every master truncated to its bf16 cast; found by a bug hunt, and with gpu_fraction > 0 by the
+    next one: the first parameter lies in the host's head, the last in the device's tail)."""
     model = make_model(seed=0)
-    opt = zk.ZeroOffloadAdamW(model, lr=3e-3, dtype=torch.bfloat16, bucket_numel=50_000)
+    opt = zk.ZeroOffloadAdamW(model, lr=3e-3, dtype=torch.bfloat16, bucket_numel=50_000, gpu_fraction=gpu_fraction)
     for step in make_data(2, batch=4, seed=2):
         x = step[0]
         opt.backward(model(x[:, :-1], x[:, 1:]))
         opt.step()
-    before = {i: st["master"].clone() for i, st in opt.state_dict()["state"].items()}
     params = list(model.parameters())
+    raw = opt.update.state()[0]  # (not state_dict(): it compares too, and a bug there would be in `before` as well)
+    before = {i: raw[slice(*opt.layout.part_range(p))].reshape(p.shape) for i, p in enumerate(params)}
+    assert all(torch.equal(before[i], st["master"]) for i, st in opt.state_dict()["state"].items())
+    k = 0 if edited == "first" else len(params) - 1
     with torch.no_grad():
-        params[-1].view(-1)[0] = 0.5
+        params[k].view(-1)[0] = 0.5
     after = opt.state_dict()["state"]
-    last = len(params) - 1
-    assert torch.equal(after[last]["master"], params[-1].detach().float())
-    for i in range(last):
-        assert torch.equal(after[i]["master"], before[i]), f"param {i}'s fp32 masters were replaced"
+    assert torch.equal(after[k]["master"], params[k].detach().float())
+    for i in range(len(params)):
+        assert i == k or torch.equal(after[i]["master"], before[i]), f"param {i}'s fp32 masters were replaced"
     assert not all(torch.equal(m, m.bfloat16().float()) for m in before.values()), "the test needs fp32 masters"
     opt.close()
 

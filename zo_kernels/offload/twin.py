@@ -31,7 +31,7 @@ import torch
 from .device_adam import DeviceState
 from .formats import block_of, bytes_per_element, cut_raw
 from .layout import FlatLayout, Run
-from .update import HostUpdate, MasterFill, StateViews, stale_warning, stopped_waiting
+from .update import HostUpdate, MasterFill, StateViews, differing, stale_warning, stopped_waiting
 
 
 def check_gpu_fraction(x: Any) -> float:
@@ -371,14 +371,25 @@ class TwinUpdate(StateViews):
 
     @torch.no_grad()
     def refresh_stale_masters(self, warn: bool = True) -> None:
-        """Keep the fp32 masters if the device params are still their cast; else take them from the model (as
-        HostUpdate's)."""
-        master = self.state()[0]
-        if not torch.equal(master.to(self.own.dtype), self.own.cpu()):
-            if warn:
-                warnings.warn(stale_warning(self.staged or (self.host is not None and self.host.staged)),
-                              stacklevel=5)  # fmt: skip
-            self.refresh_from_model()
+        """Keep each parameter's fp32 masters if its device values are still their cast; else take that parameter's
+        from the model, on both sides of the split (as HostUpdate's; a parameter across the split is taken whole if
+        either side differs)."""
+        self._wait_device()
+        s, tail = self.split, self.device_state.master
+        stale = self.host.stale_ranges() if self.host is not None else set()
+        if tail.numel():
+            ranges = sorted(r for r in map(self.layout.part_range, self.layout.params) if r[0] < r[1])
+            stale.update(differing(tail, self.own[s:], ranges, s))
+        if not stale:
+            return
+        if warn:
+            warnings.warn(stale_warning(self.staged or (self.host is not None and self.host.staged)),
+                          stacklevel=5)  # fmt: skip
+        if self.host is not None:
+            self.host.take_masters([(a, min(b, s)) for a, b in stale if a < s])
+        for a, b in sorted(stale):
+            if b > s:
+                tail[max(a, s) - s : b - s].copy_(self.own[max(a, s) : b])
 
     @torch.no_grad()
     def refresh_from_model(self) -> None:

@@ -38,13 +38,13 @@ MasterFill = Callable[[int, int, torch.Tensor], Any]  # (a, b, out): the fp32 ma
 def differing(master: torch.Tensor, own: torch.Tensor, ranges: list[tuple[int, int]], at: int,
               chunk: int = 1 << 22) -> list[tuple[int, int]]:  # fmt: skip
     """The ranges (partition coordinates, sorted) in which `own` (parameters, any device) is not the cast of the fp32
-    `master`, both starting at partition offset `at`; compared a chunk at a time (a copy of the chunk, not of the
-    partition)."""
+    `master`, both starting at partition offset `at`; compared a chunk at a time on the masters' device (a copy of
+    the chunk, not of the partition)."""
     out: list[tuple[int, int]] = []
     n = own.numel()
     for x in range(0, n, chunk):
         y = min(n, x + chunk)
-        ne = master[x:y].to(own.dtype) != own[x:y].cpu()
+        ne = master[x:y].to(own.dtype) != own[x:y].to(master.device)  # (on the masters' device: host or the tail's)
         if not bool(ne.any()):
             continue
         for a, b in ranges[max(0, bisect.bisect_right(ranges, (at + x, math.inf)) - 1) :]:
@@ -626,6 +626,14 @@ class HostUpdate(StateViews):
         if self.params_in_swapper:  # the parameters' file holds the masters' cast, unless new weights were stored
             self._refresh_stale_masters_in_swapper(warn)
             return
+        stale = self.stale_ranges()
+        if stale and warn:
+            warnings.warn(stale_warning(self.staged), stacklevel=5)
+        self.take_masters(stale)
+
+    def stale_ranges(self) -> set[tuple[int, int]]:
+        """The parameters' ranges (partition coordinates) whose device values are not their fp32 masters' cast (not
+        with params_in_swapper)."""
         self.wait_written()
         own, ranges, stale = self.own, self._param_ranges(), set()
         if self.swapper is not None:  # a read pass compares tile by tile (the pool's memory only)
@@ -634,18 +642,24 @@ class HostUpdate(StateViews):
                 stale.update(differing(master, own[lo:hi], ranges, lo))
 
             self.swapper.read(compare)
-            master = self.state()[0] if stale else None
         else:
             master = self._state[0] if self._state is not None else self._master  # (no moment decoded)
             stale.update(differing(master, own, ranges, 0))
-        if not stale:
+        return stale
+
+    def take_masters(self, ranges: set[tuple[int, int]] | list[tuple[int, int]]) -> None:
+        """These ranges' fp32 masters (and staging, which holds the parameters a skipped range keeps) from the
+        model's values; a range past this update's part is cut at its end (TwinUpdate's head)."""
+        if not ranges:
             return
-        if warn:
-            warnings.warn(stale_warning(self.staged), stacklevel=5)
+        self.wait_written()
+        own = self.own
+        master = self.state()[0] if self.swapper is not None else (
+            self._state[0] if self._state is not None else self._master)  # fmt: skip
         to_staging = self.staging_buf is not None and not self.staging_in_place
         if to_staging:
             self.transport.wait(self._staging_read)  # (a copy of the last writeback may still read staging)
-        for a, b in sorted(stale):
+        for a, b in sorted(ranges):
             values = own[a:b].cpu()
             master[a:b].copy_(values)
             if to_staging:
