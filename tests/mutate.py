@@ -175,7 +175,8 @@ MUTANTS = [
        "                self.staging_buf[a:b].copy_(values)", "                pass",
        ("tests/test_offload.py", "-k", "reach_staging")),
     _m("twin-refresh-takes-the-whole-tail", "checkpoints", "zo_kernels/offload/twin.py",
-       "stale.update(differing(tail, self.own[s:], ranges, s))", "stale.update(r for r in ranges if r[1] > s)",
+       "stale.update(differing(tail, self.own[s:], param_ranges(self.layout), s))",
+       "stale.update(r for r in param_ranges(self.layout) if r[1] > s)",
        ("tests/test_offload.py", "-k", "edited_parameter")),
     # ---- the 8-bit exp_avg's stochastic rounding (2026-11-27)
     _m("kernel-8bit-scalar-rounds-m-to-nearest", "kernel", "cpu/adam.cpp",

@@ -31,7 +31,7 @@ import torch
 from .device_adam import DeviceState
 from .formats import block_of, bytes_per_element, cut_raw
 from .layout import FlatLayout, Run
-from .update import HostUpdate, MasterFill, StateViews, differing, stale_warning, stopped_waiting
+from .update import HostUpdate, MasterFill, StateViews, differing, param_ranges, stale_warning, stopped_waiting
 
 
 def check_gpu_fraction(x: Any) -> float:
@@ -378,8 +378,7 @@ class TwinUpdate(StateViews):
         s, tail = self.split, self.device_state.master
         stale = self.host.stale_ranges() if self.host is not None else set()
         if tail.numel():
-            ranges = sorted(r for r in map(self.layout.part_range, self.layout.params) if r[0] < r[1])
-            stale.update(differing(tail, self.own[s:], ranges, s))
+            stale.update(differing(tail, self.own[s:], param_ranges(self.layout), s))
         if not stale:
             return
         if warn:

@@ -56,6 +56,11 @@ def differing(master: torch.Tensor, own: torch.Tensor, ranges: list[tuple[int, i
     return out
 
 
+def param_ranges(layout: FlatLayout) -> list[tuple[int, int]]:
+    """Each parameter's non-empty range of this rank's partition (partition coordinates), in order."""
+    return sorted(r for r in map(layout.part_range, layout.params) if r[0] < r[1])
+
+
 def stale_warning(staged: bool) -> str:
     """refresh_stale_masters' warning; `staged`: a delayed update's writeback was pending."""
     text = ("the model's parameters changed since the optimizer took its fp32 masters (e.g. model.load_state_dict "
@@ -635,7 +640,7 @@ class HostUpdate(StateViews):
         """The parameters' ranges (partition coordinates) whose device values are not their fp32 masters' cast (not
         with params_in_swapper)."""
         self.wait_written()
-        own, ranges, stale = self.own, self._param_ranges(), set()
+        own, ranges, stale = self.own, param_ranges(self.layout), set()
         if self.swapper is not None:  # a read pass compares tile by tile (the pool's memory only)
 
             def compare(lo: int, hi: int, master: torch.Tensor, *moments: Any) -> None:
@@ -665,10 +670,6 @@ class HostUpdate(StateViews):
             if to_staging:
                 self.staging_buf[a:b].copy_(values)
         self.save_master(master)
-
-    def _param_ranges(self) -> list[tuple[int, int]]:
-        """Each parameter's non-empty range of this rank's partition, in order."""
-        return sorted(r for r in map(self.layout.part_range, self.layout.params) if r[0] < r[1])
 
     def _refresh_stale_masters_in_swapper(self, warn: bool) -> None:
         """refresh_stale_masters with the 16-bit parameters in the swapper's fourth file: one read pass compares,
