@@ -48,7 +48,7 @@ the LM head + loss computed over chunks of tokens, each checkpointed.
   compare  planner_params (the planner's max params for this shape), planner_peak_gib (its GPU total less the
            workspace; on the CPU the device is host memory: None), planner_device_states_gib (its states, gathered
            units and buckets), planner_host_gib (its host bytes; on the CPU plus that GPU total, which lives in host
-           memory there); `mismatch` lists each figure more than 10% off.
+           memory there); `mismatch` lists each figure more than 10% off (bytes: and more than 8 MiB).
 
 Usage: python bench/scale_check.py OUT.json [--settings s2-8bit-sync,s2-8bit,s2-fp32,s3-cpu] [--device cuda]
        [--budget-s 420]
@@ -97,6 +97,9 @@ STRATEGY = {"s2-8bit-sync": "ZeRO-2 + offload", "s2-fp32": "ZeRO-2 + offload", "
 DPU = {"s2-8bit-sync": False, "s2-fp32": True, "s2-8bit": True, "s3-cpu": True}  # DPU's second landing buffer: 2 B
 DPU_AFTER = 3  # synchronous steps before the delayed update starts; a DPU setting trains at least DPU_AFTER + 3 steps
 MISMATCH = 0.10  # a planner figure more than 10% off the measured one is flagged (issue 23)
+# ... unless it is a byte figure off by less than this: the peak RSS of identical CPU runs of a 4M-param GPT read 41.4
+# to 45.0 MiB (its runtime's libraries, arenas and stacks), 12% apart, where no GB-scale row is near the floor
+MISMATCH_FLOOR_GIB = 8 / 1024
 HELD_OUT_TOKENS = 8192  # the held-out batch: ~1/4 of a 15B model's training forward at 32768 tokens per step
 LOSS_CHUNK = 4096  # tokens per checkpointed LM-head + loss chunk: its fp32 logits stay ~14 x 4096 x vocab bytes
 WORKSPACE = 2**30  # the planner's per-GPU workspace (cuBLAS, the allocator's slack): left out of the comparison
@@ -681,7 +684,7 @@ def gc_collect(device: torch.device) -> None:
 
 def mismatches(row: dict) -> list[str]:
     """Each planner figure more than MISMATCH off the measured one: params (the planner's max against the params
-    built), device and host bytes."""
+    built), device and host bytes (these only when also more than MISMATCH_FLOOR_GIB off)."""
     out = []
     # --max-params or --shape chose the size, not the planner
     capped = row.get("planner_params", 0) > row.get("max_params", math.inf) or bool(row.get("shape"))
@@ -693,7 +696,7 @@ def mismatches(row: dict) -> list[str]:
         if predicted is None or measured is None or not measured:
             continue
         off = predicted / measured - 1
-        if abs(off) > MISMATCH:
+        if abs(off) > MISMATCH and (name == "params" or abs(predicted - measured) > MISMATCH_FLOOR_GIB):
             out.append(f"{name}: planner {predicted:.4g}, measured {measured:.4g} ({off:+.0%})")
     return out
 
