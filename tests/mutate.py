@@ -191,6 +191,13 @@ MUTANTS = [
     _m("tail-seeds-by-tail-index", "gpu_fraction", "zo_kernels/offload/device_adam.py",
        "sr_args(self.seed, z))", "sr_args(self.seed, z - o))",
        ("tests/test_device_adam.py", "-k", "host_only_run")),
+    # ---- DPU: the background update, not the end of backward, waits for the gradient's copies (2026-11-27)
+    _m("dpu-update-skips-the-copies-wait", "offload step", "zo_kernels/offload/update.py",
+       "        if before is not None:\n            before()\n", "",
+       ("tests/test_gpu_shaped.py", "-k", "waits_for_the_gradients")),
+    _m("dpu-backward-waits-for-its-copies", "offload step", "zo_kernels/offload/grads.py",
+       "        if self.defer_copies is not None and self.defer_copies():", "        if False:",
+       ("tests/test_gpu_shaped.py", "tests/test_dpu_tiles.py", "-k", "waits_for_the_gradients or host_syncs")),
 ]
 
 CPP_SUFFIXES = (".cpp", ".h", ".inc", ".cu")

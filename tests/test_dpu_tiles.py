@@ -315,11 +315,11 @@ def test_the_steps_host_syncs_are_the_listed_ones(monkeypatch):
     """In a steady-state DPU iteration (forward, backward, step) at stage 2 on the GPU's data flow, the main thread
     blocks on the device only where the list below says (each is a sync on CUDA): a new `.item()`, `.tolist()`,
     `torch.cuda.synchronize` or host wait on a copy in the library fails this test.
-      - end of backward (GradPath._end_micro): every copy (transport.synchronize): step() reads the gradients on the
-        host (it waited for the last two buckets' copies one by one before too: 2 more, removed);
       - step() (GradPath._global_checks): the sum of squares and the overflow flag (on CUDA one `.tolist()` of both).
     Not host syncs: the forward's waits for its tiles (device_wait: a stream wait on CUDA), the background update's
-    wait for the copies out of staging (its own thread), step()'s wait for the background update (host work)."""
+    waits for the gradient's copies (GradPath.defer_copies) and for the copies out of staging (its own thread),
+    step()'s wait for the background update (host work). Until 2026-11-27 the end of backward waited for every copy
+    (GradPath._end_micro's transport.synchronize: 2.3 ms of the H200's 95M DPU step)."""
     import threading
 
     calls: Counter = Counter()
@@ -352,7 +352,7 @@ def test_the_steps_host_syncs_are_the_listed_ones(monkeypatch):
         per_step.append(dict(calls))
     opt.close()
     tr.close()
-    expected = {("_end_micro", "synchronize"): 1, ("_global_checks", "item"): 2}
+    expected = {("_global_checks", "item"): 2}
     assert per_step[2:] == [expected] * 2
 
 

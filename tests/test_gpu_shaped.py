@@ -64,6 +64,65 @@ def test_copy_engine_run_is_bit_identical_to_the_cpu_run(scenario):
     assert_same_run(got, reference)
 
 
+def test_the_delayed_update_waits_for_the_gradients_copies():
+    """Under DPU the host does not wait for the backward's last copies (GradPath.defer_copies): the background update
+    waits for them before it reads the gradient. Here the stand-in's compute stream is the host thread, so a device
+    wait for a bucket buffer's copy already blocks the host and the copies have landed by the end of backward: the
+    run is bit for bit the CPU run's, and the order is checked on the events themselves. The transport's record()
+    gives events that land only when waited for: each delayed step's is waited for in the update's thread, before
+    its CPU Adam, never by the main thread (a mutant that drops the wait fails here)."""
+    reference = train(HostTransport(), "dpu", steps=3)
+    tr = CopyEngineTransport(delay_s=0.02)
+    got = train(tr, "dpu", steps=3)
+    tr.close()
+    assert_same_run(got, reference)
+
+    import threading
+
+    from zo_kernels.transport import Event
+
+    log = []
+
+    class Marking(CopyEngineTransport):
+        def record(self):
+            ev = Event(threading.Event())
+            ev.mark = len([x for x in log if x[0] == "record"])
+            log.append(("record", ev.mark, threading.current_thread().name))
+            return [ev]
+
+        def wait(self, event):
+            if hasattr(event, "mark"):
+                log.append(("wait", event.mark, threading.current_thread().name))
+                event.handle.set()  # (it lands when waited for)
+            super().wait(event)
+
+    tr = Marking()
+    model = make_model(seed=0)
+    opt = zk.ZeroOffloadAdamW(model.parameters(), lr=2e-3, bucket_numel=50_000, tile_numel=4096, transport=tr,
+                              delay_update_after=1)  # fmt: skip
+    cpu_update = opt.update.cpu_update
+
+    def logged(*a, **kw):
+        log.append(("cpu_update", None, threading.current_thread().name))
+        return cpu_update(*a, **kw)
+
+    opt.update.cpu_update = logged
+    for step in make_data(4, batch=4, seed=3):
+        opt.backward(model(step[0][:, :-1], step[0][:, 1:]))
+        opt.step()
+    opt.close()
+    tr.close()
+    main = threading.main_thread().name
+    records = [x for x in log if x[0] == "record"]
+    assert [m for _, m, _ in records] == [0, 1, 2] and all(t == main for *_, t in records)  # steps 2-4: delayed
+    for m in (0, 1, 2):  # each waited for once, in the update's thread, right before its CPU Adam
+        i = log.index(("record", m, main))
+        waits = [x for x in log if x[:2] == ("wait", m)]
+        assert len(waits) == 1 and waits[0][2].startswith("zo-dpu"), (m, waits)
+        j = log.index(waits[0])
+        assert j > i and log[j + 1] == ("cpu_update", None, waits[0][2]), log
+
+
 def test_the_gpu_path_is_taken():
     """Buckets, D2H copies into pinned landing buffers and H2D copies of the new parameters out of the same landing
     buffer (the update writes them over the gradients: no staging buffer) all happen."""

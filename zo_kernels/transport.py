@@ -302,6 +302,12 @@ class Transport:
         """Wait for every copy queued so far."""
         raise NotImplementedError
 
+    def record(self) -> list[Event]:
+        """Events after every copy queued so far, on every copy stream: waiting for all of them is synchronize(),
+        later (and from any thread)."""
+        self.synchronize()  # (a transport that cannot record: the copies are done when this returns)
+        return []
+
 
 class HostTransport(Transport):
     """device = CPU: copies are plain memcpy. With `copy_thread`, copies run in order on a background
@@ -400,6 +406,11 @@ class HostTransport(Transport):
 
     def synchronize(self) -> None:
         self.wait(self._last)
+
+    def record(self) -> list[Event]:
+        if type(self).synchronize is not HostTransport.synchronize:  # a subclass that waits for more than this queue
+            return super().record()  # and says nothing of record(): synchronized now
+        return [self._last]  # (one queue, run in order: its last copy's event covers every earlier one)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Let the queued copies finish (up to `timeout_s`) and stop the copy thread; a later copy is refused (it
@@ -625,8 +636,11 @@ class CudaTransport(Transport):
 
     def synchronize(self) -> None:
         """Wait for every copy queued so far on both streams (C tile sinks' included)."""
-        for stream in (self.h2d_stream, self.d2h_stream):
-            self.wait(self._event(stream))
+        for ev in self.record():
+            self.wait(ev)
+
+    def record(self) -> list[Event]:
+        return [self._event(self.h2d_stream), self._event(self.d2h_stream)]
 
     def close(self) -> None:
         """Wait for the copies, then give every pinned block back (freed once no tensor views it); a later copy is

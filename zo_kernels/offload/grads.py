@@ -67,6 +67,7 @@ class Gradients(NamedTuple):
     landing: torch.Tensor | None = None  # the landing buffer the gradient came in (read once by the update, which
     # may write the new parameters there: grad itself, or with accumulation the last micro-batch's, summed already)
     selected: torch.Tensor | None = None  # selective: the held selection's gradient, gathered on the device (fp32)
+    copies: tuple = ()  # events of copies into `grad` not yet waited for (defer_copies): the update waits first
 
 
 class GradPath:
@@ -120,6 +121,12 @@ class GradPath:
         # told before a backward or zero_grad writes the device tail's buffers: the device's update of the last step
         # may still be reading them (twin.py: the compute stream waits for its stream)
         self.tail_free: Callable[[], None] | None = None
+        # asked at the end of a backward: True leaves its last copies in flight (their events in _copies) for the
+        # delayed update to wait for in its background thread, not the host at the end of backward (the optimizer
+        # sets it under DPU with one rank and the host update; every host reader of the landing buffer here waits
+        # for them first: await_copies)
+        self.defer_copies: Callable[[], bool] | None = None
+        self._copies: list[Any] = []
         self.landing = [transport.pool.take(split, dtype) if split else torch.zeros(0, dtype=dtype)
                         for _ in range(slots)]  # fmt: skip
         self.device_landing = (torch.zeros(layout.part - split, dtype=dtype, device=device) if split < layout.part
@@ -213,6 +220,8 @@ class GradPath:
     def drop_cleared(self) -> None:
         """p.grad = None (model.zero_grad(), or by hand) since the last backward discards those gradients."""
         cleared = [i for i, p in self._moved.items() if not isinstance(p.grad, MovedGrad)]
+        if cleared:
+            self.await_copies()
         if cleared and len(cleared) == len(self._moved):
             self.zero_grad()
             return
@@ -308,6 +317,13 @@ class GradPath:
             else:
                 self.transport.device_wait(ev)
 
+    def await_copies(self) -> None:
+        """The host waits for the copies the last backward left in flight (defer_copies): before it reads or writes
+        a landing buffer."""
+        copies, self._copies = self._copies, []
+        for ev in copies:
+            self.transport.wait(ev)
+
     def _begin_micro(self) -> None:
         self.check_connected()
         self.landing_free(self.slot, host=self.direct_landing)  # (one CPU rank packs into it from the host)
@@ -315,6 +331,7 @@ class GradPath:
         self._seen = set()
         if self.n_micro == 0:
             return
+        self.await_copies()  # (accumulation reads the landing buffer on the host)
         left = sum(isinstance(q.grad, MovedGrad) for q in self._moved.values())
         if self._moved and left == 0:  # model.zero_grad() since the last backward: discard, as torch would
             self.reset()
@@ -467,7 +484,10 @@ class GradPath:
         self.times.add("hooks", self._hooks_s)
         self._hooks_s = 0.0
         self._launch_ready(flush=True)
-        self.transport.synchronize()  # every copy: step() reads the landing buffer on the host (the one host wait)
+        if self.defer_copies is not None and self.defer_copies():
+            self._copies = self.transport.record()  # the delayed update (or the next host reader) waits for them
+        else:
+            self.transport.synchronize()  # every copy: step() reads the landing buffer on the host
         for k in range(2):
             self._wait_buffer(k, host=False)  # the reduces still using the buffers (their copies are done)
         if self.comm.world > 1:  # a param with a gradient on some rank has one on every rank (DDP averages them)
@@ -516,6 +536,9 @@ class GradPath:
         """The gradients since the last step, checked over all ranks (a collective when N > 1); the next backward
         starts afresh. A step whose gradients overflowed does not count as an iteration."""
         s = self.slot
+        if self.n_micro > 1 or self.comm.world > 1 or self._sum_sq_stale:  # read on the host here
+            self.await_copies()
+        copies = tuple(self._copies)  # (the fast checks read the device's sums: the update waits, in its thread)
         self.iteration += 1
         grad, device_grad = self.landing[s], self.device_landing
         if self.n_micro > 1:
@@ -526,7 +549,7 @@ class GradPath:
         found_inf, sum_sq, got = self._global_checks(grad, device_grad)
         self.last_got = got
         out = Gradients(grad, found_inf, sum_sq, got, self.n_backward, self.factor, device_grad, self.landing[s],
-                        selected)  # fmt: skip
+                        selected, copies)  # fmt: skip
         for p in self._moved.values():
             p.grad = None
         self.reset()
@@ -569,6 +592,7 @@ class GradPath:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients since the last step; set_to_none=False keeps a zero one where there was one."""
         self.close_pass()
+        self.await_copies()
         for k in range(2):
             self._wait_buffer(k)
         kept = {} if set_to_none else dict(self._moved)
@@ -623,6 +647,7 @@ class GradPath:
         self.close_pass()
         if self.in_backward or self.n_micro == 0:
             raise RuntimeError("p.grad is read during backward: its gradient is complete only after backward")
+        self.await_copies()
         s = self.slot
         return self.landing[s], (self.accum[s] if self.n_micro > 1 else None)
 

@@ -444,6 +444,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.grads.before_write = self.update.wait_readers
         if isinstance(self.update, TwinUpdate):  # the device's update reads the tail's one gradient buffer
             self.grads.tail_free = self.update.wait_device
+        if (self.delay_update_after is not None and self.comm.world == 1 and type(self.update).start is HostUpdate.start
+                and self.selective is None):  # fmt: skip
+            # a delayed step's gradient: the background update, not the host at the end of backward, waits for its
+            # last copies (one rank: the step's checks read the device's sums, nothing on the host)
+            grads, after = self.grads, self.delay_update_after
+            self.grads.defer_copies = lambda: grads.iteration >= after
         if self.update.params_over_grads:  # a state loaded between a delayed update and its writeback keeps its
             grads, host = self.grads, getattr(self.update, "host", self.update)  # parameters in the landing buffer
             slots = len(grads.landing)  # the next backward does not write (TwinUpdate: its host part)
@@ -757,7 +763,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             extra = {} if c.device_grad is None else {"device_grad": c.device_grad}  # gpu_fraction's (twin.py)
             if self.update.params_over_grads:  # the new parameters go over the gradients (update.py)
                 extra["out"] = c.landing
-            if delayed:
+            if delayed and c.copies:  # (defer_copies: the background thread waits for the gradient's copies)
+                wait, copies = self.transport.wait, c.copies
+                self.update.start(c.grad, grad_scale, runs, hparams, before=lambda: [wait(ev) for ev in copies],
+                                  **extra)  # fmt: skip
+            elif delayed:
                 self.update.start(c.grad, grad_scale, runs, hparams, **extra)
             elif self.selective is not None:
                 self.update.selective_step(c.grad, grad_scale, runs, hparams, got, c.selected)

@@ -358,14 +358,21 @@ class HostUpdate(StateViews):
         self.publish()
 
     def start(self, grad: torch.Tensor, grad_scale: float, runs: list[Run], hparams: list[dict],
-              out: torch.Tensor | None = None) -> None:  # fmt: skip
+              out: torch.Tensor | None = None, before: Callable[[], None] | None = None) -> None:  # fmt: skip
         """The delayed update: CPU Adam into staging (or `out`, as run's) in the background thread; finish_pending()
-        collects it."""
+        collects it. `before`: run first in that thread (the wait for the backward's last copies into `grad`, which
+        the host left in flight: GradPath.defer_copies)."""
         self.take_out(out, runs)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-dpu")
-        self._pending = self._executor.submit(self.cpu_update, grad, grad_scale, runs, hparams, False,
-                                              self.bg_threads)  # fmt: skip
+        self._pending = self._executor.submit(self._update_after, before, grad, grad_scale, runs, hparams)
+
+    def _update_after(self, before: Callable[[], None] | None, grad: torch.Tensor, grad_scale: float,
+                      runs: list[Run], hparams: list[dict]) -> float:  # fmt: skip
+        """The background thread's update: `before`, then CPU Adam (its wall time, without `before`'s)."""
+        if before is not None:
+            before()
+        return self.cpu_update(grad, grad_scale, runs, hparams, False, self.bg_threads)
 
     def take_out(self, out: torch.Tensor | None, runs: list[Run]) -> None:
         """params_over_grads: the step's landing buffer receives the new parameters of `runs`."""
