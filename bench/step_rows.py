@@ -485,9 +485,13 @@ def orchestration_ms(phases: dict, pack_ms: float, device: torch.device) -> floa
     end-of-backward wait (for the copies) is not counted, nor, under DPU, step()'s wait for the background update
     (dpu_wait: CPU Adam's time not hidden, the kernel's own; until 2026-11-27 it was counted, so the H200's 1.3B
     DPU row read 0.80 of its step as orchestration where 0.54 was that wait). The gradient hooks' own time (hooks,
-    measured since the H200's fifth run, not in its figures) counts: it is the optimizer's host time in backward."""
-    outside = (phases["offload"] + phases["reduce"] + phases["step"] - phases["kernel"] - phases.get("dpu_wait", 0.0)
-               + phases.get("hooks", 0.0))  # fmt: skip
+    measured since the H200's fifth run, not in its figures) counts: it is the optimizer's host time in backward.
+    Nor the global checks' read of Σg² and the overflow flag (`global_checks`, recorded since the fifth run): at one
+    rank a wait for the backward's last kernels (under DPU the end of backward no longer waits for the copies since
+    2026-11-27, so that wait moved there), at N an all-reduce; it was counted twice before, in "reduce" and "step"."""
+    checks = phases.get("global_checks", 0.0)  # (inside both "reduce" and "step": the read of Σg² and the flag)
+    outside = (phases["offload"] + phases["reduce"] - checks + phases["step"] - checks - phases["kernel"]
+               - phases.get("dpu_wait", 0.0) + phases.get("hooks", 0.0))  # fmt: skip
     return outside - (pack_ms if device.type == "cpu" else 0.0)
 
 

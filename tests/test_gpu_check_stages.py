@@ -385,6 +385,20 @@ def test_orchestration_leaves_out_the_wait_for_the_background_update():
     assert abs(step_rows.orchestration_ms(sync, 1.0, torch.device("cpu")) - 2.55) < 1e-9
 
 
+def test_orchestration_leaves_out_the_global_checks_read_once_counted_twice():
+    """The global checks' read (a wait for the backward's last kernels at one rank, where the DPU backward's end no
+    longer waits for the copies) is in both "reduce" and "step": left out of both. The sixth run's 95M DPU row:
+    offload 3.30, reduce 0.24, step 1.37, global_checks 0.23, hooks 0.81, dpu_wait 0.01 -> 5.23 ms (it read 5.70)."""
+    import torch
+
+    row = {"offload": 3.295469, "reduce": 0.236563, "step": 1.367201, "kernel": 0.0, "dpu_wait": 0.014265,
+           "hooks": 0.812038, "global_checks": 0.233675}  # fmt: skip
+    want = 3.295469 + (0.236563 - 0.233675) + (1.367201 - 0.233675) - 0.014265 + 0.812038
+    assert abs(step_rows.orchestration_ms(row, 0.0, torch.device("cuda")) - want) < 1e-9
+    slow = {**row, "global_checks": 2.233675, "reduce": 2.236563, "step": 3.367201}  # the same step, 2 ms of waiting
+    assert abs(step_rows.orchestration_ms(slow, 0.0, torch.device("cuda")) - want) < 1e-9
+
+
 def test_omp_release_ends_the_update_threads():
     """launch_probe's after_update_released_ms ends the OpenMP workers a CPU Adam call left (libgomp's
     omp_pause_resource_all): the process has fewer threads after it."""
