@@ -68,11 +68,11 @@ def test_the_delayed_update_waits_for_the_gradients_copies():
     """Under DPU the host does not wait for the backward's last copies (GradPath.defer_copies): the background update
     waits for them before it reads the gradient. Here the stand-in's compute stream is the host thread, so a device
     wait for a bucket buffer's copy already blocks the host and the copies have landed by the end of backward: the
-    run is bit for bit the CPU run's, and the order is checked on the events themselves. The transport's record()
-    gives events that land only when waited for: each delayed step's is waited for in the update's thread, before
-    its CPU Adam, never by the main thread (a mutant that drops the wait fails here)."""
+    run (copies of 5 ms) is bit for bit the CPU run's, and the order is checked on the events themselves. The
+    transport's record() gives events that land only when waited for: each delayed step's is waited for in the
+    update's thread, before its CPU Adam, never by the main thread (a mutant that drops the wait fails here)."""
     reference = train(HostTransport(), "dpu", steps=3)
-    tr = CopyEngineTransport(delay_s=0.02)
+    tr = CopyEngineTransport(delay_s=0.005)
     got = train(tr, "dpu", steps=3)
     tr.close()
     assert_same_run(got, reference)
