@@ -763,11 +763,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             extra = {} if c.device_grad is None else {"device_grad": c.device_grad}  # gpu_fraction's (twin.py)
             if self.update.params_over_grads:  # the new parameters go over the gradients (update.py)
                 extra["out"] = c.landing
-            if delayed and c.copies:  # (defer_copies: the background thread waits for the gradient's copies)
-                wait, copies = self.transport.wait, c.copies
-                self.update.start(c.grad, grad_scale, runs, hparams, before=lambda: [wait(ev) for ev in copies],
-                                  **extra)  # fmt: skip
-            elif delayed:
+            if delayed:
+                if c.copies:  # (defer_copies: the background thread waits for the gradient's copies)
+                    wait, copies = self.transport.wait, c.copies
+                    extra["before"] = lambda: [wait(ev) for ev in copies]
                 self.update.start(c.grad, grad_scale, runs, hparams, **extra)
             elif self.selective is not None:
                 self.update.selective_step(c.grad, grad_scale, runs, hparams, got, c.selected)
