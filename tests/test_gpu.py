@@ -622,9 +622,11 @@ def test_8bit_moments_decode_on_cuda_as_on_the_host():
 
 
 def test_loading_a_state_into_an_8bit_tail_allocates_nothing_on_the_device():
-    """(Passed on the H200.) load_state_dict and state_dict decode and encode the tail's moments on the host: the
-    device's allocation peak during them stays within 1 MiB of what it holds (the fp32 values of the whole tail would
-    be 8 bytes per element)."""
+    """(Passed on the H200; failed on the H100 2026-11-28, 2.7 MiB over: state_dict()'s per-parameter compare of the
+    tail's masters cast 4M-element chunks on the device; its chunks there are now bounded, not re-run on a GPU.)
+    load_state_dict and state_dict decode and encode the tail's moments on the host: the device's allocation peak
+    during them stays within 1 MiB of what it holds (the fp32 values of the whole tail would be 8 bytes per
+    element)."""
     model = make_model(seed=0).to(DEV)
     opt = zk.ZeroOffloadAdamW(model, lr=2e-3, bucket_numel=100_000, gpu_fraction=1.0, state_dtype="8bit")
     x = next(iter(make_data(1, batch=4, seed=2)))[0].to(DEV)

@@ -347,3 +347,30 @@ def test_the_tail_update_in_chunks_is_bitwise_the_same(fmt, monkeypatch):
     _, chunked = _train(0.5, steps=3, max_grad_norm=0.5, state_dtype=FORMATS[fmt])
     assert_same_state(chunked.state_dict(), want, "chunks of 64 elements")
     chunked.close()
+
+
+def test_the_masters_compare_keeps_a_gpus_temporaries_under_a_mebibyte():
+    """state_dict() compares the tail's masters with the model on the device (the edited parameters' masters are
+    taken from the model): a chunk's cast, the parameters' copy where they lie elsewhere and the bool result stay
+    within 1 MiB there (tests/test_gpu.py's bound; 4M-element chunks peaked 2.7 MiB above an 8-bit tail's memory on
+    the H100), while the host keeps its large chunks. Chunks of any size find the same parameters."""
+    from zo_kernels.offload.update import HOST_COMPARE_CHUNK, compare_chunk, differing
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for where in ("meta", "cpu"):
+            master = torch.empty(0, device="meta")
+            own = torch.empty(0, dtype=dtype, device=where)
+            size = own.element_size()
+            per = 1 + (size if dtype != torch.float32 else 0) + (size if where == "cpu" else 0)
+            n = compare_chunk(master, own)
+            assert n * per <= 1 << 20 and n >= 1 << 16, (dtype, where, n)
+        assert compare_chunk(torch.empty(0), torch.empty(0, dtype=dtype)) == HOST_COMPARE_CHUNK
+    g = torch.Generator().manual_seed(0)
+    master = torch.randn(1000, generator=g)
+    own = master.to(torch.bfloat16)
+    ranges = [(a, b) for a, b in zip(range(40, 1040, 100), range(140, 1140, 100))]  # offset 40: the partition's
+    for i in (0, 99, 100, 555, 999):
+        own[i] += 1
+    want = [(40, 140), (140, 240), (540, 640), (940, 1040)]
+    for chunk in (None, 1, 7, 100, 1000):
+        assert differing(master, own, ranges, 40, chunk) == want, chunk

@@ -35,13 +35,31 @@ MAX_WRITEBACK_TILES = 32
 MasterFill = Callable[[int, int, torch.Tensor], Any]  # (a, b, out): the fp32 masters of partition range [a, b)
 
 
+HOST_COMPARE_CHUNK = 1 << 22  # elements a compare of the masters with the parameters takes at a time on the host
+# ... and the bytes of its temporaries on a GPU (the tail's masters): the cast chunk, the parameters' copy where they
+# lie elsewhere and the bool result. 4M elements there (12 MiB) made state_dict() peak 2.7 MiB above an 8-bit tail's
+# memory on the H100 (tests/test_gpu.py bounds it at 1 MiB); at 256K elements a 1B-element tail takes ~4000 chunks.
+DEVICE_COMPARE_BYTES = 768 << 10
+
+
+def compare_chunk(master: torch.Tensor, own: torch.Tensor) -> int:
+    """Elements per chunk of differing(master, own, ...): HOST_COMPARE_CHUNK on the host, else what keeps the chunk's
+    temporaries within DEVICE_COMPARE_BYTES."""
+    if master.device.type == "cpu":
+        return HOST_COMPARE_CHUNK
+    cast = own.element_size() if own.dtype != master.dtype else 0
+    moved = own.element_size() if own.device != master.device else 0
+    return DEVICE_COMPARE_BYTES // (1 + cast + moved)
+
+
 def differing(master: torch.Tensor, own: torch.Tensor, ranges: list[tuple[int, int]], at: int,
-              chunk: int = 1 << 22) -> list[tuple[int, int]]:  # fmt: skip
+              chunk: int | None = None) -> list[tuple[int, int]]:  # fmt: skip
     """The ranges (partition coordinates, sorted) in which `own` (parameters, any device) is not the cast of the fp32
-    `master`, both starting at partition offset `at`; compared a chunk at a time on the masters' device (a copy of
-    the chunk, not of the partition)."""
+    `master`, both starting at partition offset `at`; compared `chunk` elements at a time (default compare_chunk) on
+    the masters' device (copies of the chunk, not of the partition)."""
     out: list[tuple[int, int]] = []
     n = own.numel()
+    chunk = chunk or compare_chunk(master, own)
     for x in range(0, n, chunk):
         y = min(n, x + chunk)
         ne = master[x:y].to(own.dtype) != own[x:y].to(master.device)  # (on the masters' device: host or the tail's)
