@@ -228,6 +228,13 @@ def test_gpu_check_anchors_mode_runs_the_last_two_stages_alone(tmp_path):
     stages = _stand_in_gpu_check(tmp_path, "anchors", 100, ZO_SKIP_BUILD="1")
     assert 25 <= stages[step][0] <= 30 and 55 <= stages["bench: activations (issue 21)"][0] <= 60
     assert 90 <= stages["bench: anchors (same GPT)"][0] <= 95
+    assert "--sizes 95M,1.3B" in stages[profile][1]  # (the 95M DPU step is the one near its bar)
+    # under 45 s left the profile is not started (22 s wrote a third of one row on the H100): said, not a failure
+    (tmp_path / "out-anchors").rename(tmp_path / "second")
+    stages = _stand_in_gpu_check(tmp_path, "anchors", 40, ZO_SKIP_BUILD="1")
+    assert "bench: anchors (same GPT)" in stages and profile not in stages, stages
+    text = (tmp_path / "out-anchors" / "summary.txt").read_text()
+    assert "the step under torch.profiler" in text and "NOT RUN" in text and "it needs 45" in text, text
 
 
 def _pretend_search(monkeypatch, seconds, failure):
