@@ -252,7 +252,8 @@ def host_overhead(device: torch.device, dtype: torch.dtype, new_transport: Calla
 def copy_host_us(transport, calls: int = 200) -> dict:
     """CUDA: host microseconds of one CudaTransport copy of 4 KiB (a pinned pool block <-> device; the mean of
     `calls` calls, the device synchronized before and after each run), and of its parts alone: the endpoint checks,
-    ordering the copy stream after the compute stream (torch's wait_stream), one event made and recorded. The H200's
+    ordering the copy stream after the compute stream (the transport's own event, and torch's wait_stream, which it
+    used until 2026-11-28: 13.4 us on the H100's host), one event made and recorded. The H200's
     host was measured at ~75 us a copy through h2d (transport.h2d_tiles' docstring), the pack call at ~33 us."""
     device = transport.device
     dev = torch.zeros(1024, device=device)
@@ -273,6 +274,7 @@ def copy_host_us(transport, calls: int = 200) -> dict:
             "d2h": mean_us(lambda: transport.d2h(host, dev)),
             "h2d": mean_us(lambda: transport.h2d(dev, host)),
             "checks": mean_us(lambda: transport._check_endpoints(dev, host, True)),
+            "order": mean_us(lambda: transport._after_compute(transport.h2d_stream)),  # (what a copy orders by)
             "wait_stream": mean_us(lambda: transport.h2d_stream.wait_stream(torch.cuda.current_stream(device))),
             "event": mean_us(lambda: transport._event(transport.h2d_stream)),
             "event_and_device_wait": mean_us(lambda: transport.device_wait(transport._event(transport.h2d_stream))),

@@ -1035,6 +1035,9 @@ def test_activation_rows_copy_host_time_on_a_stand_in(monkeypatch):
     class StandIn(HostTransport):
         h2d_stream = Stream()
 
+        def _after_compute(self, stream):
+            calls.append("order")
+
         def _check_endpoints(self, dst, src, to_device):
             calls.append("checks")
 
@@ -1049,7 +1052,7 @@ def test_activation_rows_copy_host_time_on_a_stand_in(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     got = ar.copy_host_us(StandIn(), calls=3)
-    assert set(got) == {"d2h", "h2d", "checks", "wait_stream", "event", "event_and_device_wait"}, got
+    assert set(got) == {"d2h", "h2d", "checks", "order", "wait_stream", "event", "event_and_device_wait"}, got
     assert all(v > 0 for v in got.values()) and calls[-1] == "close" and calls.count("checks") == 4
 
 

@@ -497,6 +497,13 @@ def _cuda_module():
     return _cuda
 
 
+def _current_stream(index: int) -> int:
+    """The calling thread's current CUDA stream on device `index`, as its raw handle (torch's own accessor, the one
+    Triton's launcher uses; torch.cuda.current_stream(...).cuda_stream where it is missing)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
 def _cuda_query(handle: int) -> bool:
     return _cuda_module().event_query(handle)
 
@@ -525,6 +532,8 @@ class CudaTransport(Transport):
         self.pool = HostPool(pool_bytes, self._host_alloc, lambda addr, owner: None, wait=self.wait)
         self.h2d_stream = torch.cuda.Stream(self.device)
         self.d2h_stream = torch.cuda.Stream(self.device)
+        self._order = Event(cu.event_create(self._index), cu.event_destroy)  # see _after_compute
+        self._order_lock = threading.Lock()
         self._sink_src: list[torch.Tensor] = []  # staging read by C tile sinks since the last record_h2d
         self._registered: dict[int, Any] = {}  # storage address -> its finalizer (register_host)
 
@@ -536,6 +545,18 @@ class CudaTransport(Transport):
         ev = Event(self._cu.event_create(self._index), self._cu.event_destroy)
         self._cu.event_record(ev.handle, stream.cuda_stream, self._index)
         return ev
+
+    def _after_compute(self, stream: torch.cuda.Stream) -> None:
+        """Order the copy stream after the work queued so far on the calling thread's current (compute) stream, as
+        torch's `stream.wait_stream(torch.cuda.current_stream())` does, through one event of the transport's
+        recorded again each time (a wait takes the event's last record when it is queued) instead of a new torch
+        Event and its Python calls: they were 13.4 of a copy's 30 us of host time on the H100's host (2026-11-28,
+        `copy_host_us`). Locked: another thread's record between this record and its wait would order the copy
+        after the wrong stream."""
+        cu, i = self._cu, self._index
+        with self._order_lock:
+            cu.event_record(self._order.handle, _current_stream(i), i)
+            cu.stream_wait_event(stream.cuda_stream, self._order.handle, i)
 
     def _check_endpoints(self, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> None:
         self._check_open()
@@ -557,7 +578,7 @@ class CudaTransport(Transport):
         self._check_endpoints(dst, src, to_device)
         dev, host = (dst, src) if to_device else (src, dst)
         stream = self.h2d_stream if to_device else self.d2h_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer (D2H) or the forward reading dst
+        self._after_compute(stream)  # the producer (D2H) or the forward reading dst
         nbytes = dst.numel() * dst.element_size()
         (self._cu.h2d_async if to_device else self._cu.d2h_async)(dst.data_ptr(), src.data_ptr(), nbytes,
                                                                   stream.cuda_stream, self._index)  # fmt: skip
@@ -583,7 +604,7 @@ class CudaTransport(Transport):
 
     def tile_sink(self, dst: torch.Tensor, src: torch.Tensor) -> TileSink:
         self._check_endpoints(dst, src, True)  # pageable staging would make every tile's copy synchronous
-        self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the forward reading dst
+        self._after_compute(self.h2d_stream)  # after the forward reading dst
         dst.record_stream(self.h2d_stream)
         self._sink_src.append(src)
         capsule = self._cu.h2d_tile_sink(dst.data_ptr(), src.data_ptr(), src.element_size(), src.numel(),
@@ -608,7 +629,7 @@ class CudaTransport(Transport):
         _check_tiles(tiles, min(dst.numel(), src.numel()))
         self._check_endpoints(dst, src, True)
         stream = self.h2d_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # after the forward reading dst
+        self._after_compute(stream)  # after the forward reading dst
         dst.record_stream(stream)
         d, h, size, raw = dst.data_ptr(), src.data_ptr(), dst.element_size(), stream.cuda_stream
         events: list[Event] = []
@@ -632,7 +653,7 @@ class CudaTransport(Transport):
 
     def device_wait(self, event: Event | None) -> None:
         if event is not None and event.handle is not None:
-            self._cu.stream_wait_event(torch.cuda.current_stream(self.device).cuda_stream, event.handle, self._index)
+            self._cu.stream_wait_event(_current_stream(self._index), event.handle, self._index)
 
     def synchronize(self) -> None:
         """Wait for every copy queued so far on both streams (C tile sinks' included)."""
