@@ -13,8 +13,9 @@
 #               3+cpu on two gloo processes over CUDA tensors)
 #   default     gpu_check.sh (tests, pack, transport, step rows, ...; it wants 345 s or more)
 #   profile     bench/profile_step.py alone, the rows whose time nothing attributed first: the 95M GPT's DPU and
-#               synchronous steps at gpu_fraction 0 (1.20x and 1.19x their floor on the H200, 17-9% orchestration),
-#               then the 1.3B GPT's at 0.8 and 0 (the DPU step at 0.8: 52% of 110 ms outside kernels and copies),
+#               synchronous steps at gpu_fraction 0, batch 32 x 512 (the DPU step 1.17-1.21x its floor on the H100,
+#               seventh run), then the 1.3B GPT's at 0.8 and 0, batch 8 (the DPU step at 0.8: 52% of 110 ms outside
+#               kernels and copies on the H200),
 #               each run's rows in OUTDIR/profile.json as they finish (the anchors part then skips its own profile)
 #   anchors     gpu_check.sh anchors (step rows at batch 32, activations, anchors with .whl/ carried, the profile)
 # ZO_SESSION_S: the command's seconds (default 570, under the tool's 600 s limit); the build takes what it needs
@@ -51,13 +52,15 @@ say "gpu_session $(date -u +%Y-%m-%dT%H:%M:%SZ): plan $plan, ${total}s"
 t0=$(date +%s)
 timeout 150 "$py" -m pip install -q --no-build-isolation --no-deps -e . >"$work/build.log" 2>&1
 say "build (pip install -e .): rc $? in $(($(date +%s) - t0))s"
-# the profile part: the 95M rows (both modes at gpu_fraction 0) with 40% of its time, then the 1.3B ones (DPU at 0.8
-# first) with the rest; each script writes its rows as they finish, merged into OUTDIR/profile.json
+# the profile part: the 95M rows (both modes at gpu_fraction 0, batch ZO_PROFILE_BATCH, default 32 x 512: the step
+# rows' batch, where the DPU step was 1.17-1.21x forward + backward on the H100, bar 1.15) with 40% of its time, then
+# the 1.3B ones (batch 8; DPU at 0.8 first) with the rest; each script writes its rows as they finish, merged into
+# OUTDIR/profile.json
 profile_part() {
   local dir="$1" budget="$2" rc=0 first
   first=$((budget * 2 / 5))
   timeout -k 5 "$first" "$py" bench/profile_step.py "$dir/profile-95M.json" --sizes 95M --modes dpu,sync \
-    --gpu-fractions 0 --steps 2 >"$dir/profile.txt" 2>&1 || rc=1
+    --gpu-fractions 0 --batch "${ZO_PROFILE_BATCH:-32}" --steps 2 >"$dir/profile.txt" 2>&1 || rc=1
   timeout -k 5 "$((budget - ($(date +%s) - t0) - 3))" "$py" bench/profile_step.py "$dir/profile-1.3B.json" \
     --sizes 1.3B --modes dpu,sync --gpu-fractions 0.8,0 --steps 2 >>"$dir/profile.txt" 2>&1 || rc=1
   cat "$dir/profile.txt" >>"$text"

@@ -500,7 +500,7 @@ def test_gpu_session_runs_its_parts_in_order_within_one_command(tmp_path):
     # skips its own profile (the stand-in's gpu_check runs would have called it once more)
     profiles = [c for c in made if "bench/profile_step.py" in c]
     assert len(profiles) == 2, profiles
-    assert "--sizes 95M" in profiles[0] and "--gpu-fractions 0 " in profiles[0] + " "
+    assert "--sizes 95M" in profiles[0] and "--gpu-fractions 0 " in profiles[0] + " " and "--batch 32" in profiles[0]
     assert "--sizes 1.3B --modes dpu,sync --gpu-fractions 0.8,0" in profiles[1]
     assert (out / "profile.json").exists() or "profile: rc" in text
     files = [p for p in out.rglob("*") if p.is_file()]
