@@ -399,9 +399,11 @@ class GradPath:
         end = 0
         for i, j in zip(b.packs, b.packs[1:] + [len(b.params)]):  # ZeRO-3: one pack per unit in the bucket
             lo = b.params[i][1] - b.lo
-            buf[end:lo].zero_()  # a unit's padding
+            if lo > end:  # a unit's padding (an empty slice's zero_() still costs ~2.5 us of dispatch)
+                buf[end:lo].zero_()
             end = lo + self._pack(b.index, i, grads[i:j], buf[lo:]).flat.numel()  # (Σg², flag: into the totals)
-        buf[end:].zero_()
+        if end < buf.numel():
+            buf[end:].zero_()
         t_pack = time.perf_counter()
         for (p, _, _), h in zip(b.params, has):
             if h:  # the device gradient is freed as soon as its bucket has left
