@@ -496,8 +496,8 @@ def test_cuda_copies_queue_after_the_calling_threads_compute_stream(monkeypatch)
     recorded again for every copy (torch's wait_stream made a new Event: 13.4 of a copy's 30 us of host time on the
     H100's host), never run on a GPU. Here on a stand-in of zo_kernels._cuda that logs its calls: the record on the
     caller's stream, then the copy stream's wait, then the copy and its event, for both directions, the writeback's
-    tiles and device_wait; and with two threads copying at once, no thread's record falls between another's record
-    and wait (the wait would take the other thread's stream)."""
+    tiles, the C++ tile sink and device_wait; and with two threads copying at once, no thread's record falls between
+    another's record and wait (the wait would take the other thread's stream)."""
     import threading
     import time as time_
 
@@ -525,6 +525,10 @@ def test_cuda_copies_queue_after_the_calling_threads_compute_stream(monkeypatch)
         def h2d_async(self, dst, src, nbytes, stream, device):
             log.append(("h2d", stream))
 
+        def h2d_tile_sink(self, dst, src, elem, numel, stream, device):
+            log.append(("sink", stream))
+            return object()
+
     class Stream:
         def __init__(self, raw):
             self.cuda_stream = raw
@@ -548,7 +552,7 @@ def test_cuda_copies_queue_after_the_calling_threads_compute_stream(monkeypatch)
 
     t = object.__new__(CudaTransport)
     t._cu, t._index, t.pool = Cu(), 0, Pool()
-    t.h2d_stream, t.d2h_stream = Stream(11), Stream(22)
+    t.h2d_stream, t.d2h_stream, t._sink_src = Stream(11), Stream(22), []
     t._order = tr_mod.Event(t._cu.event_create(0), None)
     t._order_lock = threading.Lock()
     monkeypatch.setattr(CudaTransport, "_check_endpoints", lambda self, dst, src, to_device: None)
@@ -565,6 +569,9 @@ def test_cuda_copies_queue_after_the_calling_threads_compute_stream(monkeypatch)
     t.h2d_tiles(Dev(), torch.empty(4), [(0, 2), (2, 4)])
     assert log[:4] == [("record", order, me), ("wait", 11, order), ("h2d", 11), ("record", log[3][1], 11)], log
     assert [x[0] for x in log].count("h2d") == 2
+    log.clear()
+    t.tile_sink(Dev(), torch.empty(4))  # (the C++ tile loop's copies: queued after the forward reading dst)
+    assert log == [("record", order, me), ("wait", 11, order), ("sink", 11)], log
     log.clear()
     t.device_wait(tr_mod.Event(7, None))
     assert log == [("wait", me, 7)], log

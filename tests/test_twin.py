@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 
 import pytest
 import torch
 from dist_worker import spawn_ranks
 from oracle import FeatureNet
 from test_oracle_matrix import ADAMW, DTYPES, Case, check_case, run_oracle, run_zo
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zo_kernels as zk
 from zo_kernels.offload.twin import TwinUpdate, check_gpu_fraction, device_split, split_runs
@@ -354,7 +356,7 @@ def test_the_masters_compare_keeps_a_gpus_temporaries_under_a_mebibyte():
     taken from the model): a chunk's cast, the parameters' copy where they lie elsewhere and the bool result stay
     within 1 MiB there (tests/test_gpu.py's bound; 4M-element chunks peaked 2.7 MiB above an 8-bit tail's memory on
     the H100), while the host keeps its large chunks. Chunks of any size find the same parameters."""
-    from zo_kernels.offload.update import HOST_COMPARE_CHUNK, compare_chunk, differing
+    from zo_kernels.offload.update import DEVICE_COMPARE_BYTES, HOST_COMPARE_CHUNK, compare_chunk, differing
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for where in ("meta", "cpu"):
@@ -365,6 +367,17 @@ def test_the_masters_compare_keeps_a_gpus_temporaries_under_a_mebibyte():
             n = compare_chunk(master, own)
             assert n * per <= 1 << 20 and n >= 1 << 16, (dtype, where, n)
         assert compare_chunk(torch.empty(0), torch.empty(0, dtype=dtype)) == HOST_COMPARE_CHUNK
+    # the real peak of the compare's temporaries at a GPU's chunk (the same ops on host tensors), edits in every chunk
+    for dtype in (torch.bfloat16, torch.float32):
+        n = 3 * compare_chunk(torch.empty(0, device="meta"), torch.empty(0, dtype=dtype, device="meta")) + 5
+        master = torch.randn(n, generator=torch.Generator().manual_seed(1))
+        own = master.to(dtype, copy=True)
+        own[:: n // 7] += 1
+        chunk = compare_chunk(torch.empty(0, device="meta"), own.to("meta"))
+        with _LiveBytes(master, own) as live:
+            got = differing(master, own, [(0, n)], 0, chunk)
+        # (+ 4 KiB: the 0-dim results of any(), 512 bytes each in CUDA's caching allocator)
+        assert got == [(0, n)] and live.peak <= DEVICE_COMPARE_BYTES + 4096, (dtype, live.peak, DEVICE_COMPARE_BYTES)
     g = torch.Generator().manual_seed(0)
     master = torch.randn(1000, generator=g)
     own = master.to(torch.bfloat16)
@@ -374,3 +387,26 @@ def test_the_masters_compare_keeps_a_gpus_temporaries_under_a_mebibyte():
     want = [(40, 140), (140, 240), (540, 640), (940, 1040)]
     for chunk in (None, 1, 7, 100, 1000):
         assert differing(master, own, ranges, 40, chunk) == want, chunk
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The peak bytes of the storages that ops make while it is active and that are still alive (each freed once
+    its last tensor is: a view's storage counted once, with its base)."""
+
+    def __init__(self, *existing: torch.Tensor) -> None:
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in existing}
+        self.alive: dict[int, int] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor) and o.device.type != "meta":
+                st = o.untyped_storage()
+                key = st.data_ptr()
+                if key not in self.known and key not in self.alive and st.nbytes():
+                    self.alive[key] = st.nbytes()
+                    weakref.finalize(st, self.alive.pop, key, None)  # (the storage object lives with its tensors)
+                    self.peak = max(self.peak, sum(self.alive.values()))
+        return out

@@ -63,14 +63,14 @@ def differing(master: torch.Tensor, own: torch.Tensor, ranges: list[tuple[int, i
     for x in range(0, n, chunk):
         y = min(n, x + chunk)
         ne = master[x:y].to(own.dtype) != own[x:y].to(master.device)  # (on the masters' device: host or the tail's)
-        if not bool(ne.any()):
-            continue
-        for a, b in ranges[max(0, bisect.bisect_right(ranges, (at + x, math.inf)) - 1) :]:
-            if a >= at + y:
-                break
-            lo, hi = max(a, at + x) - at - x, min(b, at + y) - at - x
-            if lo < hi and bool(ne[lo:hi].any()) and (not out or out[-1] != (a, b)):
-                out.append((a, b))
+        if bool(ne.any()):
+            for a, b in ranges[max(0, bisect.bisect_right(ranges, (at + x, math.inf)) - 1) :]:
+                if a >= at + y:
+                    break
+                lo, hi = max(a, at + x) - at - x, min(b, at + y) - at - x
+                if lo < hi and bool(ne[lo:hi].any()) and (not out or out[-1] != (a, b)):
+                    out.append((a, b))
+        del ne  # (kept, it would lie beside the next chunk's temporaries: a third more than compare_chunk counts)
     return out
 
 
