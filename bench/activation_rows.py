@@ -253,7 +253,8 @@ def copy_host_us(transport, calls: int = 200) -> dict:
     """CUDA: host microseconds of one CudaTransport copy of 4 KiB (a pinned pool block <-> device; the mean of
     `calls` calls, the device synchronized before and after each run), and of its parts alone: the endpoint checks,
     ordering the copy stream after the compute stream (the transport's own event, and torch's wait_stream, which it
-    used until 2026-11-28: 13.4 us on the H100's host), one event made and recorded. The H200's
+    used until 2026-11-28: 13.4 us on the H100's host), one event made and recorded, the device side's record_stream,
+    the page-locked check, and a pool block taken and given back. The H200's
     host was measured at ~75 us a copy through h2d (transport.h2d_tiles' docstring), the pack call at ~33 us."""
     device = transport.device
     dev = torch.zeros(1024, device=device)
@@ -278,6 +279,10 @@ def copy_host_us(transport, calls: int = 200) -> dict:
             "wait_stream": mean_us(lambda: transport.h2d_stream.wait_stream(torch.cuda.current_stream(device))),
             "event": mean_us(lambda: transport._event(transport.h2d_stream)),
             "event_and_device_wait": mean_us(lambda: transport.device_wait(transport._event(transport.h2d_stream))),
+            # the rest of a copy's parts, and a checkpoint's pinned block taken and given back
+            "record_stream": mean_us(lambda: dev.record_stream(transport.h2d_stream)),
+            "pinned_check": mean_us(lambda: transport._cu.pointer_kind(host.data_ptr())),
+            "pool_take_give": mean_us(lambda: transport.pool.give(transport.pool.take(1024, torch.float32))),
         }
     finally:
         transport.close()

@@ -1032,8 +1032,14 @@ def test_activation_rows_copy_host_time_on_a_stand_in(monkeypatch):
         def wait_stream(self, other):
             calls.append("wait_stream")
 
+    class Cu:
+        def pointer_kind(self, addr):
+            calls.append("pinned_check")
+            return 1
+
     class StandIn(HostTransport):
         h2d_stream = Stream()
+        _cu = Cu()
 
         def _after_compute(self, stream):
             calls.append("order")
@@ -1051,9 +1057,12 @@ def test_activation_rows_copy_host_time_on_a_stand_in(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: calls.append("record_stream"))
     got = ar.copy_host_us(StandIn(), calls=3)
-    assert set(got) == {"d2h", "h2d", "checks", "order", "wait_stream", "event", "event_and_device_wait"}, got
+    assert set(got) == {"d2h", "h2d", "checks", "order", "wait_stream", "event", "event_and_device_wait",
+                        "record_stream", "pinned_check", "pool_take_give"}, got
     assert all(v > 0 for v in got.values()) and calls[-1] == "close" and calls.count("checks") == 4
+    assert calls.count("record_stream") == calls.count("pinned_check") == 4  # (one warm-up call, three timed)
 
 
 def test_activation_rows_a_failed_new_stage_is_a_row(tmp_path, monkeypatch):
