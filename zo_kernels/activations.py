@@ -342,8 +342,7 @@ class _Segment:
         if self.state != "stored" or not self.offload:
             return
         tr = self.buffers.transport
-        for ev in self.d2h:
-            tr.wait(ev)  # written by the D2H stream, read by the H2D stream: done long ago by now
+        tr.wait_all(self.d2h)  # written by the D2H stream, read by the H2D stream: done long ago by now
         self.d2h = []
         for h, (shape, dtype, _) in zip(self.host, self.meta, strict=True):
             block = self.buffers.take_device(h.numel() * h.element_size())

@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -308,6 +308,11 @@ class Transport:
         self.synchronize()  # (a transport that cannot record: the copies are done when this returns)
         return []
 
+    def wait_all(self, events: Iterable[Event]) -> None:
+        """Block the host until every copy of `events` is done (from any thread)."""
+        for ev in events:
+            self.wait(ev)
+
 
 class HostTransport(Transport):
     """device = CPU: copies are plain memcpy. With `copy_thread`, copies run in order on a background
@@ -497,11 +502,13 @@ def _cuda_module():
     return _cuda
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (absent from CPU builds)
+
+
 def _current_stream(index: int) -> int:
     """The calling thread's current CUDA stream on device `index`, as its raw handle (torch's own accessor, the one
     Triton's launcher uses; torch.cuda.current_stream(...).cuda_stream where it is missing)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+    return _RAW_STREAM(index) if _RAW_STREAM is not None else torch.cuda.current_stream(index).cuda_stream
 
 
 def _cuda_query(handle: int) -> bool:
@@ -657,8 +664,7 @@ class CudaTransport(Transport):
 
     def synchronize(self) -> None:
         """Wait for every copy queued so far on both streams (C tile sinks' included)."""
-        for ev in self.record():
-            self.wait(ev)
+        self.wait_all(self.record())
 
     def record(self) -> list[Event]:
         return [self._event(self.h2d_stream), self._event(self.d2h_stream)]

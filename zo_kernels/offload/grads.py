@@ -321,8 +321,7 @@ class GradPath:
         """The host waits for the copies the last backward left in flight (defer_copies): before it reads or writes
         a landing buffer."""
         copies, self._copies = self._copies, []
-        for ev in copies:
-            self.transport.wait(ev)
+        self.transport.wait_all(copies)
 
     def _begin_micro(self) -> None:
         self.check_connected()

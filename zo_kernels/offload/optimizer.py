@@ -14,6 +14,7 @@ path of `pack`): that is how it is tested without a GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -765,8 +766,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                 extra["out"] = c.landing
             if delayed:
                 if c.copies:  # (defer_copies: the background thread waits for the gradient's copies)
-                    wait, copies = self.transport.wait, c.copies
-                    extra["before"] = lambda: [wait(ev) for ev in copies]
+                    extra["before"] = functools.partial(self.transport.wait_all, c.copies)
                 self.update.start(c.grad, grad_scale, runs, hparams, **extra)
             elif self.selective is not None:
                 self.update.selective_step(c.grad, grad_scale, runs, hparams, got, c.selected)
