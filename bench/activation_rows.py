@@ -14,7 +14,9 @@ Providers, one model (a stack of pre-norm transformer blocks, bf16 on CUDA, fp32
   zo_half       zo's offloaded checkpoint around each half block: the checkpoints leave the device, so halving the
                 working set is free there (what offload is for: the finer the segments, the less device memory)
 Per provider at --seq: the median step (forward + backward, device synchronized; the providers' steps interleaved
-round by round), the peak device activation memory
+round by round) and the host's parts of it (host_forward_ms, host_backward_ms, final_sync_ms: where a host-bound
+step's time goes; zo's rows add host_copy_wait_ms and host_copy_waits, the host blocked on copies), the peak device
+activation memory
 (torch.cuda.max_memory_allocated above the memory before the step, plus the zo blocks allocated before it), the
 allocations per step of checkpoint blocks (zo's counters) and of CUDA segments (memory_stats "segment.all.allocated")
 after a warm-up step; then, on CUDA, the longest sequence whose step fits --cap-gib of device memory above the
@@ -131,7 +133,10 @@ def sync(device: torch.device) -> None:
 
 
 def make_step(model: Stack, device: torch.device, dtype: torch.dtype, batch: int, seq: int, hidden: int,
-              ctx: Callable) -> Callable[[], None]:  # fmt: skip
+              ctx: Callable, parts: list | None = None) -> Callable[[], None]:  # fmt: skip
+    """One training step of `model` on a random input; with `parts`, each step appends the host's seconds in it
+    (forward, backward until backward() returned, the final device synchronize: what of the step the device still
+    had queued when the host was done), with no synchronize added between them."""
     x = torch.randn(batch, seq, hidden, device=device, dtype=dtype, generator=None)
 
     def step() -> None:
@@ -139,12 +144,43 @@ def make_step(model: Stack, device: torch.device, dtype: torch.dtype, batch: int
             if p.grad is not None:
                 p.grad.zero_()
         inp = x.detach().requires_grad_()
+        t0 = time.perf_counter()
         with ctx():
             y = model(inp)
+        t1 = time.perf_counter()
         y.float().square().mean().backward()
+        t2 = time.perf_counter()
         sync(device)
+        if parts is not None:
+            parts.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
 
     return step
+
+
+class WaitClock:
+    """The host's seconds blocked in a transport's waits (`wait`, and so `wait_all` and a pool block's drain), and
+    how many: the part of zo's step spent waiting for copies rather than working. Installed on the transport
+    object, in front of its own method; `close()` takes it off."""
+
+    def __init__(self, transport) -> None:
+        self.transport, self.seconds, self.calls = transport, 0.0, 0
+        own = transport.wait  # the bound method, before this one stands in front of it
+
+        def wait(event) -> None:
+            t0 = time.perf_counter()
+            try:
+                own(event)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
+        self._own = own
+        transport.wait = wait
+        transport.pool._wait = wait  # (the pool took the bound method when the transport was made)
+
+    def close(self) -> None:
+        del self.transport.wait
+        self.transport.pool._wait = self._own
 
 
 def measure(names: list[str], model: Stack, device: torch.device, dtype: torch.dtype, a: argparse.Namespace,
@@ -164,26 +200,47 @@ def measure(names: list[str], model: Stack, device: torch.device, dtype: torch.d
 def _measure(names: list[str], model: Stack, device: torch.device, dtype: torch.dtype, a: argparse.Namespace,
              transports: dict) -> list[dict]:  # fmt: skip
     setups = {n: provider_setup(n, device, transports.get(n)) for n in names}
-    steps = {n: make_step(model, device, dtype, a.batch, a.seq, a.hidden, ctx) for n, (_, ctx, _) in setups.items()}
+    parts: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
+    steps = {n: make_step(model, device, dtype, a.batch, a.seq, a.hidden, ctx, parts[n])
+             for n, (_, ctx, _) in setups.items()}  # fmt: skip
     rows = {n: {"provider": n, "seq": a.seq} for n in names}
     times: dict[str, list[float]] = {n: [] for n in names}
+    clocks = {n: WaitClock(t) for n, t in transports.items()}
+    waits: dict[str, list[tuple[float, int]]] = {n: [] for n in clocks}
     allocs0 = {}
-    for rnd in range(a.rounds + 1):
-        for n in names:
-            model.wrap = setups[n][0]
-            try:
-                t0 = time.perf_counter()
-                steps[n]()
-                if rnd:
-                    times[n].append(time.perf_counter() - t0)
-            except Exception as e:  # noqa: BLE001 - a provider that fails is a row that says why
-                rows[n]["error"] = f"{type(e).__name__}: {e}"[:300]
-            buf = setups[n][2]
-            if not rnd and buf is not None:
-                allocs0[n] = buf.allocations
+    try:
+        for rnd in range(a.rounds + 1):
+            for n in names:
+                model.wrap = setups[n][0]
+                clock = clocks.get(n)
+                if clock is not None:
+                    clock.seconds, clock.calls = 0.0, 0
+                try:
+                    t0 = time.perf_counter()
+                    steps[n]()
+                    if rnd:
+                        times[n].append(time.perf_counter() - t0)
+                        if clock is not None:
+                            waits[n].append((clock.seconds, clock.calls))
+                except Exception as e:  # noqa: BLE001 - a provider that fails is a row that says why
+                    rows[n]["error"] = f"{type(e).__name__}: {e}"[:300]
+                buf = setups[n][2]
+                if not rnd and buf is not None:
+                    allocs0[n] = buf.allocations
+    finally:
+        for clock in clocks.values():
+            clock.close()
     names = [n for n in names if "error" not in rows[n]]
     for n in names:
         rows[n]["step_ms"] = statistics.median(times[n]) * 1e3
+        # where the host's time went, per step (medians of the timed steps): forward, backward until it returned,
+        # the final synchronize (the device's queue left when the host was done); zo: its waits for copies
+        timed = parts[n][-len(times[n]):]
+        for i, key in enumerate(("host_forward_ms", "host_backward_ms", "final_sync_ms")):
+            rows[n][key] = statistics.median(p[i] for p in timed) * 1e3
+        if n in waits:
+            rows[n]["host_copy_wait_ms"] = statistics.median(w for w, _ in waits[n]) * 1e3
+            rows[n]["host_copy_waits"] = statistics.median(c for _, c in waits[n])
         buf = setups[n][2]
         if buf is not None:
             rows[n]["checkpoint_allocations_per_step"] = (buf.allocations - allocs0[n]) / a.rounds

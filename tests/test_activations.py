@@ -787,6 +787,11 @@ def test_activation_rows_script_runs_on_the_cpu(tmp_path):
     assert prof["torch"]["zo_kernels_us"] == 0 and prof["zo"]["zo_kernels_us"] > 0
     assert any("activations.py" in name for name, _ in prof["zo"]["zo_kernels"]), prof["zo"]
     assert "device = CPU" in rows["zo"]["device"]
+    for r in rows.values():  # the host's parts of a step: each within the step (medians: not a sum)
+        assert all(0 <= r[k] <= r["step_ms"] for k in ("host_forward_ms", "host_backward_ms", "final_sync_ms")), r
+    for name in ("zo", "zo_half", "zo_resident"):  # GPU-shaped copies: the host blocks on them (on the CPU the
+        assert rows[name]["host_copy_wait_ms"] >= 0 and "host_copy_waits" in rows[name]  # device is the host)
+    assert rows["zo"]["host_copy_waits"] > 0 and "host_copy_wait_ms" not in rows["torch"]
     for name in ("zo", "zo_half"):  # offloaded: two device slots, whatever the segmentation
         assert rows[name]["checkpoint_allocations_per_step"] == 0 and rows[name]["device_blocks"] == 2, rows[name]
     assert rows["zo_resident"]["device_blocks"] == 3 and rows["torch"]["step_vs_torch_checkpoint"] == 1.0
@@ -796,6 +801,37 @@ def test_activation_rows_script_runs_on_the_cpu(tmp_path):
     profiled = [r for r in rows.values() if "profile" in r]  # no GPU: no busy time
     assert [r["provider"] for r in profiled] == [p for p in activation_rows.PROVIDERS if p in activation_rows.PROFILED]
     assert all(r["profile"]["wall_ms"] > 0 and r["profile"]["busy_ms"] is None for r in profiled)
+
+
+def test_activation_rows_wait_clock_times_the_hosts_waits_and_comes_off():
+    """WaitClock (bench/activation_rows.py): the host's time blocked in a transport's waits, a pool block's drain
+    included; close() leaves the transport's own methods."""
+    import os
+    import sys
+    import time
+
+    from zo_kernels.transport import CopyEngineTransport
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import activation_rows
+
+    tr = CopyEngineTransport(delay_s=0.05)
+    try:
+        own_wait, own_pool_wait = tr.wait, tr.pool._wait
+        clock = activation_rows.WaitClock(tr)
+        host = tr.pool.take(16, torch.float32)
+        ev = tr.d2h(host, torch.ones(16))
+        t0 = time.perf_counter()
+        tr.wait(ev)
+        assert clock.calls == 1 and 0.03 < clock.seconds <= time.perf_counter() - t0 + 1e-6, clock.seconds
+        tr.d2h(host, torch.ones(16))
+        tr.pool.give(host)
+        tr.pool.take(16, torch.float32)  # the same block again: drained first, through the clock
+        assert clock.calls == 2 and clock.seconds > 0.06
+        clock.close()
+        assert tr.wait == own_wait and tr.pool._wait == own_pool_wait and "wait" not in vars(tr)
+    finally:
+        tr.close()
 
 
 def test_activation_rows_a_failed_profile_is_a_note(tmp_path, monkeypatch):
