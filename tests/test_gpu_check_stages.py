@@ -73,6 +73,11 @@ def test_step_rows_checkpointed_rows_train_the_same_model(tmp_path):
         assert r["ckpt_zo_ms"] > 0 and r["ckpt_fwd_bwd_ms"] > 0
         assert r["targets"][keys[r["mode"]]]["value"] > 0
         assert r["mode"] == "selective" or r["pack_table_uploads_per_step"] >= 0
+        if r["mode"] != "selective":  # the host's own time too (the device synchronized before each launch: a
+            # no-op here), a target of its own; every pack call's tensors passed the layout guard (no full check)
+            assert r["orchestration_isolated_ms"] >= 0 and set(r["isolated_phases"]) == set(step_rows.PHASES)
+            assert r["targets"]["orchestration_isolated_of_step"]["bar"] == 0.05
+            assert r["pack_full_checks_per_step"] == 0, r["pack_full_checks_per_step"]
         assert r["mode"] == "selective" or r["cpu_after_step"]["cpu_ms"] >= 0
         probe = r["launch_probe"]  # once per size, in every row of it
         assert probe["synced_ms"] > 0 and probe["after_update_ms"] > 0 and probe["threads"] >= 1
@@ -80,6 +85,38 @@ def test_step_rows_checkpointed_rows_train_the_same_model(tmp_path):
         if step_rows.OmpRelease.find() is not None:  # (where libgomp is loaded: torch's wheels carry one)
             assert probe["after_update_released_ms"] > 0 and set(probe["released_by"].values()) == {0}
         assert probe["beside_update_adam_ns_per_param"].keys() == probe["beside_update_ms"].keys()
+
+
+def test_before_launch_runs_before_each_bucket_outside_its_phase_times():
+    """GradPath.before_launch (isolated_phases' device synchronize): called once per bucket's launch, first, and not
+    counted in the offload phase (its time is the device's, not the host's)."""
+    import time
+
+    import torch
+
+    import zo_kernels as zk
+    from zo_kernels.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=32, context=16, layers=2, width=32, heads=2))
+    opt = zk.ZeroOffloadAdamW(model.parameters(), bucket_numel=4096)
+    x = torch.randint(0, 32, (2, 17))
+    calls = []
+
+    def slow() -> None:
+        assert opt.grads.in_backward  # (inside the backward's hooks, before the bucket is packed)
+        calls.append(opt.grads._next_bucket)
+        time.sleep(0.02)
+
+    try:
+        opt.grads.before_launch = slow
+        opt.backward(model(x[:, :-1], x[:, 1:]))
+        opt.step()
+        buckets = len(opt.grads.layout.buckets)
+        assert buckets >= 3 and calls == list(range(buckets)), (calls, buckets)
+        assert opt.stats["time_offload"] < 0.02 * buckets / 2, opt.stats["time_offload"]
+    finally:
+        opt.close()
 
 
 def test_cpu_after_counts_what_other_threads_burn_once_the_step_is_over():

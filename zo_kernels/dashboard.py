@@ -271,7 +271,8 @@ def _rows_table(rows: list[dict], keys: list[str]) -> str:
 
 
 STEP_KEYS = ["params", "mode", "gpu_fraction", "state_dtype", "batch", "zo_ms", "fwd_bwd_ms", "cpu_adam_ms",
-             "d2h_ms", "torch_fused_ms", "zo_peak_gib", "torch_peak_gib", "orchestration_of_step"]  # fmt: skip
+             "d2h_ms", "torch_fused_ms", "zo_peak_gib", "torch_peak_gib", "orchestration_of_step",
+             "orchestration_isolated_of_step"]  # fmt: skip
 ANCHOR_KEYS = ["system", "params", "ms", "tokens_per_s", "peak_gib", "host_gib", "note"]
 SCALE_KEYS = ["setting", "params", "planner_params", "tokens_per_s", "tflops", "mfu", "mfu_peak", "peak_gib",
               "planner_peak_gib", "host_gib", "planner_host_gib", "loss_first", "loss_last", "adam_hidden", "mismatch",

@@ -126,6 +126,9 @@ class GradPath:
         # sets it under DPU with one rank and the host update; every host reader of the landing buffer here waits
         # for them first: await_copies)
         self.defer_copies: Callable[[], bool] | None = None
+        # called at the start of each bucket's launch, outside its phase times (a benchmark's: the device
+        # synchronized there, so the launch's host time is measured with nothing queued ahead of it to block on)
+        self.before_launch: Callable[[], None] | None = None
         self._copies: list[Any] = []
         self.landing = [transport.pool.take(split, dtype) if split else torch.zeros(0, dtype=dtype)
                         for _ in range(slots)]  # fmt: skip
@@ -381,6 +384,8 @@ class GradPath:
             self._next_bucket += 1
 
     def _launch(self, b: Bucket) -> None:
+        if self.before_launch is not None:
+            self.before_launch()
         t0 = time.perf_counter()
         if self._norm_cache:  # (norms read in a pass left open by nested backwards: this bucket changes them)
             self._norm_cache = {}
