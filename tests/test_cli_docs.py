@@ -90,3 +90,43 @@ def test_demo_memory_lines_under_dpu_follow_the_buffers(capsys):
     assert "staging" not in host, host
     # on a GPU the new parameters go over the gradients in the landing buffer: no staging there (16, not 18)
     assert "planner, ZeRO-2 + offload on a GPU: device 2 + buckets, host 16" in out
+
+
+def _plan_samples() -> list[tuple[int, list[str], list[str]]]:
+    """The README's ``` blocks that show a `$ zo-kernels plan ...` command and its output: (line, argv, output
+    lines; "..." stands for lines left out)."""
+    readme = (cli.Path(cli.__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8").splitlines()
+    out, i = [], 0
+    while i < len(readme):
+        if readme[i].startswith("$ zo-kernels plan"):
+            start, command = i + 1, readme[i][2:]
+            while command.endswith("\\"):
+                i += 1
+                command = command[:-1] + " " + readme[i].strip()
+            shown = []
+            i += 1
+            while readme[i] != "```":
+                shown.append(readme[i])
+                i += 1
+            out.append((start, command.split()[1:], shown))
+        i += 1
+    return out
+
+
+def test_the_readmes_plan_samples_are_what_the_commands_print(capsys):
+    """Each `$ zo-kernels plan ...` sample of the README, run: its lines come out in that order ("..." skips lines).
+    A new user found the V100 sample's ZeRO-2 + offload host column at 208.0 GB where the command prints 182.0 (14
+    B/param, as the README's own table says)."""
+    samples = _plan_samples()
+    assert len(samples) >= 2
+    for line, argv, shown in samples:
+        code, out, _ = run_cli(capsys, *argv)
+        printed = [x.rstrip() for x in out.splitlines()]
+        assert code == 0, (line, out)
+        at = 0
+        for want in shown:
+            if want.strip() == "...":
+                continue
+            want = want.rstrip()
+            assert want in printed[at:], f"README.md:{line}: {want!r} is not printed (after line {at}):\n{out}"
+            at = printed.index(want, at) + 1
