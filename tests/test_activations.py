@@ -668,7 +668,7 @@ def test_bad_arguments_are_refused_before_anything_changes(engine):
         (TypeError, "offload must be a bool", lambda: zk.checkpoint(lin, x, offload="yes", buffers=buf)),
         (ValueError, "use_reentrant", lambda: zk.checkpoint(lin, x, use_reentrant=True, buffers=buf)),
         (TypeError, "buffers must be an ActivationBuffers", lambda: zk.checkpoint(lin, x, buffers=engine)),
-        (ValueError, "offload=True needs CUDA tensors", lambda: zk.checkpoint(lin, x)),
+        (ValueError, "needs CUDA tensors.*CopyEngineTransport", lambda: zk.checkpoint(lin, x)),
         (ValueError, "determinism_check", lambda: zk.checkpoint(lin, x, buffers=buf, determinism_check="bad")),
         (TypeError, "transport must be", lambda: ActivationBuffers("cpu", transport="fast")),
         (ValueError, "device must be", lambda: ActivationBuffers("meta")),

@@ -587,7 +587,8 @@ def checkpoint(
             return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
         if floats[0].device.type not in ("cuda",) and offload:
             raise ValueError(f"args: offload=True needs CUDA tensors (got {floats[0].device}); on the CPU pass "
-                             "buffers=ActivationBuffers('cpu', transport) with a GPU-shaped transport")  # fmt: skip
+                             "buffers=ActivationBuffers('cpu', transport) with a GPU-shaped transport, e.g. "
+                             "zo_kernels.transport.CopyEngineTransport()")  # fmt: skip
         buffers = default_buffers(floats[0].device)
     elif floats and not any(a.device == buffers.device for a in floats):
         raise ValueError(f"args: no floating-point tensor argument is on the buffers' device {buffers.device}")

@@ -117,7 +117,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     Args:
         params: `model.parameters()` or param-group dicts (per-group lr, weight_decay, betas, eps).
         lr, betas, eps, weight_decay: AdamW's hyper-parameters (decoupled weight decay).
-        dtype: the device parameters' dtype: torch.bfloat16, torch.float16 or torch.float32.
+        dtype: the device parameters' dtype: torch.bfloat16 (default), torch.float16 or torch.float32 (with
+            device = CPU on a CPU without bf16 instructions torch emulates bf16 matmuls: fp32 is ~20x faster there).
         loss_scale: None, a positive number (static) or "dynamic".
         max_grad_norm: clip the averaged gradient to this global L2 norm (None: no clipping).
         delay_update_after: k for the delayed parameter update (None: always synchronous).
