@@ -567,6 +567,7 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
                               tile_numel=tile_numel, gpu_fraction=gpu_fraction, state_dtype=state_dtype,
                               dpu_writeback="per_module" if dpu else "whole")  # fmt: skip
     row["gpu_fraction"], row["partition"] = gpu_fraction, opt.part
+    row["buckets"] = len(opt.layout.buckets)  # (the offload phases are per bucket: 0.4 ms each on the GPUs' hosts)
     fence = getattr(opt.update, "fence", None)  # DPU with real copies: the tiled writeback (None: waited for whole)
     try:
         phases: list[dict] = []

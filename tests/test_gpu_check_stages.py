@@ -78,6 +78,7 @@ def test_step_rows_checkpointed_rows_train_the_same_model(tmp_path):
             assert r["orchestration_isolated_ms"] >= 0 and set(r["isolated_phases"]) == set(step_rows.PHASES)
             assert r["targets"]["orchestration_isolated_of_step"]["bar"] == 0.05
             assert r["pack_full_checks_per_step"] == 0, r["pack_full_checks_per_step"]
+            assert r["buckets"] >= 1
         assert r["mode"] == "selective" or r["cpu_after_step"]["cpu_ms"] >= 0
         probe = r["launch_probe"]  # once per size, in every row of it
         assert probe["synced_ms"] > 0 and probe["after_update_ms"] > 0 and probe["threads"] >= 1
