@@ -198,6 +198,14 @@ MUTANTS = [
     _m("dpu-backward-waits-for-its-copies", "offload step", "zo_kernels/offload/grads.py",
        "        if self.defer_copies is not None and self.defer_copies():", "        if False:",
        ("tests/test_gpu_shaped.py", "tests/test_dpu_tiles.py", "-k", "waits_for_the_gradients or host_syncs")),
+    # ---- 2026-11-28
+    _m("bump-version-first-tensor-only", "kernels", "zo_kernels/cpu_adam.py",
+       "torch.autograd.graph.increment_version(written)", "torch.autograd.graph.increment_version(written[:1])",
+       ("tests/test_battery.py", "-k", "version")),
+    _m("before-launch-timed-as-offload", "offload step", "zo_kernels/offload/grads.py",
+       "            self.before_launch()\n        t0 = time.perf_counter()\n",
+       "            pass\n        t0 = time.perf_counter()\n        self.before_launch and self.before_launch()\n",
+       ("tests/test_gpu_check_stages.py", "-k", "before_launch")),
 ]
 
 CPP_SUFFIXES = (".cpp", ".h", ".inc", ".cu")
