@@ -579,6 +579,48 @@ def test_pack_into_running_totals_equals_adding_each_calls_results(impl, out_dty
         assert found.item() is want_found.item() is (k >= 2)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pack_step_is_pack_into_the_same_buffers_call_after_call(impl):
+    """plan.pack_step (the offload step's call): the same bucket and totals as pack(..., out=, into=) gives, call
+    after call, with the gradients at new addresses some calls; the same `out` view and totals are trusted after
+    the first call, the tensors are still checked (a wrong one refused, nothing written), and another out is
+    checked again (one overlapping the tensors refused)."""
+    g = torch.Generator().manual_seed(5)
+    sizes = (5000, 17, 300)
+    plan = zk.buckets.plan([torch.randn(n) for n in sizes], dtype=torch.bfloat16, align=8)
+    plan.impl = impl
+    buf, ref_buf = (torch.empty(plan.total * 4 + 9, dtype=torch.bfloat16) for _ in range(2))  # (out: all of it)
+    out, ref_out = buf[:], ref_buf[:]
+    totals, want = (torch.tensor(0.5), torch.tensor(False)), (torch.tensor(0.5), torch.tensor(False))
+    kept = [torch.randn(n, generator=g) for n in sizes]
+    for k in range(5):
+        ts = kept if k % 2 else [torch.randn(n, generator=g) * (k + 1) for n in sizes]  # (new addresses on even k)
+        if k == 3:
+            ts = [ts[0], torch.tensor([float("nan")] * 17), ts[2]]
+        assert plan.pack_step(ts, out, totals, scale=0.25) is None
+        plan.pack(ts, scale=0.25, out=ref_out, into=want)
+        assert_bits_equal(buf[: plan.total], ref_buf[: plan.total], f"call {k}")
+        assert_bits_equal(totals[0], want[0], f"sum after call {k}")
+        assert totals[1].item() is want[1].item() is (k >= 3)
+    before = (buf.clone(), totals[0].clone())
+    with pytest.raises(ValueError, match=r"tensors\[1\] is torch.float32 with 18 elements"):
+        plan.pack_step([kept[0], torch.randn(18), kept[2]], out, totals)
+    inside = buf[plan.total * 2 : plan.total * 2 + 10000].view(torch.float32)  # the trusted out's memory
+    with pytest.raises(ValueError, match="out and a tensor of tensors overlap"):  # tensors at new addresses in it
+        plan.pack_step([inside, kept[1], kept[2]], out, totals)
+    with pytest.raises(ValueError, match="overlap"):  # a new out: checked as pack checks it
+        whole = torch.zeros(plan.total * 4, dtype=torch.bfloat16)
+        as32 = whole.view(torch.float32)  # (the tensors read what the new out would write)
+        plan.pack_step([as32[:5000], as32[5000:5017], torch.randn(300)], whole[: plan.total], totals)
+    assert_bits_equal(buf, before[0], "the bucket after the refusals")
+    assert_bits_equal(totals[0], before[1], "the sum after the refusals")  # (NaN since call 3: bits, not ==)
+    other = torch.zeros(plan.total, dtype=torch.bfloat16)  # another out, apart: written, the trusted one not
+    plan.pack_step(kept, other, totals)
+    plan.pack(kept, out=ref_out, into=want)
+    assert_bits_equal(other, ref_buf[: plan.total], "another out")
+    assert_bits_equal(buf, before[0], "the first out, after another was given")
+
+
 @pytest.mark.parametrize("into, exc, match", [
     (lambda: [torch.tensor(0.0), torch.tensor(False)], TypeError, "into must be a tuple"),
     (lambda: (torch.tensor(0.0, dtype=torch.float64), torch.tensor(False)), ValueError, r"into\[0\] \(sum_sq\)"),

@@ -265,18 +265,38 @@ def work_rows(segs, chunk: int = CHUNK) -> list[tuple[int, int]]:
 
 def pack(table: torch.Tensor, work: torch.Tensor, n_work: int, flat: torch.Tensor, scale: float,
          part: torch.Tensor, count: torch.Tensor, sum_sq: torch.Tensor, found: torch.Tensor,
-         accumulate: bool = False) -> None:  # fmt: skip
+         accumulate: bool = False, key: tuple | None = None) -> None:  # fmt: skip
     """One launch on a validated plan: packs, and writes Σx² to sum_sq and the flag to found (n_work >= 1); with
     accumulate, adds Σx² to sum_sq (one fp32 addition, as `sum_sq += Σx²` would) and ORs the flag into found.
 
-    part: 2 * n_work fp32 scratch; count: one int32, 0 before the launch and after it."""
-    flat_addr, kind = flat.data_ptr(), KIND[flat.dtype]
-    key = (launch_key(flat.get_device(), kind, n_work, flat_addr, table, work, part, count, sum_sq, found),
-           accumulate)  # fmt: skip
+    part: 2 * n_work fp32 scratch; count: one int32, 0 before the launch and after it. key: pack_key of these
+    very arguments, kept by a caller that launches with them again (computed here otherwise)."""
+    kind = KIND[flat.dtype]
+    if key is None:
+        key = pack_key(table, work, n_work, flat, part, count, sum_sq, found, accumulate)
     with on_device(flat):
-        args = (table, work, n_work, flat_addr, part, count, sum_sq, found, scale)
-        _PACK(key, (n_work,), args, dict(OUT_KIND=kind, CHUNK=CHUNK, BLOCK=BLOCK, RBLOCK=RBLOCK, ACCUMULATE=accumulate),
-              NUM_WARPS)  # fmt: skip
+        args = (table, work, n_work, flat.data_ptr(), part, count, sum_sq, found, scale)
+        _PACK(key, (n_work,), args, _constexprs(kind, accumulate), NUM_WARPS)
+
+
+def pack_key(table: torch.Tensor, work: torch.Tensor, n_work: int, flat: torch.Tensor, part: torch.Tensor,
+             count: torch.Tensor, sum_sq: torch.Tensor, found: torch.Tensor, accumulate: bool) -> tuple:  # fmt: skip
+    """The launch key of a pack launch with these arguments (launch_key, and whether it accumulates)."""
+    return (launch_key(flat.get_device(), KIND[flat.dtype], n_work, flat.data_ptr(), table, work, part, count, sum_sq,
+                       found), accumulate)  # fmt: skip
+
+
+_CONSTEXPRS: dict[tuple[int, bool], dict] = {}
+
+
+def _constexprs(kind: int, accumulate: bool) -> dict:
+    """The pack kernel's constexprs for a bucket dtype and mode (one dict each, made once: read by the first launch
+    of each key only)."""
+    c = _CONSTEXPRS.get((kind, accumulate))
+    if c is None:
+        c = _CONSTEXPRS[(kind, accumulate)] = dict(OUT_KIND=kind, CHUNK=CHUNK, BLOCK=BLOCK, RBLOCK=RBLOCK,
+                                                   ACCUMULATE=accumulate)  # fmt: skip
+    return c
 
 
 def unpack(table: torch.Tensor, work: torch.Tensor, n_work: int, flat: torch.Tensor) -> None:

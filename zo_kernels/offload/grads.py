@@ -153,6 +153,8 @@ class GradPath:
         # the pass's overflow flag and sum of squares, on the device; zeroed by reset(), never reallocated per step
         self._found_inf = torch.zeros((), dtype=torch.bool, device=self.device)
         self._sum_sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._totals = (self._sum_sq, self._found_inf)  # what each pack adds into (one tuple: pack_step trusts it)
+        self._pack_outs: dict[tuple[int, int, int], torch.Tensor] = {}  # each pack's view of its bucket buffer
         self.reset()
 
     def attach(self, accumulators: dict[torch.Tensor, Any] | None = None) -> None:
@@ -405,7 +407,7 @@ class GradPath:
             lo = b.params[i][1] - b.lo
             if lo > end:  # a unit's padding (an empty slice's zero_() still costs ~2.5 us of dispatch)
                 buf[end:lo].zero_()
-            end = lo + self._pack(b.index, i, grads[i:j], buf[lo:]).flat.numel()  # (Σg², flag: into the totals)
+            end = lo + self._pack(b.index, i, grads[i:j], buf, lo)  # (Σg², flag: into the totals)
         if end < buf.numel():
             buf[end:].zero_()
         t_pack = time.perf_counter()
@@ -446,15 +448,22 @@ class GradPath:
         self.times.add("offload_pack", t_pack - t_wait)
         self.times.add("offload_copy", t3 - t2)
 
-    def _pack(self, bucket: int, unit: int, grads: list[torch.Tensor], out: torch.Tensor):
-        """Pack with the unit's launch plan (gradients have their params' sizes and dtype: the plan holds while the
-        params do; it checks that on every call), its Σg² and flag added into the pass's totals in place (on a GPU by
-        the pack launch itself: no allocation, no further kernel per bucket)."""
+    def _pack(self, bucket: int, unit: int, grads: list[torch.Tensor], buf: torch.Tensor, lo: int) -> int:
+        """Pack into buf[lo:] with the unit's launch plan (gradients have their params' sizes and dtype: the plan
+        holds while the params do; it checks them on every call), its Σg² and flag added into the pass's totals in
+        place (on a GPU by the pack launch itself: no allocation, no further kernel per bucket); the elements
+        written. The plan's pack_step trusts the same `out` view and totals from its second call on: each is made
+        once, per (bucket buffer, bucket, unit) and per optimizer."""
         key = (bucket, unit)
         p = self.plans.get(key)
         if p is None:
             p = self.plans[key] = plan(grads, dtype=self.dtype, align=self.layout.align)
-        return p.pack(grads, scale=self.predivide, out=out, into=(self._sum_sq, self._found_inf))
+        view = (buf.data_ptr(), bucket, unit)  # (buf: one of the bucket buffers, or a landing slot's slice)
+        out = self._pack_outs.get(view)
+        if out is None:
+            out = self._pack_outs[view] = buf[lo:]
+        p.pack_step(grads, out, self._totals, scale=self.predivide)
+        return p.total
 
     def _place_moved_grad(self, p: torch.Tensor) -> None:
         i = self.layout.index[p]
