@@ -223,12 +223,12 @@ def _model(cfg: GPTConfig, device: torch.device) -> GPT:
 
 
 class ReferenceLoop:
-    """The textbook mixed-precision loop: bf16 working model, fp32 masters, torch.optim.AdamW(fused=True)."""
+    """The textbook mixed-precision loop: bf16 (or `dtype`) working model, fp32 masters, AdamW(fused=True)."""
 
-    def __init__(self, model: GPT) -> None:
+    def __init__(self, model: GPT, dtype: torch.dtype = torch.bfloat16) -> None:
         self.work = model
         self.master = [p.detach().float().clone() for p in model.parameters()]
-        self.work.to(torch.bfloat16)
+        self.work.to(dtype)
         self.opt = torch.optim.AdamW(self.master, lr=1e-4, fused=True)
 
     def step(self, x: torch.Tensor) -> None:

@@ -1,7 +1,8 @@
 """A training step of the small GPT on the CPU device: ZeroOffloadAdamW vs the reference loop.
 
 Providers: `reference` (bf16 working copy for forward/backward, fp32 masters, torch.optim.AdamW(fused=True),
-grads upcast and params copied back each step) and `zo` (ZeroOffloadAdamW, device = CPU).
+grads upcast and params copied back each step) and `zo` (ZeroOffloadAdamW, device = CPU); the working copy is fp32
+on a CPU that does not multiply bf16 natively (both providers, printed: WORK_DTYPE).
 Reported for zo: orchestration = the optimizer's time (offload during backward + step()) minus the time
 inside the CPU Adam kernel in that step, as a fraction of the whole step (bar: <= 10%); and the host memory
 of the optimizer, measured as resident-set growth in a fresh process (bar: <= 18 B/param + buckets).
@@ -29,11 +30,17 @@ from common import sizes
 from step_rows import ReferenceLoop  # the textbook loop: bf16 work model, fp32 masters, fused AdamW
 
 import zo_kernels as zk
+from zo_kernels.demo import native_bf16, pick_dtype
 from zo_kernels.gpt import GPT, GPTConfig, num_params
 
 SIZES = sizes([10_000_000, 100_000_000])
 BATCH, CONTEXT = 4, 64
 BUCKET = 1 << 22
+# the timed CPU steps' working dtype, both providers: bf16 where the CPU multiplies it natively, else fp32 (an AVX2-only
+# EPYC emulates bf16 matmuls: zo's 9.9M step took 3.2 s there, and orchestration read 0.1% of it); the host memory
+# probe keeps bf16 (its figures are per 16-bit parameter)
+WORK_DTYPE, WORK_WHY = pick_dtype("cpu", native_bf16(torch.device("cpu")))
+WORK_WHY = WORK_WHY.split(";")[0]  # (the demo's advice on its --dtype flag is not this file's)
 
 _MEMORY_PROBE = r"""
 import ctypes, json, re, sys, torch, zo_kernels as zk
@@ -93,10 +100,10 @@ def test_train_step(benchmark, n, provider):
     params = num_params(model)
     x = torch.randint(0, cfg.vocab, (BATCH, CONTEXT + 1))
     if provider == "reference":
-        loop = ReferenceLoop(model)
+        loop = ReferenceLoop(model, WORK_DTYPE)
         run = lambda: loop.step(x)  # noqa: E731
     else:
-        opt = zk.ZeroOffloadAdamW(model.parameters(), lr=1e-4, bucket_numel=BUCKET)
+        opt = zk.ZeroOffloadAdamW(model.parameters(), lr=1e-4, bucket_numel=BUCKET, dtype=WORK_DTYPE)
 
         def run():
             opt.backward(model(x[:, :-1], x[:, 1:]))
@@ -104,7 +111,7 @@ def test_train_step(benchmark, n, provider):
 
     run()
     benchmark.group = f"train step cpu params={params:.2e} batch={BATCH}x{CONTEXT}"
-    benchmark.extra_info.update(provider=provider, numel=params, bytes=0)
+    benchmark.extra_info.update(provider=provider, numel=params, bytes=0, dtype=str(WORK_DTYPE), dtype_why=WORK_WHY)
     phases = []
     if provider == "zo":
         inner = run
@@ -135,7 +142,8 @@ def test_train_step(benchmark, n, provider):
             orchestration_outside_kernels_and_copies=orch, pack_alone_s=pack_ms / 1e3,
             host_bytes_budget_per_param=18 + mem["buckets"] / mem["n"],
         )  # fmt: skip
-        print(f"\nzo step {step_time * 1e3:.1f} ms: optimizer {opt_time * 1e3:.1f} ms, "
+        print(f"\nworking dtype {str(WORK_DTYPE).removeprefix('torch.')} ({WORK_WHY})"
+              f"\nzo step {step_time * 1e3:.1f} ms: optimizer {opt_time * 1e3:.1f} ms, "
               f"kernel {kernel * 1e3:.1f} ms (alone, warm cache: {bare * 1e3:.1f} ms), "
               f"orchestration {(opt_time - kernel) / step_time:.1%} of the step (bar <= 10%), "
               f"{(opt_time - kernel) / opt_time:.1%} of the optimizer; outside kernels and copies (the pack alone, "
