@@ -426,15 +426,20 @@ def isolated_phases(opt: zk.ZeroOffloadAdamW, model: GPT, x: torch.Tensor, steps
     with nothing queued ahead of it. In the timed steps the host runs ahead of the device (at 1.3B it reached
     step() 35-41 ms early on the H100), and a launch or copy queued then can block until the device drains work in
     front of it: that wait is the device's time, counted in the phases there (offload_copy 59 ms a step at 1.3B
-    against 49 ms for the copies themselves). orchestration_isolated_* is orchestration_ms over these phases."""
+    against 49 ms for the copies themselves). orchestration_isolated_* is orchestration_ms over these phases. On
+    the CPU the drain is the transport's (its queued copies, with the GPU-shaped one). Two limits: under DPU the
+    drains stretch backward, so the background update more often ends before step() and competes less for the
+    cores (the figure may understate that contention), and step()'s waits for its own writeback's copies still
+    count."""
     device = x.device
-    opt.grads.before_launch = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    drain = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else opt.transport.synchronize
+    opt.grads.before_launch = drain
     phases = []
     try:
         for _ in range(steps):
             loss = model(x[:, :-1], x[:, 1:])
             opt.backward(loss)
-            _sync(device)
+            drain()
             opt.step()
             phases.append({k[5:]: v for k, v in opt.stats.items() if k.startswith("time_")})
     finally:
@@ -503,14 +508,14 @@ def pack_alone(opt: zk.ZeroOffloadAdamW, rounds: int) -> float:
     for b in lay.buckets:
         grads = [torch.randn(n, device=device).to(opt.dtype) for _, _, n in b.params]
         out = g.landing[0][b.lo : b.hi] if g.direct_landing else g.bucket_bufs[b.index % 2][: b.hi - b.lo]
-        # a plan per bucket, kept, its Σg² and flag added into running totals: as backward packs (GradPath._pack).
+        # a plan per bucket, kept, its Σg² and flag added into running totals by pack_step: as backward packs.
         # Through zk.pack, whose cache keys plans by sizes, the 1.3B GPT's identical blocks shared one plan, which
         # re-uploaded its address table (and waited for the last upload) at every call: 12-22 ms "alone" on the H100
         jobs.append((zk.buckets.plan(grads, dtype=opt.dtype, align=lay.align), grads, out[b.params[0][1] - b.lo :]))
 
     def run() -> None:
         for plan, grads, out in jobs:
-            plan.pack(grads, scale=1.0, out=out, into=totals)
+            plan.pack_step(grads, out, totals)
 
     # the best of the rounds: what orchestration subtracts is then the least it could be (not understated)
     return min(_timed(run, device, warmup=1, rounds=rounds))

@@ -207,10 +207,14 @@ MUTANTS = [
        "            pass\n        t0 = time.perf_counter()\n        self.before_launch and self.before_launch()\n",
        ("tests/test_gpu_check_stages.py", "-k", "before_launch")),
     _m("pack-step-trusts-any-out", "pack kernel", "zo_kernels/kernels/plan.py",
-       "        if out is not self._step_out or into is not self._step_into:", "        if self._step_out is None:",
+       "        t = next((t for t in self._trusted if t.out is out and t.into is into), None)",
+       "        t = self._trusted[-1] if self._trusted else None",
+       ("tests/test_buckets.py", "-k", "pack_step")),
+    _m("pack-step-ignores-moved-memory", "pack kernel", "zo_kernels/kernels/plan.py",
+       "        if t is None or t.where != _where(out, into):", "        if t is None:",
        ("tests/test_buckets.py", "-k", "pack_step")),
     _m("pack-step-skips-the-apart-check", "pack kernel", "zo_kernels/kernels/plan.py",
-       "        if self._step_apart is not self._ptrs:  # (check read new addresses)", "        if False:",
+       "        if t.apart is not self._ptrs:  # (check read new addresses)", "        if False:",
        ("tests/test_buckets.py", "-k", "pack_step")),
 ]
 

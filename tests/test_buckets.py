@@ -614,6 +614,20 @@ def test_pack_step_is_pack_into_the_same_buffers_call_after_call(impl):
         plan.pack_step([as32[:5000], as32[5000:5017], torch.randn(300)], whole[: plan.total], totals)
     assert_bits_equal(buf, before[0], "the bucket after the refusals")
     assert_bits_equal(totals[0], before[1], "the sum after the refusals")  # (NaN since call 3: bits, not ==)
+    moved = torch.zeros(plan.total, dtype=torch.bfloat16)  # the trusted out re-pointed (set_): the new memory is
+    out.set_(moved)  # written, as pack writes it (the old memory was written before, found by a review)
+    plan.pack_step(kept, out, totals)
+    plan.pack(kept, out=ref_out, into=want)
+    assert_bits_equal(moved, ref_buf[: plan.total], "the re-pointed out")
+    assert_bits_equal(buf, before[0], "the memory out left")
+    out.set_(buf)
+    gone = torch.zeros(plan.total, dtype=torch.bfloat16)
+    view = gone[:]
+    plan.pack_step(kept, view, totals)
+    gone.untyped_storage().resize_(0)  # its storage resized away: refused as pack refuses it (it wrote through a
+    with pytest.raises(ValueError, match="storage"):  # dangling pointer: a crash on the CPU path)
+        plan.pack_step(kept, view, totals)
+    before = (buf.clone(), totals[0].clone())
     other = torch.zeros(plan.total, dtype=torch.bfloat16)  # another out, apart: written, the trusted one not
     plan.pack_step(kept, other, totals)
     plan.pack(kept, out=ref_out, into=want)

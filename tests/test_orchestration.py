@@ -216,3 +216,42 @@ def test_a_cast_model_still_hears_why_after_zero_grad_keeping_zeros():
     opt.zero_grad(set_to_none=False)
     with pytest.raises(RuntimeError, match="no longer the optimizer's"):
         opt.backward(model(x[:, :-1], x[:, 1:]))
+
+
+@pytest.mark.parametrize("dpu", [False, True])
+@pytest.mark.parametrize("engine", [False, True])
+def test_buckets_pack_through_trusted_buffers_after_the_first_step(dpu, engine):
+    """Each bucket's pack checks the step's own bucket view and totals once (PackPlan.pack_step's first call with
+    them), then trusts them: no full pack() call per step after the first steps, also under DPU, whose landing slots
+    alternate (with device = CPU and one rank a bucket packs into either slot: each plan trusted only one of them,
+    so every DPU call took the full path, found by a review), and with the GPU-shaped transport's bucket buffers."""
+    from zo_kernels.kernels.plan import PackPlan
+    from zo_kernels.transport import CopyEngineTransport
+
+    model = make_model(seed=0)
+    transport = CopyEngineTransport() if engine else None
+    opt = zk.ZeroOffloadAdamW(model.parameters(), lr=1e-3, bucket_numel=5_000, transport=transport,
+                              delay_update_after=0 if dpu else None)  # fmt: skip
+    full = [0]
+    real = PackPlan.pack
+
+    def counting(self, *a, **k):
+        full[0] += 1
+        return real(self, *a, **k)
+
+    try:
+        PackPlan.pack = counting
+        per_step = []
+        for x in make_data(6, batch=2):
+            x = x[0]
+            full[0] = 0
+            opt.backward(model(x[:, :-1], x[:, 1:]))
+            opt.step()
+            per_step.append(full[0])
+        plans = len(opt.grads.plans)
+        assert per_step[0] == plans and sum(per_step[1:]) == (plans if dpu and not engine else 0), (per_step, plans)
+    finally:
+        PackPlan.pack = real
+        opt.close()
+        if transport is not None:
+            transport.close()

@@ -30,6 +30,25 @@ _DTYPE, _CPU, _NEEDS_GRAD = attrgetter("dtype"), attrgetter("is_cpu"), attrgette
 _INFERENCE = torch.Tensor.is_inference
 
 
+def _where(out: torch.Tensor, into: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int, int, int]:
+    """Where pack_step's trusted buffers lie: out's address and storage size, the totals' addresses."""
+    return out.data_ptr(), out.untyped_storage().nbytes(), into[0].data_ptr(), into[1].data_ptr()
+
+
+class _Trusted:
+    """One (out, into) pair pack_step checked: where their memory was then, the bucket's slice of out, the
+    addresses out was last found apart from, the launch's key."""
+
+    __slots__ = ("out", "into", "where", "flat", "apart", "key")
+
+    def __init__(self, out: torch.Tensor, into: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.out, self.into = out, into
+        self.where: tuple[int, int, int, int] | None = None
+        self.flat: torch.Tensor | None = None
+        self.apart: tuple[int, ...] | None = None
+        self.key: tuple | None = None
+
+
 def check_float(t, name: str) -> None:
     """t is a dense contiguous fp32/fp16/bf16 tensor (TypeError/ValueError naming it otherwise)."""
     if not isinstance(t, torch.Tensor):
@@ -183,13 +202,7 @@ class PackPlan:
         self._guard = None  # layout_guard of the tensors last validated: while it holds, only addresses are read
         self.full_checks = 0  # calls whose tensors went through the full check (a test counts them)
         self.impl = default_impl(device.type)
-        # pack_step's: the `out` and `into` objects checked on its first call with them, the bucket's slice of out,
-        # the addresses out was last found apart from, the launch's key
-        self._step_out: torch.Tensor | None = None
-        self._step_into: tuple | None = None
-        self._step_flat: torch.Tensor | None = None
-        self._step_apart: tuple[int, ...] | None = None
-        self._step_key: tuple | None = None
+        self._trusted: list[_Trusted] = []  # pack_step's (out, into) pairs checked once, newest last (at most 4)
 
     # ------------------------------------------------------------------ per-call checks
 
@@ -387,37 +400,42 @@ class PackPlan:
 
     def pack_step(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, into: tuple[torch.Tensor, torch.Tensor],
                   scale: float = 1.0) -> None:  # fmt: skip
-        """pack(tensors, scale=scale, out=out, into=into) for a caller that packs into the same two buffers at every
-        call (the offload step: a slice of its bucket buffer and its running Σg² and flag). The first call with
-        these `out` and `into` objects is pack's, checks and all; later calls with the very same objects trust them
-        (the caller must not resize or re-point them) and check only the tensors, as pack does, and `out` apart
-        from them when their addresses change. Nothing is returned and no version counter is bumped (the caller's
-        buffers are in no autograd graph). Python run inside backward's hooks costs several times what it costs in
-        a loop of its own (5-9x on the 2-core CPU): per bucket, what counts is how much of it runs."""
-        if out is not self._step_out or into is not self._step_into:
+        """pack(tensors, scale=scale, out=out, into=into) for a caller that packs into the same buffers call after
+        call (the offload step: a view of its bucket buffer, or of either landing slot under DPU, and its running
+        Σg² and flag). The first call with an `out` and `into` pair (these very objects) is pack's, checks and all;
+        later calls with the same pair trust it while its memory stays where it was checked (the addresses of out
+        and the totals, out's storage size: else pack's checks again), and check only the tensors, as pack does, and
+        out apart from them when their addresses change. Nothing is returned, and on a GPU no version counter is
+        bumped (the caller's buffers are in no autograd graph). Python run inside backward's hooks costs several
+        times what it costs alone (5-9x on the 2-core CPU): per bucket, what counts is how much of it runs. Not
+        thread-safe (nor is pack: one plan, one caller at a time)."""
+        t = next((t for t in self._trusted if t.out is out and t.into is into), None)
+        if t is None or t.where != _where(out, into):
             self.pack(tensors, scale=scale, out=out, into=into)  # (raises before anything is trusted)
-            self._step_out, self._step_into, self._step_key = out, into, None
-            self._step_flat = out if out.numel() == self.total else out[: self.total]
-            self._step_apart = self._ptrs
+            if t is None:
+                if len(self._trusted) >= 4:
+                    del self._trusted[0]
+                t = _Trusted(out, into)
+                self._trusted.append(t)
+            t.where, t.apart, t.key = _where(out, into), self._ptrs, None
+            t.flat = out if out.numel() == self.total else out[: self.total]
             return
         ptrs, tensors = self.check(tensors)
-        if self._step_apart is not self._ptrs:  # (check read new addresses)
+        if t.apart is not self._ptrs:  # (check read new addresses)
             self.check_apart(out, "out")
-            self._step_apart = self._ptrs
+            t.apart = self._ptrs
         scale = scale if type(scale) is float and -3.4e38 < scale < 3.4e38 else _real(scale, "scale")
-        flat = self._step_flat
         if self.impl == "triton":
             table, work, n_work, part, count = self._tables(ptrs)
             if n_work:
-                if self._step_key is None:
-                    self._step_key = self._kernels.pack_key(table, work, n_work, flat, part, count, *into, True)
-                self._kernels.pack(table, work, n_work, flat, scale, part, count, *into, accumulate=True,
-                                   key=self._step_key)  # fmt: skip
+                if t.key is None:
+                    t.key = self._kernels.pack_key(table, work, n_work, t.flat, part, count, *into, True)
+                self._kernels.pack(table, work, n_work, t.flat, scale, part, count, *into, accumulate=True, key=t.key)
             return
         if self.device.type == "cpu" and scale == 1.0 and self.same_dtype:
-            packed = self._pack_cpu_exact(ptrs, flat)
+            packed = self._pack_cpu_exact(ptrs, t.flat)
         else:
-            packed = self._pack_torch(tensors, flat, scale)
+            packed = self._pack_torch(tensors, t.flat, scale)
         into[0].add_(packed.sum_sq)
         into[1].logical_or_(packed.found_inf)
 
