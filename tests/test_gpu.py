@@ -128,6 +128,35 @@ def test_pack_into_running_totals_on_cuda():
     assert raw[[0, 1, 2, 4, 5, 6, 7]].eq(0).all(), "the flag's neighbours were written"
 
 
+def test_pack_step_on_cuda_is_pack_call_after_call():
+    """PackPlan.pack_step, the offload step's pack since 2026-11-28 (its bucket view and totals trusted after the
+    first call, the launch key kept), compiled: call after call, with the gradients at new addresses every other
+    call and an inf in one, the bucket and the running Σg² bit for bit pack(..., out=, into=)'s, the flag the same;
+    one runner per key (no launch through Triton after the first two). Written without a GPU."""
+    from zo_kernels.kernels import pack as kpack
+
+    g = torch.Generator(DEV).manual_seed(7)
+    sizes_ = (70001, 3, 4099)
+    plan = zk.buckets.plan([torch.randn(n, device=DEV) for n in sizes_], dtype=torch.bfloat16, align=8)
+    ref_plan = zk.buckets.plan([torch.randn(n, device=DEV) for n in sizes_], dtype=torch.bfloat16, align=8)
+    out = torch.empty(plan.total, dtype=torch.bfloat16, device=DEV)
+    ref = torch.empty(plan.total, dtype=torch.bfloat16, device=DEV)
+    totals = (torch.full((), 0.25, device=DEV), torch.zeros((), dtype=torch.bool, device=DEV))
+    want = (torch.full((), 0.25, device=DEV), torch.zeros((), dtype=torch.bool, device=DEV))
+    kept = [torch.randn(n, device=DEV, generator=g) for n in sizes_]
+    before = kpack._PACK.through_triton
+    for k in range(6):
+        ts = kept if k % 2 else [torch.randn(n, device=DEV, generator=g) for n in sizes_]
+        if k == 4:
+            ts[1][0] = float("inf")
+        plan.pack_step(ts, out, totals, scale=0.5)
+        ref_plan.pack(ts, scale=0.5, out=ref, into=want)
+        assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), f"call {k}"
+        assert totals[0].view(torch.int32).item() == want[0].view(torch.int32).item(), f"sum after call {k}"
+        assert bool(totals[1]) is bool(want[1]) is (k >= 4)
+    assert kpack._PACK.through_triton - before <= 2
+
+
 @pytest.mark.parametrize("direct", ["1", "0"], ids=["runner", "through-triton"])
 def test_later_launches_through_the_runner_match_triton_bitwise(direct, monkeypatch):
     """kernels/launch.py: a plan's launches after the first call the compiled kernel's runner (or, with
