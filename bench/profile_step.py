@@ -39,7 +39,7 @@ from torch.profiler import record_function
 
 sys.path.insert(0, os.path.dirname(__file__))
 from step_rows import _model as build_model  # noqa: E402  (bench/step_rows.py: the same models)
-from step_rows import config  # noqa: E402
+from step_rows import config, phase_times  # noqa: E402
 
 import zo_kernels as zk  # noqa: E402
 
@@ -157,7 +157,7 @@ def run(model, x: torch.Tensor, row: dict, mode: str, device: torch.device, step
             step()
         analysis, wall = _profiled(step, steps, device)
         row["zo"] = {**analysis, "wall_ms": wall,
-                     "phases": {k[5:]: v * 1e3 for k, v in opt.stats.items() if k.startswith("time_")}}  # fmt: skip
+                     "phases": {k: v * 1e3 for k, v in phase_times(opt).items()}}  # fmt: skip
     finally:
         opt.close()
     return row

@@ -407,14 +407,20 @@ def fwd_bwd(model: GPT, x: torch.Tensor, rounds: int, loss_of: Callable = plain)
     return _mean(times)
 
 
-def _uploads(opt: zk.ZeroOffloadAdamW) -> int:
-    """Tensor tables the optimizer's pack plans have uploaded (one per plan, plus one per change of address)."""
-    return sum(getattr(p, "uploads", 0) for p in opt.grads.plans.values())
+def _plans_count(opt: zk.ZeroOffloadAdamW, name: str) -> int:
+    """A counter of the optimizer's pack plans, summed: "uploads" (tensor tables uploaded: one per plan, plus one
+    per change of address), "full_checks" (calls whose tensors went through the full check: the guard failed)."""
+    return sum(getattr(p, name, 0) for p in opt.grads.plans.values())
 
 
-def _full_checks(opt: zk.ZeroOffloadAdamW) -> int:
-    """Pack calls of the optimizer's plans whose tensors went through the full check (their layout guard failed)."""
-    return sum(getattr(p, "full_checks", 0) for p in opt.grads.plans.values())
+def phase_times(opt: zk.ZeroOffloadAdamW) -> dict:
+    """The last step's phase times, seconds (opt.stats' time_*, without the prefix)."""
+    return {k[5:]: v for k, v in opt.stats.items() if k.startswith("time_")}
+
+
+def median_phases_ms(phases: list[dict]) -> dict:
+    """Each of PHASES' median over steps' phase_times, in ms (0 where a step had none)."""
+    return {k: _median([p.get(k, 0.0) for p in phases]) * 1e3 for k in PHASES}
 
 
 ISOLATED_STEPS = 3
@@ -441,10 +447,10 @@ def isolated_phases(opt: zk.ZeroOffloadAdamW, model: GPT, x: torch.Tensor, steps
             opt.backward(loss)
             drain()
             opt.step()
-            phases.append({k[5:]: v for k, v in opt.stats.items() if k.startswith("time_")})
+            phases.append(phase_times(opt))
     finally:
         opt.grads.before_launch = None
-    return {k: _median([p.get(k, 0.0) for p in phases]) * 1e3 for k in PHASES}
+    return median_phases_ms(phases)
 
 
 def cpu_adam_alone(opt: zk.ZeroOffloadAdamW, rounds: int) -> tuple[float, float]:
@@ -577,8 +583,8 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
     try:
         phases: list[dict] = []
         tiles: list[tuple[int, int]] = []  # (tiles, in flight when the forward's first module came) per step
-        uploads = [_uploads(opt)]  # pack tables uploaded so far, after each step
-        checks = [_full_checks(opt)]  # pack calls whose tensors went through the full check (the guard failed)
+        uploads = [_plans_count(opt, "uploads")]  # pack tables uploaded so far, after each step
+        checks = [_plans_count(opt, "full_checks")]  # pack calls whose tensors were checked in full (guard failed)
 
         def step() -> None:
             loss = model(x[:, :-1], x[:, 1:])
@@ -586,9 +592,9 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
                 tiles.append((fence.tiles, fence.in_flight))
             opt.backward(loss)
             opt.step()
-            phases.append({k[5:]: v for k, v in opt.stats.items() if k.startswith("time_")})
-            uploads.append(_uploads(opt))
-            checks.append(_full_checks(opt))
+            phases.append(phase_times(opt))
+            uploads.append(_plans_count(opt, "uploads"))
+            checks.append(_plans_count(opt, "full_checks"))
 
         _reset_peak(device)
         times = _steps(step, device, warmup=3 if mode == "dpu" else 2, rounds=rounds)
@@ -597,7 +603,7 @@ def zo_step(cfg: GPTConfig, x: torch.Tensor, mode: str, rounds: int, gpu_fractio
         zo_s = _mean(times)
         row["zo_ms"] = zo_s * 1e3
         row["tokens_per_s"] = row["tokens"] / zo_s
-        row["phases"] = {k: _median([p.get(k, 0.0) for p in phases]) * 1e3 for k in PHASES}
+        row["phases"] = median_phases_ms(phases)
         tiles = tiles[-rounds:]
         row["writeback_tiles"] = _median([t for t, _ in tiles]) if tiles else None
         row["writeback_in_flight_at_forward"] = _median([f for _, f in tiles]) if tiles else None
@@ -690,7 +696,7 @@ def selective_row(cfg: GPTConfig, x: torch.Tensor, rounds: int, ckpt: bool = Fal
         def step() -> None:
             opt.backward(model(x[:, :-1], x[:, 1:]))
             opt.step()
-            phases.append({k[5:]: v for k, v in opt.stats.items() if k.startswith("time_")})
+            phases.append(phase_times(opt))
 
         window = SELECTIVE["apply_every"]
         _reset_peak(device)
@@ -699,7 +705,7 @@ def selective_row(cfg: GPTConfig, x: torch.Tensor, rounds: int, ckpt: bool = Fal
         row["zo_peak_gib"] = _peak_gib(device)
         row["zo_ms"] = _mean(times) * 1e3  # a mean: every step of a window counts once
         row["zo_ms_median"] = _median(times) * 1e3
-        row["phases"] = {k: _median([p.get(k, 0.0) for p in phases[-len(times) :]]) * 1e3 for k in PHASES}
+        row["phases"] = median_phases_ms(phases[-len(times) :])
         row["selected_numel"] = opt.update.sel.numel() if opt.update.sel is not None else 0
         row["threads"], row["background_threads"] = opt.threads, opt.background_threads
         if ckpt:  # the same optimizer (its selection held), every block checkpointed, whole windows again
