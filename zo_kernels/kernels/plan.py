@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,6 +28,11 @@ from .layout_guard import guard as layout_guard
 CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _DTYPE, _CPU, _NEEDS_GRAD = attrgetter("dtype"), attrgetter("is_cpu"), attrgetter("requires_grad")
 _INFERENCE = torch.Tensor.is_inference
+
+
+def _scale(scale: Any) -> float:
+    """pack's scale: a finite float within fp32's range, as it is, the fast way; anything else through _real."""
+    return scale if type(scale) is float and -3.4e38 < scale < 3.4e38 else _real(scale, "scale")
 
 
 def _where(out: torch.Tensor, into: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int, int, int]:
@@ -356,7 +361,7 @@ class PackPlan:
         sum_sq (one fp32 addition) and its flag ORed into found_inf, in place (on a GPU inside the launch: no
         allocation, no further kernel), and the result holds these two tensors; None: new ones."""
         ptrs, tensors = self.check(tensors)
-        scale = scale if type(scale) is float and -3.4e38 < scale < 3.4e38 else _real(scale, "scale")
+        scale = _scale(scale)
         span = None if out is None else (out.data_ptr(), out.numel(), out.untyped_storage().nbytes())
         if into is not None:
             check_into(into, self.device)
@@ -388,15 +393,8 @@ class PackPlan:
                                    accumulate=into is not None)  # fmt: skip
                 bump_version(flat, *(into or ()))
             return Packed(flat, self.offsets, found, sum_sq)
-        if self.device.type == "cpu" and scale == 1.0 and self.same_dtype:
-            packed = self._pack_cpu_exact(ptrs, flat)
-        else:
-            packed = self._pack_torch(tensors, flat, scale)
-        if into is None:
-            return packed
-        into[0].add_(packed.sum_sq)
-        into[1].logical_or_(packed.found_inf)
-        return Packed(flat, self.offsets, into[1], into[0])
+        packed = self._pack_host(ptrs, tensors, flat, scale, into)
+        return packed if into is None else Packed(flat, self.offsets, into[1], into[0])
 
     def pack_step(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, into: tuple[torch.Tensor, torch.Tensor],
                   scale: float = 1.0) -> None:  # fmt: skip
@@ -424,7 +422,7 @@ class PackPlan:
         if t.apart is not self._ptrs:  # (check read new addresses)
             self.check_apart(out, "out")
             t.apart = self._ptrs
-        scale = scale if type(scale) is float and -3.4e38 < scale < 3.4e38 else _real(scale, "scale")
+        scale = _scale(scale)
         if self.impl == "triton":
             table, work, n_work, part, count = self._tables(ptrs)
             if n_work:
@@ -432,12 +430,7 @@ class PackPlan:
                     t.key = self._kernels.pack_key(table, work, n_work, t.flat, part, count, *into, True)
                 self._kernels.pack(table, work, n_work, t.flat, scale, part, count, *into, accumulate=True, key=t.key)
             return
-        if self.device.type == "cpu" and scale == 1.0 and self.same_dtype:
-            packed = self._pack_cpu_exact(ptrs, t.flat)
-        else:
-            packed = self._pack_torch(tensors, t.flat, scale)
-        into[0].add_(packed.sum_sq)
-        into[1].logical_or_(packed.found_inf)
+        self._pack_host(ptrs, tensors, t.flat, scale, into)
 
     def _check_into_apart(self, into: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None) -> None:
         """The two totals share no byte with each other, with the bucket (out[:total]) or with the tensors packed."""
@@ -454,6 +447,19 @@ class PackPlan:
             for a, b, name in spans:
                 if a < hi and lo < b:
                     raise ValueError(f"{name} and out overlap in memory; each must be its own buffer")
+
+    def _pack_host(self, ptrs: tuple[int, ...], tensors: Sequence[torch.Tensor], flat: torch.Tensor, scale: float,
+                   into: tuple[torch.Tensor, torch.Tensor] | None) -> Packed:  # fmt: skip
+        """pack's and pack_step's path without Triton (the exact C++ copy on the CPU, else torch's passes): the call's
+        own result, its Σx² and flag also added into `into` when given."""
+        if self.device.type == "cpu" and scale == 1.0 and self.same_dtype:
+            packed = self._pack_cpu_exact(ptrs, flat)
+        else:
+            packed = self._pack_torch(tensors, flat, scale)
+        if into is not None:
+            into[0].add_(packed.sum_sq)
+            into[1].logical_or_(packed.found_inf)
+        return packed
 
     def _pack_cpu_exact(self, ptrs: tuple[int, ...], flat: torch.Tensor) -> Packed:
         """The bucket holds the values unchanged (the offload step's case): one C++ pass per tensor copies it,
