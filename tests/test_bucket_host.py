@@ -1,0 +1,50 @@
+"""bench/bucket_host.py: the per-bucket host-time probe runs on the CPU and its clock comes off what it timed."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+
+import bucket_host  # noqa: E402
+
+
+def test_bucket_host_runs_on_the_cpu(tmp_path):
+    """One launch per bucket per step, each inside the pack and copy calls it times; every replay condition."""
+    out = tmp_path / "bucket_host.json"
+    argv = [str(out), "--device", "cpu", "--sizes", "5e5", "--modes", "dpu", "--batch", "2", "--context", "32",
+            "--steps", "2"]  # fmt: skip
+    assert bucket_host.main(argv) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["buckets"] >= 1 and row["params_per_bucket"] > 0
+    for key in ("in_backward", "in_backward_isolated"):
+        calls = row[key]
+        assert calls["launch"]["per_step"] == row["buckets"], calls
+        assert calls["pack_call"]["per_step"] == row["buckets"], calls
+        assert calls["d2h"]["per_step"] >= row["buckets"], calls  # (GPU-shaped: one copy per owned piece)
+        assert 0 < calls["pack_call"]["us"] < calls["launch"]["us"], calls
+    assert set(row["replay"]) == {"quiet", "pipelined", "beside_update", "after_flush"}
+    for cond in row["replay"].values():
+        assert cond["calls"] >= row["buckets"] and cond["pack_call_us"] > 0 and cond["d2h_us"] > 0, cond
+
+
+def test_clock_times_calls_and_comes_off():
+    """Clock.wrap counts each call and its time; undo restores the object as it was (a class method again, an
+    instance attribute as it was)."""
+
+    class Thing:
+        def work(self, x):
+            return x + 1
+
+    t = Thing()
+    t.own = lambda: 5
+    clock = bucket_host.Clock()
+    clock.wrap(t, "work", "work")
+    clock.wrap(t, "own", "own")
+    assert t.work(1) == 2 and t.work(2) == 3 and t.own() == 5
+    assert clock.calls == {"work": 2, "own": 1} and clock.seconds["work"] > 0
+    per = clock.per_call_us(steps=2)
+    assert per["work"]["per_step"] == 1 and per["own"]["per_step"] == 0.5
+    clock.undo()
+    assert "work" not in t.__dict__ and t.work(1) == 2 and t.own() == 5 and "own" in t.__dict__
+    assert clock.calls == {"work": 2, "own": 1}  # (undo takes the wrappers off; the figures stay)
