@@ -1,7 +1,8 @@
 """Where a bucket's host time goes (issue 17): the offload step's calls for one gradient bucket, timed inside
 backward's hooks and replayed outside backward.
 
-    python bench/bucket_host.py OUT.json [--sizes 95M,1.3B] [--modes dpu,sync] [--batch 32] [--steps 4]
+    python bench/bucket_host.py OUT.json [--sizes 95M,1.3B] [--modes dpu,sync] [--bucket-numels default,16777216]
+        [--batch 32] [--steps 4]
 
 On the GPUs' hosts the step spent 0.15-0.3 ms of host time per bucket with the device drained before each bucket
 (bench/step_rows.py's isolated phases: 1.3B, 131 buckets, 42 ms a step on the H200, 2026-11-28). This script names
@@ -18,8 +19,11 @@ totals; gradients of the same sizes) outside backward:
 Rows (per size and mode, 8-bit moments, as bench/step_rows.py's batch-32 rows): `in_backward` (the timed steps:
 a launch there can block behind a full device queue) and `in_backward_isolated` (the device synchronized before
 each bucket, that drain taken out of `launch`), each call's microseconds and calls per step; `replay`, the pack
-call and the D2H copy call per condition. A diagnosis, no target. First run: the H200, 2026-11-28
-(bench/results/bucket-host-2026-11-28-H200.json, docs/gpu-runs.md; before `pipelined` and the drain's removal).
+call and the D2H copy call per condition; `step_ms`, the steps' mean wall time in each. `--bucket-numels
+default,16777216`: each row with the optimizer's default buckets and with 2**24 elements (the default until
+2026-11-28; now larger for models over 537M parameters), to see what the count costs. A diagnosis, no target.
+First run: the H200, 2026-11-28 (bench/results/bucket-host-2026-11-28-H200.json, docs/gpu-runs.md; before
+`pipelined`, `step_ms`, `--bucket-numels` and the drain's removal from `launch`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_rows as rows  # noqa: E402
 
 import zo_kernels as zk  # noqa: E402
+from zo_kernels.gpt import GPT  # noqa: E402
 from zo_kernels.offload.formats import Moments  # noqa: E402
 
 
@@ -69,7 +74,7 @@ class Clock:
     def reset(self) -> None:
         self.seconds, self.calls = {}, {}
 
-    def per_call_us(self, steps: int) -> dict:
+    def per_call_us(self, steps: int) -> dict[str, dict]:
         return {n: {"us": self.seconds[n] / self.calls[n] * 1e6, "per_step": self.calls[n] / steps}
                 for n in sorted(self.seconds)}  # fmt: skip
 
@@ -101,6 +106,8 @@ def instrument(opt: zk.ZeroOffloadAdamW, clock: Clock) -> None:
 
 
 def in_backward(opt, model, x, steps: int, isolated: bool) -> dict:
+    """Each call's microseconds and calls per step over `steps` training steps (and `step_ms`, their mean wall time,
+    the device synchronized before the first and after the last)."""
     device = x.device
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else opt.transport.synchronize
     clock = Clock()
@@ -109,6 +116,8 @@ def in_backward(opt, model, x, steps: int, isolated: bool) -> dict:
     clock.wrap(drain, "run", "drain")
     opt.grads.before_launch = drain.run if isolated else None
     try:
+        rows._sync(device)
+        t0 = time.perf_counter()
         for _ in range(steps):
             loss = model(x[:, :-1], x[:, 1:])
             opt.backward(loss)
@@ -116,7 +125,9 @@ def in_backward(opt, model, x, steps: int, isolated: bool) -> dict:
                 sync()
             opt.step()
         rows._sync(device)
+        wall = time.perf_counter() - t0
         out = clock.per_call_us(steps)
+        out["step_ms"] = wall / steps * 1e3
         if "drain" in out:  # the launch's own time, the drain taken out
             out["launch"]["us"] -= out["drain"]["us"] * out["drain"]["per_step"] / out["launch"]["per_step"]
         return out
@@ -195,17 +206,21 @@ def beside_update(opt, fn: Callable[[], dict]) -> dict:
             raise failed[0]
 
 
-def measure(size: str, mode: str, device: torch.device, batch: int, context: int, steps: int) -> dict:
+def measure(size: str, mode: str, device: torch.device, batch: int, context: int, steps: int,
+            bucket_numel: int | None = None) -> dict:  # fmt: skip
+    """One row: the optimizer's default buckets, or `bucket_numel`'s."""
     cfg = rows.config(size, context)
     x = torch.randint(0, cfg.vocab, (batch, context + 1), device=device)
     model = rows._model(cfg, device).to(torch.bfloat16)
     dpu = mode == "dpu"
     transport = rows.copy_engine(25.0) if device.type == "cpu" else None  # (on the CPU: the GPU-shaped data flow)
     opt = zk.ZeroOffloadAdamW(model, lr=1e-4, delay_update_after=0 if dpu else None, state_dtype="8bit",
-                              transport=transport, dpu_writeback="per_module" if dpu else "whole")  # fmt: skip
+                              transport=transport, dpu_writeback="per_module" if dpu else "whole",
+                              bucket_numel=bucket_numel)  # fmt: skip
     row: dict = {"size": size, "mode": mode, "batch": [batch, context], "params": rows.num_params(model),
                  "buckets": len(opt.layout.buckets), "threads": opt.threads,
                  "background_threads": opt.background_threads}  # fmt: skip
+    row["bucket_numel"] = bucket_numel or zk.offload.default_bucket_numel(sum(p.numel() for p in opt.layout.params))
     row["params_per_bucket"] = len(opt.layout.params) / row["buckets"]
     try:
         for _ in range(3):  # warm-up: plans made, views and totals trusted
@@ -232,6 +247,19 @@ def measure(size: str, mode: str, device: torch.device, batch: int, context: int
     return row
 
 
+def bucket_numels(size: str, context: int, asked: list[int | None]) -> list[int | None]:
+    """The rows' bucket sizes for a model: each asked one (None: the optimizer's default) once, by the size it
+    resolves to (at 95M the default is 2**24: one row, not two)."""
+    with torch.device("meta"):
+        default = zk.offload.default_bucket_numel(rows.num_params(GPT(rows.config(size, context))))
+    seen, out = set(), []
+    for n in asked:
+        if (n or default) not in seen:
+            seen.add(n or default)
+            out.append(n)
+    return out
+
+
 def line(row: dict) -> str:
     def us(d: dict, k: str) -> str:
         return f"{d[k]['us']:.0f}" if k in d else "-"
@@ -241,8 +269,9 @@ def line(row: dict) -> str:
     parts = ", ".join(f"{k} {us(a, k)}/{us(b, k)}" for k in names if k in a)
     rep = "; ".join(f"{c}: pack {v['pack_call_us']:.0f}" + (f", d2h {v['d2h_us']:.0f}" if v["d2h_us"] else "")
                     for c, v in r.items())  # fmt: skip
-    return (f"  {row['size']} {row['mode']} ({row['buckets']} buckets, {row['params_per_bucket']:.1f} params each, "
-            f"us per call, isolated/timed): {parts}; replayed alone, {rep}")  # fmt: skip
+    return (f"  {row['size']} {row['mode']} ({row['buckets']} buckets of <= {row['bucket_numel']:,}, "
+            f"{row['params_per_bucket']:.1f} params each; step {b['step_ms']:.1f} ms timed, "
+            f"{a['step_ms']:.1f} isolated; us per call, isolated/timed): {parts}; replayed alone, {rep}")  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
@@ -254,15 +283,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--bucket-numels", default="default",
+                    help="rows per bucket size: 'default' (the optimizer's for the model) and/or element counts")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     out: list[dict] = []
+    numels = [None if n == "default" else int(n) for n in a.bucket_numels.split(",")]
     for size in a.sizes.split(","):
         for mode in a.modes.split(","):
-            row = measure(size, mode, device, a.batch, a.context, a.steps)
-            out.append(row)
-            print(line(row), flush=True)
-            Path(a.out).write_text(json.dumps(out, indent=1))
+            for numel in bucket_numels(size, a.context, numels):
+                row = measure(size, mode, device, a.batch, a.context, a.steps, numel)
+                out.append(row)
+                print(line(row), flush=True)
+                Path(a.out).write_text(json.dumps(out, indent=1))
     return 0
 
 

@@ -18,10 +18,15 @@
 #               kernels and copies on the H200),
 #               each run's rows in OUTDIR/profile.json as they finish (the anchors part then skips its own profile)
 #   anchors     gpu_check.sh anchors (step rows at batch 32, activations, anchors with .whl/ carried, the profile)
+#   host        bench/bucket_host.py alone: where a bucket's host time goes, the 1.3B and 95M GPTs' DPU steps
+#               (ZO_HOST_SIZES), each with the optimizer's default buckets and with 2**24-element ones (the default
+#               until 2026-11-28: 131 buckets at 1.3B; at 95M the two are one row), into OUTDIR/bucket_host.json
+#               (its first form, four rows, took ~90 s with the build on the H200, eighth run)
 # ZO_SESSION_S: the command's seconds (default 570, under the tool's 600 s limit); the build takes what it needs
 # (~50 s), then each part gets its weight's share of what is left (scale 6, tests 3, default 7, profile 2,
-# anchors 4), less 10 s for the archive. What comes back: session.tgz (every part's folder), session.txt (every
-# part's summary.txt, in order), PART-summary.json for each gpu_check.sh part and profile.json: at most 7 files.
+# anchors 4, host 2), less 10 s for the archive. What comes back: session.tgz (every part's folder), session.txt (every
+# part's summary.txt, in order), PART-summary.json for each gpu_check.sh part, profile.json and bucket_host.json: at
+# most 8 files.
 # On an H100 (its scale row never measured): ZO_SCALE_SETTINGS=s2-8bit-sync,s2-8bit. Without a GPU each part takes
 # gpu_check.sh's own no-GPU path (the CPU-side checks; the tests skip). Ran once on a GPU (the H200's sixth run,
 # docs/gpu-runs.md); tests/test_gpu_check_stages.py runs it on a stand-in machine.
@@ -38,11 +43,11 @@ text="$out/session.txt"
 : >"$text"
 say() { echo "$*" | tee -a "$text"; }
 weight() { case "$1" in scale) echo 6 ;; tests) echo 3 ;; default) echo 7 ;; profile) echo 2 ;; anchors) echo 4 ;;
-  *) echo 0 ;; esac; }
+  host) echo 2 ;; *) echo 0 ;; esac; }
 IFS=, read -r -a parts <<<"$plan"
 for p in "${parts[@]}"; do
   if [ "$(weight "$p")" = 0 ]; then
-    echo "bash bench/gpu_session.sh OUTDIR [PLAN]: unknown part '$p' (scale, tests, default, profile, anchors)" >&2
+    echo "bash bench/gpu_session.sh OUTDIR [PLAN]: unknown part '$p' (scale, tests, default, profile, anchors, host)" >&2
     exit 2
   fi
 done
@@ -87,9 +92,15 @@ for p in "${parts[@]}"; do
   dir="$work/$p"
   mkdir -p "$dir"
   t0=$(date +%s)
-  if [ "$p" = profile ]; then
-    profile_part "$dir" "$budget"
+  if [ "$p" = profile ] || [ "$p" = host ]; then
+    if [ "$p" = profile ]; then
+      profile_part "$dir" "$budget"
+    else
+      timeout -k 5 "$((budget - 3))" "$py" bench/bucket_host.py "$out/bucket_host.json" \
+        --sizes "${ZO_HOST_SIZES:-1.3B,95M}" --modes dpu --bucket-numels default,16777216 >"$dir/host.txt" 2>&1
+    fi
     rc=$?
+    [ "$p" = host ] && grep -v Warning "$dir/host.txt" | tail -12 >>"$text"
     say "$p: rc $rc in $(($(date +%s) - t0))s"
     [ "$rc" = 0 ] || status=1
     continue

@@ -103,7 +103,6 @@ MISMATCH_FLOOR_GIB = 8 / 1024
 HELD_OUT_TOKENS = 8192  # the held-out batch: ~1/4 of a 15B model's training forward at 32768 tokens per step
 LOSS_CHUNK = 4096  # tokens per checkpointed LM-head + loss chunk: its fp32 logits stay ~14 x 4096 x vocab bytes
 WORKSPACE = 2**30  # the planner's per-GPU workspace (cuBLAS, the allocator's slack): left out of the comparison
-BUCKET_BYTES = 2 * zk.offload.DEFAULT_BUCKET_NUMEL * 2  # two bf16 gradient buckets on a GPU (none on one CPU rank)
 GIB = 2**30
 MIN_SHARE_S = {"cuda": 150, "cpu": 30}  # a setting after the first is started only with this many seconds left for
 # it (on a GPU machine a 12-15B build, the warm-up and its five or six steps take 3-5 minutes: one started with less
@@ -308,6 +307,12 @@ BLOCK_TH = {"cpu": 30, "cuda": 34}  # bytes per token x width of one block recom
 # rather than the larger of the two, read 1.13-1.48 (the planner's peak 16-19% over at 1.9-2.6B, flagged)
 
 
+def bucket_bytes(c: GPTConfig) -> int:
+    """The optimizer's two bf16 gradient buckets on a GPU: its default bucket for the model, or the largest
+    parameter where that is larger (the embedding or the head, vocab x width; a bucket of its own)."""
+    return 2 * 2 * max(zk.offload.default_bucket_numel(gpt_params(c)), c.vocab * c.width, 4 * c.width * c.width)
+
+
 def activation_bytes(c: GPTConfig, tokens: int, cuda: bool = False) -> int:
     """Device bytes of activations at the peak of backward, every block checkpointed, the head in LOSS_CHUNK chunks
     (bf16): each block's input kept (2 L T h), the residual stream and its gradients (8 T h), autograd's bf16
@@ -316,7 +321,8 @@ def activation_bytes(c: GPTConfig, tokens: int, cuda: bool = False) -> int:
     one block with its gradients (BLOCK_TH T h; no attention matrix with SDPA; the blocks', after it)."""
     h, t = c.width, tokens
     chunk = min(LOSS_CHUNK, t)
-    grads = 2 * min(gpt_params(c), zk.offload.DEFAULT_BUCKET_NUMEL)
+    grads = 2 * min(gpt_params(c), zk.offload.default_bucket_numel(gpt_params(c)))  # (the head's own bucket, its
+    # gradient alone, is not at the peak: with it the estimate read 1.055 of the H200's 12B row)
     recomputed = max(BLOCK_TH["cuda" if cuda else "cpu"] * t * h, 14 * chunk * c.vocab)
     return 2 * c.layers * t * h + 8 * t * h + grads + recomputed
 
@@ -348,7 +354,7 @@ def plan_for(c: GPTConfig, setting: str, tokens: int, mach: dict, args: argparse
     host = max(0.0, mach["host_available"] - args.host_reserve_gib * GIB)
     p = plan(params, gpus=1, gpu_mem=mach["device_total"], host_mem=host, k=state_k(FORMAT[setting]),
              activations=acts, workspace=WORKSPACE if cuda else 0, reserve=0.05 if cuda else 0.0,
-             bucket_bytes=BUCKET_BYTES if cuda else 0, layer_params=gathered_layer(c), prefetch=1,
+             bucket_bytes=bucket_bytes(c) if cuda else 0, layer_params=gathered_layer(c), prefetch=1,
              prefetch_params=prefetched_unit(c),
              nvme=mach["disk_free"], dpu=DPU[setting])  # fmt: skip
     row = p.row(STRATEGY[setting])
@@ -356,7 +362,7 @@ def plan_for(c: GPTConfig, setting: str, tokens: int, mach: dict, args: argparse
     # the optimizer's own device buffers (its DeviceBytes counter): the states, stage 3's gathered units in flight
     # (the working set less the layer's gradient, which is autograd's), the buckets
     gathered = row.working_set - 2 * p.layer if row.working_set else 0.0
-    states = row.gpu_states + gathered + (BUCKET_BYTES if cuda else 0)
+    states = row.gpu_states + gathered + p.bucket_bytes  # (two bf16 buckets on a GPU: bucket_bytes)
     figures = {"planner_params": row.max_params, "planner_strategy": row.strategy,
                "planner_activations_gib": acts / GIB,
                "planner_peak_gib": device_bytes / GIB if cuda else None, "planner_device_states_gib": states / GIB,

@@ -13,10 +13,13 @@ def test_bucket_host_runs_on_the_cpu(tmp_path):
     """One launch per bucket per step, each inside the pack and copy calls it times; every replay condition."""
     out = tmp_path / "bucket_host.json"
     argv = [str(out), "--device", "cpu", "--sizes", "5e5", "--modes", "dpu", "--batch", "2", "--context", "32",
-            "--steps", "2"]  # fmt: skip
+            "--steps", "2", "--bucket-numels", "16384,default"]  # fmt: skip
     assert bucket_host.main(argv) == 0
-    (row,) = json.loads(out.read_text())
-    assert row["buckets"] >= 1 and row["params_per_bucket"] > 0
+    small, row = json.loads(out.read_text())
+    assert (small["bucket_numel"], row["bucket_numel"]) == (16384, 1 << 24)
+    assert small["buckets"] > row["buckets"] >= 1 and row["params_per_bucket"] > 0
+    assert small["in_backward"]["launch"]["per_step"] == small["buckets"]
+    assert row["in_backward"]["step_ms"] > 0 and row["in_backward_isolated"]["step_ms"] > 0
     for key in ("in_backward", "in_backward_isolated"):
         calls = row[key]
         assert calls["launch"]["per_step"] == row["buckets"], calls
@@ -48,3 +51,11 @@ def test_clock_times_calls_and_comes_off():
     clock.undo()
     assert "work" not in t.__dict__ and t.work(1) == 2 and t.own() == 5 and "own" in t.__dict__
     assert clock.calls == {"work": 2, "own": 1}  # (undo takes the wrappers off; the figures stay)
+
+
+def test_bucket_numels_asked_once_by_the_size_they_resolve_to():
+    """At 95M the optimizer's default is 2**24: `default,16777216` is one row there, two at 1.3B (2**26 and 2**24);
+    the order asked is kept."""
+    assert bucket_host.bucket_numels("95M", 512, [None, 1 << 24]) == [None]
+    assert bucket_host.bucket_numels("95M", 512, [1 << 24, None, 1 << 20]) == [1 << 24, 1 << 20]
+    assert bucket_host.bucket_numels("1.3B", 512, [None, 1 << 24]) == [None, 1 << 24]

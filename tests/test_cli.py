@@ -57,7 +57,7 @@ def test_plan_lands_near_the_offload_paper_headline(capsys):
     assert 1.5e9 <= p.row("DDP").max_params <= 1.9e9
     assert 1.2e9 <= plan(13e9, 1, "32GiB", "768GiB", k=16).row("DDP").max_params <= 1.6e9
     code, out, _ = run_cli(capsys, "plan", "--params", "13B", "--gpu-mem", "32GiB", "--host-mem", "768GiB", "--max")
-    assert code == 0 and "max params" in out and "13.60B" in out
+    assert code == 0 and "max params" in out and "13.50B" in out  # (13.60B with 64 MiB of buckets, before 2026-11-28)
 
 
 @pytest.mark.parametrize(
@@ -226,7 +226,8 @@ def test_cli_misuse_found_by_a_new_user_exits_2_in_one_line(capsys, tmp_path):
 
 def test_plan_auto_with_accumulation_picks_a_fraction_that_fits(capsys):
     """--auto --accumulation: the tail's fp32 gradient sum counted in the pick (its 4 bytes an element were left
-    out: the row it picked read "no (GPU)")."""
+    out: the row it picked read "no (GPU)"); and the pick a hair under the memory left (at exactly the bound the
+    row's total came out a byte over it with 13B's default buckets, 2026-11-28)."""
     code, out, _ = run_cli(capsys, "plan", "--params", "13B", "--auto", "--fwd-bwd-ms", "10", "--cpu-adam-rate",
                            "1e9", "--accumulation")  # fmt: skip
     row = next(line for line in out.splitlines() if line.startswith("ZeRO-2 + offload"))

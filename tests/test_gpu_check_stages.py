@@ -578,6 +578,12 @@ def test_gpu_session_runs_its_parts_in_order_within_one_command(tmp_path):
     shares = re.findall(r"^--- (\S+): (\d+)s$", text, re.M)
     assert [p for p, _ in shares] == ["tests", "anchors"], (text, default.stderr)
     assert 215 <= int(shares[0][1]) <= 240, shares  # 3/7 of 560 s
+    # the host part: bench/bucket_host.py with the default buckets and 2**24-element ones, its rows' lines kept
+    host = subprocess.run(["bash", script, str(tmp_path / "host"), "host"], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    ran = [c for c in calls.read_text().splitlines() if "bench/bucket_host.py" in c]
+    assert len(ran) == 1 and "--sizes 1.3B,95M --modes dpu --bucket-numels default,16777216" in ran[0], ran
+    assert str(tmp_path / "host" / "bucket_host.json") in ran[0] and host.returncode == 0, host.stdout
     bad = subprocess.run(["bash", script, str(tmp_path / "bad"), "scale,bogus"], env=env, capture_output=True,
                          text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "unknown part 'bogus'" in bad.stderr

@@ -6,6 +6,7 @@ from zo_kernels.cli import main
 from zo_kernels.planner import plan
 
 GiB, TiB = 2**30, 2**40
+BUCKETS_70B = 2 * 2 * 2**26  # ZeroOffloadAdamW's default for a model over 2**31 params: two bf16 buckets of 2**26
 
 
 def rows_of(text):
@@ -34,7 +35,7 @@ def test_headline_70b_fits_one_80gb_gpu_only_with_zero_infinity(capsys):
     layer = 70e9 / 32  # no --layer-params: one block of a 32-block model
     assert inf.working_set == pytest.approx((2 * (1 + 1) + 2) * layer, rel=1e-12)
     assert inf.gpu_states == 0
-    assert inf.gpu_total == pytest.approx(inf.working_set + 64 * 2**20 + 4 * GiB + 1 * GiB, rel=1e-12)
+    assert inf.gpu_total == pytest.approx(inf.working_set + BUCKETS_70B + 4 * GiB + 1 * GiB, rel=1e-12)
     assert inf.gpu_total < 80 * GiB * 0.95
     assert inf.host == 1 * GiB and inf.nvme == pytest.approx(16 * 70e9, rel=1e-12)
     assert p.row("ZeRO-Inf (opt)").host == pytest.approx(2 * 70e9 + GiB, rel=1e-12)
@@ -120,12 +121,12 @@ def test_max_params_per_row():
     assert p.row("ZeRO-3 + offload").max_params == pytest.approx(512 * GiB / 16, rel=1e-12)  # host-bound
     assert p.row("ZeRO-Inf (opt)").max_params == pytest.approx((512 * GiB - GiB) / 2, rel=1e-12)  # host-bound
     assert p.row("ZeRO-Infinity").max_params == pytest.approx(4e12 / 16, rel=1e-12)  # NVMe-bound
-    zero3 = (usable - 64 * 2**20 - 6 * 1e9) / 16
+    zero3 = (usable - BUCKETS_70B - 6 * 1e9) / 16
     assert p.row("ZeRO-3").max_params == pytest.approx(zero3, rel=1e-12)
     guessed = plan(70e9, 1, "80GiB", "512GiB", nvme="4TB")
-    assert guessed.row("ZeRO-3").max_params == pytest.approx((usable - 64 * 2**20) / (16 + 6 / 32), rel=1e-12)
+    assert guessed.row("ZeRO-3").max_params == pytest.approx((usable - BUCKETS_70B) / (16 + 6 / 32), rel=1e-12)
     big = plan(70e9, 1, "80GiB", "512GiB", nvme="1000TB", io_pool=0)  # only the GPU binds: layer = params / 32
-    assert big.row("ZeRO-Infinity").max_params == pytest.approx((usable - 64 * 2**20) / (6 / 32), rel=1e-12)
+    assert big.row("ZeRO-Infinity").max_params == pytest.approx((usable - BUCKETS_70B) / (6 / 32), rel=1e-12)
     assert plan(70e9, 1, "80GiB", "512GiB", nvme="1000TB", layer_params=1e9).row("ZeRO-Infinity").max_params == (
         pytest.approx(1e15 / 16, rel=1e-12)
     )
@@ -185,7 +186,7 @@ def test_half_layer_offload_by_hand(capsys):
     # beside zo's row (it ties with ZeRO-Inf (opt) and ZeRO-Infinity on the GPU), with what bounds each sequence:
     # half layers take twice the host bytes of per-layer offload, so the host fills first here
     assert "longest seq beside zo Infinity" in out
-    assert "216,316 (GPU full)" in out and "156,880 (host full)" in out
+    assert "215,669 (GPU full)" in out and "156,880 (host full)" in out  # (216,316 with 64 MiB of buckets)
     p = plan(70e9, 1, "80GiB", "512GiB", nvme="4TB", activation_mode="offload_half", **LLAMA70)
     assert p.longest_seq_bound("offload_half", "ZeRO-Infinity")[1] == "host"
     assert p.longest_seq_bound("checkpoint", "zo Infinity") == (p.longest_seq("checkpoint", "zo Infinity"), "GPU")
@@ -208,7 +209,7 @@ def test_headline_70b_row_with_checkpointing_and_offload(capsys):
     p = plan(70e9, 1, "80GiB", "512GiB", nvme="4TB", activation_mode="offload", **LLAMA70)
     sh = 4096 * 8192
     zo = p.row("zo Infinity")
-    assert zo.gpu_total == pytest.approx(zo.working_set + 64 * 2**20 + GiB + 38 * sh, rel=1e-12)
+    assert zo.gpu_total == pytest.approx(zo.working_set + BUCKETS_70B + GiB + 38 * sh, rel=1e-12)
     assert zo.host == pytest.approx(2 * 70e9 + GiB + 79 * 2 * sh, rel=1e-12)
     assert round(79 * 2 * sh / 1e9, 1) == 5.3
     longest = {m: p.longest_seq(m, "zo Infinity") for m in ("none", "checkpoint", "offload")}
@@ -306,3 +307,50 @@ def test_selective_adds_its_buffers_to_the_zero2_offload_row_only(capsys):
 def test_selective_options_are_checked(capsys, argv, message):
     assert main(["plan", "--params", "1.3B", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_default_buckets_grow_with_the_model():
+    """Without bucket_bytes the offload rows hold ZeroOffloadAdamW's default buckets for the model (two bf16 buckets:
+    2**24 elements up to 32 x 2**24 params, 2**25 up to 32 x 2**25, 2**26 above), and max_params lets them grow:
+    on 2.2 GiB of GPU at 2 B/param the largest model is 32 x 2**25 (with 2**25-element buckets; one more param
+    would take 2**26-element ones, which no longer fit)."""
+    small, mid, large = (plan(n, 1, "80GiB", "1TiB").row("ZeRO-2 + offload").gpu_total for n in (5e8, 1e9, 2e9))
+    base = (4 + 1) * GiB
+    assert (small - base - 2 * 5e8, mid - base - 2 * 1e9, large - base - 2 * 2e9) == pytest.approx(
+        (4 * 2**24, 4 * 2**25, 4 * 2**26), rel=1e-9)
+    p = plan(1e9, 1, "2.2GiB", "100TiB", activations="0", workspace="0", reserve=0)
+    assert p.row("ZeRO-2 + offload").max_params == 32 * 2**25
+    given = plan(1e9, 1, "2.2GiB", "100TiB", activations="0", workspace="0", reserve=0, bucket_bytes="64MiB")
+    assert given.row("ZeRO-2 + offload").max_params == pytest.approx((2.2 * GiB - 64 * 2**20) / 2, rel=1e-12)
+
+
+def test_the_largest_model_with_growing_buckets_against_a_search():
+    """planner._largest_by_size against a binary search for the largest n with per_param * n + fixed + the two
+    default buckets of a model of n (by hand: 2 x 2 B x max(2**24, next power of two >= n / 32, capped at 2**26), or
+    the largest parameter where larger) <= cap, on caps around each step of the bucket."""
+    from zo_kernels import planner
+
+    def buckets(n, largest):
+        size = 1 << 24
+        while size < -(-n // 32) and size < 1 << 26:
+            size *= 2
+        return 4 * max(size, largest)
+
+    def search(cap, pp, fixed, largest):
+        if pp * 0 + fixed + buckets(0, largest) > cap:
+            return 0
+        lo, hi = 0, 1 << 45
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if pp * mid + fixed + buckets(mid, largest) <= cap else (lo, mid - 1)
+        return lo
+
+    cases = []
+    for step in (32 << 24, 32 << 25):  # models at the bucket's steps, bytes at 2 B/param
+        for d in (-3 * 2**26, -2**25, -1, 0, 1, 2**25, 3 * 2**26):
+            cases.append((2 * step + d + 4 * 2**25, 2.0, 0.0, 0))
+    cases += [(10 * GiB, 2.0, GiB, 0), (10 * GiB, 2.0, GiB, 300_000_000), (2**26, 2.0, 0.0, 0), (80 * GiB, 14.0, 0, 0)]
+    for cap, pp, fixed, largest in cases:
+        got = planner._largest_by_size(cap, pp, fixed, largest)
+        want = search(cap, pp, fixed, largest)
+        assert want <= got < want + 1, (cap, pp, fixed, largest, got, want)

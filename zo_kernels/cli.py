@@ -163,7 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--workspace", default="1GiB", metavar="SIZE", help="workspace memory per GPU")
     pl.add_argument("--reserve", default="0.05", metavar="FRACTION",
                     help="fraction of GPU memory lost to fragmentation")  # fmt: skip
-    pl.add_argument("--buckets", default="64MiB", metavar="SIZE", help="GPU gradient buckets of the offload strategy")
+    pl.add_argument("--buckets", default=None, metavar="SIZE",
+                    help="GPU gradient buckets of the offload and stage-3 rows, both together (default: "
+                         "ZeroOffloadAdamW's for the model's size: 64MiB up to 537M params, 128MiB to 1.07B, "
+                         "256MiB above, or two of the embedding where --vocab x --hidden is larger)")  # fmt: skip
     pl.add_argument("--nvme", default="0", metavar="SIZE",
                     help="NVMe capacity per host for the ZeRO-Infinity rows (e.g. 4TB)")  # fmt: skip
     pl.add_argument("--layer-params", default=None, metavar="COUNT",
@@ -263,7 +266,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
         if auto is not None:
             fwd_bwd_s, cpu_rate, device_rate = auto
             row = plan(a.params, gpus, a.gpu_mem, a.host_mem, **kw).row("ZeRO-2 + offload")
-            free = p.gpu_mem * (1 - p.reserve) - row.gpu_total
+            # (a hair under the bound: the row's total at exactly the memory left can round a byte over it, so the
+            # pick's row read "no (GPU)": 13B, --auto --accumulation, 2026-11-28)
+            free = (p.gpu_mem * (1 - p.reserve) - row.gpu_total) * (1 - 1e-9)
             # a tail element holds k bytes of state and a 2-byte gradient, with accumulation a 4-byte sum too
             pick = pick_fraction(p.params / gpus, cpu_rate, device_rate, fwd_bwd_s, free,
                                  k + 2 + (4 if a.accumulation else 0))  # fmt: skip

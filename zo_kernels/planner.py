@@ -25,6 +25,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from .offload.layout import BUCKETS_PER_MODEL, DEFAULT_BUCKET_NUMEL, MAX_DEFAULT_BUCKET_NUMEL, default_bucket_numel
+
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + offload", "ZeRO-3 + offload", "ZeRO-Inf (opt)",
               "ZeRO-Infinity", "zo Infinity")  # fmt: skip
 STAGE3 = frozenset({"ZeRO-3", "ZeRO-3 + offload", "ZeRO-Inf (opt)", "ZeRO-Infinity", "zo Infinity"})
@@ -206,6 +208,8 @@ class Plan:
     shape: ActivationShape | None = None  # activations derived from it (else given)
     activation_mode: str = "checkpoint"
     activation_host: float = 0.0  # host bytes per GPU of offloaded checkpoints
+    buckets_by_size: bool = False  # bucket_bytes is ZeroOffloadAdamW's default for `params` (`default_bucket_bytes`)
+    largest_param: int = 0  # with it: the embedding's vocab x hidden (a bucket of its own where it is larger)
 
     @property
     def usable_gpu(self) -> float:
@@ -324,6 +328,27 @@ def working_set_per_layer_param(prefetch: int) -> float:
     return 2.0 * (1 + prefetch) + 2.0
 
 
+def default_bucket_bytes(params: float, largest_param: int = 0) -> int:
+    """The device bytes of ZeroOffloadAdamW's two default gradient buckets (bf16) for a model of `params` whose
+    largest parameter has `largest_param` elements (a parameter larger than the bucket is a bucket of its own, and
+    the two buffers are the largest bucket's size). Autograd's gradients of the bucket being filled, up to one more
+    bucket's bytes, are not counted here: they belong with the activations."""
+    return 2 * 2 * max(default_bucket_numel(int(min(params, 2**62))), largest_param)
+
+
+def _largest_by_size(cap: float, per_param: float, fixed: float, largest_param: int = 0) -> float:
+    """The largest params with per_param * params + fixed + default_bucket_bytes(params, largest_param) <= cap: the
+    largest fit over each default bucket size's range of models (the bucket grows with the model, in steps)."""
+    best, lo, size = 0.0, 0.0, DEFAULT_BUCKET_NUMEL
+    while size <= MAX_DEFAULT_BUCKET_NUMEL:
+        hi = BUCKETS_PER_MODEL * size if size < MAX_DEFAULT_BUCKET_NUMEL else math.inf
+        m = min(hi, _largest(cap, per_param, fixed + 4.0 * max(size, largest_param)))
+        if m > lo or (size == DEFAULT_BUCKET_NUMEL and m > 0):
+            best = max(best, m)
+        lo, size = hi, 2 * size
+    return best
+
+
 def _largest(cap: float, per_param: float, fixed: float) -> float:
     """The largest params with per_param * params + fixed <= cap."""
     if fixed > cap:
@@ -347,7 +372,7 @@ def plan(
     activations: float | str | None = None,
     workspace: float | str = "1GiB",
     reserve: float = 0.05,
-    bucket_bytes: float | str = "64MiB",
+    bucket_bytes: float | str | None = None,
     gpus_per_host: int | None = None,
     nvme: float | str = 0,
     layer_params: float | str | None = None,
@@ -370,10 +395,13 @@ def plan(
     """Bytes per device for each strategy, whether it fits, and the largest trainable model per strategy.
 
     Defaults: activations 4 GiB and workspace 1 GiB per GPU, 5% of GPU memory lost to fragmentation, two
-    32 MiB gradient buckets; all GPUs on one host unless `gpus_per_host` says otherwise; no NVMe; the largest
-    gathered layer params / 32 unless `layer_params` gives it (then `max_params` keeps that layer); one layer
-    prefetched; a 1 GiB host I/O pool per GPU for the NVMe rows. `accumulation` (several backward passes per step)
-    and `dpu` (the delayed parameter update) add the host buffers ZeroOffloadAdamW then holds (`_host_extra`).
+    gradient buckets of ZeroOffloadAdamW's default size for the model (`default_bucket_bytes`: 64 MiB up to 537M
+    params, 128 MiB to 1.07B, 256 MiB above, or two of the embedding where `vocab` x `hidden` is larger;
+    `max_params` grows them with the model); all GPUs on one host unless
+    `gpus_per_host` says otherwise; no NVMe; the largest gathered layer params / 32 unless `layer_params` gives it
+    (then `max_params` keeps that layer); one layer prefetched; a 1 GiB host I/O pool per GPU for the NVMe rows.
+    `accumulation` (several backward passes per step) and `dpu` (the delayed parameter update) add the host buffers
+    ZeroOffloadAdamW then holds (`_host_extra`).
     With `seq` (and `hidden`, `layers`) the activations are derived for `activation_mode` (`activation_bytes`)
     instead of given; "offload" and "offload_half" add the offloaded checkpoints to every row's host bytes.
     `prefetch_params`: the largest unit prefetched while a layer computes (ZeroOffloadAdamW prefetches modules; in a
@@ -399,6 +427,7 @@ def plan(
         raise ValueError(f"reserve must be a fraction in [0, 1), got {reserve!r}")
     _int_at_least(prefetch, "prefetch", 0)
     shape = _activation_shape(seq, batch, hidden, layers, heads, vocab, attention, activations)
+    largest = shape.vocab * shape.hidden if shape else 0  # the embedding (and an untied head): one bucket each
     if activation_mode not in ACTIVATION_MODES:
         raise ValueError(f"activation_mode must be one of {ACTIVATION_MODES}, got {activation_mode!r}")
     act_gpu, act_host = activation_bytes(shape, activation_mode) if shape else (None, 0.0)
@@ -420,7 +449,9 @@ def plan(
         k=float(k), activations=act_gpu if shape else parse_bytes("4GiB" if activations is None else activations,
                                                                   "activations"),
         workspace=parse_bytes(workspace, "workspace"),
-        reserve=float(reserve), bucket_bytes=parse_bytes(bucket_bytes, "bucket_bytes"),
+        reserve=float(reserve), buckets_by_size=bucket_bytes is None, largest_param=largest,
+        bucket_bytes=(default_bucket_bytes(params, largest) if bucket_bytes is None
+                      else parse_bytes(bucket_bytes, "bucket_bytes")),  # fmt: skip
         nvme_mem=parse_bytes(nvme, "nvme"), layer_params=layer, prefetch=prefetch,
         io_pool=parse_bytes(io_pool, "io_pool"), gpus_per_host=per_host, shape=shape,
         activation_mode=activation_mode, activation_host=act_host, prefetch_params=unit,
@@ -461,8 +492,9 @@ def plan(
         # max_params: a given layer stays fixed as the model grows; the guessed one grows with it
         g_max, ws_fixed = (g, ws) if layer else (g + (w / LAYERS_GUESS if s in STAGE3 else 0.0),
                                                  w_fixed if s in STAGE3 else 0.0)  # fmt: skip
-        max_params = min(_largest(p.usable_gpu, g_max, ws_fixed + fixed), _largest(host_per_gpu, h, pool),
-                         _largest(nvme_per_gpu, v, 0.0))  # fmt: skip
+        on_gpu = (_largest_by_size(p.usable_gpu, g_max, ws_fixed, p.largest_param) if fixed and p.buckets_by_size
+                  else _largest(p.usable_gpu, g_max, ws_fixed + fixed))  # fmt: skip
+        max_params = min(on_gpu, _largest(host_per_gpu, h, pool), _largest(nvme_per_gpu, v, 0.0))
         row = StrategyPlan(s, g * params, gpu_total, h * params + pool, gpu_total <= p.gpu_mem * (1 - p.reserve),
                            h * params + pool <= host_per_gpu, max_params, nvme=v * params,
                            fits_nvme=v * params <= nvme_per_gpu, working_set=ws)  # fmt: skip
@@ -528,12 +560,13 @@ def format_plan(p: Plan, show_max: bool = False, unit: str = "GB") -> str:
     small = "GiB" if unit.endswith("iB") else "GB"
     layer = f"{_fmt_count(p.layer)} params" + ("" if p.layer_params else f" (params / {LAYERS_GUESS})")
     ws = p.working_set
+    by_size = " (this size's default)" if p.buckets_by_size else ""
     ws_formula = ("4 B per layer parameter + 2 prefetch B per unit parameter" if p.prefetch_params
                   else "2 (1 + prefetch) + 2 B per layer parameter")  # fmt: skip
     lines = [f"model {_fmt_count(p.params)} params, {p.gpus} GPU(s) x {_fmt_bytes(p.gpu_mem)}, host "
              f"{_fmt_bytes(p.host_mem)}, NVMe {_fmt_bytes(p.nvme_mem)}, K = {p.k:g}",
              f"assumed per GPU: activations {_fmt_bytes(p.activations)}, workspace {_fmt_bytes(p.workspace)}, "
-             f"{p.reserve:.0%} fragmentation reserve, buckets {_fmt_bytes(p.bucket_bytes)} "
+             f"{p.reserve:.0%} fragmentation reserve, buckets {_fmt_bytes(p.bucket_bytes)}{by_size} "
              f"(usable for model states: {_fmt_bytes(max(0.0, p.usable_gpu))})",
              f"stage 3: largest gathered layer {layer}, prefetch {p.prefetch}: working set {_fmt_bytes(ws, small)} "
              f"per GPU ({ws_formula}); NVMe rows: host I/O pool "

@@ -16,15 +16,16 @@ One concept per module; the data of one step walks through them in order:
 from .adafactor import ZeroOffloadAdafactor
 from .checks import DTYPES, MAX_THREADS
 from .comm import COLLECTIVE_TIMEOUT_S, GATHER_CHUNK_NUMEL, backend_for_device
-from .layout import PARAM_ALIGN_BYTES
+from .layout import DEFAULT_BUCKET_NUMEL, MAX_DEFAULT_BUCKET_NUMEL, PARAM_ALIGN_BYTES, default_bucket_numel
 from .materialize import ParamInit, tensor_seed
-from .optimizer import DEFAULT_BUCKET_NUMEL, ZeroOffloadAdamW
+from .optimizer import ZeroOffloadAdamW
 from .report import K_ADAM, MemoryReport
 from .scaler import SCALE_BACKOFF, SCALE_GROWTH, SCALE_INIT, SCALE_INTERVAL
 from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_S", "DEFAULT_BUCKET_NUMEL", "DEFAULT_TILE_NUMEL", "DTYPES", "GATHER_CHUNK_NUMEL", "K_ADAM",
-    "MAX_THREADS", "PARAM_ALIGN_BYTES", "ParamInit", "SCALE_BACKOFF", "SCALE_GROWTH", "SCALE_INIT", "SCALE_INTERVAL",
-    "UPDATE_TIMEOUT_S", "MemoryReport", "ZeroOffloadAdafactor", "ZeroOffloadAdamW", "backend_for_device", "tensor_seed",
+    "MAX_DEFAULT_BUCKET_NUMEL", "MAX_THREADS", "PARAM_ALIGN_BYTES", "ParamInit", "SCALE_BACKOFF", "SCALE_GROWTH",
+    "SCALE_INIT", "SCALE_INTERVAL", "UPDATE_TIMEOUT_S", "MemoryReport", "ZeroOffloadAdafactor", "ZeroOffloadAdamW",
+    "backend_for_device", "default_bucket_numel", "tensor_seed",
 ]

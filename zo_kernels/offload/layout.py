@@ -11,6 +11,24 @@ PARAM_ALIGN_BYTES = 16  # every param starts on a 16-byte boundary of the flat b
 
 Run = tuple[int, int, int, int, float]  # (group, start, end, step, gradient factor), in partition coordinates
 
+# The default gradient bucket (bucket_numel=None): DEFAULT_BUCKET_NUMEL elements (32 MiB of bf16 gradients, two such
+# buckets on the device), or for a model of more than BUCKETS_PER_MODEL of those, its elements / BUCKETS_PER_MODEL
+# rounded up to a power of two, at most MAX_DEFAULT_BUCKET_NUMEL (two buckets: 256 MiB of bf16). Each bucket costs
+# the step's host ~0.3 ms (a pack call, a D2H copy call, their checks: bench/bucket_host.py, 60-95 us each even
+# alone on the H200's host, twice that inside backward): the 1.3B GPT had 131 buckets of 2**24, 37.8 ms of host
+# time a step with the device drained before each (docs/gpu-runs.md, eighth run); at 2**26 it has one per block.
+DEFAULT_BUCKET_NUMEL = 1 << 24
+MAX_DEFAULT_BUCKET_NUMEL = 1 << 26
+BUCKETS_PER_MODEL = 32
+
+
+def default_bucket_numel(numel: int) -> int:
+    """The gradient bucket's elements for a model (its trainable elements) when none is given."""
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be an int >= 0, got {numel!r}")
+    want = -(-numel // BUCKETS_PER_MODEL)
+    return min(MAX_DEFAULT_BUCKET_NUMEL, max(DEFAULT_BUCKET_NUMEL, 1 << max(want - 1, 0).bit_length()))
+
 
 class Bucket:
     """A contiguous range [lo, hi) of the flat space and the parameters in it (flat order)."""

@@ -35,7 +35,7 @@ from .comm import COLLECTIVE_TIMEOUT_S, Comm, beside_compute, pin_rank_threads
 from .fence import ForwardWaits, TileFence
 from .formats import block_of, check_state_dtype
 from .grads import GradPath
-from .layout import FlatLayout
+from .layout import FlatLayout, default_bucket_numel
 from .materialize import ParamInit, check_init, materialise_followers, swap_in
 from .params import DeviceBytes, ParamShards, units_of
 from .report import MemoryReport, PhaseTimes
@@ -44,8 +44,6 @@ from .selected import SelectedGrad
 from .selective import SelectiveUpdate, check_selective, selection_bound
 from .twin import TwinUpdate, check_gpu_fraction, device_split
 from .update import DEFAULT_TILE_NUMEL, UPDATE_TIMEOUT_S, HostUpdate
-
-DEFAULT_BUCKET_NUMEL = 1 << 24  # 32 MiB of bf16 gradients per bucket (two buckets live on the device)
 
 
 def _trainable_only(group: dict[str, Any]) -> dict[str, Any]:
@@ -122,7 +120,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         loss_scale: None, a positive number (static) or "dynamic".
         max_grad_norm: clip the averaged gradient to this global L2 norm (None: no clipping).
         delay_update_after: k for the delayed parameter update (None: always synchronous).
-        bucket_numel: elements per gradient bucket (default 2**24).
+        bucket_numel: elements per gradient bucket (default: 2**24, or for a model over 32 x 2**24 elements 1/32 of
+            it rounded up to a power of two, at most 2**26: `default_bucket_numel`).
         process_group: None for torch.distributed's default group when initialized, else a single rank.
         transport: copy transport (default: CUDA streams on a GPU, plain copies on the CPU).
         threads: CPU threads for the update (default: this rank's share of the cores; an update running beside
@@ -321,8 +320,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         units = uses = None
         if stage == 3:
             units, uses = units_of(module, trainable)
-        self.layout = FlatLayout([g["params"] for g in self.param_groups], dtype, self.world, self.rank,
-                                 bucket_numel or DEFAULT_BUCKET_NUMEL, units=units,
+        groups = [g["params"] for g in self.param_groups]
+        if bucket_numel is None:
+            bucket_numel = default_bucket_numel(sum(p.numel() for ps in groups for p in ps))
+        self.layout = FlatLayout(groups, dtype, self.world, self.rank, bucket_numel, units=units,
                                  block=block_of(self.state_format))  # fmt: skip
         self.transport = transport if transport is not None else default_transport(device)
         self._own_transport = transport is None  # close() closes (returns the pinned memory of) what it made
