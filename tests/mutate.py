@@ -216,6 +216,19 @@ MUTANTS = [
     _m("pack-step-skips-the-apart-check", "pack kernel", "zo_kernels/kernels/plan.py",
        "        if t.apart is not self._ptrs:  # (check read new addresses)", "        if False:",
        ("tests/test_buckets.py", "-k", "pack_step")),
+    _m("default-bucket-ignores-the-model", "offload step", "zo_kernels/offload/optimizer.py",
+       "            bucket_numel = default_bucket_numel(sum(p.numel() for ps in groups for p in ps))",
+       "            bucket_numel = default_bucket_numel(0)",
+       "tests/test_bucket_size.py"),
+    _m("default-bucket-counts-frozen-params", "offload step", "zo_kernels/offload/optimizer.py",
+       "            bucket_numel = default_bucket_numel(sum(p.numel() for ps in groups for p in ps))",
+       "            bucket_numel = default_bucket_numel(sum(p.numel() for p in module.parameters()) if module "
+       "is not None else sum(p.numel() for ps in groups for p in ps))",
+       "tests/test_bucket_size.py"),
+    _m("planner-max-ignores-the-bucket-step", "planner", "zo_kernels/planner.py",
+       "        m = min(hi, _largest(cap, per_param, fixed + 4.0 * max(size, largest_param)))",
+       "        m = _largest(cap, per_param, fixed + 4.0 * max(size, largest_param))",
+       ("tests/test_planner.py", "-k", "bucket or search")),
 ]
 
 CPP_SUFFIXES = (".cpp", ".h", ".inc", ".cu")
