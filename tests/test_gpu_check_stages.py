@@ -78,6 +78,9 @@ def test_step_rows_checkpointed_rows_train_the_same_model(tmp_path):
             assert r["orchestration_isolated_ms"] >= 0 and set(r["isolated_phases"]) == set(step_rows.PHASES)
             assert r["targets"]["orchestration_isolated_of_step"]["bar"] == 0.05
             assert r["pack_full_checks_per_step"] == 0, r["pack_full_checks_per_step"]
+            # the checkpointed steps' phases (where their time over forward + backward goes) and orchestration
+            assert set(r["ckpt_phases"]) == set(step_rows.PHASES) and r["ckpt_orchestration_ms"] >= 0
+            assert r["ckpt_phases"]["offload"] > 0 and r["ckpt_phases"]["hooks"] > 0
             assert r["buckets"] >= 1
         assert r["mode"] == "selective" or r["cpu_after_step"]["cpu_ms"] >= 0
         probe = r["launch_probe"]  # once per size, in every row of it
