@@ -88,8 +88,10 @@ class Clock:
 
 
 def instrument(opt: zk.ZeroOffloadAdamW, clock: Clock) -> None:
-    """The bucket's calls: the whole launch, the pack call (its tensor check, tables, kernel launch or host pack),
-    the moved-gradient placeholders, the buffer wait and the D2H copy call."""
+    """The bucket's calls: the whole launch, the pack call (its tensor check, tables, kernel launch or host pack;
+    and how often it re-uploaded its address table or took pack's full path), the moved-gradient placeholders, the
+    buffer wait and the D2H copy call. (On the H200, eighth run, `pack_tables` took 33-157 us a call where a table
+    still valid costs ~1: these counts say whether it was uploading.)"""
     g = opt.grads
     for attr, name in (("_launch", "launch"), ("_pack", "pack_call"), ("_place_moved_grad", "moved_grad"),
                        ("_wait_buffer", "wait_buffer")):  # fmt: skip
@@ -98,6 +100,8 @@ def instrument(opt: zk.ZeroOffloadAdamW, clock: Clock) -> None:
     for p in g.plans.values():
         clock.wrap(p, "check", "pack_check")
         clock.wrap(p, "_tables", "pack_tables")
+        clock.wrap(p, "_upload", "pack_upload")  # (the address table re-uploaded: the gradients' addresses moved)
+        clock.wrap(p, "pack", "pack_full")  # (pack_step's untrusted path: its out or totals not the trusted ones)
         clock.wrap(p, "_pack_host", "pack_host")
         if getattr(p, "_kernels", None) is not None:
             kernels = p._kernels
@@ -265,8 +269,12 @@ def line(row: dict) -> str:
         return f"{d[k]['us']:.0f}" if k in d else "-"
 
     a, b, r = row["in_backward_isolated"], row["in_backward"], row["replay"]
-    names = ("launch", "pack_call", "pack_check", "kernel_launch", "pack_host", "d2h", "moved_grad", "wait_buffer")
+    names = ("launch", "pack_call", "pack_check", "pack_tables", "kernel_launch", "pack_host", "d2h", "moved_grad",
+             "wait_buffer")  # fmt: skip
     parts = ", ".join(f"{k} {us(a, k)}/{us(b, k)}" for k in names if k in a)
+    for k in ("pack_upload", "pack_full"):
+        if k in b:
+            parts += f", {k} {b[k]['per_step']:g} a step"
     rep = "; ".join(f"{c}: pack {v['pack_call_us']:.0f}" + (f", d2h {v['d2h_us']:.0f}" if v["d2h_us"] else "")
                     for c, v in r.items())  # fmt: skip
     return (f"  {row['size']} {row['mode']} ({row['buckets']} buckets of <= {row['bucket_numel']:,}, "

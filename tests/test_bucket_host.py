@@ -20,6 +20,8 @@ def test_bucket_host_runs_on_the_cpu(tmp_path):
     assert small["buckets"] > row["buckets"] >= 1 and row["params_per_bucket"] > 0
     assert small["in_backward"]["launch"]["per_step"] == small["buckets"]
     assert row["in_backward"]["step_ms"] > 0 and row["in_backward_isolated"]["step_ms"] > 0
+    # on the CPU the torch path packs (no table) and pack_step trusts its bucket view after its first call
+    assert "pack_upload" not in row["in_backward"] and "pack_full" not in row["in_backward"], row["in_backward"]
     for key in ("in_backward", "in_backward_isolated"):
         calls = row[key]
         assert calls["launch"]["per_step"] == row["buckets"], calls
@@ -59,3 +61,26 @@ def test_bucket_numels_asked_once_by_the_size_they_resolve_to():
     assert bucket_host.bucket_numels("95M", 512, [None, 1 << 24]) == [None]
     assert bucket_host.bucket_numels("95M", 512, [1 << 24, None, 1 << 20]) == [1 << 24, 1 << 20]
     assert bucket_host.bucket_numels("1.3B", 512, [None, 1 << 24]) == [None, 1 << 24]
+
+
+def test_bucket_host_counts_table_uploads_where_addresses_move(monkeypatch):
+    """With the GPU's path taken on CPU tensors (the launch stubbed), the gradients' addresses move every step on
+    the CPU: each bucket's pack call re-uploads its address table, and the row says so (pack_upload, a step)."""
+    import torch
+
+    from zo_kernels.kernels import pack as kpack
+    from zo_kernels.offload import grads as grads_mod
+
+    made = grads_mod.plan
+
+    def gpu_style(*a, **k):
+        p = made(*a, **k)
+        p.impl = "triton"
+        return p
+
+    monkeypatch.setattr(grads_mod, "plan", gpu_style)
+    monkeypatch.setattr(kpack, "pack", lambda *a, **k: None)
+    row = bucket_host.measure("5e5", "sync", torch.device("cpu"), 2, 32, 2, bucket_numel=1 << 16)
+    calls = row["in_backward"]
+    assert row["buckets"] > 1 and calls["pack_upload"]["per_step"] >= row["buckets"] // 2, calls  # (one may reuse)
+    assert "pack_full" not in calls and calls["kernel_launch"]["per_step"] == row["buckets"], calls
