@@ -25,9 +25,13 @@ def test_default_bucket_numel(numel, expect):
     assert zk.offload.default_bucket_numel(numel) == expect == by_hand(numel, 1 << 24, 1 << 26)
 
 
-def test_default_bucket_numel_refuses_a_negative_count():
+def test_default_bucket_numel_refuses_what_is_not_a_count():
     with pytest.raises(ValueError, match="numel"):
         zk.offload.default_bucket_numel(-1)
+    for bad in (True, 1.5, "1e9", None):
+        with pytest.raises(TypeError, match="numel"):
+            zk.offload.default_bucket_numel(bad)
+    assert zk.offload.default_bucket_numel(torch.tensor(2**31)) == 1 << 26  # (an integer tensor is a count)
 
 
 def _buckets(opt):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 
 import torch
 
@@ -24,8 +25,11 @@ BUCKETS_PER_MODEL = 32
 
 def default_bucket_numel(numel: int) -> int:
     """The gradient bucket's elements for a model (its trainable elements) when none is given."""
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"numel must be an int >= 0, got {numel!r}")
+    if isinstance(numel, bool) or not hasattr(type(numel), "__index__"):
+        raise TypeError(f"numel must be an int, got {type(numel).__name__}")
+    numel = operator.index(numel)  # (numpy's and torch's integers too)
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
     want = -(-numel // BUCKETS_PER_MODEL)
     return min(MAX_DEFAULT_BUCKET_NUMEL, max(DEFAULT_BUCKET_NUMEL, 1 << max(want - 1, 0).bit_length()))
 
