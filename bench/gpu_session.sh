@@ -6,7 +6,9 @@
 #   bash bench/gpu_session.sh OUTDIR [PLAN]
 # PLAN: comma-separated parts, run in that order (default tests,anchors: the sixth run, 2026-11-27, ran
 # scale,tests,profile,anchors in 535 s and cut the tests, the activation rows and all anchors but torch's at their
-# shares; its tests then passed in a second command. Tests need ~170 s, anchors ~300 s: two parts fill a command):
+# shares; its tests then passed in a second command. Tests need ~170 s, anchors ~300 s: two parts fill a command.
+# The eighth run, 2026-11-28 on an H200, fit a 15-minute lease as: ZO_SESSION_S=570 ... tests,anchors (503 s), then at
+# once on the warm machine ZO_SESSION_S=270 ... profile (78 s); the host part (~90 s) fits beside the profile there):
 #   scale       gpu_check.sh scale: ZO_SCALE_SETTINGS (default here s2-8bit,s2-fp32,s3-cpu: the DPU settings)
 #   tests       gpu_check.sh tests: the default run's tests without its benchmarks (tests/test_gpu.py,
 #               test_transport.py and the CUDA activation test, then tests/test_gpu_two_ranks.py: stages 1, 2, 3,
