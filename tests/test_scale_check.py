@@ -23,9 +23,11 @@ from zo_kernels.gpt import GPT, num_params  # noqa: E402
 
 ROW = {"params", "setting", "tokens_per_s", "tflops", "mfu", "peak_gib", "host_gib", "loss_first", "loss_last",
        "planner_params"}  # fmt: skip (issue 23's keys)
-# ~4M parameters (--max-params): their peak RSS spreads by ~4 MiB between identical runs, under the 8 MiB floor below
-# which a byte figure is not flagged (scale_check.MISMATCH_FLOOR_GIB)
-CPU_ARGS = ["--device", "cpu", "--max-params", "4e6", "--context", "32", "--vocab", "256", "--tokens", "128",
+# ~5.5M parameters (--max-params): their peak RSS spreads by ~4 MiB between identical runs, under the 8 MiB floor below
+# which a byte figure is not flagged (scale_check.MISMATCH_FLOOR_GIB); the planner's host bytes read 4-5% (~5.6 MiB)
+# over it for s2-fp32 and s3-cpu on a quiet machine. At ~3.7M (--max-params 4e6, until 2026-11-28) the same ~5.6 MiB
+# was 6.6%, and a loaded CI run read s3-cpu 9.1 MiB (12%) under the planner: past both bars, a failure by noise
+CPU_ARGS = ["--device", "cpu", "--max-params", "6e6", "--context", "32", "--vocab", "256", "--tokens", "128",
             "--steps", "5", "--host-reserve-gib", "0"]  # fmt: skip
 
 
@@ -56,7 +58,7 @@ def test_every_setting_end_to_end_on_the_cpu(tmp_path):
         assert len(held) == n + 1 and all(math.isfinite(x) for x in held)
         assert r["held_out_falls"] == (held[-1] < held[0]) and r["held_out_falls"]
         assert 0 < r["held_out_tokens"] <= r["tokens_per_step"]
-        assert 1e6 < r["params"] <= 4e6 < r["planner_params"]  # --max-params chose the size, not the planner
+        assert 1e6 < r["params"] <= 6e6 < r["planner_params"]  # --max-params chose the size, not the planner
         assert r["tflops"] == pytest.approx(6 * r["params"] * r["tokens_per_step"] / r["step_s"] / 1e12)
         assert 0 < r["mfu"] == pytest.approx(r["tflops"] / r["matmul_tflops"])
         assert r["peak_gib"] is None and r["planner_peak_gib"] is None  # no device memory apart from the host's
