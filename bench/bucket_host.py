@@ -71,9 +71,6 @@ class Clock:
         setattr(obj, attr, timed)
         self._undo.append((obj, attr, had, fn))
 
-    def reset(self) -> None:
-        self.seconds, self.calls = {}, {}
-
     def per_call_us(self, steps: int) -> dict[str, dict]:
         return {n: {"us": self.seconds[n] / self.calls[n] * 1e6, "per_step": self.calls[n] / steps}
                 for n in sorted(self.seconds)}  # fmt: skip
@@ -113,7 +110,7 @@ def in_backward(opt, model, x, steps: int, isolated: bool) -> dict:
     """Each call's microseconds and calls per step over `steps` training steps (and `step_ms`, their mean wall time,
     the device synchronized before the first and after the last)."""
     device = x.device
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else opt.transport.synchronize
+    sync = rows.drain_of(opt, device)
     clock = Clock()
     instrument(opt, clock)
     drain = SimpleNamespace(run=sync)  # (inside "launch": GradPath calls before_launch first)
@@ -146,7 +143,7 @@ def replay(opt, rounds: int, before: Callable[[], None], synced: bool = True) ->
     back to back, the device synchronized once a round (the calls queue behind one another, as in a step whose
     device keeps up)."""
     g, device = opt.grads, opt.device
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else opt.transport.synchronize
+    sync = rows.drain_of(opt, device)
     outs = {(b, u): out for (_, b, u), out in g._pack_outs.items()}
     calls = [(p, [torch.zeros(n, dtype=d, device=device) for n, d in zip(p.numels, p.dtypes)], outs[key])
              for key, p in g.plans.items() if key in outs]  # fmt: skip

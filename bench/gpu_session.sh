@@ -76,6 +76,15 @@ json.dump(rows, open(sys.argv[1], "w"), indent=1)' "$out/profile.json" "$dir/pro
     "$dir/profile-1.3B.json" || rc=1
   return $rc
 }
+# the host part: bench/bucket_host.py's rows, its lines (the last 12, warnings left out) into session.txt
+host_part() {
+  local dir="$1" budget="$2" rc
+  timeout -k 5 "$((budget - 3))" "$py" bench/bucket_host.py "$out/bucket_host.json" \
+    --sizes "${ZO_HOST_SIZES:-1.3B,95M}" --modes dpu --bucket-numels default,16777216 >"$dir/host.txt" 2>&1
+  rc=$?
+  grep -v Warning "$dir/host.txt" | tail -12 >>"$text"
+  return $rc
+}
 skip_profile=$([[ ",$plan," == *,profile,* ]] && echo 1 || echo 0)  # (the anchors part's profile: done already)
 status=0
 left_weight=0
@@ -95,14 +104,8 @@ for p in "${parts[@]}"; do
   mkdir -p "$dir"
   t0=$(date +%s)
   if [ "$p" = profile ] || [ "$p" = host ]; then
-    if [ "$p" = profile ]; then
-      profile_part "$dir" "$budget"
-    else
-      timeout -k 5 "$((budget - 3))" "$py" bench/bucket_host.py "$out/bucket_host.json" \
-        --sizes "${ZO_HOST_SIZES:-1.3B,95M}" --modes dpu --bucket-numels default,16777216 >"$dir/host.txt" 2>&1
-    fi
+    "${p}_part" "$dir" "$budget"
     rc=$?
-    [ "$p" = host ] && grep -v Warning "$dir/host.txt" | tail -12 >>"$text"
     say "$p: rc $rc in $(($(date +%s) - t0))s"
     [ "$rc" = 0 ] || status=1
     continue

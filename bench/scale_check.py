@@ -83,7 +83,7 @@ from update_probe import UpdateProbe
 
 import zo_kernels as zk
 from zo_kernels.gpt import GPT, GPTConfig
-from zo_kernels.planner import plan, state_k
+from zo_kernels.planner import default_bucket_bytes, plan, state_k
 
 SETTINGS = {  # in the order they run: the headline (the largest model) first
     "s2-8bit-sync": dict(stage=2, state_dtype="8bit"),  # no DPU: one landing buffer, 8.03 B/param on the host
@@ -310,7 +310,7 @@ BLOCK_TH = {"cpu": 30, "cuda": 34}  # bytes per token x width of one block recom
 def bucket_bytes(c: GPTConfig) -> int:
     """The optimizer's two bf16 gradient buckets on a GPU: its default bucket for the model, or the largest
     parameter where that is larger (the embedding or the head, vocab x width; a bucket of its own)."""
-    return 2 * 2 * max(zk.offload.default_bucket_numel(gpt_params(c)), c.vocab * c.width, 4 * c.width * c.width)
+    return default_bucket_bytes(gpt_params(c), max(c.vocab * c.width, 4 * c.width * c.width))
 
 
 def activation_bytes(c: GPTConfig, tokens: int, cuda: bool = False) -> int:

@@ -427,6 +427,11 @@ def median_phases_ms(phases: list[dict]) -> dict:
 ISOLATED_STEPS = 3
 
 
+def drain_of(opt: zk.ZeroOffloadAdamW, device: torch.device) -> Callable[[], None]:
+    """What waits for everything queued: the device on a GPU, the optimizer's transport (its copies) on the CPU."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else opt.transport.synchronize
+
+
 def isolated_phases(opt: zk.ZeroOffloadAdamW, model: GPT, x: torch.Tensor, steps: int = ISOLATED_STEPS) -> dict:
     """The optimizer's phase times (ms, median of `steps` training steps) with the device synchronized before each
     bucket's launch in backward and before step() (GradPath.before_launch), outside the phases: its host time
@@ -439,7 +444,7 @@ def isolated_phases(opt: zk.ZeroOffloadAdamW, model: GPT, x: torch.Tensor, steps
     cores (the figure may understate that contention), and step()'s waits for its own writeback's copies still
     count."""
     device = x.device
-    drain = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else opt.transport.synchronize
+    drain = drain_of(opt, device)
     opt.grads.before_launch = drain
     phases = []
     try:
