@@ -18,7 +18,9 @@ totals; gradients of the same sizes) outside backward:
 
 Rows (per size and mode, 8-bit moments, as bench/step_rows.py's batch-32 rows): `in_backward` (the timed steps:
 a launch there can block behind a full device queue) and `in_backward_isolated` (the device synchronized before
-each bucket, that drain taken out of `launch`), each call's microseconds and calls per step; `replay`, the pack
+each bucket, that drain taken out of `launch`), each call's microseconds, the calling thread's CPU microseconds
+(`cpu_us`: far below `us`, the thread was off its core), its context switches per 100 calls (`voluntary`: it
+blocked, on the GIL or a lock; `involuntary`: preempted) and calls per step; `replay`, the pack
 call and the D2H copy call per condition; `step_ms`, the steps' mean wall time in each. `--bucket-numels
 default,16777216`: each row with the optimizer's default buckets and with 2**24 elements (the default until
 2026-11-28; now larger for models over 537M parameters), to see what the count costs. A diagnosis, no target.
@@ -39,6 +41,11 @@ from types import SimpleNamespace
 
 import torch
 
+try:
+    import resource
+except ImportError:  # (not on Windows)
+    resource = None
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import step_rows as rows  # noqa: E402
@@ -48,11 +55,29 @@ from zo_kernels.gpt import GPT  # noqa: E402
 from zo_kernels.offload.formats import Moments  # noqa: E402
 
 
+def _switches() -> tuple[int, int]:
+    """The calling thread's context switches so far: (voluntary: it blocked, on a lock such as the GIL or in a
+    wait; involuntary: the scheduler took its core). (0, 0) where the platform cannot say per thread."""
+    if _RUSAGE_THREAD is None:
+        return 0, 0
+    r = resource.getrusage(_RUSAGE_THREAD)
+    return r.ru_nvcsw, r.ru_nivcsw
+
+
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None) if resource is not None else None
+
+
 class Clock:
-    """Seconds and calls per name, of callables wrapped on their objects (instance attributes, undone by undo())."""
+    """Seconds, the calling thread's CPU seconds, its context switches and calls per name, of callables wrapped on
+    their objects (instance attributes, undone by undo()). A call whose wall time far exceeds its thread's CPU time
+    was off its core: descheduled (`involuntary` switches: more runnable threads than cores, e.g. the update's
+    OpenMP threads spinning) or blocked (`voluntary`: the GIL held by another thread, a driver lock)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self.voluntary: dict[str, int] = {}
+        self.involuntary: dict[str, int] = {}
         self.calls: dict[str, int] = {}
         self._undo: list[tuple[object, str, bool, object]] = []
 
@@ -61,18 +86,30 @@ class Clock:
         had = attr in getattr(obj, "__dict__", {})
 
         def timed(*a, **k):
+            v0, i0 = _switches()
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+                t1 = time.perf_counter()
+                c1 = time.thread_time()
+                v1, i1 = _switches()
+                self.seconds[name] = self.seconds.get(name, 0.0) + t1 - t0
+                self.cpu[name] = self.cpu.get(name, 0.0) + c1 - c0
+                self.voluntary[name] = self.voluntary.get(name, 0) + v1 - v0
+                self.involuntary[name] = self.involuntary.get(name, 0) + i1 - i0
                 self.calls[name] = self.calls.get(name, 0) + 1
 
         setattr(obj, attr, timed)
         self._undo.append((obj, attr, had, fn))
 
     def per_call_us(self, steps: int) -> dict[str, dict]:
-        return {n: {"us": self.seconds[n] / self.calls[n] * 1e6, "per_step": self.calls[n] / steps}
+        """Per name: wall and thread-CPU microseconds a call, calls a step, context switches per 100 calls."""
+        return {n: {"us": self.seconds[n] / self.calls[n] * 1e6, "cpu_us": self.cpu[n] / self.calls[n] * 1e6,
+                    "per_step": self.calls[n] / steps,
+                    "voluntary_per_100": 100 * self.voluntary[n] / self.calls[n],
+                    "involuntary_per_100": 100 * self.involuntary[n] / self.calls[n]}
                 for n in sorted(self.seconds)}  # fmt: skip
 
     def undo(self) -> None:
@@ -129,8 +166,10 @@ def in_backward(opt, model, x, steps: int, isolated: bool) -> dict:
         wall = time.perf_counter() - t0
         out = clock.per_call_us(steps)
         out["step_ms"] = wall / steps * 1e3
-        if "drain" in out:  # the launch's own time, the drain taken out
-            out["launch"]["us"] -= out["drain"]["us"] * out["drain"]["per_step"] / out["launch"]["per_step"]
+        if "drain" in out:  # the launch's own figures, the drain's taken out
+            share = out["drain"]["per_step"] / out["launch"]["per_step"]
+            for k in ("us", "cpu_us", "voluntary_per_100", "involuntary_per_100"):
+                out["launch"][k] -= out["drain"][k] * share
         return out
     finally:
         opt.grads.before_launch = None
@@ -262,8 +301,8 @@ def bucket_numels(size: str, context: int, asked: list[int | None]) -> list[int 
 
 
 def line(row: dict) -> str:
-    def us(d: dict, k: str) -> str:
-        return f"{d[k]['us']:.0f}" if k in d else "-"
+    def us(d: dict, k: str) -> str:  # wall (thread CPU) microseconds a call
+        return f"{d[k]['us']:.0f} ({d[k]['cpu_us']:.0f})" if k in d else "-"
 
     a, b, r = row["in_backward_isolated"], row["in_backward"], row["replay"]
     names = ("launch", "pack_call", "pack_check", "pack_tables", "kernel_launch", "pack_host", "d2h", "moved_grad",
@@ -276,7 +315,8 @@ def line(row: dict) -> str:
                     for c, v in r.items())  # fmt: skip
     return (f"  {row['size']} {row['mode']} ({row['buckets']} buckets of <= {row['bucket_numel']:,}, "
             f"{row['params_per_bucket']:.1f} params each; step {b['step_ms']:.1f} ms timed, "
-            f"{a['step_ms']:.1f} isolated; us per call, isolated/timed): {parts}; replayed alone, {rep}")  # fmt: skip
+            f"{a['step_ms']:.1f} isolated; us per call (thread CPU), isolated/timed): {parts}; replayed alone, "
+            f"{rep}")  # fmt: skip
 
 
 def main(argv: list[str]) -> int:

@@ -28,6 +28,9 @@ def test_bucket_host_runs_on_the_cpu(tmp_path):
         assert calls["pack_call"]["per_step"] == row["buckets"], calls
         assert calls["d2h"]["per_step"] >= row["buckets"], calls  # (GPU-shaped: one copy per owned piece)
         assert 0 < calls["pack_call"]["us"] < calls["launch"]["us"], calls
+        for name, c in calls.items():  # (a call's thread CPU time within its wall time, give or take a clock tick)
+            if name != "step_ms":
+                assert 0 <= c["cpu_us"] <= c["us"] + 50 and c["voluntary_per_100"] >= 0, (name, c)
     assert set(row["replay"]) == {"quiet", "pipelined", "beside_update", "after_flush"}
     for cond in row["replay"].values():
         assert cond["calls"] >= row["buckets"] and cond["pack_call_us"] > 0 and cond["d2h_us"] > 0, cond
@@ -53,6 +56,35 @@ def test_clock_times_calls_and_comes_off():
     clock.undo()
     assert "work" not in t.__dict__ and t.work(1) == 2 and t.own() == 5 and "own" in t.__dict__
     assert clock.calls == {"work": 2, "own": 1}  # (undo takes the wrappers off; the figures stay)
+
+
+def test_clock_tells_a_call_off_its_core_from_one_working():
+    """A call that sleeps: its wall time, not its thread's CPU time, and a voluntary context switch (it blocked) each
+    time; a call that spins: CPU time about its wall time. (What tells, on a GPU's host, a pack call's 100 us of
+    Python from 100 us of waiting for the GIL or a core.)"""
+    import time
+
+    class Thing:
+        def sleep(self):
+            time.sleep(0.02)
+
+        def spin(self):
+            t0 = time.thread_time()
+            while time.thread_time() - t0 < 0.02:
+                pass
+
+    t = Thing()
+    clock = bucket_host.Clock()
+    clock.wrap(t, "sleep", "sleep")
+    clock.wrap(t, "spin", "spin")
+    for _ in range(3):
+        t.sleep()
+        t.spin()
+    per = clock.per_call_us(steps=1)
+    assert per["sleep"]["us"] >= 19_000 and per["sleep"]["cpu_us"] < 5_000, per
+    assert per["spin"]["cpu_us"] >= 19_000 and per["spin"]["us"] + 50 >= per["spin"]["cpu_us"], per  # (clock ticks)
+    if bucket_host._RUSAGE_THREAD is not None:  # (Linux)
+        assert per["sleep"]["voluntary_per_100"] >= 100, per
 
 
 def test_bucket_numels_asked_once_by_the_size_they_resolve_to():
