@@ -19,7 +19,8 @@ totals; gradients of the same sizes) outside backward:
 Rows (per size and mode, 8-bit moments, as bench/step_rows.py's batch-32 rows): `in_backward` (the timed steps:
 a launch there can block behind a full device queue) and `in_backward_isolated` (the device synchronized before
 each bucket, that drain taken out of `launch`), each call's microseconds, the calling thread's CPU microseconds
-(`cpu_us`: far below `us`, the thread was off its core), its context switches per 100 calls (`voluntary`: it
+(`cpu_us`: far below `us`, the thread was off its core), the longest call (`max_us`: one outlier, say a page
+fault or a collection, or every call), its context switches per 100 calls (`voluntary`: it
 blocked, on the GIL or a lock; `involuntary`: preempted) and calls per step; `replay`, the pack
 call and the D2H copy call per condition; `step_ms`, the steps' mean wall time in each. `--bucket-numels
 default,16777216`: each row with the optimizer's default buckets and with 2**24 elements (the default until
@@ -78,6 +79,7 @@ class Clock:
         self.cpu: dict[str, float] = {}
         self.voluntary: dict[str, int] = {}
         self.involuntary: dict[str, int] = {}
+        self.longest: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self._undo: list[tuple[object, str, bool, object]] = []
 
@@ -96,6 +98,7 @@ class Clock:
                 c1 = time.thread_time()
                 v1, i1 = _switches()
                 self.seconds[name] = self.seconds.get(name, 0.0) + t1 - t0
+                self.longest[name] = max(self.longest.get(name, 0.0), t1 - t0)
                 self.cpu[name] = self.cpu.get(name, 0.0) + c1 - c0
                 self.voluntary[name] = self.voluntary.get(name, 0) + v1 - v0
                 self.involuntary[name] = self.involuntary.get(name, 0) + i1 - i0
@@ -105,8 +108,10 @@ class Clock:
         self._undo.append((obj, attr, had, fn))
 
     def per_call_us(self, steps: int) -> dict[str, dict]:
-        """Per name: wall and thread-CPU microseconds a call, calls a step, context switches per 100 calls."""
+        """Per name: wall and thread-CPU microseconds a call, the longest call's (one outlier, or every call?),
+        calls a step, context switches per 100 calls."""
         return {n: {"us": self.seconds[n] / self.calls[n] * 1e6, "cpu_us": self.cpu[n] / self.calls[n] * 1e6,
+                    "max_us": self.longest[n] * 1e6,
                     "per_step": self.calls[n] / steps,
                     "voluntary_per_100": 100 * self.voluntary[n] / self.calls[n],
                     "involuntary_per_100": 100 * self.involuntary[n] / self.calls[n]}
@@ -166,7 +171,7 @@ def in_backward(opt, model, x, steps: int, isolated: bool) -> dict:
         wall = time.perf_counter() - t0
         out = clock.per_call_us(steps)
         out["step_ms"] = wall / steps * 1e3
-        if "drain" in out:  # the launch's own figures, the drain's taken out
+        if "drain" in out:  # the launch's own figures, the drain's taken out (not from max_us: it holds its drain)
             share = out["drain"]["per_step"] / out["launch"]["per_step"]
             for k in ("us", "cpu_us", "voluntary_per_100", "involuntary_per_100"):
                 out["launch"][k] -= out["drain"][k] * share
