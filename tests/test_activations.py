@@ -981,6 +981,64 @@ def test_zero_offload_adamw_every_stage(stage, engine):
     same(got[1], want[1])
 
 
+class OwnWeight(torch.nn.Module):
+    """A layer checkpointing a function of its own weight, passed positionally to the checkpointed function."""
+
+    def __init__(self, ck) -> None:
+        super().__init__()
+        self.weight, self.ck = torch.nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.2), ck
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ck(lambda a, w: F.gelu(a @ w.t()), h, self.weight)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_parameter_passed_to_the_function_is_kept_by_reference(stage, engine):
+    """A parameter given to the checkpointed function is kept by reference, as torch keeps it: at stage 3 its
+    storage is freed once its unit's forward is over, and the copy of it that zo queued when the next segment was
+    stored read freed memory (a segmentation fault on the GPU-shaped transport's copy thread). Training is bit for
+    bit torch's checkpoint's, and no host block holds a parameter."""
+    buf = ActivationBuffers("cpu", engine)
+
+    def train(ck):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(OwnWeight(ck) for _ in range(3)))
+        opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=stage)
+        for step in range(2):
+            x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step), requires_grad=True)
+            opt.backward(model(x).square().mean())
+            opt.step()
+        with opt.gathered() if stage == 3 else contextlib.nullcontext():
+            params = [q.detach().clone() for q in model.parameters()]
+        opt.close()
+        return params
+
+    want = train(torch_ck)
+    same(train(functools.partial(zk.checkpoint, buffers=buf)), want)
+    assert buf.transport.pool.reserved == 2 * 4 * WIDTH * 4  # two activations' blocks (one per step in flight)
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_an_argument_not_dense_in_memory_is_kept_by_reference(engine, offload):
+    """A slice of a wider tensor (non-contiguous, not a permutation): copied into a block it was contiguous in the
+    recomputation, F.linear took another path and torch's check of the recomputed tensors refused it. Kept by
+    reference, as torch keeps it: the gradients bit for bit torch's."""
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(3))
+
+    def grads(ck):
+        lin.zero_grad()
+        h = x.clone().requires_grad_()
+        g = h
+        for _ in range(3):
+            g = torch.cat([ck(lin, g[..., :8]), g[..., 8:]], -1)
+        g.square().sum().backward()
+        return [lin.weight.grad.clone(), lin.bias.grad.clone(), h.grad.clone()]
+
+    want = grads(torch_ck)
+    same(grads(functools.partial(zk.checkpoint, offload=offload, buffers=ActivationBuffers("cpu", engine))), want)
+
+
 def test_device_blocks_are_reused_smallest_fit_first():
     """take_device hands back the smallest free block that fits (an exact size first), allocating only when none
     does; a block given back is taken again, not a new one."""

@@ -443,11 +443,12 @@ _MODIFIED_HELP = ("zo_kernels.checkpoint: the function modified one of its tenso
 def _groups(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device,
             taken: WeakIdKeyDictionary) -> list[list[int | str]]:  # fmt: skip
     """The arguments a segment keeps a checkpoint of, grouped by tensor (one group per distinct tensor, the places
-    it was passed in order): every floating-point positional tensor on `device`, and the keyword ones that need a
-    gradient (an activation passed by name, as HF's layers pass `hidden_states`; a mask or position table passed
-    to every layer is kept by reference, as torch keeps it, not copied once per layer). A tensor an earlier segment
-    of the same buffers checkpointed (`taken`) is kept by reference too: one given to many segments lives on
-    anyway, and a copy per segment would cost a host block and a device slot each."""
+    it was passed in order): every floating-point positional tensor on `device` (but parameters and tensors not
+    dense in memory: `_offloadable`), and the keyword ones that need a gradient (an activation passed by name, as
+    HF's layers pass `hidden_states`; a mask or position table passed to every layer is kept by reference, as
+    torch keeps it, not copied once per layer). A tensor an earlier segment of the same buffers checkpointed
+    (`taken`) is kept by reference too: one given to many segments lives on anyway, and a copy per segment would
+    cost a host block and a device slot each."""
     keys: list[int | str] = [i for i, a in enumerate(args) if _offloadable(a, device) and a not in taken]
     kept = {id(args[i]) for i in keys}  # (a tensor kept positionally is one tensor in its keyword places too)
     keys += [k for k, v in kwargs.items()
@@ -470,15 +471,13 @@ def _put(args: list[Any], kwargs: dict[str, Any], key: int | str, value: Any) ->
 
 
 def _memory_order(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
-    """x as a contiguous tensor of its elements in memory order, and the permutation that gives x's strides back: a
-    dense tensor of permuted strides (channels_last) is kept as it lies, so the recomputation reads it with the
-    strides the forward read (a kernel may take another path, and round otherwise); anything else contiguous."""
+    """A dense x (_dense) as a contiguous tensor of its elements in memory order, and the permutation that gives x's
+    strides back: a tensor of permuted strides (channels_last) is kept as it lies, so the recomputation reads it
+    with the strides the forward read (a kernel may take another path, and round otherwise)."""
     if x.is_contiguous():
         return x, None
-    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+    order = _by_stride(x)
     xp = x.permute(order)
-    if not xp.is_contiguous():
-        return x.contiguous(), None
     back = [0] * x.dim()
     for i, d in enumerate(order):
         back[d] = i
@@ -536,7 +535,22 @@ def _no_dispatch_modes() -> bool:
 
 
 def _offloadable(a: Any, device: torch.device) -> bool:
-    return isinstance(a, torch.Tensor) and a.dtype in _OFFLOADED and a.device == device and a.numel() > 0
+    """A tensor argument kept as a checkpoint in the buffers; any other is kept by reference, as torch keeps it: a
+    parameter (it lives on anyway, and at stage 3 its storage is freed once its unit's forward is over: a copy queued
+    later read freed memory) and a tensor whose elements do not fill their memory densely (a slice, a chunk: a block
+    holding only its elements gives the recomputation other strides, a kernel another path, and torch's check of
+    the recomputed tensors refuses them)."""
+    return (isinstance(a, torch.Tensor) and a.dtype in _OFFLOADED and a.device == device and a.numel() > 0
+            and not isinstance(a, torch.nn.Parameter) and _dense(a))  # fmt: skip
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """x's elements fill their memory in some order of its dimensions: contiguous, or permuted (channels_last)."""
+    return x.is_contiguous() or x.permute(_by_stride(x)).is_contiguous()
+
+
+def _by_stride(x: torch.Tensor) -> list[int]:
+    return sorted(range(x.dim()), key=lambda d: -x.stride(d))
 
 
 _DEFAULT: dict[torch.device, ActivationBuffers] = {}
