@@ -595,6 +595,45 @@ def test_a_submodules_load_state_dict_reaches_the_next_forward_as_at_stage_2():
     assert losses[2] == losses[3]
 
 
+@pytest.mark.parametrize("writes", [True, False])
+def test_a_write_block_under_the_delayed_update_is_synchronize_then_the_block_at_every_stage(writes):
+    """Under DPU, `with opt.gathered(write=True):` lands the pending update first at stage 3 (so the block's write
+    is not overwritten by it): at stage 2 it did not, and refresh_masters_from_model() after the write dropped that
+    update, so the stages trained apart (a helper's bug hunt). Now at stages 2 and 3 the block is
+    `opt.synchronize()` then the block: losses and weights bit for bit those of stage 2 calling synchronize() before
+    writing, with a write (halving a weight, then refresh_masters_from_model()) and with an empty block."""
+
+    def train(stage, how):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 1))
+        opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=stage, delay_update_after=1)
+        x, got = torch.randn(16, 8), []
+        for i in range(5):
+            opt.backward(model(x).square().mean())
+            opt.step()
+            if i == 2:
+                if how == "synchronize":
+                    opt.synchronize()
+                with opt.gathered(write=how == "write block"), torch.no_grad():
+                    if writes:
+                        model[0].weight.mul_(0.5)
+                if writes:
+                    opt.refresh_masters_from_model()
+            with torch.no_grad(), opt.gathered():
+                got.append(model(x).square().mean().item())
+        with opt.gathered():
+            params = [q.detach().clone() for q in model.parameters()]
+        opt.close()
+        return got, params
+
+    want = train(2, "synchronize")
+    for stage in (2, 3):
+        got = train(stage, "write block")
+        assert got[0] == want[0], (stage, got[0], want[0])
+        for a, b in zip(got[1], want[1], strict=True):
+            assert torch.equal(a, b), stage
+
+
 def test_a_load_through_a_wrapper_and_after_a_failed_load():
     """The optimizer's model loaded as a child of a wrapper (torch.compile's `_orig_mod.`, a Lightning module): the
     units are kept for it as for the model's own load (keeping them only at the load's top level refused it: "size

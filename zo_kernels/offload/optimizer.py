@@ -570,12 +570,18 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """ZeRO-3: every parameter gathered (whole, on the device) inside the block, e.g. to save or evaluate the
         model outside forward; freed after. With write=True what the block writes into the parameters (e.g.
         model.load_state_dict; every rank the same values) is kept; call refresh_masters_from_model() after
-        to make it the fp32 masters too. A no-op at stages 1 and 2 (the parameters are always whole)."""
+        to make it the fp32 masters too. At stages 1 and 2 the parameters are always whole: the block only waits
+        for the last writeback. Under the delayed update, write=True first lands the pending update, at every
+        stage, as synchronize() does (the block's write is not overwritten by it, nor is it dropped): so a write
+        block is `opt.synchronize()` then the block, and the trajectory goes on one step less stale, even if the
+        block writes nothing."""
         if write:  # (load_checkpoint's way to the model's weights: after an interrupted step too)
             self._check_loadable()
         else:
             self._check_alive()
         if self.shards is None:
+            if write:  # as at stage 3 (stage 2 kept the pending update for the next step: a refresh dropped it)
+                self.update.finish_pending(write=True)
             self.update.wait_written()
             yield
             return
