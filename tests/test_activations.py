@@ -406,6 +406,36 @@ def test_a_missing_device_wait_is_caught():
         same(got, want)
 
 
+def test_a_prefetch_is_ordered_after_the_checkpoints_d2h_copy_not_waited_for():
+    """Two copy engines, as a GPU's two copy streams, the D2H copies slow: the prefetch's H2D copy reads the host
+    block only once the D2H copy into it is done (transport.h2d_after), and the host does not wait for that D2H
+    copy (no host wait inside a prefetch). Without the ordering the H2D copy reads the block before it is written:
+    the gradients differ."""
+    model, x = blocks(4), x_input()
+    want = run(model, torch_ck, x)
+
+    def offloaded(ordered: bool) -> tuple[list[torch.Tensor], list]:
+        tr = CopyEngineTransport(delay_s=lambda dst, src: 0.05 if tr.pool.holds(dst) else 0.0)  # (D2H: dst pinned)
+        assert tr.engines == 2
+        if not ordered:
+            tr.h2d_after = lambda events: None  # a deliberately broken producer
+        d2h, waited = [], []
+        tr.d2h = lambda dst, src, copy=tr.d2h: (d2h.append(copy(dst, src)), d2h[-1])[1]
+        tr.wait = lambda event, wait=tr.wait: (waited.append(event), wait(event))[1]
+        try:
+            got = run(model, functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", tr)), x)
+            return got, [ev for ev in waited if any(ev is e for e in d2h)]
+        finally:
+            tr.close()
+
+    got, host_waited_for_d2h = offloaded(True)
+    same(got, want)
+    assert not host_waited_for_d2h  # (3 checkpoints went to the host: it waited for each in its prefetch before)
+    broken, _ = offloaded(False)
+    with pytest.raises(AssertionError, match="differs"):
+        same(broken, want)
+
+
 def test_a_dropped_prefetch_does_not_land_in_a_reused_block():
     """A graph dropped between a segment's prefetch and its restore (torch.autograd.grad into the segment after it;
     an error in backward) gives the segment's device block back while its H2D copy may still run. The next user of

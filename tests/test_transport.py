@@ -576,6 +576,9 @@ def test_cuda_copies_queue_after_the_calling_threads_compute_stream(monkeypatch)
     t.device_wait(tr_mod.Event(7, None))
     assert log == [("wait", me, 7)], log
     log.clear()
+    t.h2d_after([tr_mod.Event(7, None), tr_mod.Event(None, None), None, tr_mod.Event(8, None)])  # (no host wait)
+    assert log == [("wait", 11, 7), ("wait", 11, 8)], log
+    log.clear()
 
     def copies():
         for _ in range(20):
@@ -588,3 +591,64 @@ def test_cuda_copies_queue_after_the_calling_threads_compute_stream(monkeypatch)
         th.join()
     pairs = [(a, b) for a, b in zip(log, log[1:]) if a[0] == "record" and a[1] == order]
     assert len(pairs) == 40 and all(b == ("wait", 22, order) for _, b in pairs), pairs
+
+
+def test_copy_engines_d2h_and_h2d_unordered_unless_h2d_after_orders_them():
+    """CopyEngineTransport's two engines, as a GPU's two copy streams: an H2D copy from a host block queued after a
+    slow D2H copy into it reads the block before the D2H copy wrote it (what a missing ordering does on a GPU); after
+    h2d_after(its event) it reads what the D2H copy wrote, and the host did not wait for it. One engine: in order
+    anyway. A bad engine count is refused."""
+    from zo_kernels.transport import CopyEngineTransport
+
+    def copy_back(engines: int, ordered: bool) -> tuple[torch.Tensor, float]:
+        tr = CopyEngineTransport(delay_s=lambda dst, src: 0.2 if tr.pool.holds(dst) else 0.0, engines=engines)
+        try:
+            src, out = torch.arange(1.0, 9.0), torch.zeros(8)
+            host = tr.pool.take(8, torch.float32)
+            host.zero_()
+            ev = tr.d2h(host, src)  # lands after 0.2 s
+            t0 = time.perf_counter()
+            if ordered:
+                tr.h2d_after([ev])
+            queued = time.perf_counter() - t0
+            tr.wait(tr.h2d(out, host))
+            tr.synchronize()
+            return out, queued
+        finally:
+            tr.close()
+
+    out, _ = copy_back(2, ordered=False)
+    assert torch.equal(out, torch.zeros(8)), out  # read before it was written
+    out, queued = copy_back(2, ordered=True)
+    assert torch.equal(out, torch.arange(1.0, 9.0)) and queued < 0.15, (out, queued)
+    out, _ = copy_back(1, ordered=False)
+    assert torch.equal(out, torch.arange(1.0, 9.0)), out
+    for bad in (0, 3, True, "2"):
+        with pytest.raises(ValueError, match="engines must be 1 or 2"):
+            CopyEngineTransport(engines=bad)
+
+
+def test_copy_engines_close_stops_both_and_a_base_transport_orders_by_waiting():
+    """close() ends both engines' threads after their queued copies; Transport's default h2d_after blocks the host
+    until the events are done (a transport that cannot order its copy streams)."""
+    from zo_kernels.transport import CopyEngineTransport, Transport
+
+    tr = CopyEngineTransport(delay_s=0.05)
+    host = tr.pool.take(4, torch.float32)
+    ev = tr.d2h(host, torch.ones(4))
+    tr.close()
+    assert ev.done() and torch.equal(host, torch.ones(4))
+    assert tr._thread is None and tr._d2h_thread is None
+    with pytest.raises(RuntimeError, match="closed"):
+        tr.h2d_after([ev])
+
+    waited = []
+
+    class Waits(Transport):
+        def wait(self, event):
+            waited.append(event)
+
+    events = [object(), object()]
+    Waits().h2d_after(events)
+    assert waited == events
+

@@ -342,8 +342,8 @@ class _Segment:
         if self.state != "stored" or not self.offload:
             return
         tr = self.buffers.transport
-        tr.wait_all(self.d2h)  # written by the D2H stream, read by the H2D stream: done long ago by now
-        self.d2h = []
+        tr.h2d_after(self.d2h)  # written by the D2H copies, read by the H2D ones: ordered on the device while the
+        self.d2h = []  # host goes on (it waited for them here: at backward's start the newest may still be queued)
         for h, (shape, dtype, _) in zip(self.host, self.meta, strict=True):
             block = self.buffers.take_device(h.numel() * h.element_size())
             self.device.append(block)

@@ -290,6 +290,12 @@ class Transport:
         if self.closed:
             raise RuntimeError("this transport was closed: make a new one")
 
+    def h2d_after(self, events: Iterable[Event]) -> None:
+        """The H2D copies queued from now on start only once these copies are done (D2H copies of this transport
+        into the host memory they read), without blocking the host where the transport can order its copy streams
+        (CUDA: the H2D stream waits for the events). This default blocks the host until they are done."""
+        self.wait_all(events)
+
     def wait(self, event: Event | None) -> None:
         """Block the host until the copy is done."""
         raise NotImplementedError
@@ -351,7 +357,9 @@ class HostTransport(Transport):
                 return
             dst, src, ev = item
             try:
-                if dst is not None:  # None: a marker (record_h2d, synchronize)
+                if isinstance(dst, _After):  # h2d_after: the copies behind it wait for another engine's
+                    dst.wait()
+                elif dst is not None:  # None: a marker (record_h2d, synchronize)
                     delay = self.copy_delay_s(dst, src) if callable(self.copy_delay_s) else self.copy_delay_s
                     if delay:
                         time.sleep(delay)
@@ -397,6 +405,9 @@ class HostTransport(Transport):
     def record_h2d(self) -> Event:
         self._check_open()
         return Event() if self._queue is None else self._enqueue(None, None)
+
+    def h2d_after(self, events: Iterable[Event]) -> None:
+        self._check_open()  # (inline or one queue, in order: every D2H queued before is done before a later H2D)
 
     def wait(self, event: Event | None) -> None:
         if event is not None and isinstance(event.handle, threading.Event):
@@ -456,15 +467,32 @@ class CopyEngineTransport(HostTransport):
     still reading its source changes what is copied. `device_wait` blocks the host (on the CPU the host
     thread is the compute stream); `wait` blocks the host; `synchronize` waits for every queued copy.
 
+    With `engines=2` (the default) D2H copies run on a second thread, as a GPU's two copy streams: a D2H and an
+    H2D copy are not ordered with each other unless a wait or `h2d_after` orders them (one engine: every copy in
+    one queue, in order).
+
     Args:
         pool_bytes: bound of the host buffer pool.
         delay_s: seconds before each copy runs, or a callable (dst, src) -> seconds.
+        engines: 2 (an H2D and a D2H copy engine) or 1 (one for both).
     """
 
     def __init__(self, pool_bytes: int = 1 << 40, *,
-                 delay_s: float | Callable[[torch.Tensor, torch.Tensor], float] = 0.0) -> None:  # fmt: skip
+                 delay_s: float | Callable[[torch.Tensor, torch.Tensor], float] = 0.0,
+                 engines: int = 2) -> None:  # fmt: skip
+        if engines not in (1, 2) or isinstance(engines, bool):
+            raise ValueError(f"engines must be 1 or 2, got {engines!r}")
         super().__init__(pool_bytes, copy_thread=True, copy_delay_s=delay_s)
         self.needs_staging = True
+        self.engines = engines
+        self._d2h_queue: queue.Queue | None = None
+        self._d2h_thread: threading.Thread | None = None
+        self._d2h_last: Event = Event()
+        if engines == 2:
+            self._d2h_queue = queue.Queue()
+            self._d2h_thread = threading.Thread(target=self._worker, args=(self._d2h_queue,), name="zo-copy-d2h",
+                                                daemon=True)  # fmt: skip
+            self._d2h_thread.start()
 
     def _check_sides(self, device_side: torch.Tensor, host_side: torch.Tensor, host_name: str) -> None:
         _check_tensor_any(host_side, host_name)
@@ -485,7 +513,55 @@ class CopyEngineTransport(HostTransport):
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         self._check_sides(src, dst, "dst")
-        return self._submit(dst, src)
+        if self._d2h_queue is None:
+            return self._submit(dst, src)
+        self._check_copy(dst, src)
+        ev = Event(threading.Event())
+        self._d2h_queue.put((dst, src, ev.handle))
+        self._d2h_last = ev
+        for t in (dst, src):
+            self.pool.fence(t, "d2h", ev)  # (the other engine's copies fence as "copy")
+        return ev
+
+    def h2d_after(self, events: Iterable[Event]) -> None:
+        self._check_open()
+        if self._d2h_queue is None:  # one engine: in order already
+            return
+        waits = [ev for ev in events if ev is not None and isinstance(ev.handle, threading.Event)]
+        if waits:
+            self._enqueue(_After(waits), None)
+
+    def synchronize(self) -> None:
+        """Wait for every copy queued so far, on both engines."""
+        self.wait(self._last)
+        self.wait(self._d2h_last)
+
+    def record(self) -> list[Event]:
+        return [self._last, self._d2h_last]  # (each engine runs its queue in order: its last covers the rest)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self._d2h_queue is not None:  # (its queued copies run first: an H2D engine's job may wait for them)
+            self._d2h_queue.put(None)
+            self._d2h_queue = None
+        if self._d2h_thread is not None:
+            self._d2h_thread.join(timeout=timeout_s)
+            if not self._d2h_thread.is_alive():
+                self._d2h_thread = None
+        super().close(timeout_s)
+        if self._d2h_thread is not None:  # still copying: the exit handler closes it again
+            _COPY_THREADS.add(self)
+
+
+class _After:
+    """A job of a stand-in copy engine: the copies queued behind it wait for these events (another engine's)."""
+
+    def __init__(self, events: list[Event]) -> None:
+        self.events = events
+
+    def wait(self) -> None:
+        for ev in self.events:
+            if not ev.handle.wait(timeout=60.0):
+                raise TimeoutError("a D2H copy an H2D copy was ordered after did not finish within 60 s")
 
 
 def _host_alloc(nbytes: int) -> tuple[int, torch.Tensor]:
@@ -653,6 +729,13 @@ class CudaTransport(Transport):
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         return self._copy(dst, src, False)
+
+    def h2d_after(self, events: Iterable[Event]) -> None:
+        self._check_open()
+        stream = self.h2d_stream.cuda_stream
+        for ev in events:
+            if ev is not None and ev.handle is not None:
+                self._cu.stream_wait_event(stream, ev.handle, self._index)
 
     def wait(self, event: Event | None) -> None:
         if event is not None and event.handle is not None:
