@@ -223,12 +223,26 @@ def test_model_zero_grad_discards_like_opt_zero_grad():
 
 
 def test_clearing_some_grads_is_refused():
+    """The refusal changes nothing (it left the pass open: the next step() failed inside the accumulation and the
+    optimizer refused everything after, a new user's find): step() then applies the first backward's gradients,
+    the cleared parameter skipped, as torch's AdamW does with p.grad = None (the oracle, torch_run's loop)."""
     model = net()
-    zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.float32, **HP)
-    model(torch.randn(4, 8)).backward()
+    ref_model = copy.deepcopy(model)
+    opt = zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.float32, **HP)
+    x = torch.randn(4, 8)
+    model(x).backward()
     model.a.weight.grad = None
     with pytest.raises(RuntimeError, match="cleared"):
         model(torch.randn(4, 8)).backward()
+    opt.step()
+    topt = torch.optim.AdamW(ref_model.parameters(), foreach=False, **HP)
+    ref_model(x).backward()
+    ref_model.a.weight.grad = None
+    topt.step()
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+    model(x).backward()  # and training goes on
+    opt.step()
 
 
 def test_reentrant_checkpoint_is_one_backward():

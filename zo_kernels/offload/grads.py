@@ -330,21 +330,22 @@ class GradPath:
 
     def _begin_micro(self) -> None:
         self.check_connected()
+        # refused before anything changes: the gradients so far stay, for step() or zero_grad()
+        left = sum(isinstance(q.grad, MovedGrad) for q in self._moved.values()) if self.n_micro else 0
+        if self.n_micro and left and left != len(self._moved):
+            raise RuntimeError(f"p.grad of {len(self._moved) - left} of {len(self._moved)} parameters was cleared "
+                               "between two backward passes: ZeroOffloadAdamW can discard all gradients "
+                               "(opt.zero_grad() or model.zero_grad()), not some")  # fmt: skip
         self.landing_free(self.slot, host=self.direct_landing)  # (one CPU rank packs into it from the host)
         self.in_backward = True
         self._seen = set()
         if self.n_micro == 0:
             return
         self.await_copies()  # (accumulation reads the landing buffer on the host)
-        left = sum(isinstance(q.grad, MovedGrad) for q in self._moved.values())
         if self._moved and left == 0:  # model.zero_grad() since the last backward: discard, as torch would
             self.reset()
             self.in_backward = True
             return
-        if left != len(self._moved):
-            raise RuntimeError(f"p.grad of {len(self._moved) - left} of {len(self._moved)} parameters was cleared "
-                               "between two backward passes: ZeroOffloadAdamW can discard all gradients "
-                               "(opt.zero_grad() or model.zero_grad()), not some")  # fmt: skip
         # accumulation: the previous micro-batches' reduced gradient sits in the landing buffer
         s = self.slot
         if self.accum[s] is None:  # a copy also when dtype is fp32 (.float() would alias the landing buffer)
