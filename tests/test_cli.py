@@ -125,6 +125,16 @@ def test_demo_at_stage_3_with_the_shards_in_host_memory(capsys):
                            "--dtype", "bf16", "--quiet", "--stage", "3", "--offload-param", "cpu")  # fmt: skip
     assert code == 0 and "ZeRO stage 3 (parameter shards in host memory)" in out and "the curves agree" in out
     assert "device   0.00 B" in out and "host  16.00 B" in out  # the 2 B shard moved from the device to the host
+    assert "host 16 (16-bit params, no p16 staging" in out, out
+
+
+def test_demo_at_stage_3_under_the_delayed_update_counts_its_p16_staging(capsys):
+    """A new user's find: the planner's line said "no p16 staging" where its 20 B hold 2 of it (measured beside)."""
+    code, out, _ = run_cli(capsys, "demo", "--steps", "8", "--model-size", "1e5", "--batch", "2", "--context", "16",
+                           "--dtype", "bf16", "--quiet", "--stage", "3", "--offload-param", "cpu",
+                           "--delay-update-after", "3")  # fmt: skip
+    assert code == 0 and "host  20.00 B" in out and "2.00 (p16 staging)" in out, out
+    assert "host 20 (16-bit params, p16 staging)" in out and "no p16 staging" not in out, out
 
 
 def test_demo_dtype_follows_native_bf16():

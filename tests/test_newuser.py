@@ -261,3 +261,95 @@ def test_ctrl_c_during_nvme_steps_exits_and_leaves_no_file(tmp_path):
     assert proc.returncode == -signal.SIGINT and all(n.startswith("cpu_adam_step: updated = (0, ") for n in notes), (
         err[-2000:])  # fmt: skip
     assert list(tmp_path.iterdir()) == []
+
+
+def _gpt():
+    import torch
+
+    from zo_kernels.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab=96, context=32, layers=2, width=64, heads=2))
+
+
+def test_params_leaving_out_trainable_parameters_of_module_are_refused_naming_them():
+    """Before: params=list(m.blocks.parameters()), module=m was built (the model cast to bf16), then step() said
+    "tok.weight was frozen (requires_grad=False) when ZeroOffloadAdamW was built" of a parameter never frozen; a
+    parameter outside the module was taken too. Now refused at construction, naming them, the model untouched."""
+    import torch
+
+    import zo_kernels
+
+    m = _gpt()
+    before = {n: (p.dtype, p.detach().clone()) for n, p in m.named_parameters()}
+    with pytest.raises(ValueError, match=r"leaves out trainable parameters of module: tok\.weight, pos\.weight"):
+        zo_kernels.ZeroOffloadAdamW(params=list(m.blocks.parameters()), module=m)
+    with pytest.raises(ValueError, match=r"param group 0 param 0 \(shape \(4, 4\)\) is not a parameter of module"):
+        zo_kernels.ZeroOffloadAdamW(params=[torch.nn.Parameter(torch.zeros(4, 4)), *m.parameters()], module=m)
+    for n, p in m.named_parameters():
+        assert p.dtype == before[n][0] and torch.equal(p, before[n][1]), n
+    m.tok.weight.requires_grad_(False)  # frozen ones may be left out, and groups may split the rest
+    rest = [p for n, p in m.named_parameters() if n != "tok.weight"]
+    opt = zo_kernels.ZeroOffloadAdamW(params=[{"params": rest[:3]}, {"params": rest[3:], "lr": 1e-4}], module=m)
+    x = torch.randint(0, 96, (2, 9))
+    opt.backward(m(x[:, :-1], x[:, 1:]))
+    opt.step()
+    opt.close()
+
+
+@pytest.mark.parametrize("bad", [None, 5, "model", {"params": []}])
+def test_params_of_the_wrong_type_name_the_argument(bad):
+    """Before: ZeroOffloadAdamW(None) said "'NoneType' object is not iterable"."""
+    import zo_kernels
+
+    with pytest.raises(TypeError, match=r"params must be the model \(a torch\.nn\.Module\), an iterable"):
+        zo_kernels.ZeroOffloadAdamW(bad)
+
+
+def test_assigning_to_opt_state_raises():
+    """Before: `opt.state = {}` (the usual reset) was silently ignored; the README says an assignment raises.
+    Handing back the optimizer's own view (accelerate's wrapper forwards its setter) is allowed."""
+    import collections
+
+    import torch
+
+    import zo_kernels
+
+    opt = zo_kernels.ZeroOffloadAdamW(torch.nn.Linear(4, 4), dtype=torch.float32)
+    for value in ({}, collections.defaultdict(dict), {0: {}}):
+        with pytest.raises(AttributeError, match="read-only"):
+            opt.state = value
+    opt.state = opt.state
+    assert len(opt.state) == 2
+    opt.close()
+
+
+def test_backward_takes_retain_graph_as_loss_backward_does():
+    """Before: opt.backward(loss, retain_graph=True) was a TypeError. Two backward passes of one graph sum, as
+    loss.backward(retain_graph=True) twice does (the oracle: torch's AdamW with the doubled gradient)."""
+    import copy
+
+    import torch
+
+    import zo_kernels
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    ref = copy.deepcopy(model)
+    opt = zo_kernels.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32)
+    topt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = torch.randn(5, 4)
+    loss = model(x).square().mean()
+    opt.backward(loss, retain_graph=True)
+    opt.backward(loss)
+    opt.step()
+    ref_loss = ref(x).square().mean()
+    ref_loss.backward(retain_graph=True)
+    ref_loss.backward()
+    topt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    with pytest.raises(TypeError, match="retain_graph must be a bool"):
+        opt.backward(model(x).sum(), retain_graph="yes")
+    opt.close()
+

@@ -264,6 +264,8 @@ def report(out: TextIO, zo: Run, ref: Run, phi: int, args: Any) -> None:
     off, ddp = p.row(row), plan(phi, 1, "80GiB", "768GiB", bucket_bytes=0).row("DDP")
     # the planner's ZeRO-3 + offload keeps the p16 shard on the host; without --offload-param it is on the device
     shard = " (the shard: here, not on the host)" if (stage, offload) == (3, "none") else ""
+    # at stage 3 under DPU the host keeps the update's 16-bit output apart from the shard the gathers read
+    staging = "p16 staging" if stage == 3 and args.delay_update_after is not None else "no p16 staging"
     per = lambda where: " + ".join(f"{t.formula_bytes / phi:.2f} ({t.what})" for t in zo.memory.terms  # noqa: E731
                                    if t.where == where) or "0"  # fmt: skip
     e = torch.empty((), dtype=args.dtype).element_size()
@@ -271,7 +273,7 @@ def report(out: TextIO, zo: Run, ref: Run, phi: int, args: Any) -> None:
               f"  zo     device {zo.device_bytes / phi:6.2f} B = {per('device')}\n"
               f"           host {zo.host_bytes / phi:6.2f} B = {per('host')}\n"
               f"         planner, {row} on a GPU: device {off.gpu_states / phi:.4g}{shard} + buckets, host "
-              f"{off.host / phi:.4g} (16-bit params, no p16 staging{'; this run: fp32, 4 B' if e == 4 else ''})\n"
+              f"{off.host / phi:.4g} (16-bit params, {staging}{'; this run: fp32, 4 B' if e == 4 else ''})\n"
               f"  torch  device {ref.device_bytes / phi:6.2f} B (planner DDP {ddp.gpu_states / phi:.0f}: "
               f"fp32 training here is 4+4+8 = 16 too)\n")  # fmt: skip
     gap = max(abs(a - b) for a, b in zip(zo.losses, ref.losses))

@@ -31,6 +31,9 @@ def check_params(params: Any) -> list[dict[str, Any]]:
     pairs (`model.named_parameters()`) give the group torch's `param_names`; torch's AdamW options checked."""
     if isinstance(params, torch.Tensor):
         raise TypeError("params must be an iterable of tensors or dicts, got a single tensor")
+    if isinstance(params, (str, bytes, dict)) or not hasattr(params, "__iter__"):
+        raise TypeError(f"params must be the model (a torch.nn.Module), an iterable of its parameters or of param "
+                        f"group dicts, got {type(params).__name__}")  # fmt: skip
     groups = list(params)
     if not groups:
         raise ValueError("params is empty")
@@ -62,6 +65,27 @@ def check_params(params: Any) -> list[dict[str, Any]]:
     if len({"param_names" in g for g in out}) > 1:
         raise ValueError("all optimizer param groups should be with/without names (param_names)")
     return out
+
+
+def check_module_covered(module: torch.nn.Module, groups: list[dict[str, Any]]) -> None:
+    """With module=, the optimizer owns the whole model (its dtype, every trainable parameter's gradient): each
+    trainable parameter of `module` must be in `params` (one left out would get gradients no one applies, and was
+    taken for a parameter unfrozen since: step() refused it, naming it frozen), and each trainable one of `params`
+    a parameter of `module`."""
+    listed = {id(p) for g in groups for p in g["params"]}
+    missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in listed]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"params leaves out trainable parameters of module: {', '.join(missing[:5])}{more}. "
+                         "ZeroOffloadAdamW trains every trainable parameter of the model it is given: list them "
+                         "in params (a param group of their own for other hyper-parameters), or freeze them "
+                         "(p.requires_grad_(False)) before building it")  # fmt: skip
+    owned = {id(p) for p in module.parameters()}
+    for gi, g in enumerate(groups):
+        for pi, p in enumerate(g["params"]):
+            if p.requires_grad and id(p) not in owned:
+                raise ValueError(f"param group {gi} param {pi} (shape {tuple(p.shape)}) is not a parameter of "
+                                 "module")  # fmt: skip
 
 
 def check_trainable(groups: list[dict[str, Any]]) -> tuple[list[torch.Tensor], torch.device]:

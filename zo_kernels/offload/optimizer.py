@@ -30,7 +30,7 @@ from ..optim_contract import check_torch_options, run_load_post_hooks, run_load_
 from ..param_views import alias, all_aliases, is_alias_of
 from ..transport import HostTransport, Transport, default_transport
 from . import report, state
-from .checks import DTYPES, check_int, check_offload, check_params, check_stage, check_trainable
+from .checks import DTYPES, check_int, check_module_covered, check_offload, check_params, check_stage, check_trainable
 from .comm import COLLECTIVE_TIMEOUT_S, Comm, beside_compute, pin_rank_threads
 from .fence import ForwardWaits, TileFence
 from .formats import block_of, check_state_dtype
@@ -285,6 +285,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         groups = check_params(params)
         for g in groups:  # (checked before an optimizer owning these params is touched: a refusal leaves it running)
             self._group_hparams({**defaults, **{k: v for k, v in g.items() if k != "params"}})
+        if module is not None:
+            check_module_covered(module, groups)
         owners = _owners(groups)
         for old in owners:
             if old.stage == 3:  # it hands the parameters back whole: their shapes are checked next
@@ -676,10 +678,12 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         return self.scaler.scale
 
     @torch.compiler.disable  # a compiled train step calls it eagerly: it runs hooks, copies, threads
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss * loss_scale, then backward."""
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool | None = None) -> None:
+        """loss * loss_scale, then backward (retain_graph as in loss.backward: keep the graph for another)."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
+        if retain_graph is not None and not isinstance(retain_graph, bool):
+            raise TypeError(f"retain_graph must be a bool or None, got {type(retain_graph).__name__}")
         if loss.numel() != 1:
             raise ValueError(f"loss must be a scalar tensor (one element), got shape {tuple(loss.shape)}")
         if not loss.requires_grad:
@@ -687,7 +691,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._check_alive()
         self.grads.scaled_backward = True
         try:
-            (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
+            (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward(retain_graph=retain_graph)
         finally:
             self.grads.scaled_backward = False
         self.grads.close_pass()  # a backward whose gradients all arrived in nested (reentrant) backwards
@@ -836,8 +840,14 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     @state.setter
     def state(self, value: Any) -> None:
-        if value:  # torch's Optimizer.__init__ assigns an empty dict; the state lives in the host update
-            raise AttributeError("ZeroOffloadAdamW.state is read-only: use load_state_dict()")
+        # torch's Optimizer.__init__ assigns an empty dict, before the layout exists; the state lives in the host
+        # update. After that an assignment raises (`opt.state = {}` to reset it did nothing), unless it hands back
+        # this optimizer's own view (accelerate's wrapper forwards its `state` setter)
+        if getattr(self, "_built", False) or value:
+            if isinstance(value, state.StateView) and value._opt is self:
+                return
+            raise AttributeError("ZeroOffloadAdamW.state is read-only: use load_state_dict() (a fresh optimizer "
+                                 "for a reset)")  # fmt: skip
 
     def _check_open(self) -> None:
         if self._closed:
