@@ -62,6 +62,40 @@ def test_per_step_host_work_is_not_per_tensor_per_hook():
     opt.close()
 
 
+def test_a_step_hashes_no_tensor_per_parameter(monkeypatch):
+    """A tensor's __hash__ is a Python function (torch's Tensor.__hash__): the hooks and a bucket's launch looked
+    each parameter up by tensor, six calls a parameter a step (5 of 7 in a hook's and a placeholder's lookups);
+    now by index. A step over a model of n params hashes a bounded number of tensors, whatever n."""
+    import dataclasses
+
+    from offload_ref import CFG
+
+    counts = {}
+    for layers in (1, 4):
+        model = make_model(seed=0, cfg=dataclasses.replace(CFG, layers=layers))
+        opt = zk.ZeroOffloadAdamW(model.parameters(), lr=1e-3, bucket_numel=5_000)
+        n = len(opt.layout.params)
+        data = make_data(3, batch=2)
+        opt.backward(model(data[0][0][:, :-1], data[0][0][:, 1:]))
+        opt.step()
+        hashes = [0]
+        own = torch.Tensor.__hash__
+
+        def counting(self, own=own, hashes=hashes):
+            hashes[0] += 1
+            return own(self)
+
+        monkeypatch.setattr(torch.Tensor, "__hash__", counting)
+        for x in data[1:]:
+            opt.backward(model(x[0][:, :-1], x[0][:, 1:]))
+            opt.step()
+        monkeypatch.setattr(torch.Tensor, "__hash__", own)
+        counts[n] = hashes[0] / 2
+        opt.close()
+    small, large = sorted(counts)
+    assert large > small and counts[large] == counts[small] and counts[small] <= 4, counts
+
+
 def test_the_offload_phase_is_told_in_parts(monkeypatch):
     """stats' time_offload (the host's time per bucket in backward) in parts: offload_wait, offload_pack and
     offload_copy, within it, each where its time goes (a copy call slowed by 3 ms shows in offload_copy, not in the

@@ -165,7 +165,7 @@ class GradPath:
         accumulators = accumulators or {p: p.view_as(p).grad_fn.next_functions[0][0] for p in params}
         self.accumulators = [accumulators[p] for p in params]
         self.hooks = [p.register_hook(self._before_accumulate(p)) for p in params]
-        self.hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self.hooks += [p.register_post_accumulate_grad_hook(self._after_accumulate(i, p)) for i, p in enumerate(params)]
 
     def detach(self) -> None:
         """Remove the hooks and the placeholders."""
@@ -181,7 +181,7 @@ class GradPath:
         self.n_micro = 0  # gradient sets in the landing buffer since the last step (a backward, or a part of one)
         self.n_backward = 0  # completed backward passes since the last step/zero_grad (stats["micro_batches"])
         self.in_backward = False  # a backward pass is open: gradients arriving belong to it
-        self._seen: set[torch.Tensor] = set()  # params whose gradient arrived in the open backward pass
+        self._seen: set[int] = set()  # indices of the params whose gradient arrived in the open backward pass
         self._callback_tasks: set[int] = set()  # autograd graph tasks that will close the open pass
         self._nested_tasks: set[int] = set()  # graph tasks of the open pass known to be nested (they cannot close it)
         self._moved: dict[int, torch.Tensor] = {}  # params whose p.grad is a MovedGrad placeholder, by index
@@ -218,7 +218,7 @@ class GradPath:
         left open by nested backwards, a param whose gradient arrived in it holds that gradient until the pass ends.)"""
         open_pass = self._left_open()
         for i, p in enumerate(self.layout.params):
-            if p.grad is not None and not isinstance(p.grad, MovedGrad) and not (open_pass and p in self._seen):
+            if p.grad is not None and not isinstance(p.grad, MovedGrad) and not (open_pass and i in self._seen):
                 raise RuntimeError(f"param {i} has a p.grad that did not come from backward (set by hand?): "
                                    "ZeroOffloadAdamW takes gradients only from backward passes")  # fmt: skip
 
@@ -262,11 +262,11 @@ class GradPath:
                 accumulates = False
             if not accumulates:
                 return  # torch.autograd.grad(..., inputs=...) or a graph that does not reach p: nothing to send
-            if not self.in_backward or p in self._seen:  # a pass begins or is cut: the optimizer must be usable
+            if not self.in_backward or i in self._seen:  # a pass begins or is cut: the optimizer must be usable
                 self.guard()
             if not self.in_backward and self.scaler.scale != 1.0 and not self.scaled_backward:
                 raise RuntimeError(UNSCALED_BACKWARD_HELP.format(scale=self.scaler.scale))
-            if self.in_backward and p in self._seen:
+            if self.in_backward and i in self._seen:
                 # p got a second gradient: a param shared by two reentrant-checkpoint segments of one backward
                 # (an outer backward that will close the pass is still running), or a new backward pass (the
                 # last one ran entirely inside nested backwards, which cannot close it). Either way the pass is
@@ -289,24 +289,30 @@ class GradPath:
                     torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_callback)
             if isinstance(p.grad, MovedGrad):
                 p.grad = None  # the earlier micro-batches' gradient is on the host; autograd starts afresh
-            self._seen.add(p)
+            self._seen.add(i)  # (by index: a tensor's __hash__ is a Python call, three a param a step)
             self._hooks_s += time.perf_counter() - t0
 
         return hook
 
-    def _on_grad(self, p: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        if p.grad is None or not self.in_backward:
-            return
-        if p.grad.is_sparse:
-            raise RuntimeError("ZeroOffloadAdamW does not support sparse gradients")
-        self._got[self.layout.index[p]] = True
-        if self.on_grad is not None:
-            self.on_grad(p)
+    def _after_accumulate(self, i: int, p: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        """Post-accumulate-grad hook of p (param i): p.grad holds its gradient; its bucket may be complete."""
         bucket = self.layout.bucket_of[p]
-        bucket.ready += 1
-        self._hooks_s += time.perf_counter() - t0  # (into the phase at the pass's end: one add, not one a param)
-        self._launch_ready()
+
+        def on_grad(p: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            grad = p.grad
+            if grad is None or not self.in_backward:
+                return
+            if grad.is_sparse:
+                raise RuntimeError("ZeroOffloadAdamW does not support sparse gradients")
+            self._got[i] = True
+            if self.on_grad is not None:
+                self.on_grad(p)
+            bucket.ready += 1
+            self._hooks_s += time.perf_counter() - t0  # (into the phase at the pass's end: one add, not one a param)
+            self._launch_ready()
+
+        return on_grad
 
     def landing_free(self, s: int, host: bool = False) -> None:
         """Before landing buffer s is written: the copies still reading it (the writeback of the parameters the
@@ -412,9 +418,9 @@ class GradPath:
         if end < buf.numel():
             buf[end:].zero_()
         t_pack = time.perf_counter()
-        for (p, _, _), h in zip(b.params, has):
+        for (p, _, _), i, h in zip(b.params, b.indices, has):
             if h:  # the device gradient is freed as soon as its bucket has left
-                self._place_moved_grad(p)
+                self._place_moved_grad(p, i)
         busy = self.buf_busy[k]
         t1 = time.perf_counter()
         if comm.world > 1 and self.all_reduce:  # ZeRO-1: every rank gets the whole reduced bucket
@@ -466,8 +472,9 @@ class GradPath:
         p.pack_step(grads, out, self._totals, scale=self.predivide)
         return p.total
 
-    def _place_moved_grad(self, p: torch.Tensor) -> None:
-        i = self.layout.index[p]
+    def _place_moved_grad(self, p: torch.Tensor, i: int | None = None) -> None:
+        if i is None:
+            i = self.layout.index[p]
         ph = self._placeholders[i]
         # one per param, made once (a new one costs ~1.5 us, a param a step); again if it no longer fits p (its shape
         # under ZeRO-3's gathers; a cast model: the next backward says so, as with a new placeholder)
@@ -541,7 +548,7 @@ class GradPath:
             if warn_partial and self.n_micro and not self._warned_partial and self._held():
                 self._warned_partial = True
                 warnings.warn(PARTIAL_HELP, stacklevel=6)  # (at the caller of opt.step())
-            cleared = bool(self._seen) and all(p.grad is None for p in self._seen)
+            cleared = bool(self._seen) and all(self.layout.params[i].grad is None for i in self._seen)
             self._end_micro()
             if warn_partial and cleared:  # model.zero_grad() since that backward: its gradients are discarded, as
                 self.zero_grad()  # torch discards them (held ones would otherwise be stepped on as zeros)

@@ -43,6 +43,7 @@ class Bucket:
         self.lo = params[0][1]
         self.hi = hi  # the end of the last param's span (its padding included)
         self.ready = 0  # parameters whose gradient has arrived in this backward pass
+        self.indices: list[int] = []  # each param's index in the layout (FlatLayout sets them)
         # runs of params that one `pack` lays out (each at the previous end rounded up to `align`), by start index;
         # ZeRO-3 pads each unit to N shards: a bucket across units has one run per unit
         self.packs: list[int] = [0]
@@ -122,6 +123,8 @@ class FlatLayout:
         self.buckets = self._buckets(bucket_numel)
         self._uniform_runs: list[tuple[int, int, int]] | None = None  # runs() of the usual step, once computed
         self.bucket_of = {p: b for b in self.buckets for p, _, _ in b.params}
+        for b in self.buckets:  # (each param's index, where the hot path would hash the tensor: a Python call)
+            b.indices = [self.index[p] for p, _, _ in b.params]
 
     def owned(self, lo: int, hi: int, r: int) -> list[tuple[int, int, int]]:
         """The parts of the flat range [lo, hi) that rank r owns: (flat a, flat b, partition offset of a)."""
