@@ -267,3 +267,43 @@ def test_a_failing_fn_leaves_the_model_on_meta_and_a_new_optimizer_works(stage):
     want = train(built_normally(), stage=stage, **extra)
     got = train(model, stage=stage, init=zk.ParamInit(fill, device="cpu", seed=SEED), **extra)
     assert_identical(got, want)
+
+
+class _WithFollowers(nn.Module):
+    """A trainable Linear, a frozen Linear and a buffer: the last two are made after the trainable ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.frozen = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("gain", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.frozen(self.lin(x)) * self.gain).square().mean()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("fails_on", ["gain", "frozen.weight"])
+def test_an_fn_failing_on_a_frozen_param_or_buffer_leaves_the_whole_model_on_meta(stage, fails_on):
+    """A helper's bug hunt: frozen params and buffers were made after the trainable ones were in place, so an fn
+    failing on one of them left the trainable ones real (at stage 3 empty shards) and a second try was refused
+    ("trainable param 0 is on cpu"; "no elements"). Now their values are made before anything is swapped."""
+
+    def bad(name, out, gen):
+        out.normal_(generator=gen)
+        return out if name == fails_on else None
+
+    def good(name, out, gen):
+        out.normal_(generator=gen)
+
+    with torch.device("meta"):
+        model = _WithFollowers()
+    with pytest.raises(TypeError, match=f"in place and return None; for '{fails_on}'"):
+        zk.ZeroOffloadAdamW(model, dtype=torch.float32, stage=stage, init=zk.ParamInit(bad, device="cpu"))
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    opt = zk.ZeroOffloadAdamW(model, dtype=torch.float32, stage=stage, init=zk.ParamInit(good, device="cpu"))
+    assert not any(t.is_meta for t in model.buffers())
+    opt.backward(model(torch.randn(3, 4)))
+    opt.step()
+    opt.close()
+

@@ -634,6 +634,22 @@ def test_a_write_block_under_the_delayed_update_is_synchronize_then_the_block_at
             assert torch.equal(a, b), stage
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gathered_write_must_be_a_bool(stage):
+    """A helper's bug hunt: write="no" was taken as True, landing the pending delayed update (training changed)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8))
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=stage, delay_update_after=0)
+    opt.backward(model(torch.randn(4, 8)).square().mean())
+    opt.step()
+    pending = opt.update._pending
+    for bad in ("no", None, 1):
+        with pytest.raises(TypeError, match="write must be a bool"), opt.gathered(write=bad):
+            pass
+    assert opt.update._pending is pending and pending is not None  # nothing landed
+    opt.close()
+
+
 def test_a_load_through_a_wrapper_and_after_a_failed_load():
     """The optimizer's model loaded as a child of a wrapper (torch.compile's `_orig_mod.`, a Lightning module): the
     units are kept for it as for the model's own load (keeping them only at the load's top level refused it: "size

@@ -121,15 +121,18 @@ def swap_in(t: torch.Tensor, value: torch.Tensor) -> None:
     torch.utils.swap_tensors(t, new)
 
 
-def materialise_followers(init: ParamInit, module: torch.nn.Module, trainable: set[int], dtype: torch.dtype) -> None:
-    """The module's frozen parameters and buffers still on the meta device, each from init, whole, in `dtype`
-    (floating point) on init's device."""
+def follower_values(init: ParamInit, module: torch.nn.Module, trainable: set[int],
+                    dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """The values of the module's frozen parameters and buffers still on the meta device, each from init, whole, in
+    `dtype` (floating point) on init's device, as (tensor, values) pairs for swap_in: made (and fn checked) before
+    anything is swapped, so an fn failing on one of them leaves the whole model on meta (the trainable ones were
+    already in place, and a second try was refused: "trainable param 0 is on cpu")."""
     seen: set[int] = set()
     named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    out = []
     for name, t in named:
         if id(t) in trainable or id(t) in seen or not t.is_meta:
             continue
         seen.add(id(t))
-        values = init.values(name, t.shape).to(dtype if t.is_floating_point() else t.dtype)
-        swap_in(t, values)
-        del values  # (fp32 temporaries: one at a time)
+        out.append((t, init.values(name, t.shape).to(dtype if t.is_floating_point() else t.dtype)))
+    return out  # (fp32 temporaries: one at a time; the values take what the tensors take once swapped in)

@@ -36,7 +36,7 @@ from .fence import ForwardWaits, TileFence
 from .formats import block_of, check_state_dtype
 from .grads import GradPath
 from .layout import FlatLayout, default_bucket_numel
-from .materialize import ParamInit, check_init, materialise_followers, swap_in
+from .materialize import ParamInit, check_init, follower_values, swap_in
 from .params import DeviceBytes, ParamShards, units_of
 from .report import MemoryReport, PhaseTimes
 from .scaler import LossScaler
@@ -329,6 +329,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                  block=block_of(self.state_format))  # fmt: skip
         self.transport = transport if transport is not None else default_transport(device)
         self._own_transport = transport is None  # close() closes (returns the pinned memory of) what it made
+        # frozen params and buffers left on meta: their values first (init's fn may fail on one: nothing swapped yet)
+        follow = follower_values(init, module, {id(p) for p in trainable}, dtype) if init is not None else []
         for old in owners:  # its last update reaches the parameters this one takes its masters from
             if not old._closed:
                 old.synchronize()
@@ -336,8 +338,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._allocate(trainable, nvme_dir, uses, None if init is None else (init, names))
         for old in owners:  # replaced once this one is built (a failure above, e.g. a full disk, leaves it running)
             old.close()
-        if init is not None:
-            materialise_followers(init, module, {id(p) for p in trainable}, dtype)
+        for t, values in follow:
+            swap_in(t, values)
+        del follow
         self._cast_followers(followers)
         self._built = True
         self.stats: dict[str, Any] = {}
@@ -577,6 +580,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         stage, as synchronize() does (the block's write is not overwritten by it, nor is it dropped): so a write
         block is `opt.synchronize()` then the block, and the trajectory goes on one step less stale, even if the
         block writes nothing."""
+        if not isinstance(write, bool):  # ("no" would land the pending update)
+            raise TypeError(f"write must be a bool, got {type(write).__name__}")
         if write:  # (load_checkpoint's way to the model's weights: after an interrupted step too)
             self._check_loadable()
         else:
