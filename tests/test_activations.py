@@ -1012,27 +1012,37 @@ def test_zero_offload_adamw_every_stage(stage, engine):
 
 
 class OwnWeight(torch.nn.Module):
-    """A layer checkpointing a function of its own weight, passed positionally to the checkpointed function."""
+    """A layer checkpointing a function of its own weight (or of a view of it, or a detached alias), passed
+    positionally to the checkpointed function."""
 
-    def __init__(self, ck) -> None:
+    def __init__(self, ck, how: str = "itself") -> None:
         super().__init__()
-        self.weight, self.ck = torch.nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.2), ck
+        self.weight, self.ck, self.how = torch.nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.2), ck, how
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.ck(lambda a, w: F.gelu(a @ w.t()), h, self.weight)
+        w = {"itself": self.weight, "transposed": self.weight.t(), "sliced": self.weight[: WIDTH // 2],
+             "detached": self.weight.detach()}[self.how]  # fmt: skip
+        if self.how == "transposed":
+            return self.ck(lambda a, w: F.gelu(a @ w), h, w)
+        if self.how == "sliced":
+            return self.ck(lambda a, w: torch.cat([F.gelu(a @ w.t())] * 2, -1), h, w)
+        return self.ck(lambda a, w: F.gelu(a @ w.t()), h, w)
 
 
+@pytest.mark.parametrize("how", ["itself", "transposed", "sliced", "detached"])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_a_parameter_passed_to_the_function_is_kept_by_reference(stage, engine):
-    """A parameter given to the checkpointed function is kept by reference, as torch keeps it: at stage 3 its
-    storage is freed once its unit's forward is over, and the copy of it that zo queued when the next segment was
-    stored read freed memory (a segmentation fault on the GPU-shaped transport's copy thread). Training is bit for
-    bit torch's checkpoint's, and no host block holds a parameter."""
+def test_a_parameter_passed_to_the_function_is_kept_by_reference(stage, how, engine):
+    """A parameter given to the checkpointed function, or a view or a detached alias of it, is kept by reference,
+    as torch keeps it: at stage 3 its storage is freed once its unit's forward is over, and the copy of it that zo
+    queued when the next segment was stored read freed memory (a segmentation fault on the GPU-shaped transport's
+    copy thread; a view of it, a reviewer's find, the same; a detached alias, which looks like any tensor, stays
+    held where its memory was freed under it). Training is bit for bit torch's checkpoint's, and no host block
+    holds a parameter or a view of one."""
     buf = ActivationBuffers("cpu", engine)
 
     def train(ck):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(*(OwnWeight(ck) for _ in range(3)))
+        model = torch.nn.Sequential(*(OwnWeight(ck, how) for _ in range(3)))
         opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=stage)
         for step in range(2):
             x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step), requires_grad=True)
@@ -1045,7 +1055,8 @@ def test_a_parameter_passed_to_the_function_is_kept_by_reference(stage, engine):
 
     want = train(torch_ck)
     same(train(functools.partial(zk.checkpoint, buffers=buf)), want)
-    assert buf.transport.pool.reserved == 2 * 4 * WIDTH * 4  # two activations' blocks (one per step in flight)
+    if how != "detached":  # (a detached alias looks like any tensor: copied where its memory holds its values)
+        assert buf.transport.pool.reserved == 2 * 4 * WIDTH * 4  # two activations' blocks (one per step in flight)
 
 
 @pytest.mark.parametrize("offload", [True, False])

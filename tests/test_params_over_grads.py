@@ -72,25 +72,11 @@ def test_param_out_overlapping_grad_elsewhere_is_refused():
 # ---------------------------------------------------------------- the optimizer: one host buffer, and its ordering
 
 
-class TwoEngines(CopyEngineTransport):
-    """CopyEngineTransport with the D2H copies on an engine of their own, as CUDA's two copy streams: a gradient's
-    copy into a landing buffer does not queue behind the H2D copies still reading it (the delayed ones)."""
-
-    def __init__(self, delay_s: float) -> None:
-        super().__init__(delay_s=delay_s)
-        self.d2h_engine = CopyEngineTransport()
-
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor):
-        self._check_sides(src, dst, "dst")
-        return self.d2h_engine._submit(dst, src)
-
-    def synchronize(self) -> None:
-        super().synchronize()
-        self.d2h_engine.synchronize()
-
-    def close(self) -> None:
-        super().close()
-        self.d2h_engine.close()
+def two_engines(delay_s: float) -> CopyEngineTransport:
+    """D2H copies on an engine of their own, as CUDA's two copy streams (CopyEngineTransport's two engines), the H2D
+    ones delayed: a gradient's copy into a landing buffer does not queue behind the H2D copies still reading it."""
+    tr = CopyEngineTransport(delay_s=lambda dst, src: 0.0 if tr.pool.holds(dst) else delay_s, engines=2)
+    return tr
 
 
 class Two(torch.nn.Module):
@@ -136,7 +122,7 @@ def test_backward_does_not_overwrite_a_landing_buffer_under_its_writeback(monkey
     from zo_kernels.transport import HostTransport
 
     ref = _partial_forward_run(HostTransport())
-    tr = TwoEngines(delay_s=0.01)
+    tr = two_engines(delay_s=0.01)
     got = _partial_forward_run(tr)
     assert got[2] > 0, "no tile was in flight when backward began: nothing was tested"
     assert got[0] == ref[0] and all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))

@@ -635,6 +635,36 @@ def test_a_write_block_under_the_delayed_update_is_synchronize_then_the_block_at
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+def test_a_write_block_under_the_delayed_update_trains_as_the_oracle(stage):
+    """The same against the plain-PyTorch oracle (tests/oracle.py: its synchronize() copies the latest masters into
+    the working copy; the write then halves a weight in the working copy and its master, which is what
+    refresh_masters_from_model() makes of it): losses within fp32 noise, at stages 2 and 3."""
+    from oracle import Oracle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 1))
+    hp = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+    oracle = Oracle(model, torch.float32, delay_update_after=1, **hp)
+    opt = zk.ZeroOffloadAdamW(model, dtype=torch.float32, stage=stage, delay_update_after=1, **hp)
+    xs = [torch.randn(16, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    for i, x in enumerate(xs):
+        (want,), _ = oracle.step([[x]], lambda m, b: m(b).square().mean())
+        loss = model(x).square().mean()
+        opt.backward(loss)
+        opt.step()
+        assert abs(loss.item() - want[0]) <= 1e-6 * abs(want[0]), (i, loss.item(), want[0])
+        if i == 2:
+            oracle.synchronize()
+            with torch.no_grad():
+                oracle._work_params["0.weight"].mul_(0.5)
+                oracle.masters["0.weight"].copy_(oracle._work_params["0.weight"])
+            with opt.gathered(write=True), torch.no_grad():
+                model[0].weight.mul_(0.5)
+            opt.refresh_masters_from_model()
+    opt.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
 def test_gathered_write_must_be_a_bool(stage):
     """A helper's bug hunt: write="no" was taken as True, landing the pending delayed update (training changed)."""
     torch.manual_seed(0)

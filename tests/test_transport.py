@@ -652,3 +652,28 @@ def test_copy_engines_close_stops_both_and_a_base_transport_orders_by_waiting():
     Waits().h2d_after(events)
     assert waited == events
 
+
+
+def test_copy_engines_record_of_a_subclass_waiting_for_more_synchronizes():
+    """A subclass whose synchronize() waits for copies elsewhere (its own engine) says nothing of record(): record()
+    then synchronizes, as HostTransport's does (CopyEngineTransport's own record() lost that guard: a reviewer's
+    find; what the delayed update's deferred copies wait on)."""
+    from zo_kernels.transport import CopyEngineTransport
+
+    class More(CopyEngineTransport):
+        def __init__(self) -> None:
+            super().__init__()
+            self.other = CopyEngineTransport(delay_s=0.2)
+
+        def synchronize(self) -> None:
+            super().synchronize()
+            self.other.synchronize()
+
+    tr = More()
+    host = tr.other.pool.take(4, torch.float32)
+    host.zero_()
+    tr.other.d2h(host, torch.ones(4))
+    tr.wait_all(tr.record())
+    assert torch.equal(host, torch.ones(4))
+    tr.other.close()
+    tr.close()

@@ -316,8 +316,10 @@ class _Segment:
             self.buffers._register(self)
 
     def to_host(self) -> None:
-        """A held checkpoint: queue the D2H copies of its arguments and drop the device references."""
-        if self.state != "held":
+        """A held checkpoint: queue the D2H copies of its arguments and drop the device references. One whose
+        memory was freed under it since the call stays held: kept by reference, as torch keeps it (the
+        recomputation reads it once it holds its values again: at stage 3, gathered for backward)."""
+        if self.state != "held" or any(map(_freed, self.held)):
             return
         self._check_unchanged()
         for x in self.held:
@@ -536,12 +538,19 @@ def _no_dispatch_modes() -> bool:
 
 def _offloadable(a: Any, device: torch.device) -> bool:
     """A tensor argument kept as a checkpoint in the buffers; any other is kept by reference, as torch keeps it: a
-    parameter (it lives on anyway, and at stage 3 its storage is freed once its unit's forward is over: a copy queued
-    later read freed memory) and a tensor whose elements do not fill their memory densely (a slice, a chunk: a block
-    holding only its elements gives the recomputation other strides, a kernel another path, and torch's check of
-    the recomputed tensors refuses them)."""
+    parameter or a view of one (it lives on anyway, and at stage 3 its storage is freed once its unit's forward is
+    over: a copy queued later read freed memory) and a tensor whose elements do not fill their memory densely (a
+    slice, a chunk: a block holding only its elements gives the recomputation other strides, a kernel another
+    path, and torch's check of the recomputed tensors refuses them)."""
     return (isinstance(a, torch.Tensor) and a.dtype in _OFFLOADED and a.device == device and a.numel() > 0
-            and not isinstance(a, torch.nn.Parameter) and _dense(a))  # fmt: skip
+            and not isinstance(a, torch.nn.Parameter) and not isinstance(a._base, torch.nn.Parameter)
+            and _dense(a))  # fmt: skip
+
+
+def _freed(x: torch.Tensor) -> bool:
+    """x's storage no longer holds its elements: resized under it since the call (stage 3 frees a unit's
+    parameters after its forward: a tensor sharing their memory that _offloadable could not tell, a detach())."""
+    return x.untyped_storage().nbytes() < (x.storage_offset() + x.numel()) * x.element_size()
 
 
 def _dense(x: torch.Tensor) -> bool:

@@ -579,7 +579,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         for the last writeback. Under the delayed update, write=True first lands the pending update, at every
         stage, as synchronize() does (the block's write is not overwritten by it, nor is it dropped): so a write
         block is `opt.synchronize()` then the block, and the trajectory goes on one step less stale, even if the
-        block writes nothing."""
+        block writes nothing. With several ranks every rank enters the block, at every stage (landing the update
+        all-gathers the parameters; ZeRO-3's gathers are collectives too)."""
         if not isinstance(write, bool):  # ("no" would land the pending update)
             raise TypeError(f"write must be a bool, got {type(write).__name__}")
         if write:  # (load_checkpoint's way to the model's weights: after an interrupted step too)
