@@ -432,14 +432,22 @@ class HostTransport(Transport):
         """Let the queued copies finish (up to `timeout_s`) and stop the copy thread; a later copy is refused (it
         would have run at once, ahead of copies still queued)."""
         self.closed = True
-        if self._queue is not None:
-            self._queue.put(None)
-            self._queue = None
-        if self._thread is not None:
-            self._thread.join(timeout=timeout_s)
-            if not self._thread.is_alive():
-                self._thread = None
-                _COPY_THREADS.discard(self)
+        jobs, self._queue = self._queue, None
+        self._thread = _stop_worker(jobs, self._thread, timeout_s)
+        if self._thread is None:
+            _COPY_THREADS.discard(self)
+
+
+def _stop_worker(jobs: queue.Queue | None, thread: threading.Thread | None,
+                 timeout_s: float) -> threading.Thread | None:  # fmt: skip
+    """End a copy engine's thread after the copies queued to it (up to `timeout_s`): the thread if still running."""
+    if jobs is not None:
+        jobs.put(None)
+    if thread is not None:
+        thread.join(timeout=timeout_s)
+        if thread.is_alive():
+            return thread
+    return None
 
 
 # A daemon thread still inside a copy (torch releases the GIL there) when the interpreter finalizes is stopped by
@@ -542,13 +550,8 @@ class CopyEngineTransport(HostTransport):
         return [self._last, self._d2h_last]  # (each engine runs its queue in order: its last covers the rest)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        if self._d2h_queue is not None:  # (its queued copies run first: an H2D engine's job may wait for them)
-            self._d2h_queue.put(None)
-            self._d2h_queue = None
-        if self._d2h_thread is not None:
-            self._d2h_thread.join(timeout=timeout_s)
-            if not self._d2h_thread.is_alive():
-                self._d2h_thread = None
+        jobs, self._d2h_queue = self._d2h_queue, None  # (its copies first: an H2D engine's job may wait for them)
+        self._d2h_thread = _stop_worker(jobs, self._d2h_thread, timeout_s)
         super().close(timeout_s)
         if self._d2h_thread is not None:  # still copying: the exit handler closes it again
             _COPY_THREADS.add(self)
