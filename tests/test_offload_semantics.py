@@ -635,3 +635,48 @@ def test_model_zero_grad_after_a_pass_left_open_discards_it():
     opt.step()
     assert torch.equal(torch.cat([p.detach().reshape(-1) for p in ps]), before)
     assert opt.stats["skipped"] and opt.stats["skip_reason"] == "no gradients"
+
+
+def test_a_gradient_scale_the_kernel_would_refuse_is_refused_or_skipped_before_the_step_changes_anything():
+    """A bug hunt's finds: p.grad.mul_(-1.0), mul_(1e39), mul_(1e20) twice, a static loss_scale under 1/fp32-max
+    and a dynamic one halved that far all reached the kernel's gradient-scale check inside step(), midway: the step
+    counts had moved and the optimizer refused everything after (state_dict() included). Now the negative factor is
+    refused at mul_ (nothing changed: the next step is torch's), a factor or inverse scale past fp32 is an overflow
+    (the step skipped, as an inf factor is), and the static scale is refused at construction and at load."""
+    model = net()
+    ref = copy.deepcopy(model)
+    opt = zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.float32, **HP)
+    topt = torch.optim.AdamW(ref.parameters(), foreach=False, **HP)
+    x = torch.randn(4, 8)
+    model(x).backward()
+    with pytest.raises(ValueError, match=r"mul_\(-1.0\): a negative factor"):
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(-1.0)
+    opt.step()
+    ref(x).backward()
+    topt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    for factors in ([1e39], [1e20, 1e20]):
+        before = [p.detach().clone() for p in model.parameters()]
+        model(x).backward()
+        for f in factors:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(f)
+        opt.step()
+        assert opt.stats["skip_reason"] == "overflow", factors
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.scaler.scale, opt.scaler.dynamic = 1e-40, True  # a dynamic scale after ~140 overflows in a row
+    opt.backward(model(x))
+    opt.step()
+    assert opt.stats["skip_reason"] == "overflow" and opt.scaler.scale == 5e-41
+    opt.state_dict()  # usable
+    with pytest.raises(ValueError, match=r"loss_scale must be >= 2.939e-39"):
+        zk.ZeroOffloadAdamW(net().parameters(), dtype=torch.float32, loss_scale=1e-39)
+    sd = opt.state_dict()
+    sd["zero_offload"].update(loss_scale=1e-45, dynamic=False)
+    static = zk.ZeroOffloadAdamW(net().parameters(), dtype=torch.float32, loss_scale=2.0, **HP)
+    with pytest.raises(ValueError, match=r"\['loss_scale'\] must be >= 2.939e-39"):
+        static.load_state_dict(sd)

@@ -24,7 +24,7 @@ from ..transport import Transport
 from .comm import Comm
 from .layout import Bucket, FlatLayout
 from .report import PhaseTimes
-from .scaler import LossScaler
+from .scaler import FP32_MAX, LossScaler
 from .selected import SelectedGrad
 
 NESTED_OPEN_HELP = (
@@ -728,9 +728,18 @@ class GradPath:
     def _scale_host_grads(self, indices: list[int], factor: float) -> None:
         """p.grad.mul_(factor) on placeholders: the host gradients of those params are scaled at step()
         (or when the next micro-batch starts accumulating). A non-finite factor (the clip coefficient of an
-        overflowed gradient) makes the step an overflow, skipped as torch's GradScaler would."""
+        overflowed gradient) makes the step an overflow, skipped as torch's GradScaler would; so does a finite one
+        past fp32 (alone or times the factors before it: the gradient would be inf). A negative factor is refused
+        before anything changes (the kernel takes a gradient scale >= 0: step() raised it midway, and the optimizer
+        refused everything after)."""
+        if factor < 0:
+            raise ValueError(f"p.grad.mul_({factor}): a negative factor of a gradient on the host is not supported "
+                             "(clipping's factors are in [0, 1]); negate the loss instead")  # fmt: skip
         self._host_gradient()
         if not math.isfinite(factor):
             self._found_inf.fill_(True)
         for i in indices:
             self.factor[i] *= factor if math.isfinite(factor) else 1.0
+            if self.factor[i] > FP32_MAX:
+                self._found_inf.fill_(True)
+                self.factor[i] = 1.0

@@ -39,7 +39,7 @@ from .layout import FlatLayout, default_bucket_numel
 from .materialize import ParamInit, check_init, follower_values, swap_in
 from .params import DeviceBytes, ParamShards, units_of
 from .report import MemoryReport, PhaseTimes
-from .scaler import LossScaler
+from .scaler import FP32_MAX, LossScaler
 from .selected import SelectedGrad
 from .selective import SelectiveUpdate, check_selective, selection_bound
 from .twin import TwinUpdate, check_gpu_fraction, device_split
@@ -772,6 +772,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
         grad_scale = clip / scale
+        if grad_scale * max(c.factor, default=1.0) > FP32_MAX:  # (a dynamic scale halved that far): the kernel's
+            self.scaler.update(found_inf=True)  # gradient scale would overflow fp32, the gradient be inf: an overflow
+            self._record_stats(t_step, skip_reason="overflow", grad_norm=norm, micro_batches=n_micro)
+            return None
         runs = self.layout.runs(got, self.update.steps, c.factor)
         with self._midway():  # the step counts move and part of the partition may come to hold the new step
             for i, g in enumerate(got):

@@ -46,4 +46,16 @@ def _check_loss_scale(loss_scale: Any) -> tuple[float, bool]:
     value = _real(loss_scale, "loss_scale")
     if value <= 0:
         raise ValueError(f"loss_scale must be > 0, got {value}")
+    check_inverse(value, "loss_scale")
     return value, False
+
+
+FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+
+
+def check_inverse(value: float, name: str) -> None:
+    """A static loss scale whose inverse (the kernel's gradient scale) overflows fp32 is refused where it is given:
+    step() found it only inside the update, midway, and the optimizer refused everything after."""
+    if 1.0 / value > FP32_MAX:
+        raise ValueError(f"{name} must be >= {1 / FP32_MAX:.4g} (its inverse scales the gradients in fp32), "
+                         f"got {value}")  # fmt: skip

@@ -17,6 +17,7 @@ from ..optim_contract import (
 )
 from .checks import check_int
 from .formats import BLOCK_8BIT, check_raw, check_state_dtype, cut_raw
+from .scaler import check_inverse
 
 if TYPE_CHECKING:
     from .optimizer import ZeroOffloadAdamW
@@ -152,6 +153,8 @@ def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[
     if "loss_scale" in extra:
         if _real(extra["loss_scale"], "state_dict['zero_offload']['loss_scale']") <= 0:
             raise ValueError("state_dict['zero_offload']['loss_scale'] must be > 0")
+        if not extra.get("dynamic"):  # (a dynamic one that small: every step overflows, and is skipped as one)
+            check_inverse(float(extra["loss_scale"]), "state_dict['zero_offload']['loss_scale']")
         check_int(extra.get("good_steps"), "state_dict['zero_offload']['good_steps']", 0, required=True)
     check_int(extra.get("iteration"), "state_dict['zero_offload']['iteration']", 0)
     if _exact_moments(opt, extra):
