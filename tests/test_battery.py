@@ -1334,6 +1334,53 @@ def test_bad_input(results, name):
     r = results[name]
     assert r["outcome"] == "clear", f"{r['outcome']}: {r['detail']}"
 
+def test_a_plan_refuses_tensors_resized_since_it_was_made():
+    """A bug hunt's find: AdamPlan checked each tensor's storage against the tensor's current size, so a param
+    set_() to 2 elements after an 8-element plan was written 8 elements through its address (outside it)."""
+    p, g, m, v = torch.randn(8), torch.randn(8), torch.zeros(8), torch.zeros(8)
+    pl = zk.cpu_adam.plan_adam_step(p, g, m, v, step=1, lr=1.0)
+    big = torch.zeros(16)
+    p.set_(big[:2])
+    with pytest.raises(ValueError, match="param has 2 elements .* the plan was made for 8"):
+        pl.run(0, 8)
+    assert not big.any()
+    q = zk.Quantized8bit.empty(2048, signed=True), zk.Quantized8bit.empty(2048, signed=False)
+    pl = zk.cpu_adam.plan_adam_step(torch.randn(2048), torch.randn(2048), *q, step=1, lr=1e-3)
+    q[0].scales.set_(torch.zeros(16)[::2])  # (in place: strided)
+    with pytest.raises(ValueError, match=r"exp_avg\.scales has 8 elements \(contiguous: False\)"):
+        pl.run(0, 2048)
+
+
+def test_an_8bit_moments_parts_are_read_only_and_rechecked():
+    """A bug hunt's find: Quantized8bit's codes and scales could be swapped after it was checked (a bf16 scales
+    view: the kernel wrote twice its bytes; a strided codes view: the elements between)."""
+    m = zk.Quantized8bit.empty(2048, signed=True)
+    for name, value in (("scales", torch.zeros(8, dtype=torch.bfloat16)), ("codes", torch.zeros(4096)[::2]),
+                        ("block", 128), ("signed", False)):  # fmt: skip
+        with pytest.raises(AttributeError, match=f"Quantized8bit.{name} is read-only"):
+            setattr(m, name, value)
+    v = zk.Quantized8bit.empty(2048, signed=False)
+    base = torch.zeros(4096, dtype=torch.int8)
+    m.codes.set_(base.untyped_storage(), 0, (2048,), (2,))  # changed in place: strided
+    with pytest.raises(ValueError, match=r"exp_avg\.codes must be contiguous"):
+        zk.cpu_adam_step(torch.randn(2048), torch.randn(2048), m, v, step=1, lr=1e-3)
+    assert not base.any()
+
+
+@pytest.mark.parametrize("op", ["cast", "unpack"])
+def test_an_input_whose_storage_was_resized_is_named(op):
+    """A bug hunt's find: cast read x through torch after its storage was resized to 0 (a segfault); unpack said
+    torch's "setStorage: ... out of bounds" of flat. Both now name the argument."""
+    x = torch.randn(8)
+    y = x.view(8)
+    x.untyped_storage().resize_(0)
+    name = "x" if op == "cast" else "flat"
+    with pytest.raises(ValueError, match=f"{name}'s storage holds 0 bytes"):
+        if op == "cast":
+            zk.cast(y, torch.bfloat16)
+        else:
+            zk.buckets.unpack(y, [torch.zeros(8)])
+
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
@@ -1342,3 +1389,4 @@ if __name__ == "__main__":
         print(summary(run_battery()))
     else:
         sys.exit("usage: python tests/test_battery.py --summary")
+

@@ -16,7 +16,7 @@ from operator import attrgetter
 
 import torch
 
-from .cpu_adam import _real, bump_version, check_no_overlap
+from .cpu_adam import _real, bump_version, check_memory, check_no_overlap
 from .kernels.plan import Packed, PackPlan, check_float, check_writable
 from .versions import default_impl, triton_problem
 
@@ -76,6 +76,7 @@ def cast(x: torch.Tensor, dtype: torch.dtype, *, scale: float = 1.0, out: torch.
          impl: str | None = None) -> torch.Tensor:  # fmt: skip
     """(x.float() * scale).to(dtype) in one pass; fp32/fp16/bf16 in and out; writes `out` if given."""
     check_float(x, "x")
+    check_memory(x, "x")  # (a storage resized under x: torch's own read of it segfaulted)
     dtype = _check_dtype(dtype)
     scale = _real(scale, "scale")
     if out is None:
@@ -160,6 +161,7 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], *, offsets: Sequ
     layout of `pack(..., align=1)`, and then `flat` must hold exactly the tensors' elements (a bucket packed with
     another align has gaps: pass its offsets)."""
     check_float(flat, "flat")
+    check_memory(flat, "flat")
     if flat.dim() != 1:
         raise ValueError(f"flat must be 1-D, got shape {tuple(flat.shape)}")
     if not (isinstance(tensors, (list, tuple)) and tensors and all(map(isinstance, tensors, _TENSORS))):

@@ -251,8 +251,10 @@ def _check_adam_tensors(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, pa
                 raise ValueError(f"{name} has {q.numel} elements, expected {n} (the number in param)")
             if q.scales.numel() != -(-n // q.block):
                 raise ValueError(f"{name}.scales has {q.scales.numel()} elements, expected {-(-n // q.block)}")
-            check_memory(q.codes, f"{name}.codes", written=True)
-            check_memory(q.scales, f"{name}.scales", written=True)
+            for t, part in ((q.codes, "codes"), (q.scales, "scales")):  # (changed in place since it was made?)
+                if not t.is_contiguous():
+                    raise ValueError(f"{name}.{part} must be contiguous (got strides {t.stride()})")
+                check_memory(t, f"{name}.{part}", written=True)
     else:
         dtype = (torch.float32, torch.bfloat16)[fmt]
         _check_tensor(exp_avg, "exp_avg", (dtype,), n, written=True)
@@ -339,7 +341,13 @@ class AdamPlan(NamedTuple):
         return {"param": self.tensors[0], "grad": self.tensors[1], **moment_tensors(*self.tensors[2:])}
 
     def _addresses(self, start: int = 0) -> tuple[int, int, int, int]:
-        for name, t in self._named().items():
+        n = self.numel
+        blocks = -(-n // self.block)
+        for name, t in self._named().items():  # (the tensors may have been resized or set_() since the plan)
+            want = blocks if name.endswith(".scales") else n
+            if t.numel() != want or not t.is_contiguous():
+                raise ValueError(f"{name} has {t.numel()} elements (contiguous: {t.is_contiguous()}) where the plan "
+                                 f"was made for {want} contiguous ones: make a new plan")  # fmt: skip
             check_memory(t, name)
         param, grad, m, v = self.tensors
         return (param.data_ptr() + 4 * start, grad.data_ptr() + grad.element_size() * start,

@@ -99,6 +99,15 @@ class Quantized8bit:
             raise ValueError(f"scales has {scales.numel()} elements; {codes.numel()} codes in blocks of {block} need "
                              f"{num_blocks(codes.numel(), block)}")  # fmt: skip
         self.codes, self.scales, self.signed, self.block = codes, scales, bool(signed), block
+        self._sealed = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # codes and scales are checked together, once: a swapped one (another dtype, a strided view) let the
+        # kernels write past it, so the attributes are read-only; build a new Quantized8bit instead
+        if getattr(self, "_sealed", False):
+            raise AttributeError(f"Quantized8bit.{name} is read-only: build a new Quantized8bit (codes and scales "
+                                 "are checked together when it is made)")  # fmt: skip
+        object.__setattr__(self, name, value)
 
     @property
     def numel(self) -> int:

@@ -507,6 +507,7 @@ class PackPlan:
                 check_memory(t, f"{self.name}[{i}]", written=True)
             self._writable = True
         check_float(flat, "flat")
+        check_memory(flat, "flat")  # (the kernel reads flat's elements by address)
         if flat.dim() != 1 or flat.dtype not in CODE or flat.device != self.device:
             raise ValueError(f"flat must be a 1-D tensor on {self.device}, got shape {tuple(flat.shape)} on "
                              f"{flat.device}")  # fmt: skip
