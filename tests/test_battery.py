@@ -1382,6 +1382,30 @@ def test_an_input_whose_storage_was_resized_is_named(op):
             zk.buckets.unpack(y, [torch.zeros(8)])
 
 
+
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+@pytest.mark.parametrize("bad", ["grad aliases its param", "read-only param", "resized grad"])
+def test_cpuadam_refuses_a_later_param_before_stepping_any(bad):
+    """A bug hunt's find: CPUAdam.step() checked only the params' types first; the kernel's own checks (writable,
+    storage, overlap) ran param by param, so a later one refused left the earlier ones stepped."""
+    p0 = torch.nn.Parameter(torch.ones(8))
+    p1 = torch.nn.Parameter(torch.frombuffer(bytearray(bytes(32)), dtype=torch.float32) if bad != "read-only param"
+                            else torch.frombuffer(bytes(32), dtype=torch.float32))  # fmt: skip
+    p0.grad = torch.ones(8)
+    if bad == "grad aliases its param":
+        p1.grad = p1.detach()
+    elif bad == "resized grad":
+        g = torch.ones(8)
+        p1.grad = g.view(8)
+        g.untyped_storage().resize_(0)
+    else:
+        p1.grad = torch.ones(8)
+    opt = zk.CPUAdam([p0, p1], lr=0.1)
+    with pytest.raises(ValueError, match="param group 0 param 1"):
+        opt.step()
+    assert torch.equal(p0.detach(), torch.ones(8)) and len(opt.state) == 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         worker(int(sys.argv[2]), sys.argv[3])

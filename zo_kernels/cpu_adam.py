@@ -927,15 +927,23 @@ class CPUAdam(torch.optim.Optimizer):
                 if step > MAX_STEP:
                     raise ValueError(f"param group {gi} param {pi}: its next step would pass {MAX_STEP} (the kernel's "
                                      "int64)")  # fmt: skip
-                work.append((group, p, step))
+                # every kernel check too (writable, storage, overlap): a later param refused used to leave the
+                # earlier ones stepped
+                grad = p.grad.contiguous()
+                m, v = (st["exp_avg"], st["exp_avg_sq"]) if st else zero_moments(p, self.state_dtype)
+                try:
+                    _check_adam_tensors(p, grad, m, v)
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"param group {gi} param {pi}: {e}") from None
+                work.append((group, p, step, grad, m, v))
         seeds = {p: i for i, p in enumerate(self._params())}
-        for group, p, step in work:
+        for group, p, step, grad, m, v in work:
             state = self.state[p]
             if len(state) == 0:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"], state["exp_avg_sq"] = zero_moments(p, self.state_dtype)
+                state["exp_avg"], state["exp_avg_sq"] = m, v
             cpu_adam_step(
-                p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], step=step,
+                p, grad, state["exp_avg"], state["exp_avg_sq"], step=step,
                 lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                 adamw=group["adamw"], bias_correction=group["bias_correction"], maximize=bool(group.get("maximize")),
                 seed=seeds[p],
