@@ -391,10 +391,8 @@ class HostTransport(Transport):
         return ev
 
     def _enqueue(self, dst: torch.Tensor | None, src: torch.Tensor | None) -> Event:
-        ev = Event(threading.Event())
-        self._queue.put((dst, src, ev.handle))
-        self._last = ev
-        return ev
+        self._last = _put(self._queue, dst, src)
+        return self._last
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         return self._submit(dst, src)
@@ -436,6 +434,13 @@ class HostTransport(Transport):
         self._thread = _stop_worker(jobs, self._thread, timeout_s)
         if self._thread is None:
             _COPY_THREADS.discard(self)
+
+
+def _put(jobs: queue.Queue, dst: Any, src: torch.Tensor | None) -> Event:
+    """Queue a job to a copy engine's thread (a copy, a marker, an _After): the event it sets when done."""
+    ev = Event(threading.Event())
+    jobs.put((dst, src, ev.handle))
+    return ev
 
 
 def _stop_worker(jobs: queue.Queue | None, thread: threading.Thread | None,
@@ -524,9 +529,7 @@ class CopyEngineTransport(HostTransport):
         if self._d2h_queue is None:
             return self._submit(dst, src)
         self._check_copy(dst, src)
-        ev = Event(threading.Event())
-        self._d2h_queue.put((dst, src, ev.handle))
-        self._d2h_last = ev
+        ev = self._d2h_last = _put(self._d2h_queue, dst, src)
         for t in (dst, src):
             self.pool.fence(t, "d2h", ev)  # (the other engine's copies fence as "copy")
         return ev

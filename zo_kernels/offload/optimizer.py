@@ -330,7 +330,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self.transport = transport if transport is not None else default_transport(device)
         self._own_transport = transport is None  # close() closes (returns the pinned memory of) what it made
         # frozen params and buffers left on meta: their values first (init's fn may fail on one: nothing swapped yet)
-        follow = follower_values(init, module, {id(p) for p in trainable}, dtype) if init is not None else []
+        follow = follower_values(init, module, is_trainable, dtype) if init is not None else []
         for old in owners:  # its last update reaches the parameters this one takes its masters from
             if not old._closed:
                 old.synchronize()
@@ -585,16 +585,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             raise TypeError(f"write must be a bool, got {type(write).__name__}")
         if write:  # (load_checkpoint's way to the model's weights: after an interrupted step too)
             self._check_loadable()
+            self.update.finish_pending(write=True)  # a pending (delayed) update must not overwrite the block's write
         else:
             self._check_alive()
         if self.shards is None:
-            if write:  # as at stage 3 (stage 2 kept the pending update for the next step: a refresh dropped it)
-                self.update.finish_pending(write=True)
             self.update.wait_written()
             yield
             return
-        if write:  # a pending (delayed) update must not overwrite what the block writes
-            self.update.finish_pending(write=True)
         with self.shards.gathered(write):
             yield
 
