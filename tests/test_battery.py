@@ -1414,3 +1414,41 @@ if __name__ == "__main__":
     else:
         sys.exit("usage: python tests/test_battery.py --summary")
 
+
+
+def _inference_zeros(n, dtype=torch.float32):
+    with torch.inference_mode():
+        return torch.zeros(n, dtype=dtype)
+
+
+@pytest.mark.parametrize("which", ["param", "exp_avg", "exp_avg_sq", "param_out", "accumulate acc",
+                                   "sum_squares out", "CPUAdam param"])  # fmt: skip
+def test_an_inference_tensor_is_not_written_outside_inference_mode(which):
+    """The CPU ops wrote inference tensors in place outside inference mode, where torch's own in-place ops refuse
+    them (they carry no version counter: a graph that saved one would read the new values silently) and zo's
+    cast / pack / unpack refuse them too. Refused naming the argument, nothing written; inside inference mode
+    accepted."""
+    n = 64
+    p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
+    bad = _inference_zeros(n, torch.bfloat16 if which == "param_out" else torch.float32)
+    before = bad.clone()
+    name = which.split()[-1]
+    with pytest.raises(RuntimeError, match=f"{name} is an inference tensor"):
+        if which == "param":
+            zk.cpu_adam_step(bad, g, m, v, step=1, lr=1e-3)
+        elif which in ("exp_avg", "exp_avg_sq"):
+            zk.cpu_adam_step(p, g, *((bad, v) if which == "exp_avg" else (m, bad)), step=1, lr=1e-3)
+        elif which == "param_out":
+            zk.cpu_adam_step(p, g, m, v, step=1, lr=1e-3, param_out=bad)
+        elif which == "accumulate acc":
+            zk.accumulate(bad, g)
+        elif which == "sum_squares out":
+            zk.sum_squares(g, out=bad)
+        else:
+            bad.grad = g  # (a Parameter of it is refused by torch: requires_grad on an inference tensor)
+            zk.CPUAdam([bad], lr=1e-3).step()
+    assert torch.equal(bad, before) and not m.any() and not v.any()
+    with torch.inference_mode():  # (inside inference mode an inference tensor is written as torch writes it)
+        acc = _inference_zeros(n)
+        zk.accumulate(acc, g)
+    assert torch.equal(acc, g)

@@ -125,6 +125,9 @@ def check_memory(t: torch.Tensor, name: str, written: bool = False) -> None:
         raise ValueError(f"{name} is a negated or conjugated view; pass {name}.resolve_neg() / resolve_conj()")
     if t.numel() == 0:
         return
+    if written and t.is_inference() and not torch.is_inference_mode_enabled():  # (as torch's in-place ops refuse)
+        raise RuntimeError(f"{name} is an inference tensor: outside inference mode it cannot be written in place "
+                           "(it has no version counter to tell a graph that saved it)")  # fmt: skip
     if t.data_ptr() % t.element_size():
         raise ValueError(f"{name} is not aligned to its {t.element_size()}-byte elements (address {t.data_ptr():#x})")
     storage = t.untyped_storage()
