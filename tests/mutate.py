@@ -90,8 +90,10 @@ MUTANTS = [
        "tests/test_buckets.py"),
     # ---- checkpoints
     _m("load-ignores-saved-masters", "checkpoints", "zo_kernels/offload/state.py",
-       'if st.get("master") is not None:', 'if st.get("master") is None:',
-       "tests/test_offload.py", "tests/test_offload_semantics.py"),
+       'if st.get("master") is not None and from_zero_offload(state_dict):',
+       'if st.get("master") is None and from_zero_offload(state_dict):',
+       "tests/test_offload.py", "tests/test_offload_semantics.py", ("tests/test_torch_optim_contract.py", "-k",
+                                                                    "loaded_alone")),
     _m("load-step-off-by-one", "checkpoints", "zo_kernels/offload/state.py",
        "opt.update.steps[i] = step\n", "opt.update.steps[i] = step + 1\n",
        "tests/test_offload.py", "tests/test_offload_semantics.py"),

@@ -582,3 +582,97 @@ def test_tensor_lr_changed_by_the_scheduler_after_a_delayed_step(monkeypatch, gp
         opt.close()
     for a, b in zip(*masters):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["zero_offload", "adafactor"])
+def test_a_state_dict_that_went_through_torch_takes_torchs_weights(kind):
+    """A bug hunt's find: ours -> torch's optimizer -> trained there -> ours. torch keeps the unknown per-param key
+    `master` and hands it back steps old; the load took it as the truth and rolled the model back to its weights
+    of three steps before, silently. A state dict without `zero_offload` (not ours) refreshes the masters from the
+    model: the run goes on from torch's weights, as torch's own optimizer would."""
+    from zo_kernels import ZeroOffloadAdafactor
+
+    m = model()
+    ours = (lambda ps: ZeroOffloadAdamW(ps, dtype=torch.float32)) if kind == "zero_offload" else (
+        lambda ps: ZeroOffloadAdafactor(ps, dtype=torch.float32))  # fmt: skip
+    theirs = torch.optim.AdamW if kind == "zero_offload" else torch.optim.Adafactor
+    opt = ours(m.parameters())
+    train(m, opt, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    opt.close()
+    t_model = copy.deepcopy(m)
+    t_opt = theirs(t_model.parameters())
+    t_opt.load_state_dict(sd)
+    train(t_model, t_opt, 3)
+    t_sd = copy.deepcopy(t_opt.state_dict())
+    assert "master" in t_sd["state"][0] and "zero_offload" not in t_sd  # (torch's dict carries the stale masters)
+    back = copy.deepcopy(t_model)
+    opt2 = ours(back.parameters())
+    opt2.load_state_dict(t_sd)
+    for p, q in zip(back.parameters(), t_model.parameters()):
+        assert torch.equal(p, q), "the load rolled the model back to the masters torch carried"
+    train(back, opt2, 2, seed=7)
+    train(t_model, t_opt, 2, seed=7)
+    close(back, t_model)
+    opt2.close()
+
+
+@pytest.mark.parametrize("kind", ["fp32", "8bit", "adafactor"])
+@pytest.mark.parametrize("key", ["exp_avg", "master", "meta"])
+def test_a_state_value_beyond_fp32_or_on_meta_is_refused_naming_it(kind, key):
+    """A bug hunt's find: a float64 state value finite there but past fp32's range (1e39) passed the finiteness
+    check and became inf in the fp32 state (fp32 moments: non-finite weights after the next step; 8-bit: the
+    quantizer refused it midway and the optimizer refused every call after); a meta tensor raised torch's words
+    about item(). Refused naming the parameter and key, nothing changed."""
+    from zo_kernels import ZeroOffloadAdafactor
+
+    m = model()
+    opt = (ZeroOffloadAdafactor(m.parameters(), dtype=torch.float32) if kind == "adafactor"
+           else ZeroOffloadAdamW(m.parameters(), dtype=torch.float32, state_dtype="8bit" if kind == "8bit" else "fp32"))
+    train(m, opt, 1)
+    sd = copy.deepcopy(opt.state_dict())
+    name = ("variance" if kind == "adafactor" else "exp_avg") if key != "master" else "master"
+    entry = sd["state"][1]  # (the first layer's bias: a vector)
+    if key == "meta":
+        entry[name] = torch.empty(entry[name].shape, device="meta")
+        match = f"param 1: state '{name}' is a meta tensor"
+    else:
+        entry[name] = entry[name].double()
+        entry[name][0] = 1e39
+        match = f"param 1: state '{name}' holds values beyond fp32's range"
+    before = copy.deepcopy(opt.state_dict())
+    weights = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    after = opt.state_dict()  # (usable: not left midway)
+    for i, st in before["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, after["state"][i][k]), (i, k)
+    assert all(torch.equal(p, w) for p, w in zip(m.parameters(), weights))
+    train(m, opt, 1)
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    opt.close()
+
+
+@pytest.mark.parametrize("kind", ["zero_offload", "adafactor"])
+def test_our_state_dict_loaded_alone_into_a_fresh_model_resumes_bit_for_bit(kind):
+    """Our state dict's masters are the run's weights: loaded by the optimizer alone into a model built afresh
+    (another initialization), the model takes them and training goes on bit for bit as the run that saved them."""
+    from zo_kernels import ZeroOffloadAdafactor
+
+    ours = (lambda ps: ZeroOffloadAdamW(ps, dtype=torch.float32)) if kind == "zero_offload" else (
+        lambda ps: ZeroOffloadAdafactor(ps, dtype=torch.float32))  # fmt: skip
+    m = model()
+    opt = ours(m.parameters())
+    train(m, opt, 3)
+    sd = copy.deepcopy(opt.state_dict())
+    torch.manual_seed(123)
+    fresh = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    opt2 = ours(fresh.parameters())
+    opt2.load_state_dict(sd)
+    assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), m.parameters()))
+    train(m, opt, 2, seed=7)
+    train(fresh, opt2, 2, seed=7)
+    assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), m.parameters()))
+    opt.close()
+    opt2.close()

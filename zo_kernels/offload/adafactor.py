@@ -31,7 +31,7 @@ from .checks import check_int
 from .comm import Comm
 from .layout import Run
 from .optimizer import ZeroOffloadAdamW
-from .state import masters_follow_model
+from .state import from_zero_offload, masters_follow_model
 from .update import HostUpdate
 
 
@@ -352,7 +352,7 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> list[tuple[int, torch.Tensor, dict, int]]:
         """Check a state dict of this class or torch.optim.Adafactor against the optimizer; change nothing."""
-        from .state import _check_step, check_flags
+        from .state import _check_step, check_flags, check_fp32_values
 
         groups, state = check_state_dict_layout(state_dict, len(self.param_groups))
         plan = []
@@ -374,8 +374,9 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
                     if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
                         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                         raise ValueError(f"param {i}: state {key!r} must be a tensor of shape {shape}, got {got}")
-                    if not bool(torch.isfinite(t).all()):
-                        raise ValueError(f"param {i}: state {key!r} holds inf or NaN")
+                    if not t.is_floating_point():
+                        raise TypeError(f"param {i}: state {key!r} must be a floating-point tensor")
+                    check_fp32_values(t, f"param {i}: state {key!r}")
                 plan.append((gi, p, st, _check_step(st.get("step"), f"param {i}: state 'step'")))
         extra = state_dict.get("zero_offload", {})
         if not isinstance(extra, dict):
@@ -412,12 +413,12 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
             self.update.steps[self.layout.index[p]] = step
             for k, t in self.update.stats[p].items():
                 t.copy_(st[k])
-            if st.get("master") is not None:
+            if st.get("master") is not None and from_zero_offload(state_dict):
                 off, n = self.layout.offset[p], self.layout.shape[p].numel()
                 for a, b, pa in self.layout.owned(off, off + n, self.rank):
                     self.update.master[pa : pa + b - a] = st["master"].reshape(-1)[a - off : b - off].float()
         self._set_group_steps()
-        if not plan or any(st.get("master") is None for _, _, st, _ in plan):
+        if not plan or not from_zero_offload(state_dict) or any(st.get("master") is None for _, _, st, _ in plan):
             self.update.refresh_stale_masters()
         extra = state_dict.get("zero_offload", {})
         if "loss_scale" in extra and extra.get("dynamic") == self.scaler.dynamic:

@@ -141,8 +141,7 @@ def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[
                 if tuple(t.shape) != tuple(opt.layout.shape[p]):
                     raise ValueError(f"param {i}: saved {key} has shape {tuple(t.shape)}, "
                                      f"the model's param has {tuple(opt.layout.shape[p])}")  # fmt: skip
-                if not bool(torch.isfinite(t).all()):
-                    raise ValueError(f"param {i}: state {key!r} holds inf or NaN")
+                check_fp32_values(t, f"param {i}: state {key!r}")
                 if key == "exp_avg_sq" and bool((t < 0).any()):
                     raise ValueError(f"param {i}: state 'exp_avg_sq' has negative values")
             plan.append((gi, p, st, _check_step(st.get("step"), f"param {i}: state 'step'")))
@@ -168,6 +167,23 @@ def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[
     return plan
 
 
+def check_fp32_values(t: torch.Tensor, name: str) -> None:
+    """t's values, as the fp32 the state keeps them in: finite (a float64 1e39 is finite there and inf here)."""
+    if t.is_meta:
+        raise ValueError(f"{name} is a meta tensor (it holds no values)")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} holds inf or NaN")
+    if t.dtype == torch.float64 and not bool(torch.isfinite(t.float()).all()):
+        raise ValueError(f"{name} holds values beyond fp32's range (the state is kept in fp32)")
+
+
+def from_zero_offload(state_dict: dict[str, Any]) -> bool:
+    """Whether a state dict is one of ours (it carries `zero_offload`): only then are its masters the run's. torch's
+    optimizers keep an unknown per-parameter key such as `master` and hand it back unchanged, steps old after they
+    trained on: a dict of theirs refreshes the masters from the model."""
+    return "zero_offload" in state_dict
+
+
 def check_flags(extra: dict) -> None:
     """state_dict['zero_offload']'s flags are bools (truth-tested when loaded: "yes" or 1.5 would pass for True)."""
     for key in ("staged", "dynamic"):
@@ -190,7 +206,7 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
     opt._check_groups()
     opt._check_between_steps()
     plan = check_state_dict(opt, state_dict)
-    no_masters = not plan or any(st.get("master") is None for _, _, st, _ in plan)
+    no_masters = not plan or not from_zero_offload(state_dict) or any(st.get("master") is None for _, _, st, _ in plan)
     torn = _check_replaces_torn(opt, plan, no_masters)
     opt.update.finish_pending(write=False)
     with opt._midway():  # (Ctrl-C...) part of the state the loaded one: as after an interrupted step
@@ -225,7 +241,7 @@ def _load_checked(opt: ZeroOffloadAdamW, state_dict: dict[str, Any], plan: list,
             src, dst = slice(a - off, b - off), slice(pa, pa + b - a)
             exp_avg[dst] = st["exp_avg"].reshape(-1)[src].float()
             exp_avg_sq[dst] = st["exp_avg_sq"].reshape(-1)[src].float()
-            if st.get("master") is not None:
+            if st.get("master") is not None and from_zero_offload(state_dict):
                 master[dst] = st["master"].reshape(-1)[src].float()
     opt.update.save_state(master, exp_avg, exp_avg_sq)  # (quantized into this run's format)
     extra = state_dict.get("zero_offload", {})
