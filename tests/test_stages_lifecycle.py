@@ -706,3 +706,34 @@ def test_a_load_through_a_wrapper_and_after_a_failed_load():
     for k, v in wrap.state_dict().items():
         assert torch.equal(v, new[k]), k
     opt.close()
+
+
+@pytest.mark.parametrize("offload_param", [None, "cpu"])
+def test_a_refused_load_checkpoint_changes_nothing_under_the_delayed_update_at_stage3(tmp_path, offload_param):
+    """A bug hunt's find: load_checkpoint entered gathered(write=True), which lands the pending delayed update, before
+    it checked the checkpoint: a checkpoint refused for a shape moved the run onto another trajectory (0.0069 off
+    three steps later; stage 2 was bitwise). The checks now come first, against the parameters' full shapes."""
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(16, 1, generator=torch.Generator().manual_seed(2))
+    other = tmp_path / "other.pt"
+    zk.save_checkpoint(other, nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+
+    def run(bad_load: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=3, delay_update_after=1,
+                                  offload_param=offload_param)  # fmt: skip
+        for i in range(6):
+            if i == 3 and bad_load:
+                with pytest.raises(ValueError, match=r"checkpoint model\['2.weight'\] has shape \(2, 8\)"):
+                    zk.load_checkpoint(other, model, opt)
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        with opt.gathered():
+            w = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+        opt.close()
+        return w
+
+    assert torch.equal(run(False), run(True))

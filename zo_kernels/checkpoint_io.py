@@ -62,7 +62,7 @@ def _check_payload(ckpt: Any, path: Path, model: torch.nn.Module, optimizer: Any
     """Everything load_checkpoint relies on, checked before anything changes; returns (optimizer state, extra)."""
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"path: {path} is not a zo_kernels checkpoint (format {FORMAT!r} expected)")
-    saved, current = ckpt.get("model"), model.state_dict()
+    saved, current = ckpt.get("model"), _full_state(model, optimizer)
     if not isinstance(saved, dict):
         raise ValueError(f"path: {path} holds no 'model' state dict")
     missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
@@ -73,9 +73,11 @@ def _check_payload(ckpt: Any, path: Path, model: torch.nn.Module, optimizer: Any
         got = saved[key]
         if not isinstance(got, torch.Tensor):
             raise ValueError(f"checkpoint model[{key!r}] is a {type(got).__name__}, not a tensor")
-        if tuple(got.shape) != tuple(value.shape):
+        shape = value[1] if isinstance(value, tuple) else value.shape
+        value = value[0] if isinstance(value, tuple) else value
+        if tuple(got.shape) != tuple(shape):
             raise ValueError(f"checkpoint model[{key!r}] has shape {tuple(got.shape)}, "
-                             f"the model's has {tuple(value.shape)}")  # fmt: skip
+                             f"the model's has {tuple(shape)}")  # fmt: skip
         if got.is_floating_point() != value.is_floating_point() or got.is_complex() != value.is_complex():
             raise ValueError(f"checkpoint model[{key!r}] is {got.dtype}, the model's is {value.dtype}")
     extra = ckpt.get("extra")
@@ -92,6 +94,18 @@ def _check_payload(ckpt: Any, path: Path, model: torch.nn.Module, optimizer: Any
         else:
             _check_optimizer_state(state, optimizer)
     return state, dict(extra or {})
+
+
+def _full_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """model.state_dict() with each ZeRO-3 parameter (empty outside a gather) as (its tensor, its full shape): the
+    checks of a load run before anything is gathered (at stage 3 under the delayed update a write gather lands the
+    pending update: a refused checkpoint would have moved the run)."""
+    owners = [o for o in _owners(model, optimizer) if not o._closed and o.shards is not None]
+    out: dict[str, Any] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        shape = next((o.layout.shape[t] for o in owners if t in o.layout.index), None)
+        out[key] = t.detach() if shape is None else (t.detach(), shape)
+    return out
 
 
 def _check_optimizer_state(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
@@ -120,14 +134,19 @@ def _check_optimizer_state(state: dict[str, Any], optimizer: torch.optim.Optimiz
 def _whole(model: torch.nn.Module, optimizer: Any, write: bool = False) -> Any:
     """The model's parameters whole inside the block: the ZeroOffloadAdamW that owns them (passed or not) gathers
     them at stage 3."""
-    owners = {id(o): o for o in (getattr(p, "_zo_owner", lambda: None)() for p in model.parameters()) if o}
-    if isinstance(optimizer, ZeroOffloadAdamW):
-        owners[id(optimizer)] = optimizer
     stack = contextlib.ExitStack()
-    for o in owners.values():
+    for o in _owners(model, optimizer):
         if not o._closed and o.shards is not None:
             stack.enter_context(o.gathered(write))
     return stack
+
+
+def _owners(model: torch.nn.Module, optimizer: Any) -> list[ZeroOffloadAdamW]:
+    """The ZeroOffloadAdamW objects that own the model's parameters, and `optimizer` if it is one."""
+    owners = {id(o): o for o in (getattr(p, "_zo_owner", lambda: None)() for p in model.parameters()) if o}
+    if isinstance(optimizer, ZeroOffloadAdamW):
+        owners[id(optimizer)] = optimizer
+    return list(owners.values())
 
 
 def _temp_prefix(path: Path) -> str:
@@ -263,8 +282,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     # after an interrupted step the optimizer's state goes first: at stage 3 storing the model's weights writes the
     # parameters' NVMe file, which that step tore and the state replaces
     interrupted = isinstance(optimizer, ZeroOffloadAdamW) and optimizer._interruption() is not None
+    state, extra = _check_payload(ckpt, path, model, optimizer)  # (before any gather: see _full_state)
     with _whole(model, optimizer, write=True):
-        state, extra = _check_payload(ckpt, path, model, optimizer)
         state_first = interrupted and state is not None
         if state_first:
             optimizer.load_state_dict(state)
