@@ -119,7 +119,7 @@ MUTANTS = [
     _m("activation-graphless-forward-evicts", "activations", "zo_kernels/activations.py",
        "graph=not _needs_no_grad(out)", "graph=True", "tests/test_activations.py"),
     _m("activation-released-under-create-graph", "activations", "zo_kernels/activations.py",
-       "if s is not None and not torch.is_grad_enabled():", "if s is not None:",
+       "if seg is not None and not torch.is_grad_enabled():", "if seg is not None:",
        ("tests/test_activations.py", "-k", "double_backward")),
     # ---- the hyper-parameters a delayed update reads, the stale-masters check under DPU, stage 3's outputs
     _m("dpu-tensor-lr-read-late", "offload step", "zo_kernels/offload/optimizer.py",

@@ -13,10 +13,8 @@ placeholder (same device, so the same RNG states are stashed):
   after its producer) and drops its device reference. Backward recomputes segments in reverse; when segment k starts
   recomputing, the device waits for its H2D copy and the H2D copy of the segment before it (k - 1 in forward order)
   is queued into a free device slot, so it runs under segment k's compute. A device slot is free again when the
-  segment's backward is done: when it dies with its saved tensors, or, if it lives on (retain_graph=True), when the
-  gradient of its inputs has been computed (a gradient hook: `_release_when_done`). In a chain two slots are in use
-  at a time (the held arguments count as one). The held segment goes to the host then too (a second backward may
-  need it).
+  gradient of its segment's inputs has been computed (`_Release`): in a chain two slots are in use at a time (the
+  held arguments count as one). The held segment goes to the host then too (a second backward may need it).
 - offload=False: each argument is copied into a device block that lives until the graph is freed (one contiguous
   block per checkpoint instead of whatever the allocator left; MD in ZeRO-R).
 
@@ -247,22 +245,20 @@ class _Link:
         self.linked = False
 
 
-def _release_when_done(seg: _Segment, xs: list[torch.Tensor]) -> None:
-    """Give `seg`'s device blocks back once the gradient of its inputs `xs` is computed (each of them that the
-    backward reaches): its recomputed graph, which may read the restored checkpoint, has run by then. One input: a
-    tensor hook on it (~2x cheaper in host time than an identity autograd Function between the input and the segment,
-    which this replaced); several: torch's multi-gradient hook, which counts them per backward."""
-    ref = weakref.ref(seg)
+class _Release(torch.autograd.Function):
+    """Identity on a segment's inputs; its backward runs once their gradient is computed: the segment is done."""
 
-    def done(_: Any) -> None:
-        s = ref()
-        if s is not None and not torch.is_grad_enabled():  # (create_graph=True: the graph being built reads the
-            s.release_device()  # restored checkpoint later, so its blocks are not reused; freed with the segment)
+    @staticmethod
+    def forward(ctx: Any, seg: _Segment, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.seg = weakref.ref(seg)
+        return tuple(x.view_as(x) for x in xs)
 
-    if len(xs) == 1:
-        xs[0].register_hook(done)
-    else:
-        torch.autograd.graph.register_multi_grad_hook(xs, done, mode="all")
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        seg = ctx.seg()
+        if seg is not None and not torch.is_grad_enabled():  # (create_graph=True: the graph being built reads the
+            seg.release_device()  # restored checkpoint later, so its blocks are not reused; freed with the segment)
+        return (None, *grads)
 
 
 class _Segment:
@@ -405,15 +401,25 @@ class _Segment:
                 for k in g:
                     if isinstance(k, str):
                         kwargs[k] = self.kwargs[k]
+            grads = [g for g, (_, _, rg) in zip(self.groups, self.meta, strict=True) if rg]
+            passed: dict[int, torch.Tensor] = {}  # id of a _Release output -> the argument it stands for
+            if self.offload and grads and torch.is_grad_enabled():  # (resident blocks: nothing to release)
+                outs = _Release.apply(self, *(_get(args, kwargs, g[0]) for g in grads))
+                for g, o in zip(grads, outs, strict=True):
+                    passed[id(o)] = _get(args, kwargs, g[0])
+                    for k in g:
+                        _put(args, kwargs, k, o)
             self.store()
-            if self.offload and torch.is_grad_enabled():  # (resident blocks: nothing to release)
-                grads = [_get(args, kwargs, g[0]) for g, (_, _, rg) in zip(self.groups, self.meta, strict=True) if rg]
-                if grads:
-                    _release_when_done(self, grads)
-            out = self.function(*args, **kwargs)
+            try:
+                out = self.function(*args, **kwargs)
+            except RuntimeError as e:
+                text = str(e)  # (autograd's own words name _Release, or a view made in a custom Function)
+                if self.offload and "_Release" in text:
+                    raise RuntimeError(_MODIFIED_HELP) from e
+                raise
+            if passed:  # a function returning an argument as it is (nn.Identity, dropout in eval) returns the
+                out = _returned_as_is(out, passed)  # argument itself, as torch's checkpoint does, not our view of it
             if self.offload:
-                if any(x._version != v for x, v in zip(self.held, self.versions, strict=True)):
-                    raise RuntimeError(_MODIFIED_HELP)
                 self.buffers._settle(self, graph=not _needs_no_grad(out))
             return out
         args, kwargs = list(call_args), dict(call_kwargs)
@@ -482,6 +488,19 @@ def _memory_order(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None
 
 def _ordered(x: torch.Tensor, back: tuple[int, ...] | None) -> torch.Tensor:
     return x if back is None else x.permute(back)
+
+
+def _returned_as_is(out: Any, passed: dict[int, torch.Tensor]) -> Any:
+    """`out` with each of _Release's outputs in it (a tensor, or in a list, tuple or dict) replaced by the argument
+    it stands for."""
+    if isinstance(out, torch.Tensor):
+        return passed.get(id(out), out)
+    if isinstance(out, (list, tuple)) and any(id(o) in passed for o in out):
+        got = [passed.get(id(o), o) for o in out]
+        return type(out)(*got) if hasattr(out, "_fields") else type(out)(got)
+    if isinstance(out, dict) and any(id(o) in passed for o in out.values()):
+        return type(out)((k, passed.get(id(o), o)) for k, o in out.items())
+    return out
 
 
 def _needs_no_grad(out: Any) -> bool:
