@@ -621,24 +621,34 @@ def test_nested_checkpoints_backward_three_times(engine):
     buf = ActivationBuffers("cpu", engine)
     same(grads(lambda f, *a: zk.checkpoint(f, *a, buffers=buf)), grads(torch_ck))
 
-@pytest.mark.parametrize("changed", ["newest_input", "older_input"])
+@pytest.mark.parametrize("changed", ["newest_input", "older_input", "after_its_copy", "through_its_base"])
 def test_an_argument_changed_in_place_after_the_call_is_refused_at_backward(engine, changed):
     """torch's checkpoint refuses, at backward, an argument changed in place after the call (it saves the inputs).
     The held checkpoint is read at backward, and an older one is copied to the host when the next segment is stored:
-    a change before then would give other gradients silently (it did: no error). An error as torch's instead."""
+    a change before then would give other gradients silently (it did: no error). An error as torch's instead. A
+    change after that copy was queued raced with it (a bug hunt's find: other gradients, no error): refused at
+    backward too, while the argument lives."""
     torch.manual_seed(0)
     l1, l2 = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
 
     def backward(ck):
-        x = x_input(2).requires_grad_() * 1.0
+        base = x_input(2).requires_grad_() * 1.0
+        x = base.view(-1, WIDTH)  # (its base lives on when x is gone)
         y = ck(lambda t: torch.tanh(l1(t)), x)
         if changed == "older_input":  # before the next segment sends x to the host
             with torch.no_grad():
                 x.mul_(3.0)
+        if changed == "through_its_base":  # the argument itself gone, its base changed before its copy
+            del x
+            with torch.no_grad():
+                base.mul_(3.0)
         z = ck(lambda t: torch.tanh(l2(t)), y)
         if changed == "newest_input":  # y stays on the device (held) until backward reads it
             with torch.no_grad():
                 y.mul_(3.0)
+        if changed == "after_its_copy":  # x's copy to the host is queued (z's segment was stored)
+            with torch.no_grad():
+                x.mul_(3.0)
         z.sum().backward()
 
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -1429,3 +1439,96 @@ def test_activation_rows_profile_takes_no_garbage_collection():
         gc.callbacks.remove(count)
     assert first >= 1 and collections[first - 1][0] == 2, "a full collection before the profiled steps"
     assert inside == [], f"collections inside the profiled steps (generations): {inside}"
+
+
+class _VersionKeepingEngine(CopyEngineTransport):
+    """The GPU-shaped transport whose copies leave the destination's version counter as CudaTransport's raw copies
+    do: a block overwritten under a graph that reads it gives wrong numbers here, not autograd's in-place error."""
+
+    def _copy(self, dst, src):
+        with torch.autograd._unsafe_preserve_version_counter(dst):
+            dst.copy_(src)
+
+
+@pytest.fixture
+def raw_engine():
+    tr = _VersionKeepingEngine(delay_s=0.002)
+    yield tr
+    tr.close()
+
+
+def test_a_leaf_inputs_segment_keeps_its_blocks_until_its_backward_is_done(engine):
+    """(A bug hunt's case, against a gradient-hook release: a leaf's gradient is accumulated as soon as it is ready,
+    so a hook on it freed the segment's blocks while nodes of the segment not leading to it still read the restored
+    checkpoint, and a nested checkpoint restored into them.) torch's gradients, bit for bit."""
+    torch.manual_seed(0)
+    l1, l2 = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+    x0 = torch.randn(4, WIDTH)
+
+    def grads(ck):
+        l1.zero_grad(set_to_none=True)
+        l2.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+
+        def outer(t):
+            w = l1(t.detach())  # a use of the checkpoint that does not lead to its input
+            u = ck(lambda s: torch.tanh(l2(s)), torch.sigmoid(t.detach()))  # nested, the same buffers
+            return w + u + t.square()
+
+        ck(outer, x).square().sum().backward()
+        return [x.grad, l1.weight.grad, l1.bias.grad, l2.weight.grad]
+
+    same(grads(functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", engine))), grads(torch_ck))
+
+
+@pytest.mark.parametrize("between", ["through_the_input_only", "through_the_segments"])
+def test_a_plain_backward_after_create_graph_keeps_the_blocks_the_higher_order_graph_reads(raw_engine, between):
+    """torch.autograd.grad(create_graph=True) builds a graph that reads the restored checkpoints; a plain backward
+    after it (through the segments, a bug hunt's find: it gave their blocks back; or only through their input)
+    must not give them back: another step's prefetch copied into them and the higher-order backward read its values
+    (wrong gradients with copies that leave version counters, as on a GPU). torch's gradients, bit for bit."""
+    torch.manual_seed(0)
+    l1, l2 = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+    x0, x1 = torch.randn(4, WIDTH), 100 * torch.randn(4, WIDTH)
+
+    def forward(ck, x):
+        h0 = x * 1.0
+        return h0, ck(lambda t: torch.tanh(l2(t)) * t, ck(lambda t: torch.tanh(l1(t)) * t, h0))
+
+    def grads(ck):
+        l1.zero_grad(set_to_none=True)
+        l2.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        h0, y = forward(ck, x)
+        (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        ((h0 * 3).sum() if between == "through_the_input_only" else y.sum()).backward(retain_graph=True)
+        forward(ck, x1.clone().requires_grad_())[1].sum().backward()  # another step on the same buffers
+        g.square().sum().backward()
+        return [x.grad, l1.weight.grad, l2.weight.grad]
+
+    same(grads(functools.partial(zk.checkpoint, buffers=ActivationBuffers("cpu", raw_engine))), grads(torch_ck))
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_an_argument_changed_in_place_inside_the_function_after_a_nested_checkpoint_is_named(engine, offload):
+    """A bug hunt's find: the nested checkpoint's store sent the outer segment to the host, emptying the arguments
+    it checks (and a resident segment checked nothing), so the outer function's later in-place change of its
+    argument (one needing no gradient: no autograd view to refuse it) went unseen: other gradients than the
+    forward's, where torch raises. Named when the function returns (each argument's version counter as it was
+    taken); a forward whose output needs no gradient (a frozen teacher's) may change its input, as torch's
+    checkpoint lets it."""
+    torch.manual_seed(0)
+    l2 = torch.nn.Linear(WIDTH, WIDTH)
+    ck = functools.partial(zk.checkpoint, offload=offload, buffers=ActivationBuffers("cpu", engine))
+
+    def outer(t):
+        u = ck(lambda s: torch.tanh(l2(s)), t + 1.0)
+        t.mul_(2.0)
+        return u * t
+
+    with pytest.raises(RuntimeError, match="modified one of its tensor arguments in place"):
+        ck(outer, torch.randn(4, WIDTH)).square().sum()
+    teacher = torch.nn.Linear(WIDTH, WIDTH).requires_grad_(False)
+    x = torch.randn(4, WIDTH)
+    got = ck(lambda t: teacher(t.clamp_(-1.0, 1.0)), x.clone())
+    assert torch.equal(got, torch_ck(lambda t: teacher(t.clamp_(-1.0, 1.0)), x.clone()))

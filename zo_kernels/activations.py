@@ -256,8 +256,11 @@ class _Release(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         seg = ctx.seg()
-        if seg is not None and not torch.is_grad_enabled():  # (create_graph=True: the graph being built reads the
-            seg.release_device()  # restored checkpoint later, so its blocks are not reused; freed with the segment)
+        if seg is not None:
+            if torch.is_grad_enabled():  # create_graph=True: the graph being built reads the restored checkpoint
+                seg.kept = True  # later, also after a plain backward: its blocks are freed with the segment only
+            else:
+                seg.release_device()
         return (None, *grads)
 
 
@@ -288,22 +291,31 @@ class _Segment:
         self.held: list[torch.Tensor] = []  # offload, state held: the arguments themselves, still on the device
         self.versions: list[int] = []  # offload: each held argument's version counter when it was taken
         self.changed: str | None = None  # an argument was changed in place before its copy was taken (raised later)
+        self.watched: list[tuple[weakref.ref, int]] = []  # offload: (each argument, its version) while it lives: a
+        # change after its copy to the host was queued raced with the copy (refused at backward, as torch does)
+        self.kept = False  # a create_graph backward read its restored checkpoint: its blocks stay until it dies
         # forward -> [held ->] stored -> (restoring -> restored -> stored)*   (held: offload, the newest segment)
         self.state = "forward"
         self.link = _Link(self)
         self._fin = weakref.finalize(self, _free_segment, buffers, self.host, self.device, self.link)
 
-    def store(self) -> None:
-        """Copy the arguments into their blocks (host: queued D2H; device: a copy on the compute stream)."""
+    def store(self) -> list[tuple[torch.Tensor, int]]:
+        """Copy the arguments into their blocks (host: queued D2H; device: a copy on the compute stream); returns
+        each one (detached) with its version counter's value, for the check after the function."""
         assert self.args is not None and self.kwargs is not None
         buffers, args, kwargs = self.buffers, self.args, self.kwargs
+        taken = []
         for i, k in enumerate(self.slots):
-            x, back = _memory_order((kwargs[k] if isinstance(k, str) else args[k]).detach())
+            arg = kwargs[k] if isinstance(k, str) else args[k]
+            x, back = _memory_order(arg.detach())
             self.orders.append(back)
             self.meta[i] = (x.shape, *self.meta[i][1:])  # (the block holds x's memory order: channels_last's NHWC)
+            v = _version(x)
+            taken.append((x, v))
             if self.offload:
                 self.held.append(x)
-                self.versions.append(x._version)
+                self.versions.append(v)
+                self.watched.append((weakref.ref(arg), v))
             else:
                 block = buffers.take_device(x.numel() * x.element_size())
                 self.device.append(block)
@@ -314,6 +326,7 @@ class _Segment:
         self.state = "held" if self.offload else "stored"
         if self.offload:
             self.buffers._register(self)
+        return taken
 
     def to_host(self) -> None:
         """A held checkpoint: queue the D2H copies of its arguments and drop the device references. One whose
@@ -333,11 +346,24 @@ class _Segment:
         """A held argument changed in place since the call (its copy not yet taken) would change the gradients
         silently: noted, and raised when backward restores the checkpoint, as torch's checkpoint raises."""
         for i, (x, v) in enumerate(zip(self.held, self.versions, strict=True)):
-            if x._version != v and self.changed is None:
+            if _version(x) != v and self.changed is None:
                 self.changed = (f"checkpoint: tensor argument {self.slots[i]} of a checkpointed segment was modified "
                                 f"by an inplace operation after zo_kernels.checkpoint took it (version {v}, now "
-                                f"{x._version}): the recomputation would read the changed values. Change a copy, "
+                                f"{_version(x)}): the recomputation would read the changed values. Change a copy, "
                                 "or the argument before the call")  # fmt: skip
+
+    def _check_watched(self) -> None:
+        """An argument still alive changed in place after its copy to the host was queued: the copy raced with the
+        change (a GPU's copy stream reads it while the compute stream writes it): refused, as torch's checkpoint
+        refuses an argument changed after the call."""
+        for i, (ref, v) in enumerate(self.watched):
+            t = ref()
+            if t is not None and _version(t) != v:
+                raise RuntimeError(f"checkpoint: tensor argument {self.slots[i]} of a checkpointed segment was "
+                                   f"modified by an inplace operation after zo_kernels.checkpoint took it (version "
+                                   f"{v}, now {_version(t)}), once its copy to the host was under way: the "
+                                   "recomputation would read the changed values, or a mix. Change a copy, or the "
+                                   "argument before the call")  # fmt: skip
 
     def prefetch(self) -> None:
         """Queue the H2D copies of the checkpoint into device blocks (no wait)."""
@@ -361,6 +387,7 @@ class _Segment:
             self._check_unchanged()
         if self.changed is not None:
             raise RuntimeError(self.changed)
+        self._check_watched()
         if self.state == "held":
             prev = self.buffers._previous(self)
             if prev is not None:
@@ -385,7 +412,7 @@ class _Segment:
         """The segment's backward is done: an offloaded checkpoint's device blocks are free again."""
         if self.state == "held":
             self.to_host()
-        elif self.offload and self.state == "restored":
+        elif self.offload and self.state == "restored" and not self.kept:
             for b in self.device:
                 self.buffers.give_device(b)
             self.device.clear()
@@ -409,7 +436,7 @@ class _Segment:
                     passed[id(o)] = _get(args, kwargs, g[0])
                     for k in g:
                         _put(args, kwargs, k, o)
-            self.store()
+            taken = self.store()
             try:
                 out = self.function(*args, **kwargs)
             except RuntimeError as e:
@@ -417,10 +444,16 @@ class _Segment:
                 if self.offload and "_Release" in text:
                     raise RuntimeError(_MODIFIED_HELP) from e
                 raise
+            graph = not _needs_no_grad(out)
+            # an argument changed in place inside (one needing no gradient: no view of _Release to refuse it; or a
+            # resident one): the checkpoint holds it as passed, the recomputation would differ; with no graph (a
+            # frozen teacher's forward) nothing is recomputed: torch's checkpoint lets it, so does this
+            if graph and any(_version(x) != v for x, v in taken):
+                raise RuntimeError(_MODIFIED_HELP)
             if passed:  # a function returning an argument as it is (nn.Identity, dropout in eval) returns the
                 out = _returned_as_is(out, passed)  # argument itself, as torch's checkpoint does, not our view of it
             if self.offload:
-                self.buffers._settle(self, graph=not _needs_no_grad(out))
+                self.buffers._settle(self, graph=graph)
             return out
         args, kwargs = list(call_args), dict(call_kwargs)
         # the restore's own views and copies are not the function's: a selective checkpointing policy's mode, active
@@ -529,6 +562,11 @@ def _view(block: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch
     for s in shape:
         numel *= s
     return block[: numel * dtype.itemsize].view(dtype).view(shape)
+
+
+def _version(x: torch.Tensor) -> int:
+    """x's version counter (an inference tensor has none: it cannot be changed in place outside inference mode)."""
+    return -1 if x.is_inference() else x._version
 
 
 def _no_dispatch_modes() -> bool:
