@@ -101,6 +101,9 @@ MUTANTS = [
        '"good_steps": opt.scaler.good_steps,', '"good_steps": 0,',
        ("tests/test_combinations.py", "-k", "dynamic_scale"), "tests/test_offload.py",
        "tests/test_offload_semantics.py"),
+    _m("aborted-backward-taken-for-a-running-one", "offload step", "zo_kernels/offload/grads.py",
+       "return torch._C._current_graph_task_id() in self._callback_tasks or in_nested_backward()", "return True",
+       ("tests/test_interrupted.py", "-k", "raised_partway")),
     # ---- activation checkpoints (issue 21)
     _m("activation-restore-skips-wait", "activations", "zo_kernels/activations.py",
        "self.buffers.transport.device_wait(self.h2d)", "None", "tests/test_activations.py"),

@@ -421,3 +421,67 @@ def test_close_with_an_update_past_its_timeout_releases_nothing_under_it(tmp_pat
         opt.update._executor.shutdown(wait=True)  # (the test waits for the slow update itself)
     opt.close()
     assert opt._closed
+
+
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises once when armed: an out-of-memory or a Ctrl-C inside backward."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailOnce.armed:
+            _FailOnce.armed = False
+            raise RuntimeError("out of memory (simulated)")
+        return g
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.b(_FailOnce.apply(torch.tanh(self.a(x))))
+
+
+@pytest.mark.parametrize("gpu_shaped", [False, True])
+def test_a_backward_that_raised_partway_then_another_backward_sums_both_as_torch(gpu_shaped):
+    """A bug hunt's find: a backward raising partway (after the last layer's gradients, before the first's), the
+    batch skipped without zero_grad(), then the next backward: torch sums the partial gradients and the new ones; at
+    stage 3 that backward failed in AccumulateGrad (the size of tensor a (0) must match ...): the aborted pass's
+    gradient-arrival counts made the last layer's unit free its parameters after its first gradient. The dead
+    pass is told from a live one (reentrant checkpoints) by its graph task: every stage steps as torch does."""
+    x, y = torch.randn(16, 4, generator=torch.Generator().manual_seed(1)), torch.randn(16, 1)
+
+    def run(stage=None):
+        torch.manual_seed(0)
+        m = _Net()
+        if stage is None:
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        else:
+            tr = CopyEngineTransport() if gpu_shaped else None
+            opt = zo_kernels.ZeroOffloadAdamW(m, lr=1e-2, dtype=torch.float32, stage=stage, transport=tr)
+        for i in range(3):
+            if i == 1:
+                _FailOnce.armed = True
+                with pytest.raises(RuntimeError, match="simulated"):
+                    ((m(x) - y) ** 2).mean().backward()
+            ((m(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if stage is None:
+            return [p.detach().clone() for p in m.parameters()]
+        with opt.gathered():
+            out = [p.detach().clone() for p in m.parameters()]
+        opt.close()
+        return out
+
+    want = run()
+    for stage in (1, 2, 3):
+        for got, ref in zip(run(stage), want):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

@@ -269,11 +269,12 @@ class GradPath:
             if self.in_backward and i in self._seen:
                 # p got a second gradient: a param shared by two reentrant-checkpoint segments of one backward
                 # (an outer backward that will close the pass is still running), or a new backward pass (the
-                # last one ran entirely inside nested backwards, which cannot close it). Either way the pass is
-                # cut here, which is exact: the parts are summed like micro-batches.
+                # last one ran entirely inside nested backwards, which cannot close it, or raised partway, and its
+                # end-of-pass callback never ran: its graph task is not this one, and this one is not nested in
+                # it). Either way the pass is cut here, which is exact: the parts are summed like micro-batches.
                 t1 = time.perf_counter()  # (a pass's end and start are not the hook's own time: their flush,
-                self._end_micro(same_backward=bool(self._callback_tasks), in_hook=True)  # waits and sums have
-                t0 += time.perf_counter() - t1  # phases of their own or are waits orchestration leaves out)
+                self._end_micro(same_backward=self._outer_running(), in_hook=True)  # waits and sums have phases
+                t0 += time.perf_counter() - t1  # of their own or are waits orchestration leaves out)
             if not self.in_backward:
                 t1 = time.perf_counter()
                 self._begin_micro()
@@ -293,6 +294,15 @@ class GradPath:
             self._hooks_s += time.perf_counter() - t0
 
         return hook
+
+    def _outer_running(self) -> bool:
+        """The backward that registered the pass's end-of-pass callback is still running around this hook: this is
+        it, or a backward nested in it (a reentrant checkpoint's). Otherwise it raised partway (an out-of-memory,
+        a Ctrl-C) and its callback will never run: its pass ends here, as a whole (at stage 3 the units' gradient
+        counts start afresh: a stale count freed a unit's parameters before their gradients were accumulated)."""
+        if not self._callback_tasks:
+            return False
+        return torch._C._current_graph_task_id() in self._callback_tasks or in_nested_backward()
 
     def _after_accumulate(self, i: int, p: torch.Tensor) -> Callable[[torch.Tensor], None]:
         """Post-accumulate-grad hook of p (param i): p.grad holds its gradient; its bucket may be complete."""
