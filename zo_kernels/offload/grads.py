@@ -210,8 +210,9 @@ class GradPath:
             if not self.connected(p):
                 raise RuntimeError(f"param {i} (shape {tuple(p.shape)}, {p.dtype} on {p.device}) is no longer the "
                                    f"optimizer's {self.dtype} parameter on {self.device}: the model was "
-                                   "cast or moved after ZeroOffloadAdamW was built (model.float()/.to()/.half()?). "
-                                   "Build the optimizer after the last cast or move")  # fmt: skip
+                                   "cast, moved or resized after ZeroOffloadAdamW was built (model.float()/.to()/"
+                                   ".half(), resize_token_embeddings: its data replaced?). Build the optimizer after "
+                                   "the last cast, move or resize, or close() it first")  # fmt: skip
 
     def check_untouched(self) -> None:
         """p.grad is None or our placeholder: a gradient set by hand would otherwise be silently ignored. (In a pass

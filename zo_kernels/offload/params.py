@@ -439,10 +439,25 @@ class ParamShards:
         try:
             yield
             if write:
+                self._check_written_in_place(kept)
                 self.write_back()
         finally:
             for u in kept:
                 u.unkeep()
+
+    def _check_written_in_place(self, units: list[Unit]) -> None:
+        """A write block changed the parameters' values in place (copy_, load_state_dict): one whose data was
+        replaced (`p.data = ...`, resize_token_embeddings) would be lost by write_back, and the model left holding a
+        tensor of its own: refused before anything is stored."""
+        for u in units:
+            for p in u.params:
+                if not u.owns(p):
+                    raise RuntimeError(
+                        f"inside gathered(write=True) the data of a stage-3 parameter of shape "
+                        f"{tuple(u._where[p][1])} was replaced (now {tuple(p.shape)}, {p.dtype} on {p.device}): "
+                        "the optimizer's parameters keep their shapes and memory; write values in place (p.copy_(), "
+                        "model.load_state_dict()). Resize (resize_token_embeddings) or replace parameters before "
+                        "building the optimizer, or after close(); nothing was stored")  # fmt: skip
 
     # ------------------------------------------------------------------ hooks
 
