@@ -168,13 +168,14 @@ def test_framework_clipping_takes_effect(micro):
 
 def test_other_uses_of_p_grad_fail_loudly():
     model = net()
-    zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.float32, **HP)
+    opt = zk.ZeroOffloadAdamW(model.parameters(), dtype=torch.float32, **HP)  # (kept: a dropped one is collected)
     model(torch.randn(4, 8)).backward()
     for use in (lambda g: g.add_(1.0), lambda g: g.sum(), lambda g: g.clone(),
                 lambda g: torch.linalg.vector_norm(g, 0.5),
                 lambda g: torch.linalg.vector_norm(g, 2, dim=0)):  # fmt: skip
         with pytest.raises(RuntimeError, match="moved to the host|orders p >= 1"):
             use(model.a.weight.grad)
+    opt.close()
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")  # no step() needed to test loading

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -248,12 +249,17 @@ class GradPath:
     # ------------------------------------------------------------------ gradients leave during backward
 
     def _before_accumulate(self, p: torch.Tensor) -> Any:
-        """Tensor hook of p, run by autograd before p's gradient is accumulated into p.grad."""
+        """Tensor hook of p, run by autograd before p's gradient is accumulated into p.grad. It holds the path
+        weakly, as _after_accumulate's does (the path holds p's AccumulateGrad node, which holds p and its hooks)."""
 
         i = self.layout.index[p]
+        path = weakref.ref(self)
 
         def hook(grad: torch.Tensor) -> None:
             t0 = time.perf_counter()
+            self = path()
+            if self is None:  # (collected without close(): its hooks outlive it on the model's parameters)
+                return
             # checked once per pass, on its first gradient (_begin_micro checks every param): not once per tensor
             if not self.in_backward and not self.connected(p):
                 self.check_connected()  # raises, naming the first param that was cast or moved
@@ -306,11 +312,17 @@ class GradPath:
         return torch._C._current_graph_task_id() in self._callback_tasks or in_nested_backward()
 
     def _after_accumulate(self, i: int, p: torch.Tensor) -> Callable[[torch.Tensor], None]:
-        """Post-accumulate-grad hook of p (param i): p.grad holds its gradient; its bucket may be complete."""
+        """Post-accumulate-grad hook of p (param i): p.grad holds its gradient; its bucket may be complete. It holds
+        the path weakly: torch keeps these hooks where the garbage collector cannot see them, so a closure over the
+        path kept an optimizer never closed alive, with its files and memory, until the process exited."""
         bucket = self.layout.bucket_of[p]
+        path = weakref.ref(self)
 
         def on_grad(p: torch.Tensor) -> None:
             t0 = time.perf_counter()
+            self = path()
+            if self is None:  # (collected without close(): its hooks outlive it on the model's parameters)
+                return
             grad = p.grad
             if grad is None or not self.in_backward:
                 return
