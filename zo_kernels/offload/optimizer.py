@@ -609,8 +609,13 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
 
     def _interruption(self) -> BaseException | None:
         """What stopped a step midway (Ctrl-C, an exception in its update, synchronous or in the background), if one
-        did since the last state was loaded."""
-        return self._interrupted or self.update.stopped
+        did since the last state was loaded; or a write of the weights into NVMe files (ZeRO-Infinity's
+        model.load_state_dict, gathered(write=True), refresh_masters_from_model) that stopped partway: the files
+        are torn as by a step, and only a whole state replaces them (load_checkpoint then loads it first)."""
+        swapper = getattr(self.update, "swapper", None)
+        torn = getattr(swapper, "torn", None)
+        return self._interrupted or self.update.stopped or (RuntimeError(f"the NVMe files are torn: {torn}")
+                                                             if torn else None)  # fmt: skip
 
     @contextlib.contextmanager
     def _midway(self) -> Iterator[None]:
@@ -629,10 +634,10 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     def _check_usable(self) -> None:
         interrupted = self._interruption()
         if interrupted is not None:
-            raise RuntimeError("an earlier step() (or load_state_dict()) stopped midway (see the chained exception): "
-                               "part of the state is new, part old; load a checkpoint with the optimizer's state "
-                               "(zo_kernels.load_checkpoint, opt.load_state_dict) to go on"
-                               ) from interrupted  # fmt: skip
+            raise RuntimeError("an earlier step() (or load_state_dict(), or a write of the weights into NVMe files) "
+                               "stopped midway (see the chained exception): part of the state is new, part old; load "
+                               "a checkpoint with the optimizer's state (zo_kernels.load_checkpoint, "
+                               "opt.load_state_dict) to go on") from interrupted  # fmt: skip
         self._check_not_failed()
 
     def _check_not_failed(self) -> None:

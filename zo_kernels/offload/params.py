@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +30,16 @@ from .unit import Unit, UnitState, tensors_in
 Uses = list[tuple[torch.nn.Module, list[int]]]  # (module, the units it uses)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # what a bare Module holds: parameters, buffers, hooks
 _PLAIN = (int, float, bool, str, type(None))  # attributes that hold no tensor (nn.Linear's in_features...)
+
+
+class _EveryStorage:
+    """`viewed` for Unit.reshard after a forward that raised: every buffer is let go, none freed."""
+
+    def __contains__(self, storage: object) -> bool:
+        return True
+
+
+_EVERY_STORAGE = _EveryStorage()
 
 
 class DeviceBytes:
@@ -376,6 +387,8 @@ class ParamShards:
     def _keep_for_load(self, module: torch.nn.Module) -> None:
         """Before model.load_state_dict() (or a submodule's, `module`): every unit whole (a collective with several
         ranks: all load)."""
+        for u in self._loading:  # kept by a load that raised before its end (its post-hook never ran)
+            u.unkeep()
         self._loader = module
         self._loading = [u for u in self.units if u.whole is None or (u.state is UnitState.GATHERED and u.idle)]
         for u in self._loading:
@@ -388,9 +401,11 @@ class ParamShards:
         if module is not self._loader:
             return
         loading, self._loading, self._loader, self._load_keys = self._loading, [], None, None
-        self.write_back()
-        for u in loading:
-            u.unkeep()
+        try:  # (a write that fails, a full disk at ZeRO-Infinity: the units are let go all the same)
+            self.write_back()
+        finally:
+            for u in loading:
+                u.unkeep()
 
     def write_back(self) -> None:
         """Each rank's piece of the whole units (every rank holds the same values) into its shard; then the one
@@ -488,7 +503,11 @@ class ParamShards:
             ids = {id(t) for t in handed}  # (a unit whose parameter itself is handed out, `return self.queries`,
             idle = [u for u in units if u.idle and not any(id(p) in ids for p in u.params)]  # stays whole for now)
             if idle:
-                viewed = self._viewed(out, module)
+                # a forward that raised (torch calls this hook from its `except`, with no output): the frames of
+                # the traceback may hold views of the buffers (`w = self.weight.t()`), which a traceback printed with
+                # its locals or a debugger's post-mortem reads: the buffers are let go to them, not freed under them
+                raised = out is None and sys.exc_info()[0] is not None
+                viewed = _EVERY_STORAGE if raised else self._viewed(out, module)
                 for u in idle:
                     u.reshard(viewed)
 
