@@ -506,3 +506,41 @@ def test_on_tmpfs(tmp_path):
         assert same_bits(out[0], p) and same_bits(out[1], p) and not out[2].any()
         path = s.path
     assert not os.path.exists(path)
+
+
+def test_a_scratch_dir_that_fails_to_be_made_leaves_nothing(tmp_path, monkeypatch):
+    """A bug hunt's find: a full disk while the new scratch directory's lock file got its pid left the half-made
+    `.zo-nvme-new-<pid>-*` directory (until another process reclaimed it after this one died) and its lock file
+    open. Removed, and the descriptor closed, before the error is raised."""
+    from zo_kernels import scratch
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(scratch.os, "write", full)
+    with pytest.raises(OSError, match="No space left"):
+        scratch.ScratchDir(str(tmp_path))
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+    fds = [os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")
+           if os.path.exists(f"/proc/self/fd/{f}")]  # fmt: skip
+    assert not [p for p in fds if p.startswith(str(tmp_path))]
+
+
+def test_a_forked_child_leaves_its_parents_scratch_dir(tmp_path):
+    """A bug hunt's find: a child forked from a process holding a scratch directory ran the directory's finalizer
+    when it exited normally and removed the parent's live files (the parent trained on unlinked files, and the lock
+    that protects them from another process's reclaim meant nothing). Only the process that made it removes it."""
+    from zo_kernels import scratch
+
+    d = scratch.ScratchDir(str(tmp_path))
+    pid = os.fork()
+    if pid == 0:  # the child: what its exit's finalizer does, then out without running the parent's (pytest's) exit
+        try:
+            d.close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.path.isdir(d.path) and os.listdir(tmp_path) == [os.path.basename(d.path)]
+    d.close()
+    assert os.listdir(tmp_path) == []

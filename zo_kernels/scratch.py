@@ -4,7 +4,8 @@ Each process gets `<root>/zo-nvme-<pid>-<random>/` holding a `lock` file under a
 whole life. The kernel drops the flock when the process dies, however it dies (SIGKILL included), so the next
 ScratchDir on the same root finds the lock free and removes the directory. A directory is locked before it
 gets its final name: one being created is named `.zo-nvme-new-<pid>-...` and is removed only once that pid is
-gone. (A child forked with the lock file open keeps the lock until it exits.)
+gone. (A child forked with the lock file open keeps the lock until it exits; only the process that made the
+directory removes it.)
 """
 
 from __future__ import annotations
@@ -89,17 +90,28 @@ class ScratchDir:
     def __init__(self, root: str) -> None:
         root = check_dir(root)
         self.reclaimed = reclaim(root)
-        tmp = tempfile.mkdtemp(prefix=f"{_NEW}{os.getpid()}-", dir=root)
-        self._lock = os.open(os.path.join(tmp, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        fcntl.flock(self._lock, fcntl.LOCK_EX)
-        os.write(self._lock, f"{os.getpid()}\n".encode())
-        self.path = os.path.join(root, PREFIX + os.path.basename(tmp)[len(_NEW) :])
-        os.rename(tmp, self.path)
+        self._owner = os.getpid()  # (a forked child holds a copy of this object and of the lock: not the files)
+        self._lock: int | None = None
+        tmp = tempfile.mkdtemp(prefix=f"{_NEW}{self._owner}-", dir=root)
+        try:  # (a full disk when the pid is written, say: the half-made directory and its descriptor go)
+            self._lock = os.open(os.path.join(tmp, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+            os.write(self._lock, f"{self._owner}\n".encode())
+            self.path = os.path.join(root, PREFIX + os.path.basename(tmp)[len(_NEW) :])
+            os.rename(tmp, self.path)
+        except BaseException:
+            if self._lock is not None:
+                os.close(self._lock)
+                self._lock = None
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     def close(self) -> None:
-        """Remove the directory and its files, then drop the lock."""
+        """Remove the directory and its files, then drop the lock; in a forked child only its copy of the lock's
+        descriptor is closed (the parent's directory stays, its lock held by the parent)."""
         if self._lock is None:
             return
-        shutil.rmtree(self.path, ignore_errors=True)
+        if os.getpid() == self._owner:
+            shutil.rmtree(self.path, ignore_errors=True)
         os.close(self._lock)
         self._lock = None
