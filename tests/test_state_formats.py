@@ -570,3 +570,24 @@ def test_demo_with_8bit_state(capsys) -> None:
     out = capsys.readouterr().out
     # the planner's 2 + K (no p16 staging, as on a GPU); measured here: 8.03 + padding
     assert code == 0 and "host 8.031 (" in out, out
+
+
+def _stage3_entry(rank: int, world: int, ckpt_in, ckpt_out: str, out: str) -> None:
+    model = FeatureNet(VOCAB, WIDTH, seed=3 + (ckpt_in is not None))  # (a resumed run takes all from the file)
+    opt = zk.ZeroOffloadAdamW(model, **ADAMW, dtype=torch.float32, stage=3, bucket_numel=1_000,
+                              collective_timeout_s=60.0)  # fmt: skip
+    resume_two_steps(rank, model, opt, ckpt_in, ckpt_out, out, vocab=VOCAB, batch=BATCH, seq=SEQ, seed=11)
+    opt.close()
+
+
+def test_a_stage3_checkpoint_loads_at_two_ranks(tmp_path) -> None:
+    """A review's find: load_checkpoint's checks read model.state_dict() before gathering (so a refused checkpoint
+    changes nothing), which at stage 3 with several ranks is refused outside gathered(): every two-rank load failed.
+    The checks read its keys and dtypes without a gather; two ranks load what two ranks saved, bit for bit."""
+    a, b = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
+    spawn_ranks(_stage3_entry, 2, tmp_path, None, a, str(tmp_path / "first.pt"))
+    saved = torch.load(tmp_path / "first.pt", weights_only=False)["saved"]
+    spawn_ranks(_stage3_entry, 2, tmp_path, a, b, str(tmp_path / "second.pt"))
+    loaded = torch.load(tmp_path / "second.pt", weights_only=False)["loaded"]
+    got, want = _exact(loaded), _exact(saved)
+    assert len(got) == len(want) and all(torch.equal(x, y) for x, y in zip(got, want))

@@ -101,8 +101,15 @@ def _full_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     checks of a load run before anything is gathered (at stage 3 under the delayed update a write gather lands the
     pending update: a refused checkpoint would have moved the run)."""
     owners = [o for o in _owners(model, optimizer) if not o._closed and o.shards is not None]
+    for o in owners:  # (the keys and dtypes of state_dict(), its parameters not gathered: no collective, no read)
+        o.shards.probing = True
+    try:
+        sd = model.state_dict(keep_vars=True)
+    finally:
+        for o in owners:
+            o.shards.probing = False
     out: dict[str, Any] = {}
-    for key, t in model.state_dict(keep_vars=True).items():
+    for key, t in sd.items():
         shape = next((o.layout.shape[t] for o in owners if t in o.layout.index), None)
         out[key] = t.detach() if shape is None else (t.detach(), shape)
     return out

@@ -153,6 +153,7 @@ class ParamShards:
         self._patched: list[torch.nn.Module] = []  # modules whose `_parameters` is a _Parameters
         self._saving: list[Unit] = []  # units kept for a state_dict() in progress
         self._in_root_save = False  # the model's own state_dict() is running
+        self.probing = False  # a state_dict() read for its keys and dtypes only (load_checkpoint's checks): no gather
         self._loading: list[Unit] = []  # units kept for a load_state_dict() in progress
         self._loader: torch.nn.Module | None = None  # the outermost of our modules that load visits
         self._load_keys: list | None = None  # that load's missing_keys list (one per load_state_dict() call)
@@ -350,7 +351,7 @@ class ParamShards:
         """Before module.state_dict(): its units gathered into buffers of their own (one rank); with several ranks
         that would be a collective inside a call often made on one rank only: refused unless already whole."""
         missing = [u for u in units if u.whole is None]
-        if not missing:
+        if not missing or self.probing:
             return
         if self.comm.world > 1:
             self._release_saved(root_done=True)  # (the root's post-hook will not run)
