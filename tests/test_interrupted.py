@@ -441,16 +441,23 @@ class _FailOnce(torch.autograd.Function):
 
 
 class _Net(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, reentrant: bool = False) -> None:
         super().__init__()
-        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+        self.a, self.b, self.c = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)
+        self.reentrant = reentrant
 
     def forward(self, x):
-        return self.b(_FailOnce.apply(torch.tanh(self.a(x))))
+        h = _FailOnce.apply(torch.tanh(self.a(x)))
+        if not self.reentrant:
+            return self.b(h)
+        # (a review's case: the next backward's first repeated gradient comes inside the reentrant checkpoint's
+        # nested backward, created after c's node, so run before it)
+        out = self.c(h)
+        return torch.utils.checkpoint.checkpoint(self.b, h, use_reentrant=True) + out
 
 
-@pytest.mark.parametrize("gpu_shaped", [False, True])
-def test_a_backward_that_raised_partway_then_another_backward_sums_both_as_torch(gpu_shaped):
+@pytest.mark.parametrize("gpu_shaped, reentrant", [(False, False), (True, False), (False, True)])
+def test_a_backward_that_raised_partway_then_another_backward_sums_both_as_torch(gpu_shaped, reentrant):
     """A bug hunt's find: a backward raising partway (after the last layer's gradients, before the first's), the
     batch skipped without zero_grad(), then the next backward: torch sums the partial gradients and the new ones; at
     stage 3 that backward failed in AccumulateGrad (the size of tensor a (0) must match ...): the aborted pass's
@@ -460,7 +467,7 @@ def test_a_backward_that_raised_partway_then_another_backward_sums_both_as_torch
 
     def run(stage=None):
         torch.manual_seed(0)
-        m = _Net()
+        m = _Net(reentrant)
         if stage is None:
             opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
         else:

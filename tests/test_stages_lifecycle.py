@@ -810,3 +810,37 @@ def test_a_forward_that_raised_leaves_the_views_in_its_traceback_readable(tmp_pa
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
     assert float(run.stdout.split()[-1]) == float(torch.arange(64.0).sum())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_optimizer_dropped_without_close_leaves_a_model_that_trains_on(stage):
+    """A review's finds (after its gradient hooks began to hold it weakly): dropped between a backward and its step,
+    its gradient placeholders stayed in p.grad and the next plain backward failed adding into them; at stage 3 it
+    was collected while the model lived, with the weights inside it: a new optimizer over the model then found
+    empty parameters ("the trainable parameters have no elements"). At stage 3 the model holds its optimizer (a new
+    one finds and closes it: the weights come back whole); at stage 2 it is collected and the model's next backward
+    and a new optimizer work, as with a dropped torch optimizer."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=stage)
+    model(x).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    model(x).square().sum().backward()  # (dropped between this backward and its step)
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert (ref() is None) == (stage == 2)
+    model(x).square().sum().backward()  # (stage 2: autograd added into the dead optimizer's placeholders)
+    opt = zk.ZeroOffloadAdamW(model, lr=1e-2, dtype=torch.float32, stage=stage)
+    assert ref() is None or ref()._closed
+    for p in model.parameters():
+        p.grad = None
+    model(x).square().sum().backward()
+    opt.step()
+    opt.close()
+    assert all(p.numel() > 0 and torch.isfinite(p).all() for p in model.parameters())

@@ -258,7 +258,9 @@ class GradPath:
         def hook(grad: torch.Tensor) -> None:
             t0 = time.perf_counter()
             self = path()
-            if self is None:  # (collected without close(): its hooks outlive it on the model's parameters)
+            if self is None:  # collected without close(): its hooks outlive it on the model's parameters; a
+                if isinstance(p.grad, MovedGrad):  # placeholder it left (dropped between backward and step) goes,
+                    p.grad = None  # as torch's accumulation would add into it
                 return
             # checked once per pass, on its first gradient (_begin_micro checks every param): not once per tensor
             if not self.in_backward and not self.connected(p):
@@ -301,6 +303,15 @@ class GradPath:
             self._hooks_s += time.perf_counter() - t0
 
         return hook
+
+    def close_dead_pass(self) -> None:
+        """Before a forward outside any backward (stage 3's module hooks): a pass still open whose end-of-pass
+        callback a top-level backward registered belongs to a backward that raised partway (a finished one runs
+        its callback): it ends here, as a whole, so the next backward starts afresh with the units' gradient
+        counts reset, also when its first repeated gradient comes inside a reentrant checkpoint's nested backward
+        (which _outer_running cannot tell from the dead one's)."""
+        if self.in_backward and self._callback_tasks and torch._C._current_graph_task_id() == -1:
+            self._end_micro()
 
     def _outer_running(self) -> bool:
         """The backward that registered the pass's end-of-pass callback is still running around this hook: this is

@@ -469,6 +469,11 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.device_bytes.add(self.update.device_state_bytes)
         if shards is not None:
             shards.swapper = self.update.swapper
+            # the model holds its optimizer at stage 3 (its module hooks hold the shards, which hold this): the
+            # weights live here, so it is collected with the model, not before (a new optimizer over the model
+            # finds it and closes it, which hands the weights back)
+            shards.owner = self
+            shards.before_forward = self.grads.close_dead_pass
         for p in trainable:
             values = values_of.get(p)
             if init is not None:  # (the values are in place already) the meta p becomes a tensor of the device

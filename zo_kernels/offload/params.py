@@ -154,6 +154,8 @@ class ParamShards:
         self._saving: list[Unit] = []  # units kept for a state_dict() in progress
         self._in_root_save = False  # the model's own state_dict() is running
         self.probing = False  # a state_dict() read for its keys and dtypes only (load_checkpoint's checks): no gather
+        self.owner: Any = None  # the optimizer (held: the model's module hooks hold this, the optimizer the weights)
+        self.before_forward: Any = None  # called before a forward outside any backward (GradPath.close_dead_pass)
         self._loading: list[Unit] = []  # units kept for a load_state_dict() in progress
         self._loader: torch.nn.Module | None = None  # the outermost of our modules that load visits
         self._load_keys: list | None = None  # that load's missing_keys list (one per load_state_dict() call)
@@ -480,7 +482,10 @@ class ParamShards:
     @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _pre_forward(self, module: torch.nn.Module, units: list[Unit]) -> None:
         if not self.running:  # the outermost forward: an evaluation if begun without gradients outside backward
-            self._evaluating = not torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+            top = torch._C._current_graph_task_id() == -1
+            self._evaluating = not torch.is_grad_enabled() and top
+            if top and self.before_forward is not None:
+                self.before_forward()
         self.running.append(module)
         for u in units:
             u.check_untouched()
