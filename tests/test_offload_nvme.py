@@ -427,7 +427,8 @@ def test_a_weights_write_torn_by_a_full_disk_is_recovered_by_load_checkpoint(tmp
     disk, Ctrl-C) tore the files without marking the optimizer interrupted, so load_checkpoint loaded the model's
     weights first, which refused the torn files, and named itself as the way out: stuck for good. Now the torn
     files count as an interrupted step: load_checkpoint loads the state first (it replaces them whole), and the run
-    goes on bit for bit; the units are let go (they stayed gathered for good after a failed model load)."""
+    goes on bit for bit; the units are let go (they stayed gathered for good after a failed model load), and a
+    forward or a state_dict() meanwhile is refused (they read old and new weights mixed, silently)."""
     import zo_kernels.nvme as nv
 
     def build():
@@ -459,7 +460,11 @@ def test_a_weights_write_torn_by_a_full_disk_is_recovered_by_load_checkpoint(tmp
     monkeypatch.undo()
     assert {u.state.name for u in opt.shards.units} == {"SHARDED"} and opt.device_bytes.now == 0
     with pytest.raises(RuntimeError, match="stopped midway"):
-        step(model, opt, data[1, 0])
+        opt.step()
+    ids = data[1, 0]
+    for read in (lambda: model(ids[:, :-1], ids[:, 1:]), model.state_dict):  # (a review's find: they read the mix)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="NVMe file is torn"):
+            read()
     zk.load_checkpoint(ckpt, model, opt)
     for i in (1, 2):
         step(model, opt, data[i, 0])

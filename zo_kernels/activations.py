@@ -470,9 +470,9 @@ class _Segment:
         return self.function(*args, **kwargs)
 
 
-_MODIFIED_HELP = ("zo_kernels.checkpoint: the function modified one of its tensor arguments in place; an offloaded "
-                  "checkpoint is the argument as it was passed, so the function must leave its arguments unchanged "
-                  "(change a copy inside it: x = x.clone(), or x = x + ... instead of x += ...)")
+_MODIFIED_HELP = ("zo_kernels.checkpoint: the function modified one of its tensor arguments in place; a checkpoint "
+                  "(offloaded or resident) is the argument as it was passed, so the function must leave its arguments "
+                  "unchanged (change a copy inside it: x = x.clone(), or x = x + ... instead of x += ...)")
 
 
 def _groups(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device,

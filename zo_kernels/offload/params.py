@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..cpu_adam import bump_version
+from ..param_views import alias
 from ..transport import Event, Transport
 from .comm import Comm, _all_gather_single
 from .layout import FlatLayout
@@ -355,6 +356,7 @@ class ParamShards:
         missing = [u for u in units if u.whole is None]
         if not missing or self.probing:
             return
+        self._check_not_torn()
         if self.comm.world > 1:
             self._release_saved(root_done=True)  # (the root's post-hook will not run)
             raise RuntimeError("ZeRO-3 with several ranks: the parameters are partitioned, so state_dict() would be a "
@@ -470,9 +472,13 @@ class ParamShards:
         for u in units:
             for p in u.params:
                 if not u.owns(p):
+                    now = f"{tuple(p.shape)}, {p.dtype} on {p.device}"
+                    if u.whole is not None:  # the model gets the parameter back as it was: nothing is changed
+                        off, shape = u._where[p]
+                        p.data = alias(u.whole, off, shape.numel(), shape)
                     raise RuntimeError(
                         f"inside gathered(write=True) the data of a stage-3 parameter of shape "
-                        f"{tuple(u._where[p][1])} was replaced (now {tuple(p.shape)}, {p.dtype} on {p.device}): "
+                        f"{tuple(u._where[p][1])} was replaced (now {now}): "
                         "the optimizer's parameters keep their shapes and memory; write values in place (p.copy_(), "
                         "model.load_state_dict()). Resize (resize_token_embeddings) or replace parameters before "
                         "building the optimizer, or after close(); nothing was stored")  # fmt: skip
@@ -480,8 +486,18 @@ class ParamShards:
     # ------------------------------------------------------------------ hooks
 
     @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
+    def _check_not_torn(self) -> None:
+        """ZeRO-Infinity: the parameters' file torn by a write that stopped partway holds old and new weights mixed:
+        a forward or a state_dict() would read them silently (a load gathers them to write over, and close() to hand
+        them back, as they are)."""
+        torn = self.swapper.torn if self.offload == "nvme" and self.swapper is not None else None
+        if torn:
+            raise RuntimeError(f"the parameters' NVMe file is torn ({torn}): it holds old and new weights mixed; load "
+                               "a checkpoint (zo_kernels.load_checkpoint) before using the model")  # fmt: skip
+
     def _pre_forward(self, module: torch.nn.Module, units: list[Unit]) -> None:
         if not self.running:  # the outermost forward: an evaluation if begun without gradients outside backward
+            self._check_not_torn()
             top = torch._C._current_graph_task_id() == -1
             self._evaluating = not torch.is_grad_enabled() and top
             if top and self.before_forward is not None:
