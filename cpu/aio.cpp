@@ -167,7 +167,7 @@ struct Ring {
 // ---------------------------------------------------------------------------------------------- Engine
 
 Engine::Engine(const std::string& backend, int depth, size_t chunk_bytes)
-    : backend_(backend), chunk_(chunk_bytes) {
+    : owner_(getpid()), backend_(backend), chunk_(chunk_bytes) {
   if (depth < 1 || depth > 4096) throw std::invalid_argument("depth must be in [1, 4096], got " + std::to_string(depth));
   if (chunk_bytes == 0 || chunk_bytes % kAlign)
     throw std::invalid_argument("chunk_bytes must be a positive multiple of " + std::to_string(kAlign) + ", got " +
@@ -184,6 +184,12 @@ Engine::Engine(const std::string& backend, int depth, size_t chunk_bytes)
 }
 
 Engine::~Engine() {
+  if (getpid() != owner_) {  // a forked child: the workers (and their requests) are the parent's; joining a thread
+    // this process does not have crashed it at exit. Their handles and the condition they wait on are let go, never
+    // destroyed (the child exits).
+    new std::vector<std::thread>(std::move(threads_));
+    return;
+  }
   try {
     drain();
   } catch (...) {  // the ring failed: nothing more can be waited for
@@ -194,6 +200,7 @@ Engine::~Engine() {
   }
   cv_.notify_all();
   for (auto& t : threads_) t.join();
+  delete &cv_;
 }
 
 int64_t Engine::submit(Op op, const std::shared_ptr<File>& file, const std::shared_ptr<Buffer>& buf, size_t buf_off,

@@ -3,6 +3,8 @@
 // a pool of threads calling pread/pwrite, and io_uring through raw system calls (no liburing).
 // Everything a request touches is checked before it is queued; nothing here holds the GIL.
 #pragma once
+#include <sys/types.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
@@ -98,6 +100,7 @@ class Engine {
   const std::string& backend() const { return backend_; }
 
  private:
+  pid_t owner_ = 0;  // the process that made it: a forked child inherits it without its threads
   struct Request {
     Op op;
     std::shared_ptr<File> file;
@@ -125,7 +128,9 @@ class Engine {
   std::string backend_;
   size_t chunk_;
   std::mutex mu_;
-  std::condition_variable cv_;
+  // on the heap: a forked child must not destroy it (glibc's destroy waits for the waiters, the parent's workers,
+  // which the child does not have: its exit hung); the owner deletes it after joining them
+  std::condition_variable& cv_ = *new std::condition_variable;
   std::unordered_map<int64_t, Request> reqs_;
   std::deque<Piece> queue_;  // pieces not yet started (threads) or not yet in the ring (uring)
   int64_t next_ = 1;

@@ -544,3 +544,26 @@ def test_a_forked_child_leaves_its_parents_scratch_dir(tmp_path):
     assert os.path.isdir(d.path) and os.listdir(tmp_path) == [os.path.basename(d.path)]
     d.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_child_forked_from_a_process_with_an_nvme_optimizer_exits_cleanly(tmp_path):
+    """A review's find: a child forked from a process holding an NVMe optimizer, exiting the normal way, died of
+    SIGSEGV: the I/O engine's destructor joined worker threads the child does not have (and the finalizer would
+    have waited for the parent's requests and removed the parent's files). The child lets them be; the parent's
+    optimizer works on and closes."""
+    program = textwrap.dedent(f"""
+        import os, sys, torch
+        import zo_kernels as zk
+        opt = zk.ZeroOffloadAdamW(torch.nn.Linear(8, 8), offload_optimizer="nvme", nvme_dir={str(tmp_path)!r})
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # the normal way: finalizers and destructors run
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        assert os.listdir({str(tmp_path)!r}), "the parent's scratch directory is gone"
+        opt.close()
+        print("ok")
+    """)
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.split()[-1] == "ok", (run.returncode, run.stderr[-2000:])
+    assert os.listdir(tmp_path) == []

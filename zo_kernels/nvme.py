@@ -62,7 +62,12 @@ def narrow(m: Moment, a: int, b: int) -> Moment:
 
 
 def _release(engine: Any, files: list, scratch: ScratchDir) -> None:
-    """Wait for every request, close the files, remove the scratch directory (close() and the finalizer)."""
+    """Wait for every request, close the files, remove the scratch directory (close() and the finalizer). In a
+    forked child (its exit runs the finalizer) only the scratch directory's lock descriptor is closed: the requests,
+    files and directory are the parent's."""
+    if os.getpid() != scratch.owner:
+        scratch.close()
+        return
     engine.drain()
     for f in files:
         f.close()

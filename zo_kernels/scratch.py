@@ -90,13 +90,13 @@ class ScratchDir:
     def __init__(self, root: str) -> None:
         root = check_dir(root)
         self.reclaimed = reclaim(root)
-        self._owner = os.getpid()  # (a forked child holds a copy of this object and of the lock: not the files)
+        self.owner = os.getpid()  # (a forked child holds a copy of this object and of the lock: not the files)
         self._lock: int | None = None
-        tmp = tempfile.mkdtemp(prefix=f"{_NEW}{self._owner}-", dir=root)
+        tmp = tempfile.mkdtemp(prefix=f"{_NEW}{self.owner}-", dir=root)
         try:  # (a full disk when the pid is written, say: the half-made directory and its descriptor go)
             self._lock = os.open(os.path.join(tmp, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             fcntl.flock(self._lock, fcntl.LOCK_EX)
-            os.write(self._lock, f"{self._owner}\n".encode())
+            os.write(self._lock, f"{self.owner}\n".encode())
             self.path = os.path.join(root, PREFIX + os.path.basename(tmp)[len(_NEW) :])
             os.rename(tmp, self.path)
         except BaseException:
@@ -111,7 +111,7 @@ class ScratchDir:
         descriptor is closed (the parent's directory stays, its lock held by the parent)."""
         if self._lock is None:
             return
-        if os.getpid() == self._owner:
+        if os.getpid() == self.owner:
             shutil.rmtree(self.path, ignore_errors=True)
         os.close(self._lock)
         self._lock = None
