@@ -844,3 +844,53 @@ def test_an_optimizer_dropped_without_close_leaves_a_model_that_trains_on(stage)
     opt.step()
     opt.close()
     assert all(p.numel() > 0 and torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("where", ["start", "wait"])
+def test_a_gather_that_raised_leaves_the_unit_to_gather_again(where, monkeypatch):
+    """A two-rank hunt's find: an exception inside a stage-3 gather (a Ctrl-C landing in the shard's copy, a
+    collective's timeout, an NVMe read error) left its unit GATHERING with nothing to wait for: every later forward,
+    gathered(), close() and new optimizer raised "cannot unpack non-iterable NoneType object", and close() stopped
+    partway with parameters left empty. The unit goes back to SHARDED: the next use gathers afresh."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    opt = zk.ZeroOffloadAdamW(model, dtype=torch.float32, stage=3, offload_param="cpu")
+    x = torch.randn(4, 8)
+    opt.backward(model(x).square().mean())
+    opt.step()
+    with opt.gathered():
+        want = model(x)
+    if where == "start":
+        monkeypatch.setattr(opt.shards.transport, "h2d", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    else:
+        real = opt.shards._wait
+
+        def interrupted(u, pending):
+            real(u, pending)
+            raise KeyboardInterrupt
+
+        for u in opt.shards.units:
+            monkeypatch.setattr(u, "_wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    monkeypatch.undo()
+    assert torch.equal(model(x), want)
+    with opt.gathered():
+        assert torch.equal(model(x), want)
+    opt.close()
+    assert all(p.numel() > 0 for p in model.parameters()) and torch.equal(model(x), want)
+
+
+def test_no_collective_starts_after_one_failed():
+    """A two-rank hunt's find: after a collective timed out (a rank gone), close() started the hand-back's
+    collectives and waited a second full timeout on a group known to have failed. A later collective now raises
+    at once, chained to the first failure."""
+    from zo_kernels.offload.comm import Comm
+    from zo_kernels.offload.report import PhaseTimes
+
+    comm = Comm(None, torch.device("cpu"), 5.0, PhaseTimes())
+    comm.failed = RuntimeError("rank 0: the all-reduce of bucket 3 failed or did not finish within 5 s")
+    started = []
+    with pytest.raises(RuntimeError, match="not started: an earlier collective of this optimizer failed") as e:
+        comm.collective("the all-gather of unit 2", lambda *a, **k: started.append(a))
+    assert not started and e.value.__cause__ is comm.failed

@@ -42,7 +42,12 @@ class Comm:
         return dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r
 
     def collective(self, what: str, collective: Any, *args: Any, **kwargs: Any) -> None:
-        """Run a torch.distributed collective on the group and wait for it (bounded on gloo)."""
+        """Run a torch.distributed collective on the group and wait for it (bounded on gloo). After one failed, none
+        is started: the ranks are out of step (close() waited a second full timeout on a group known to have
+        failed)."""
+        if self.failed is not None:
+            raise RuntimeError(f"rank {self.rank}: {what} not started: an earlier collective of this optimizer "
+                               "failed (see the chained exception)") from self.failed  # fmt: skip
         self.wait(collective(*args, group=self.group, async_op=True, **kwargs), what)
 
     def wait(self, work: Any, what: str) -> None:

@@ -110,7 +110,21 @@ class Unit:
             self.buf.untyped_storage().resize_(self.nbytes)
         self.counter.add(self.nbytes)
         self.state = UnitState.GATHERING
-        self.pending = self._fill(self, self.buf)
+        try:
+            self.pending = self._fill(self, self.buf)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """A gather that raised (Ctrl-C, a collective's timeout, a read error): back to SHARDED, so that the next use
+        gathers afresh (it stayed GATHERING with nothing to wait for, and every later forward, gathered(), close()
+        and new optimizer raised a TypeError). The buffer is let go, not freed: a copy or collective started into it
+        may still write it (the device's allocator keeps it for the copy streams it was recorded on)."""
+        self.pending = None
+        self.buf = None
+        self.counter.sub(self.nbytes)
+        self.state = UnitState.SHARDED
 
     def finish(self) -> None:
         """-> GATHERED (starting the gather if none runs, waiting for it): the parameters view the buffer. KEPT and
@@ -119,7 +133,11 @@ class Unit:
         if self.state is not UnitState.GATHERING:
             return
         pending, self.pending = self.pending, None
-        self._wait(self, pending)
+        try:
+            self._wait(self, pending)
+        except BaseException:
+            self._abandon()
+            raise
         for p, (off, shape) in self._where.items():
             if p.numel() == 0:
                 p.data = self.buf[off : off + shape.numel()].view(shape)
