@@ -60,7 +60,9 @@ class Comm:
         except RuntimeError as e:
             limit = f"{self.timeout_s:g} s"
             self.failed = RuntimeError(f"rank {self.rank}: {what} failed or did not finish within {limit}; "
-                                       f"another rank has probably failed: {e}")  # fmt: skip
+                                       "another rank has probably failed, or did not make the same call (every rank "
+                                       "makes the optimizer's collective calls: backward, step, state_dict, "
+                                       f"gathered, save_checkpoint, load_checkpoint): {e}")  # fmt: skip
             raise self.failed from e
 
     @property
