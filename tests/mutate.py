@@ -50,8 +50,8 @@ MUTANTS = [
        "step=step, grad_scale=grad_scale, threads=threads, param_out=out,",
        COMBINATIONS, ("tests/test_offload_nvme.py", "-k", "nvme or clip")),
     _m("cpuadam-adamw-from-defaults", "CPUAdam", "zo_kernels/cpu_adam.py",
-       'adamw=group["adamw"], bias_correction=group["bias_correction"],',
-       'adamw=self.defaults["adamw"], bias_correction=group["bias_correction"],',
+       'eps=group["eps"], weight_decay=group["weight_decay"], adamw=group["adamw"],',
+       'eps=group["eps"], weight_decay=group["weight_decay"], adamw=self.defaults["adamw"],',
        "tests/test_combinations.py", "tests/test_cpu_adam_optimizer.py"),
     # ---- the offload step
     _m("clip-coefficient-not-capped", "offload step", "zo_kernels/offload/optimizer.py",

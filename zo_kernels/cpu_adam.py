@@ -531,9 +531,15 @@ def cpu_adam_step(
     tile = _check_tile(tile_numel, plan.numel, sink, plan.block)
     if c_sink:
         sink.check(param_out if param_out is not None else param, plan.numel)
+    _run_plan(plan, tile, sink, param_out)
+
+
+def _run_plan(plan: AdamPlan, tile: int, sink: Any, param_out: torch.Tensor | None) -> None:
+    """cpu_adam_step's update on a checked plan: `tile` elements at a time, `sink` after each (a TileSink: the whole
+    loop in C++); an interruption says how far it got (`updated`), and what was written has its version bumped."""
     progress = torch.zeros(1, dtype=torch.int64)  # written by the kernel after each tile: exact under Ctrl-C
     try:
-        if c_sink:
+        if isinstance(sink, TileSink):
             plan.run_tiled(tile, sink, param_out, progress)
             return
         for start in range(0, plan.numel, tile):
@@ -551,6 +557,7 @@ def cpu_adam_step(
         raise
     finally:
         if int(progress):
+            param, _, exp_avg, exp_avg_sq = plan.tensors
             bump_version(param, *moment_tensors(exp_avg, exp_avg_sq).values(), param_out)
 
 
@@ -913,6 +920,7 @@ class CPUAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = []
+        seeds = {p: i for i, p in enumerate(self._params())}
         for gi, group in enumerate(self.param_groups):  # check everything first: a bad group changes nothing
             check_torch_options(group, f"param group {gi}")
             check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -930,27 +938,25 @@ class CPUAdam(torch.optim.Optimizer):
                 if step > MAX_STEP:
                     raise ValueError(f"param group {gi} param {pi}: its next step would pass {MAX_STEP} (the kernel's "
                                      "int64)")  # fmt: skip
-                # every kernel check too (writable, storage, overlap): a later param refused used to leave the
-                # earlier ones stepped
-                grad = p.grad.contiguous()
+                # every kernel check too (writable, storage, overlap), once, in the plan: a later param refused
+                # used to leave the earlier ones stepped
                 m, v = (st["exp_avg"], st["exp_avg_sq"]) if st else zero_moments(p, self.state_dtype)
                 try:
-                    _check_adam_tensors(p, grad, m, v)
+                    plan = _plan(
+                        p, p.grad.contiguous(), m, v, None, step=step, lr=group["lr"], betas=group["betas"],
+                        eps=group["eps"], weight_decay=group["weight_decay"], adamw=group["adamw"],
+                        bias_correction=group["bias_correction"], grad_scale=1.0, out_dtype=None, threads=None,
+                        isa=None, maximize=bool(group.get("maximize")), seed=seeds[p],
+                    )  # fmt: skip
                 except (TypeError, ValueError) as e:
                     raise type(e)(f"param group {gi} param {pi}: {e}") from None
-                work.append((group, p, step, grad, m, v))
-        seeds = {p: i for i, p in enumerate(self._params())}
-        for group, p, step, grad, m, v in work:
+                work.append((p, plan))
+        for p, plan in work:
             state = self.state[p]
             if len(state) == 0:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"], state["exp_avg_sq"] = m, v
-            cpu_adam_step(
-                p, grad, state["exp_avg"], state["exp_avg_sq"], step=step,
-                lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                adamw=group["adamw"], bias_correction=group["bias_correction"], maximize=bool(group.get("maximize")),
-                seed=seeds[p],
-            )  # fmt: skip
+                state["exp_avg"], state["exp_avg_sq"] = plan.tensors[2:]
+            _run_plan(plan, _check_tile(None, plan.numel, None, plan.block), None, None)
             state["step"] += 1
         return loss
 
