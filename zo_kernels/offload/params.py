@@ -485,7 +485,6 @@ class ParamShards:
 
     # ------------------------------------------------------------------ hooks
 
-    @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _check_not_torn(self) -> None:
         """ZeRO-Infinity: the parameters' file torn by a write that stopped partway holds old and new weights mixed:
         a forward or a state_dict() would read them silently (a load gathers them to write over, and close() to hand
@@ -495,6 +494,7 @@ class ParamShards:
             raise RuntimeError(f"the parameters' NVMe file is torn ({torn}): it holds old and new weights mixed; load "
                                "a checkpoint (zo_kernels.load_checkpoint) before using the model")  # fmt: skip
 
+    @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _pre_forward(self, module: torch.nn.Module, units: list[Unit]) -> None:
         if not self.running:  # the outermost forward: an evaluation if begun without gradients outside backward
             self._check_not_torn()
