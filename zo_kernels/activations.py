@@ -347,10 +347,7 @@ class _Segment:
         silently: noted, and raised when backward restores the checkpoint, as torch's checkpoint raises."""
         for i, (x, v) in enumerate(zip(self.held, self.versions, strict=True)):
             if _version(x) != v and self.changed is None:
-                self.changed = (f"checkpoint: tensor argument {self.slots[i]} of a checkpointed segment was modified "
-                                f"by an inplace operation after zo_kernels.checkpoint took it (version {v}, now "
-                                f"{_version(x)}): the recomputation would read the changed values. Change a copy, "
-                                "or the argument before the call")  # fmt: skip
+                self.changed = _changed_help(self.slots[i], v, _version(x))
 
     def _check_watched(self) -> None:
         """An argument still alive changed in place after its copy to the host was queued: the copy raced with the
@@ -359,11 +356,7 @@ class _Segment:
         for i, (ref, v) in enumerate(self.watched):
             t = ref()
             if t is not None and _version(t) != v:
-                raise RuntimeError(f"checkpoint: tensor argument {self.slots[i]} of a checkpointed segment was "
-                                   f"modified by an inplace operation after zo_kernels.checkpoint took it (version "
-                                   f"{v}, now {_version(t)}), once its copy to the host was under way: the "
-                                   "recomputation would read the changed values, or a mix. Change a copy, or the "
-                                   "argument before the call")  # fmt: skip
+                raise RuntimeError(_changed_help(self.slots[i], v, _version(t), copying=True))
 
     def prefetch(self) -> None:
         """Queue the H2D copies of the checkpoint into device blocks (no wait)."""
@@ -473,6 +466,16 @@ class _Segment:
 _MODIFIED_HELP = ("zo_kernels.checkpoint: the function modified one of its tensor arguments in place; a checkpoint "
                   "(offloaded or resident) is the argument as it was passed, so the function must leave its arguments "
                   "unchanged (change a copy inside it: x = x.clone(), or x = x + ... instead of x += ...)")
+
+
+def _changed_help(slot: int | str, version: int, now: int, copying: bool = False) -> str:
+    """The error for an argument changed in place after the call, as torch's checkpoint refuses one (copying: once
+    its copy to the host was under way, a race with it)."""
+    during = ", once its copy to the host was under way" if copying else ""
+    mix = ", or a mix" if copying else ""
+    return (f"checkpoint: tensor argument {slot} of a checkpointed segment was modified by an inplace operation after "
+            f"zo_kernels.checkpoint took it (version {version}, now {now}){during}: the recomputation would read the "
+            f"changed values{mix}. Change a copy, or the argument before the call")
 
 
 def _groups(args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device,

@@ -69,12 +69,10 @@ def _check_payload(ckpt: Any, path: Path, model: torch.nn.Module, optimizer: Any
     if missing or unexpected:
         raise ValueError(f"checkpoint and model differ: missing in the checkpoint {missing[:5]}, "
                          f"not in the model {unexpected[:5]}")  # fmt: skip
-    for key, value in current.items():
+    for key, (value, shape) in current.items():
         got = saved[key]
         if not isinstance(got, torch.Tensor):
             raise ValueError(f"checkpoint model[{key!r}] is a {type(got).__name__}, not a tensor")
-        shape = value[1] if isinstance(value, tuple) else value.shape
-        value = value[0] if isinstance(value, tuple) else value
         if tuple(got.shape) != tuple(shape):
             raise ValueError(f"checkpoint model[{key!r}] has shape {tuple(got.shape)}, "
                              f"the model's has {tuple(shape)}")  # fmt: skip
@@ -96,10 +94,10 @@ def _check_payload(ckpt: Any, path: Path, model: torch.nn.Module, optimizer: Any
     return state, dict(extra or {})
 
 
-def _full_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """model.state_dict() with each ZeRO-3 parameter (empty outside a gather) as (its tensor, its full shape): the
-    checks of a load run before anything is gathered (at stage 3 under the delayed update a write gather lands the
-    pending update: a refused checkpoint would have moved the run)."""
+def _full_state(model: torch.nn.Module, optimizer: Any) -> dict[str, tuple[torch.Tensor, torch.Size]]:
+    """model.state_dict() as {key: (tensor, its full shape)}: a ZeRO-3 parameter is empty outside a gather, its shape
+    is its layout's. The checks of a load run before anything is gathered (at stage 3 under the delayed update a
+    write gather lands the pending update: a refused checkpoint would have moved the run)."""
     owners = [o for o in _owners(model, optimizer) if not o._closed and o.shards is not None]
     for o in owners:  # (the keys and dtypes of state_dict(), its parameters not gathered: no collective, no read)
         o.shards.probing = True
@@ -108,11 +106,8 @@ def _full_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     finally:
         for o in owners:
             o.shards.probing = False
-    out: dict[str, Any] = {}
-    for key, t in sd.items():
-        shape = next((o.layout.shape[t] for o in owners if t in o.layout.index), None)
-        out[key] = t.detach() if shape is None else (t.detach(), shape)
-    return out
+    return {key: (t.detach(), next((o.layout.shape[t] for o in owners if t in o.layout.index), t.shape))
+            for key, t in sd.items()}
 
 
 def _check_optimizer_state(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:

@@ -31,7 +31,7 @@ from .checks import check_int
 from .comm import Comm
 from .layout import Run
 from .optimizer import ZeroOffloadAdamW
-from .state import from_zero_offload, masters_follow_model
+from .state import from_zero_offload, masters_follow_model, takes_masters
 from .update import HostUpdate
 
 
@@ -418,7 +418,7 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
                 for a, b, pa in self.layout.owned(off, off + n, self.rank):
                     self.update.master[pa : pa + b - a] = st["master"].reshape(-1)[a - off : b - off].float()
         self._set_group_steps()
-        if not plan or not from_zero_offload(state_dict) or any(st.get("master") is None for _, _, st, _ in plan):
+        if not takes_masters(state_dict, plan):
             self.update.refresh_stale_masters()
         extra = state_dict.get("zero_offload", {})
         if "loss_scale" in extra and extra.get("dynamic") == self.scaler.dynamic:

@@ -184,6 +184,12 @@ def from_zero_offload(state_dict: dict[str, Any]) -> bool:
     return "zero_offload" in state_dict
 
 
+def takes_masters(state_dict: dict[str, Any], plan: list) -> bool:
+    """Whether a load takes its masters from the dict (one of ours with every parameter's master; `plan` is what
+    check_state_dict returned) rather than refreshing them from the model."""
+    return bool(plan) and from_zero_offload(state_dict) and all(st.get("master") is not None for _, _, st, _ in plan)
+
+
 def check_flags(extra: dict) -> None:
     """state_dict['zero_offload']'s flags are bools (truth-tested when loaded: "yes" or 1.5 would pass for True)."""
     for key in ("staged", "dynamic"):
@@ -206,7 +212,7 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
     opt._check_groups()
     opt._check_between_steps()
     plan = check_state_dict(opt, state_dict)
-    no_masters = not plan or not from_zero_offload(state_dict) or any(st.get("master") is None for _, _, st, _ in plan)
+    no_masters = not takes_masters(state_dict, plan)
     torn = _check_replaces_torn(opt, plan, no_masters)
     opt.update.finish_pending(write=False)
     with opt._midway():  # (Ctrl-C...) part of the state the loaded one: as after an interrupted step
