@@ -1,6 +1,7 @@
 """ZeroOffloadAdamW's semantics where they meet torch's, each against plain torch (torch.optim.AdamW on fp32
 masters, written here): issue 10's findings, one test each, and misuse that must fail loudly (issue 11)."""
 
+import contextlib
 import copy
 import warnings
 
@@ -681,6 +682,40 @@ def test_a_gradient_scale_the_kernel_would_refuse_is_refused_or_skipped_before_t
     static = zk.ZeroOffloadAdamW(net().parameters(), dtype=torch.float32, loss_scale=2.0, **HP)
     with pytest.raises(ValueError, match=r"\['loss_scale'\] must be >= 2.939e-39"):
         static.load_state_dict(sd)
+
+
+def test_stage3_parameters_replaced_by_other_objects_are_refused():
+    """load_state_dict(assign=True), inside gathered(write=True) or not, and `module.weight = nn.Parameter(...)` put
+    tensors of their own in the model at stage 3: the optimizer went on training the ones it held (empty, gathered
+    around forwards), the model never changed, silently. Refused before anything is changed, naming the parameter;
+    a buffer-only assign load, and setting a parameter to itself (HF's tie_weights on tied weights), go on."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    opt = zk.ZeroOffloadAdamW(m, dtype=torch.float32, stage=3)
+    with opt.gathered():
+        before = [p.detach().clone() for p in m.parameters()]
+    params = list(m.parameters())
+    sd = {k: torch.full_like(v, 0.5) if v.is_floating_point() else v for k, v in m.state_dict().items()}
+    for inside in (True, False):
+        with pytest.raises(RuntimeError, match=r"load_state_dict\(assign=True\) would replace the optimizer's "
+                                               r"parameter '0.weight'.*nothing was changed"):
+            with opt.gathered(write=True) if inside else contextlib.nullcontext():
+                m.load_state_dict(sd, assign=True)
+    with pytest.raises(RuntimeError, match=r"module.weight = nn.Parameter\(...\) would replace the optimizer's "
+                                           r"parameter 'weight' \(2, 4\)"):
+        m[2].weight = torch.nn.Parameter(torch.zeros(2, 4))
+    m[1].load_state_dict({k[2:]: v for k, v in sd.items() if "running" in k or "batches" in k}, strict=False,
+                         assign=True)  # fmt: skip
+    assert torch.equal(m[1].running_mean, torch.full((4,), 0.5))
+    m[0].weight = m[0].weight  # the same object: nothing replaced
+    assert list(m.parameters()) == params
+    with opt.gathered():
+        assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before, strict=True))
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    with opt.gathered():
+        assert not any(torch.equal(p, q) for p, q in zip(m.parameters(), before, strict=True))  # trained
+    opt.close()
 
 
 def test_embeddings_resized_after_construction_are_named():

@@ -83,6 +83,13 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _replaced_help(what: str, how: str) -> str:
+    return (f"stage 3: {how} would replace the optimizer's {what} with another tensor, which the optimizer would "
+            "never see (it would train the one it holds, and the model would not change): write values in place "
+            "(model.load_state_dict() without assign=True, p.copy_()), or replace parameters before building the "
+            "optimizer or after close(); nothing was changed")
+
+
 class _Parameters(dict):
     """A module's `_parameters` at stage 3 (what `module.weight` reads): an empty parameter of the optimizer's read
     while a forward runs is gathered on demand for the running module; a deepcopy holds whole parameters."""
@@ -96,6 +103,13 @@ class _Parameters(dict):
         if p is not None and p.numel() == 0 and self.shards.running:
             self.shards.fetch(p)
         return p
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        old = dict.get(self, name)
+        if old is not None and value is not old and old in self.shards.unit_of:  # (module.weight = nn.Parameter())
+            raise RuntimeError(_replaced_help(f"parameter {name!r} {tuple(self.shards.unit_of[old]._where[old][1])}",
+                                              "module.weight = nn.Parameter(...)"))  # fmt: skip
+        dict.__setitem__(self, name, value)
 
     def __deepcopy__(self, memo: dict) -> dict:
         return {k: self.shards.whole_copy(p, memo) for k, p in self.items()}
@@ -386,6 +400,11 @@ class ParamShards:
     def _load_pre_hook(self, module: torch.nn.Module, state_dict: Any, prefix: str, local_metadata: Any, strict: Any,
                        missing_keys: list, *rest: Any) -> None:  # fmt: skip
         if missing_keys is not self._load_keys:  # the first of a load (its one `missing_keys` list: a new one a call,
+            if local_metadata.get("assign_to_params_buffers"):  # (refused before anything is loaded)
+                mine = [n for n, p in module.named_parameters(prefix=prefix[:-1], remove_duplicate=False)
+                        if p in self.unit_of and n in state_dict]  # fmt: skip
+                if mine:
+                    raise RuntimeError(_replaced_help(f"parameter {mine[0]!r}", "load_state_dict(assign=True)"))
             self._load_keys = missing_keys  # so a load that raised midway leaves nothing behind for the next)
             self._keep_for_load(module)
 
