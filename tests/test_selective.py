@@ -808,3 +808,48 @@ def test_a_state_saved_with_a_writeback_pending_loads_into_selective_with_the_mo
     for p, m in zip(model.parameters(), saved):
         assert torch.equal(p.detach(), m)
     opt.close()
+
+
+@pytest.mark.parametrize("how", ["refresh_masters_from_model", "torch_adamw_state"])
+@pytest.mark.parametrize("selective", [{"fraction": 1.0}, {"fraction": 0.5, "apply_every": 4}])
+def test_weights_loaded_into_the_model_mid_run_become_the_masters(selective, how):
+    """A bug hunt's find: mid-run, `model.load_state_dict(w)` then `opt.refresh_masters_from_model()` (its docstring:
+    "e.g. after model.load_state_dict"), or then a torch.optim.AdamW state dict (no masters: they come from the
+    model), put the old weights back into the model and the masters: the synchronisation point before both (the
+    open window applied, the selection's state brought home) wrote its update over the loaded weights first. The
+    weights the model holds win, as without `selective` (the reference: the same run with selective=None)."""
+    def net():
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+
+    def run(sel):
+        torch.manual_seed(0)
+        model = net()
+        opt = zk.ZeroOffloadAdamW(model, dtype=torch.float32, lr=1e-2, selective=sel)
+        for _ in range(3):
+            opt.backward(model(torch.randn(4, 8)).square().mean())
+            opt.step()
+            opt.zero_grad()
+        torch.manual_seed(7)
+        new = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+        model.load_state_dict(new)
+        if how == "refresh_masters_from_model":
+            opt.refresh_masters_from_model()
+        else:
+            other = net()  # a torch.optim.AdamW state of a step of its own, to load
+            torch_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+            other(torch.randn(4, 8)).square().mean().backward()
+            torch_opt.step()
+            with pytest.warns(UserWarning, match="masters"):
+                opt.load_state_dict(torch_opt.state_dict())
+        sd = opt.state_dict()
+        held = [p.detach().clone() for p in model.parameters()]
+        masters = [sd["state"][i]["master"] for i in range(len(held))]
+        opt.close()
+        return new, held, masters
+
+    new, held, masters = run(selective)
+    assert all(torch.equal(h, w) for h, w in zip(held, new.values(), strict=True))
+    assert all(torch.equal(m, w) for m, w in zip(masters, new.values(), strict=True))
+    _, held_ref, masters_ref = run(None)
+    assert all(torch.equal(a, b) for a, b in zip(held, held_ref, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(masters, masters_ref, strict=True))

@@ -472,9 +472,23 @@ class SelectiveUpdate(HostUpdate):
             self.write_staging()
             self.staged = False
 
-    def finish_pending(self, write: bool) -> None:
-        """Every reader and writer of the state (state_dict, opt.state, load, synchronize, close) drains first."""
+    def finish_pending(self, write: bool, keep_model: bool = False) -> None:
+        """Every reader and writer of the state (state_dict, opt.state, load, synchronize, close) drains first.
+        `keep_model`: the masters are taken from the model next (refresh_from_model, a load without masters): the
+        parameters stay as the model holds them now (the drain writes its update over them: weights loaded into the
+        model since the last step were lost, and the masters refreshed from the update's parameters)."""
+        if not keep_model:
+            self.drain()
+            return
+        now = self.own.detach().clone()
         self.drain()
+        self.own.copy_(now)  # (after the drain's writeback: the compute stream waits for its copies)
+        self._publish_all()
+
+    def refresh_from_model(self) -> None:
+        """The masters from the model's parameters as they are now (not after the drain's update)."""
+        self.finish_pending(write=False, keep_model=True)
+        super().refresh_from_model()
 
     @torch.no_grad()
     def resume(self, staged: bool) -> None:

@@ -214,7 +214,7 @@ def load_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> None:
     plan = check_state_dict(opt, state_dict)
     no_masters = not takes_masters(state_dict, plan)
     torn = _check_replaces_torn(opt, plan, no_masters)
-    opt.update.finish_pending(write=False)
+    opt.update.finish_pending(write=False, keep_model=no_masters)  # (its masters then come from the model as it is)
     with opt._midway():  # (Ctrl-C...) part of the state the loaded one: as after an interrupted step
         _load_checked(opt, state_dict, plan, no_masters, torn)
     opt._loaded()

@@ -335,11 +335,11 @@ class TwinUpdate(StateViews):
         self._staged = False
         self._publish_all()
 
-    def finish_pending(self, write: bool) -> None:
+    def finish_pending(self, write: bool, keep_model: bool = False) -> None:
         """Wait for both updates; with write, their parameters to the device."""
         self._wait_device()
         if self.host is not None:
-            self.host.finish_pending(write)  # (a flush publishes: the tail's parameters too)
+            self.host.finish_pending(write, keep_model)  # (a flush publishes: the tail's parameters too)
         if write and self._staged:
             self._publish()
 

@@ -552,8 +552,10 @@ class HostUpdate(StateViews):
         for ev in events:
             self.transport.device_wait(ev)
 
-    def finish_pending(self, write: bool) -> None:
-        """Wait for the background update (re-raising its exception) and, if asked, send its params down."""
+    def finish_pending(self, write: bool, keep_model: bool = False) -> None:
+        """Wait for the background update (re-raising its exception) and, if asked, send its params down.
+        `keep_model`: the caller takes the masters from the model next (refresh_from_model, a load without
+        masters); here the parameters are not written without `write` anyway (SelectiveUpdate's drain does)."""
         if self._pending is None:
             if write:
                 self.flush_staged()
