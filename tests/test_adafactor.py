@@ -422,3 +422,57 @@ def test_dpu_on_a_subgroup_is_refused_clearly(tmp_path) -> None:
     for r in range(2):
         got = torch.load(tmp_path / f"sub.{r}.pt", weights_only=False)
         assert "delay_update_after" in got["msg"] and got["unchanged"], got
+
+
+def _small_adafactor(**kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    opt = zk.ZeroOffloadAdafactor(model, **kw)
+    return model, opt
+
+
+def test_opt_state_has_adafactors_keys_and_values() -> None:
+    """A bug hunt's find: opt.state[p] gave AdamW's keys (exp_avg, exp_avg_sq) holding never-written memory
+    (torch.empty), different at each read. Now torch.optim.Adafactor's keys, the values of its state_dict()."""
+    model, opt = _small_adafactor(dtype=torch.float32)
+    for _ in range(2):
+        opt.backward(model(torch.randn(4, 8)).square().mean())
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    for i, p in enumerate(model.parameters()):
+        st = opt.state[p]
+        assert sorted(st) == sorted(sd["state"][i]), (sorted(st), sorted(sd["state"][i]))
+        assert all(torch.equal(st[k], sd["state"][i][k]) for k in st)
+    ref = torch.optim.Adafactor(torch.nn.Linear(8, 16).parameters())
+    for q in ref.param_groups[0]["params"]:
+        q.grad = torch.ones_like(q)
+    ref.step()
+    assert sorted(ref.state[ref.param_groups[0]["params"][0]]) == sorted(k for k in opt.state[model[0].weight]
+                                                                        if k != "master")  # fmt: skip
+    opt.close()
+
+
+@pytest.mark.parametrize("key,value,match", [("loss_scale", float("nan"), "must be finite"),
+                                             ("loss_scale", -4.0, "must be > 0"), ("loss_scale", 0.0, "must be > 0"),
+                                             ("good_steps", "x", "must be an int")])  # fmt: skip
+def test_bad_loss_scale_entries_are_refused_before_anything_changes(key, value, match) -> None:
+    """A bug hunt's find: ZeroOffloadAdafactor.load_state_dict took a NaN / negative / zero loss scale (every
+    later step an overflow, or a ZeroDivisionError), and a bad good_steps failed midway (step counts changed, the
+    optimizer dead). Refused as ZeroOffloadAdamW refuses them, naming the key, nothing changed."""
+    model, opt = _small_adafactor(dtype=torch.float16, loss_scale="dynamic")
+    x = torch.randn(4, 8)
+    opt.backward(model(x.half()).float().square().mean())
+    opt.step()
+    opt.zero_grad()
+    good = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(good)
+    bad["zero_offload"][key] = value
+    with pytest.raises((ValueError, TypeError), match=rf"\['{key}'\] {match}"):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert after["zero_offload"] == good["zero_offload"]
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(after), _tensors(good), strict=True))
+    opt.backward(model(x.half()).float().square().mean())  # still usable
+    opt.step()
+    opt.close()

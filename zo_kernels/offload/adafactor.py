@@ -352,7 +352,7 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> list[tuple[int, torch.Tensor, dict, int]]:
         """Check a state dict of this class or torch.optim.Adafactor against the optimizer; change nothing."""
-        from .state import _check_step, check_flags, check_fp32_values
+        from .state import _check_step, check_flags, check_fp32_values, check_scaler
 
         groups, state = check_state_dict_layout(state_dict, len(self.param_groups))
         plan = []
@@ -382,8 +382,19 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
         if not isinstance(extra, dict):
             raise ValueError("state_dict['zero_offload'] must be a dict")
         check_flags(extra)
+        check_scaler(extra)
         check_int(extra.get("iteration"), "state_dict['zero_offload']['iteration']", 0)
         return plan
+
+    def _param_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """opt.state[p] (copies): torch.optim.Adafactor's keys (step, row_var and col_var, or variance) and master
+        (p's shape on one rank, this rank's elements of p, flat, on several)."""
+        a, b = self.layout.part_range(p)
+        master = self.update.master[a:b].clone()
+        if self.world == 1:
+            master = master.view(self.layout.shape[p])
+        return {"step": torch.tensor(float(self.update.steps[self.layout.index[p]])), "master": master,
+                **{k: v.clone() for k, v in self.update.stats[p].items()}}  # fmt: skip
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -855,6 +855,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         """torch's per-parameter view, read-only: opt.state[p] is a snapshot of this rank's part of p's state."""
         return state.StateView(self)
 
+    def _param_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        return state.param_state(self, p)
+
     @state.setter
     def state(self, value: Any) -> None:
         # torch's Optimizer.__init__ assigns an empty dict, before the layout exists; the state lives in the host

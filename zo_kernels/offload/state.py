@@ -149,12 +149,7 @@ def check_state_dict(opt: ZeroOffloadAdamW, state_dict: dict[str, Any]) -> list[
     if not isinstance(extra, dict):
         raise ValueError(f"state_dict['zero_offload'] must be a dict, got {type(extra).__name__}")
     check_flags(extra)
-    if "loss_scale" in extra:
-        if _real(extra["loss_scale"], "state_dict['zero_offload']['loss_scale']") <= 0:
-            raise ValueError("state_dict['zero_offload']['loss_scale'] must be > 0")
-        if not extra.get("dynamic"):  # (a dynamic one that small: every step overflows, and is skipped as one)
-            check_inverse(float(extra["loss_scale"]), "state_dict['zero_offload']['loss_scale']")
-        check_int(extra.get("good_steps"), "state_dict['zero_offload']['good_steps']", 0, required=True)
+    check_scaler(extra)
     check_int(extra.get("iteration"), "state_dict['zero_offload']['iteration']", 0)
     if _exact_moments(opt, extra):
         moments, ids = extra["moments"], [i for g in groups for i in g["params"]]
@@ -291,6 +286,28 @@ def _check_step(x: Any, name: str) -> int:
     return int(x)
 
 
+def param_state(opt: ZeroOffloadAdamW, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """opt.state[p] (copies): step, exp_avg, exp_avg_sq, master; p's shape on one rank, this rank's elements of p
+    (flat) on several."""
+    a, b = opt.layout.part_range(p)
+    outs = tuple(torch.empty(max(0, b - a), dtype=torch.float32) for _ in range(3))
+    opt.update.copy_state([(a, b, outs)])
+    if opt.world == 1:
+        outs = tuple(t.view(opt.layout.shape[p]) for t in outs)
+    step = torch.tensor(float(opt.update.steps[opt.layout.index[p]]))
+    return {"step": step, "exp_avg": outs[1], "exp_avg_sq": outs[2], "master": outs[0]}
+
+
+def check_scaler(extra: dict) -> None:
+    """state_dict['zero_offload']'s loss-scale entries (a NaN or 0 scale would stop the training or crash a step)."""
+    if "loss_scale" in extra:
+        if _real(extra["loss_scale"], "state_dict['zero_offload']['loss_scale']") <= 0:
+            raise ValueError("state_dict['zero_offload']['loss_scale'] must be > 0")
+        if not extra.get("dynamic"):  # (a dynamic one that small: every step overflows, and is skipped as one)
+            check_inverse(float(extra["loss_scale"]), "state_dict['zero_offload']['loss_scale']")
+        check_int(extra.get("good_steps"), "state_dict['zero_offload']['good_steps']", 0, required=True)
+
+
 class StateView(Mapping):
     """torch's `opt.state`, read-only: state[p] is a snapshot (copies) of this rank's part of p's state: `step`,
     `exp_avg`, `exp_avg_sq`, `master` (fp32, CPU); p's shape on one rank, this rank's elements of p (flat, maybe
@@ -305,13 +322,7 @@ class StateView(Mapping):
             raise KeyError(p)
         opt._check_alive()
         opt.update.finish_pending(write=False)
-        a, b = opt.layout.part_range(p)
-        outs = tuple(torch.empty(max(0, b - a), dtype=torch.float32) for _ in range(3))
-        opt.update.copy_state([(a, b, outs)])
-        if opt.world == 1:
-            outs = tuple(t.view(opt.layout.shape[p]) for t in outs)
-        step = torch.tensor(float(opt.update.steps[opt.layout.index[p]]))
-        return {"step": step, "exp_avg": outs[1], "exp_avg_sq": outs[2], "master": outs[0]}
+        return opt._param_state(p)
 
     def __contains__(self, p: object) -> bool:
         return isinstance(p, torch.Tensor) and p in self._opt.layout.index
