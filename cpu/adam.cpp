@@ -100,6 +100,11 @@ inline uint32_t weyl16(int64_t i, uint32_t key) { return (uint32_t(i) * kWeyl + 
 // A block whose absmax is below 2^-100 (or zero) is stored as zeros: 127 / absmax must stay finite.
 constexpr uint32_t kTinyBits = uint32_t(127 - 100) << 23;
 
+// sqrt(v) past fp32 (v overflowed: |g| > ~5.8e20) is kept as fp32's largest: an inf block scale made every code 0
+// and every element of the block NaN (0 * inf) at its next read; the element's v is inf again when read (r * r),
+// so its update is 0, as with fp32 moments, and the block's other elements stay finite.
+inline float r_max() { return 3.40282347e38f; }
+
 // (stored scale, multiplier to codes) of a block with absmax bits `amax` (|x| as uint32: NaN > inf > finite).
 inline void block_scale(uint32_t amax, float levels, float* scale, float* mult) {
   if (amax < kTinyBits) { *scale = 0.0f; *mult = 0.0f; return; }
@@ -265,7 +270,7 @@ void block8(const Coef& c, const Blk& k, int64_t L) {
     const float g = load1(k.g, j, GDT);
     float p = k.p[j], m = float(k.mc[j]) * dm, r = float(k.vc[j]) * dr, v = r * r;
     if (STREAM) p = p + g;
-    else r = adam_math<V>(c, p, m, v, g);
+    else r = std::min(r_max(), adam_math<V>(c, p, m, v, g));  // (NaN stays NaN)
     k.p[j] = p;
     if (ODT != kNone) store1(k.out, j, ODT, p);
     mb[j] = m;
@@ -488,7 +493,7 @@ void block8(const Coef& c, const Blk& k, int64_t L) {
     __m256 m = _mm256_mul_ps(load_codes8(k.mc + j, true), dm), r = _mm256_mul_ps(load_codes8(k.vc + j, false), dr);
     __m256 v = _mm256_mul_ps(r, r);
     if (STREAM) p = _mm256_add_ps(p, g);
-    else r = adam_math<V>(c, p, m, v, g);
+    else r = _mm256_min_ps(_mm256_set1_ps(r_max()), adam_math<V>(c, p, m, v, g));  // (NaN stays NaN)
     _mm256_storeu_ps(k.p + j, p);
     if (ODT != kNone) store8(k.out, j, ODT, p);
     _mm256_store_ps(mb + j, m);
@@ -551,7 +556,10 @@ double sumsq(const void* x, void* y, int64_t lo, int64_t hi, int* bad) {
   for (; i + 32 <= hi; i += 32) {
     for (int u = 0; u < 4; ++u) {
       const __m256 v = load8(x, i + 8 * u, DT);
-      if (y) store8(y, i + 8 * u, DT, v);  // 16-bit -> fp32 -> 16-bit is exact (NaN stays NaN)
+      if (y && DT == kF32) store8(y, i + 8 * u, DT, v);
+      if (y && DT != kF32)  // the bits as they are (through fp32 a NaN's payload and sign were not kept)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(y) + i + 8 * u),
+                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + i + 8 * u)));
       acc[u] = _mm256_fmadd_ps(v, v, acc[u]);
       flag = _mm256_or_ps(flag, _mm256_cmp_ps(_mm256_andnot_ps(sign, v), fmax, _CMP_NLE_UQ));
     }
@@ -775,7 +783,7 @@ void block16(const Coef c, const Blk k, int64_t len) {
     __m512 r = _mm512_mul_ps(load_codes16(k.vc + j, false, km), dr);
     __m512 v = _mm512_mul_ps(r, r);
     if (STREAM) p = _mm512_add_ps(p, g);
-    else r = adam_math<V>(c, p, m, v, g);
+    else r = _mm512_min_ps(_mm512_set1_ps(r_max()), adam_math<V>(c, p, m, v, g));  // (NaN stays NaN)
     st_ps(k.p + j, km, p);
     if (ODT != kNone) store16<NT>(k.out, j, ODT, p, km);  // NT only with FIXED
     _mm512_store_ps(mb + j, m);
@@ -831,7 +839,10 @@ double sumsq(const void* x, void* y, int64_t lo, int64_t hi, int* bad) {
       const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, hi - i - 16 * u));
       const __mmask16 k = __mmask16(n >= 16 ? 0xffff : (1u << n) - 1u);
       const __m512 v = load16(x, i + 16 * u, DT, k);
-      if (y) store16(y, i + 16 * u, DT, v, k);  // 16-bit -> fp32 -> 16-bit is exact (NaN stays NaN)
+      if (y && DT == kF32) store16(y, i + 16 * u, DT, v, k);
+      if (y && DT != kF32)  // the bits as they are (through fp32 a NaN's payload and sign were not kept)
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + i + 16 * u, k,
+                                 ld_epi16(k, static_cast<const uint16_t*>(x) + i + 16 * u));
       acc[u] = _mm512_fmadd_ps(v, v, acc[u]);
       flag |= _mm512_mask_cmp_ps_mask(k, _mm512_abs_ps(v), fmax, _CMP_NLE_UQ);
     }
@@ -919,12 +930,28 @@ inline int ranges_for(int64_t n, int threads) {
 // (OMP_THREAD_LIMIT, OMP_DYNAMIC=true, a nested region): the split is made from the threads the team has, so every
 // element is covered whatever it got (each range's result does not depend on the split: the kernels are
 // elementwise, 8-bit blocks whole).
+// The caller's floating-point mode (MXCSR's control bits: flush-to-zero and denormals-are-zero, which
+// torch.set_flush_denormal sets, rounding, exception masks) in a worker for one region: OpenMP's threads keep their
+// own, so the halves of one tensor treated denormals differently (the bits then depended on the thread count).
+struct CallerFpMode {
+  static constexpr unsigned kControl = 0xffc0u;
+  unsigned saved;
+  explicit CallerFpMode(unsigned caller) : saved(_mm_getcsr()) {
+    if ((saved & kControl) != (caller & kControl)) _mm_setcsr((saved & ~kControl) | (caller & kControl));
+  }
+  ~CallerFpMode() {
+    if ((_mm_getcsr() & kControl) != (saved & kControl)) _mm_setcsr((_mm_getcsr() & ~kControl) | (saved & kControl));
+  }
+};
+
 template <class F>
 void for_ranges(int64_t n, int threads, int64_t grain, F fn) {
   const int t = ranges_for(n, threads);
   if (t == 1) { fn(int64_t(0), n); return; }
+  const unsigned csr = _mm_getcsr();
 #pragma omp parallel num_threads(threads)
   {
+    const CallerFpMode mode(csr);
     const int64_t parts = std::min<int64_t>(t, omp_get_num_threads());
     const int64_t me = omp_get_thread_num();
     if (me < parts) {
@@ -1052,7 +1079,7 @@ void adam_step_tiled(const Buffers& b, const AdamParams& a, int isa, int threads
   Buffers none = b;
   none.n = 0;
   adam_step(none, a, isa, threads);  // every check but the buffers'
-  require(b.state != kState8 || tile % b.block == 0,
+  require(b.state != kState8 || tile % b.block == 0 || tile >= b.n,  // (one tile: the whole step)
           "tile_numel must be a multiple of the block (" + std::to_string(b.block) + "), got " + std::to_string(tile));
   const size_t gsz = b.grad_dtype == kF32 ? 4 : 2, osz = b.out_dtype == kF32 ? 4 : 2;
   const size_t ssz = b.state == kStateF32 ? 4 : b.state == kStateBF16 ? 2 : 1;
@@ -1111,8 +1138,13 @@ SumSquares sum_squares(const void* x, void* y, int dtype, int64_t n, int isa, in
   if (ranges_for(n, threads) == 1) {
     for (int64_t c = 0; c < chunks; ++c) part[size_t(c)] = fn(x, y, c * kChunk, std::min(n, (c + 1) * kChunk), &bad);
   } else {
-#pragma omp parallel for num_threads(threads) reduction(| : bad) schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) part[size_t(c)] = fn(x, y, c * kChunk, std::min(n, (c + 1) * kChunk), &bad);
+    const unsigned csr = _mm_getcsr();
+#pragma omp parallel num_threads(threads) reduction(| : bad)
+    {
+      const CallerFpMode mode(csr);
+#pragma omp for schedule(static)
+      for (int64_t c = 0; c < chunks; ++c) part[size_t(c)] = fn(x, y, c * kChunk, std::min(n, (c + 1) * kChunk), &bad);
+    }
   }
   double total = 0.0;
   for (const double s : part) total += s;

@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <linux/io_uring.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -59,9 +60,17 @@ File::File(const std::string& path, int64_t nbytes, bool direct) : path_(path), 
   if (nbytes <= 0 || nbytes % int64_t(kAlign))
     throw std::invalid_argument("nbytes must be a positive multiple of " + std::to_string(kAlign) + ", got " +
                                 std::to_string(nbytes));
-  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | (direct ? O_DIRECT : 0), 0600);
+  const int flags = O_RDWR | O_CLOEXEC | (direct ? O_DIRECT : 0);
+  bool created = true;  // (a failed reservation removes a file this call made, not one that was there)
+  fd_ = ::open(path.c_str(), flags | O_CREAT | O_EXCL, 0600);
+  if (fd_ < 0 && errno == EEXIST) {
+    created = false;
+    fd_ = ::open(path.c_str(), flags);
+  }
   if (fd_ < 0) {
     int err = errno;
+    struct stat st;
+    if (created && ::stat(path.c_str(), &st) == 0) ::unlink(path.c_str());  // (O_DIRECT refused after the create)
     throw IoError(err, std::string("open") + (direct ? " (O_DIRECT)" : "") + " of " + path + " failed: " +
                            errstr(err), path);
   }
@@ -72,6 +81,7 @@ File::File(const std::string& path, int64_t nbytes, bool direct) : path_(path), 
   if (err) {
     ::close(fd_);
     fd_ = -1;
+    if (created) ::unlink(path.c_str());
     throw IoError(err, "reserving " + std::to_string(nbytes) + " bytes for " + path + " failed: " + errstr(err),
                   path);
   }
@@ -169,8 +179,9 @@ struct Ring {
 Engine::Engine(const std::string& backend, int depth, size_t chunk_bytes)
     : owner_(getpid()), backend_(backend), chunk_(chunk_bytes) {
   if (depth < 1 || depth > 4096) throw std::invalid_argument("depth must be in [1, 4096], got " + std::to_string(depth));
-  if (chunk_bytes == 0 || chunk_bytes % kAlign)
-    throw std::invalid_argument("chunk_bytes must be a positive multiple of " + std::to_string(kAlign) + ", got " +
+  if (chunk_bytes == 0 || chunk_bytes % kAlign || chunk_bytes > kMaxChunk)
+    throw std::invalid_argument("chunk_bytes must be a positive multiple of " + std::to_string(kAlign) + " up to " +
+                                std::to_string(kMaxChunk) + " (one read or write call's most), got " +
                                 std::to_string(chunk_bytes));
   if (backend == "threads") {
     for (int i = 0; i < depth; ++i) threads_.emplace_back([this] { worker(); });
@@ -205,6 +216,7 @@ Engine::~Engine() {
 
 int64_t Engine::submit(Op op, const std::shared_ptr<File>& file, const std::shared_ptr<Buffer>& buf, size_t buf_off,
                        size_t nbytes, int64_t file_off) {
+  check_owner();
   if (!file) throw std::invalid_argument("file must not be None");
   if (!buf) throw std::invalid_argument("buffer must not be None");
   const std::string what = describe(op, nbytes, file_off, file->path());
@@ -320,8 +332,8 @@ void Engine::uring_reap_locked() {
     free_slots_.push_back(slot);
     if (c.res < 0) {
       finish_locked(p, -c.res, "");
-    } else if (c.res == 0 && p.op == Op::kRead) {
-      finish_locked(p, EIO, "unexpected end of file");
+    } else if (c.res == 0) {  // (a write of 0 bytes would be queued again for ever)
+      finish_locked(p, EIO, p.op == Op::kRead ? "unexpected end of file" : "the write stored 0 bytes");
     } else if (size_t(c.res) < p.len) {  // a short transfer: the rest goes back to the front of the queue
       size_t n = size_t(c.res);
       queue_.push_front(Piece{p.req, p.op, p.fd, p.ptr + n, p.len - n, p.off + int64_t(n)});
@@ -340,7 +352,14 @@ void Engine::uring_wait_locked(std::unique_lock<std::mutex>&) {
   uring_pump_locked();
 }
 
+void Engine::check_owner() const {
+  if (getpid() != owner_)
+    throw std::runtime_error("this I/O engine was made by process " + std::to_string(owner_) +
+                             ": a forked child has none of its threads to serve a request (make one in the child)");
+}
+
 void Engine::wait(int64_t h) {
+  check_owner();
   std::unique_lock<std::mutex> lk(mu_);
   auto it = reqs_.find(h);
   if (it == reqs_.end())

@@ -23,6 +23,7 @@ namespace zo::aio {
 // Every buffer address, file offset and length is a multiple of this (the page size; O_DIRECT needs the
 // device's logical block size, 512 or 4096, and 4096 satisfies both), with or without O_DIRECT.
 constexpr size_t kAlign = 4096;
+constexpr size_t kMaxChunk = size_t(1) << 30;  // a piece's bytes: read/write move at most 0x7ffff000 a call
 
 // An OS error: errno, a message naming the operation and the file, and the file.
 struct IoError : std::runtime_error {
@@ -97,6 +98,7 @@ class Engine {
   // Block until every request is complete, discarding their errors (for close and error paths).
   void drain();
   size_t pending();
+  void check_owner() const;  // a forked child's call raises (the workers are the parent's)
   const std::string& backend() const { return backend_; }
 
  private:

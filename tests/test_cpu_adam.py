@@ -493,3 +493,41 @@ def test_a_small_call_keeps_the_update_threads():
     zk.sum_squares(p[:k], threads=4)
     zk.accumulate(m[:k], g[:k], threads=4)
     assert len(os.listdir("/proc/self/task")) == before
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sum_squares_copy_keeps_every_bit(isa, dtype):
+    """A review's find: sum_squares(x, out=y)'s copy went through fp32 in the vector variants, so a NaN's sign and
+    payload were rewritten (bf16 -NaN 0xffc0 -> 0x7fc0, sNaN 0x7f81 -> 0x7fc0); the scalar variant copied the bits.
+    Every 16-bit pattern, copied bit for bit by every variant (the reference: the input's bits)."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    y = torch.zeros_like(x)
+    zk.sum_squares(x, out=y, isa=isa)
+    assert torch.equal(y.view(torch.int16), x.view(torch.int16))
+
+
+@pytest.mark.skipif(len(ISAS) < 1 or os.cpu_count() < 2, reason="needs two threads")
+def test_flush_denormal_reaches_every_thread():
+    """A review's find: torch.set_flush_denormal(True) sets flush-to-zero / denormals-are-zero on the calling thread
+    only; the kernel's OpenMP workers kept their own mode, so one step gave other bits with threads=2 than with
+    threads=1 (half of a 65536-element tensor differed). The caller's mode is every worker's for the call."""
+    n = 1 << 16
+    g = torch.full((n,), 1e-20)  # g^2 = 1e-40: a subnormal
+
+    def run(threads):
+        p, m, v = torch.ones(n), torch.zeros(n), torch.zeros(n)
+        cpu_adam_step(p, g, m, v, step=1, lr=1e-3, eps=1.2e-38, threads=threads)
+        return p.clone(), v.clone(), zk.sum_squares(g * 1e-19, threads=threads)[0]
+
+    run(2)  # (the team exists)
+    was = torch.set_flush_denormal(True)
+    try:
+        one, two = run(1), run(2)
+    finally:
+        torch.set_flush_denormal(False)
+    assert was
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1]) and one[2] == two[2]
+    assert not bool((one[1] != 0).any())  # flushed: the mode was the caller's on both threads
+    after = run(2)
+    assert bool((after[1] != 0).all())  # and it is not left on the workers after the call

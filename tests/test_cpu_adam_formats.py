@@ -755,3 +755,44 @@ def test_8bit_moments_of_an_element_whose_gradient_stops_decay():
     assert torch.equal(p8[:, 1], at150), "an element with no gradient still moves"
     assert (p8[:, 1] / exact).max() < 4, (p8[:, 1] / lr).tolist()
     assert abs(p8[:, 1].mean().item() / exact - 1) < 0.25, (p8[:, 1].mean().item() / lr, exact / lr)
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_8bit_v_past_fp32_keeps_the_block_finite(isa):
+    """A review's find: one finite gradient whose square overflows fp32 (1e21: v = inf) gave its 8-bit block an inf
+    scale, every code 0, and at the next step every element of the block NaN (0 * inf). Now, as with fp32 moments
+    (the reference: fp32 moments, written out here): that element's update is 0 from then on, nothing is NaN, and
+    the other block's elements step as with fp32 moments."""
+    n = 512
+
+    def run(fmt):
+        p = torch.ones(n)
+        m, v = moments(fmt, n)
+        for step in (1, 2, 3):
+            g = torch.full((n,), 0.01)
+            if step == 1:
+                g[3] = 1e21
+            cpu_adam_step(p, g, m, v, step=step, lr=1e-3, isa=isa if fmt == "8bit" else "scalar")
+        return p
+
+    exact, q = run("fp32"), run("8bit")
+    assert not bool(q.isnan().any())
+    assert q[3].item() == exact[3].item() == 1.0  # (frozen after its first step's zero update)
+    assert torch.equal(q[256:], exact[256:]) or (q[256:] - exact[256:]).abs().max().item() < 1e-5
+    assert bool(torch.isfinite(q).all())
+
+
+@pytest.mark.parametrize("n,tile", [(300, None), (300, 512), (100, 256)])
+def test_8bit_c_tile_sink_one_tile_not_a_block_multiple(n, tile):
+    """A review's find: 8-bit moments with a C tile sink refused a step shorter than its tile whose length is not a
+    multiple of the block ("tile_numel must be a multiple of the block (256), got 300"), where the Python sink and
+    a longer step take it: one tile is the whole step. The reference: the same step with no sink."""
+    gen = torch.Generator().manual_seed(2)
+    p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    ref = p0.clone()
+    m, v = moments("8bit", n)
+    cpu_adam_step(ref, g, m, v, step=1, lr=1e-3)
+    p, dst = p0.clone(), torch.empty(n)
+    m, v = moments("8bit", n)
+    cpu_adam_step(p, g, m, v, step=1, lr=1e-3, sink=zk.cpu_adam.copy_tile_sink(dst, p), tile_numel=tile)
+    assert torch.equal(p, ref) and torch.equal(dst, ref)

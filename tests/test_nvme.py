@@ -567,3 +567,55 @@ def test_a_child_forked_from_a_process_with_an_nvme_optimizer_exits_cleanly(tmp_
     run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.split()[-1] == "ok", (run.returncode, run.stderr[-2000:])
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_piece_past_one_read_or_write_call_is_refused(backend):
+    """A review's find: chunk_bytes of 4 GiB or more were taken; io_uring's 32-bit length made a 4 GiB piece 0
+    bytes: a read failed as "unexpected end of file" and a write was queued again for ever (a hang). A piece is at
+    most 1 GiB (a read or write call moves at most ~2 GiB), refused at the engine's construction."""
+    with pytest.raises(ValueError, match=r"chunk_bytes must be a positive multiple of 4096 up to 1073741824"):
+        aio.make_engine(backend, chunk_bytes=1 << 32)
+    aio.make_engine(backend, chunk_bytes=1 << 30)
+
+
+def test_a_forked_child_is_refused_the_parents_engine(tmp_path):
+    """A review's find: a forked child's request on its parent's engine was accepted and its wait blocked for ever
+    (the workers are the parent's threads). Refused, saying so."""
+    eng = aio.make_engine("threads")
+    f = aio.open_file(str(tmp_path / "fork.bin"), 1 << 16)
+    buf = aio.AlignedBuffer(1 << 16)
+    eng.wait(eng.write(f, buf, 0, 1 << 16, 0))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # (the child reports through the pipe and leaves at once, running no cleanup of the parent's)
+        try:
+            eng.read(f, buf, 0, 1 << 16, 0)
+            os.write(w, b"accepted")
+        except RuntimeError as e:
+            os.write(w, str(e).encode()[:200])
+        os._exit(0)
+    os.close(w)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG)[0] == 0:
+        if time.monotonic() > deadline:  # (blocked in the wait: the bug)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.05)
+    said = os.read(r, 300).decode()
+    os.close(r)
+    assert "a forked child has none of its threads" in said, said
+
+
+def test_a_failed_reservation_removes_the_file_it_made(tmp_path):
+    """A review's find: AioFile whose block reservation failed (1 PiB: EFBIG or ENOSPC) left the empty file it had
+    created. Removed now; a file that was there before is left where it was."""
+    path = tmp_path / "huge.bin"
+    with pytest.raises(OSError, match="reserving"):
+        aio.AioFile(str(path), 1 << 50, False)
+    assert os.listdir(tmp_path) == []
+    path.write_bytes(b"x" * 4096)
+    with pytest.raises(OSError, match="reserving"):
+        aio.AioFile(str(path), 1 << 50, False)
+    assert path.read_bytes()[:1] == b"x"

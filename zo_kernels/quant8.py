@@ -72,7 +72,9 @@ class Quantized8bit:
     m / sqrt(v)'s relative error on the moments of a 300-step GPT run: 1.01%, 1.02% and 1.38%).
     Quantizing a block (in fp32, every operation rounded to nearest even): mult = levels / absmax, code =
     round(x * mult), which lies in [-127, 127] (signed) or [0, 255] since |x| <= absmax; a block with absmax
-    below 2^-100 is stored as zeros with scale 0; a NaN (only a diverged step makes one) gets code 0. The Adam step
+    below 2^-100 is stored as zeros with scale 0; a NaN (only a diverged step makes one) gets code 0. In the Adam
+    step a sqrt(v) past fp32 (v overflowed: |g| > ~5.8e20) is stored as fp32's largest, read back as v = inf:
+    that element's update is 0, as with fp32 moments (an inf scale made the whole block NaN). The Adam step
     rounds exp_avg's codes stochastically instead: code = floor(x * mult + r * 2^-16) (the sum rounded to fp32),
     clamped to [-127, 127], r 16 random bits from (seed, step, element index) (cpu/adam.cpp's weyl16); so a code
     moves up with probability (the fraction of x * mult), E[code] = x * mult, and an element's m decays as exact
