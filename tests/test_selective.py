@@ -853,3 +853,20 @@ def test_weights_loaded_into_the_model_mid_run_become_the_masters(selective, how
     _, held_ref, masters_ref = run(None)
     assert all(torch.equal(a, b) for a, b in zip(held, held_ref, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(masters, masters_ref, strict=True))
+
+
+def test_an_eps_the_optimizer_takes_works_in_the_window_update():
+    """A bug hunt's find: eps=1e-37 (taken: >= fp32's smallest normal) failed the first window's background update,
+    which hands the kernel eps * sqrt(1 - beta2**t), below its floor ("eps must be ... got 3.16e-39"), and the
+    optimizer refused everything after. That eps is kept at the floor there; the run trains, finite."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    opt = zk.ZeroOffloadAdamW(model, dtype=torch.float32, lr=1e-3, eps=1e-37,
+                              selective={"fraction": 0.5, "apply_every": 1})  # fmt: skip
+    for _ in range(4):
+        opt.backward(model(torch.randn(4, 8)).square().mean())
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    opt.close()

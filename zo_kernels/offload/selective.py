@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..cpu_adam import accumulate, cpu_adam_step
+from ..cpu_adam import FP32_TINY, accumulate, cpu_adam_step
 from .layout import FlatLayout, Run
 from .selected import SelectedGrad
 from .update import HostUpdate, stopped_waiting
@@ -413,9 +413,10 @@ class SelectiveUpdate(HostUpdate):
             h, w = hparams[gi], int(w)
             (b1, b2), c1 = h["betas"], 1.0 - h["betas"][0] ** t
             c2 = math.sqrt(1.0 - b2**t)
+            eps = max(h["eps"] * c2, FP32_TINY)  # (an eps taken down to fp32's smallest normal, times c2: below it)
             # the kernel without bias correction: p *= 1 - lr' wd'; p -= lr' m / (sqrt(v) + eps')
             cpu_adam_step(master[a:b], acc[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=1, bias_correction=False,
-                          lr=h["lr"] * c2 / c1, betas=(b1**w, b2**w), eps=h["eps"] * c2,
+                          lr=h["lr"] * c2 / c1, betas=(b1**w, b2**w), eps=eps,
                           weight_decay=h["weight_decay"] * c1 / c2, grad_scale=1.0 / w, maximize=h["maximize"],
                           param_out=self.staging_buf[a:b], threads=threads or self.threads)  # fmt: skip
         acc.zero_()
