@@ -26,7 +26,7 @@ def machine() -> dict:
     """What the numbers were measured on; goes into every result."""
     return {
         "cpu": cpu_model(),
-        "cores": os.cpu_count(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),  # usable
         "isa": zo_kernels.best_isa(),
         "torch": torch.__version__,
         "zo_kernels": zo_kernels.__version__,

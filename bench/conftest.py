@@ -45,8 +45,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             extra = f"{extra / n:.2f}" if extra is not None and n else "-"
             tr.write_line(f"  {name:<16}{t * 1e3:>11.2f}{gbps:>9}{rel:>12}{of_ceil:>12}{extra:>15}")
             for key, v in b.extra_info.items():  # ratios a suite measured itself (e.g. stages: each vs stage 2)
-                if key.startswith("ratio "):
-                    tr.write_line(f"    {key[6:]:<44}{v:>6.2f}x")
+                if key.startswith("ratio "):  # (measured by the suite its own way: its docstring says how)
+                    tr.write_line(f"    {key[6:]:<44}{v:>6.2f}x  (the suite's own measure)")
         for name, b in by_provider.items():
             bar = b.extra_info.get("bar")
             ref = (bar.get("vs") if bar.get("vs") in best else next((p for p in BASELINES if p in best), None)

@@ -52,6 +52,8 @@ def load(paths: list[str]) -> tuple[dict, list[str]]:
         machines.append(f"{path}: cpu {m.get('cpu')} ({m.get('cores')} cores, {m.get('isa')}), cuda {m.get('cuda')}, "
                         f"torch {m.get('torch')}, {len(data.get('benchmarks', []))} benchmarks")  # fmt: skip
         for b in data.get("benchmarks", []):
+            if not b.get("stats"):  # (a benchmark that failed or was skipped before timing: nothing measured)
+                continue
             groups[b["group"] or b["name"]][b["extra_info"].get("provider", b["name"])] = b
     return groups, machines
 

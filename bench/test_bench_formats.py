@@ -103,12 +103,14 @@ def test_step_time(benchmark, n: int, fmt: str) -> None:
         opt.step()
 
     step()
-    benchmark.group = f"formats step n={size_label(n)}"
+    params = sum(p.numel() for p in model.parameters())  # (the GPT the config gives: near n, not n)
+    benchmark.group = f"formats step n={size_label(params)}"
+    benchmark.extra_info.update(provider=fmt, numel=params, requested_numel=n)
     benchmark.pedantic(step, rounds=5, iterations=1)
     kernel = opt.stats.get("time_kernel", 0.0)
     _RESULTS[(n, fmt)] = benchmark.stats.stats.median
     opt.close()
     base = _RESULTS.get((n, "fp32"))
     ratio = f", {benchmark.stats.stats.median / base:.2f}x fp32" if base else ""
-    print(f"\n[formats] {fmt:5s} n={size_label(n)}: step {benchmark.stats.stats.median * 1e3:.1f} ms (last kernel "
+    print(f"\n[formats] {fmt:5s} n={size_label(params)}: step {benchmark.stats.stats.median * 1e3:.1f} ms (last kernel "
           f"{kernel * 1e3:.1f} ms){ratio}")

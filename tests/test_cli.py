@@ -280,3 +280,17 @@ def test_dashboard_in_headless_chromium(tmp_path, capsys):
     subprocess.run([*flags, "--window-size=1400,2400", f"--screenshot={shot}", out.as_uri()], capture_output=True,
                    timeout=120)  # fmt: skip
     assert shot.stat().st_size > 30_000, "the page rendered to a non-trivial screenshot"
+
+
+def test_plan_piped_into_a_reader_that_leaves_says_nothing_more():
+    """An audit's find: `zo-kernels plan ... | head -3` ended with a BrokenPipeError traceback. Quiet now, exit 0
+    (here the reader is gone before anything is written: every write fails, as the ones after head's last line)."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([sys.executable, "-m", "zo_kernels", "plan", "--params", "13e9", "--units", "GiB"],
+                           stdout=w, stderr=subprocess.PIPE, timeout=300)  # fmt: skip
+    finally:
+        os.close(w)
+    err = p.stderr.decode()
+    assert p.returncode == 0 and "Traceback" not in err, (p.returncode, err)

@@ -281,3 +281,26 @@ def test_pack_rows_keep_the_back_to_back_figures_and_the_table_shows_them():
     lines = summary_pack.table(rows).splitlines()
     assert "b2b of copy" in lines[0]
     assert lines[1].split()[8] == "60%" and lines[2].split()[8] == "-"
+
+
+def test_the_host_row_keeps_every_host_figure_the_benchmark_writes():
+    """An audit's find: bench/summary_pack.py's host row listed its keys, and host_us_pack_step (added to the
+    benchmark later) never reached summary.json: every host_us* figure now, with cpu_path_us and launch."""
+    import summary_pack
+
+    info = {"provider": "zo", "host_us": 22.5, "host_us_into": 19.7, "host_us_pack_step": 13.6, "host_us_later": 1.0,
+            "cpu_path_us": 91.7, "launch": "stubbed (no GPU)", "host_us_launch_stubbed": None}
+    row = summary_pack.host_row({"benchmarks": [{"extra_info": {"numel": 1}}, {"extra_info": info}]})
+    assert row == {k: v for k, v in info.items() if k != "provider"}
+
+
+def test_a_benchmark_with_no_timing_is_left_out(tmp_path, capsys):
+    """An audit's find: bench/summary.py died with a TypeError on a benchmark whose stats are null (it failed or
+    was skipped before timing), where the dashboard turns the same file into a one-line error: left out now."""
+    bench = {"machine_info": {}, "benchmarks": [
+        {"group": "g", "name": "a", "extra_info": {"provider": "zo"}, "stats": {"min": 0.002, "rounds": 5}},
+        {"group": "g", "name": "b", "extra_info": {"provider": "torch"}, "stats": None}]}  # fmt: skip
+    (tmp_path / "b.json").write_text(json.dumps(bench))
+    assert summary.main([str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    assert "\n  zo " in out and "\n  torch " not in out

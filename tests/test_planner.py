@@ -354,3 +354,30 @@ def test_the_largest_model_with_growing_buckets_against_a_search():
         got = planner._largest_by_size(cap, pp, fixed, largest)
         want = search(cap, pp, fixed, largest)
         assert want <= got < want + 1, (cap, pp, fixed, largest, got, want)
+
+
+def test_every_size_in_the_printout_is_in_the_tables_unit_family(capsys):
+    """An audit's find: with --units GiB the header and the assumptions were printed in GB (1e9) beside a table in
+    GiB, and a 20 TiB NVMe as '21,990.2 GB'; small models printed as '0M params'."""
+    assert main(["plan", "--params", "13e9", "--gpu-mem", "80GiB", "--nvme", "20TiB", "--units", "GiB"]) == 0
+    head = capsys.readouterr().out.split("\n\n")[0]
+    assert "GB" not in head.replace("GiB", ""), head
+    assert "80.00 GiB" in head and "20,480.00 GiB" in head
+    assert main(["plan", "--params", "137000"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model 137,000 params") and " 0M" not in out
+
+
+def test_a_model_smaller_than_the_default_bucket_is_planned_with_buckets_of_its_size():
+    """An audit's find: for a model under the default bucket (64 MiB of bf16 gradients: ~33.5M elements) the planner
+    counted two 64 MiB buckets (31 B/param at 2.16M params) where the optimizer's two hold the model's size (4 B/param:
+    zo_kernels.offload.layout's buckets end with the last parameter). The optimizer's own layout is the reference."""
+    import zo_kernels as zk
+
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    n = sum(p.numel() for p in model.parameters())
+    opt = zk.ZeroOffloadAdamW(model, dtype=torch.bfloat16)
+    largest = max(b.hi - b.lo for b in opt.layout.buckets)
+    opt.close()
+    assert plan(n).bucket_bytes == 2 * 2 * largest == 4 * n

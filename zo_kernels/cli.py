@@ -440,3 +440,6 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         sys.stderr.write(f"zo-kernels {a.command}: error: {e}\n")
         return 2
+    except BrokenPipeError:  # (`zo-kernels plan ... | head`: the reader left; nothing more to say, no traceback)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the interpreter's flush at exit)
+        return 0

@@ -331,9 +331,11 @@ def working_set_per_layer_param(prefetch: int) -> float:
 def default_bucket_bytes(params: float, largest_param: int = 0) -> int:
     """The device bytes of ZeroOffloadAdamW's two default gradient buckets (bf16) for a model of `params` whose
     largest parameter has `largest_param` elements (a parameter larger than the bucket is a bucket of its own, and
-    the two buffers are the largest bucket's size). Autograd's gradients of the bucket being filled, up to one more
-    bucket's bytes, are not counted here: they belong with the activations."""
-    return 2 * 2 * max(default_bucket_numel(int(min(params, 2**62))), largest_param)
+    the two buffers are the largest bucket's size; a model smaller than the bucket is one bucket of its size).
+    Autograd's gradients of the bucket being filled, up to one more bucket's bytes, are not counted here: they belong
+    with the activations."""
+    n = int(min(params, 2**62))
+    return 2 * 2 * max(min(default_bucket_numel(n), n), largest_param)
 
 
 def _largest_by_size(cap: float, per_param: float, fixed: float, largest_param: int = 0) -> float:
@@ -531,7 +533,11 @@ def _fmt_bytes(b: float, unit: str = "GB") -> str:
 def _fmt_count(n: float) -> str:
     if math.isinf(n):
         return "unbounded"
-    return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.0f}M"
+    if n >= 1e9:
+        return f"{n / 1e9:,.2f}B"
+    if n >= 1e7:
+        return f"{n / 1e6:,.0f}M"
+    return f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n:,.0f}" if n >= 1 else f"{n:.3g}"  # (137,000, not 0M)
 
 
 def _activation_table(p: Plan, unit: str) -> list[str]:
@@ -563,14 +569,14 @@ def format_plan(p: Plan, show_max: bool = False, unit: str = "GB") -> str:
     by_size = " (this size's default)" if p.buckets_by_size else ""
     ws_formula = ("4 B per layer parameter + 2 prefetch B per unit parameter" if p.prefetch_params
                   else "2 (1 + prefetch) + 2 B per layer parameter")  # fmt: skip
-    lines = [f"model {_fmt_count(p.params)} params, {p.gpus} GPU(s) x {_fmt_bytes(p.gpu_mem)}, host "
-             f"{_fmt_bytes(p.host_mem)}, NVMe {_fmt_bytes(p.nvme_mem)}, K = {p.k:g}",
-             f"assumed per GPU: activations {_fmt_bytes(p.activations)}, workspace {_fmt_bytes(p.workspace)}, "
-             f"{p.reserve:.0%} fragmentation reserve, buckets {_fmt_bytes(p.bucket_bytes)}{by_size} "
-             f"(usable for model states: {_fmt_bytes(max(0.0, p.usable_gpu))})",
-             f"stage 3: largest gathered layer {layer}, prefetch {p.prefetch}: working set {_fmt_bytes(ws, small)} "
-             f"per GPU ({ws_formula}); NVMe rows: host I/O pool "
-             f"{_fmt_bytes(p.io_pool)} per GPU", ""]  # fmt: skip
+    b = lambda x: _fmt_bytes(x, small)  # noqa: E731 - (the table's unit family: GB with GB and TB, GiB with GiB, TiB)
+    lines = [f"model {_fmt_count(p.params)} params, {p.gpus} GPU(s) x {b(p.gpu_mem)}, host {b(p.host_mem)}, NVMe "
+             f"{b(p.nvme_mem)}, K = {p.k:g}",
+             f"assumed per GPU: activations {b(p.activations)}, workspace {b(p.workspace)}, {p.reserve:.0%} "
+             f"fragmentation reserve, buckets {b(p.bucket_bytes)}{by_size} (usable for model states: "
+             f"{b(max(0.0, p.usable_gpu))})",
+             f"stage 3: largest gathered layer {layer}, prefetch {p.prefetch}: working set {b(ws)} per GPU "
+             f"({ws_formula}); NVMe rows: host I/O pool {b(p.io_pool)} per GPU", ""]  # fmt: skip
     if p.shape is not None:
         used = f"per GPU: activations ({MODE_NAMES[p.activation_mode]})"
         lines[1] = lines[1].replace("assumed per GPU: activations", used)
