@@ -270,7 +270,7 @@ void block8(const Coef& c, const Blk& k, int64_t L) {
     const float g = load1(k.g, j, GDT);
     float p = k.p[j], m = float(k.mc[j]) * dm, r = float(k.vc[j]) * dr, v = r * r;
     if (STREAM) p = p + g;
-    else r = std::min(r_max(), adam_math<V>(c, p, m, v, g));  // (NaN stays NaN)
+    else r = std::min(adam_math<V>(c, p, m, v, g), r_max());  // (NaN stays NaN: std::min returns its first then)
     k.p[j] = p;
     if (ODT != kNone) store1(k.out, j, ODT, p);
     mb[j] = m;

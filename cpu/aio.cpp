@@ -92,6 +92,7 @@ File::~File() {
 }
 
 void File::close() {
+  std::lock_guard<std::mutex> fl(mu_);
   if (users_ > 0)
     throw std::invalid_argument("cannot close " + path_ + ": " + std::to_string(users_.load()) +
                                 " request(s) on it not yet waited on");
@@ -233,13 +234,19 @@ int64_t Engine::submit(Op op, const std::shared_ptr<File>& file, const std::shar
     refuse("file range exceeds the file's " + std::to_string(file->nbytes()) + " bytes");
   std::unique_lock<std::mutex> lk(mu_);
   if (buf->busy_) refuse("the buffer is used by a request not yet waited on");
+  int fd;
+  {  // the file's descriptor taken with a user counted, or refused: File::close (under the same lock) cannot slip
+    std::lock_guard<std::mutex> fl(file->mu_);  // in between (it closed a descriptor the pieces were to use)
+    fd = file->fd_;
+    if (fd < 0) refuse("the file is closed");
+    ++file->users_;
+  }
   const int64_t h = next_++;
   int pieces = int((nbytes + chunk_ - 1) / chunk_);
   reqs_.emplace(h, Request{op, file, buf, nbytes, file_off, pieces, 0, {}});
   buf->busy_ = true;
-  ++file->users_;
   for (size_t done = 0; done < nbytes; done += chunk_)
-    queue_.push_back(Piece{h, op, file->fd(), buf->data() + buf_off + done, std::min(chunk_, nbytes - done),
+    queue_.push_back(Piece{h, op, fd, buf->data() + buf_off + done, std::min(chunk_, nbytes - done),
                            file_off + int64_t(done)});
   if (ring_) {
     uring_pump_locked();

@@ -70,7 +70,8 @@ class File {
  private:
   friend class Engine;
   std::atomic<int> users_{0};  // requests on this file not yet waited on
-  int fd_ = -1;
+  std::mutex mu_;              // close() against a submit taking fd_ and counting a user
+  std::atomic<int> fd_{-1};
   std::string path_;
   int64_t nbytes_ = 0;
   bool direct_ = false;
