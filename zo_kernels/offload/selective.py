@@ -481,7 +481,7 @@ class SelectiveUpdate(HostUpdate):
         if not keep_model:
             self.drain()
             return
-        now = self.own.detach().clone()
+        now = self.own.detach().to("cpu", copy=True)  # (in host memory: no device copy of the partition at once)
         self.drain()
         self.own.copy_(now)  # (after the drain's writeback: the compute stream waits for its copies)
         self._publish_all()
