@@ -79,6 +79,16 @@ class ActivationBuffers:
         # of them again (an encoder's output passed to every decoder layer) keeps it by reference, as torch does
         self._taken = WeakIdKeyDictionary()
 
+    def __deepcopy__(self, memo: dict) -> ActivationBuffers:
+        """Shared, not copied: a deep copy of a model whose layers checkpoint through these buffers (HF's
+        gradient_checkpointing_enable with a partial of zo_kernels.checkpoint; an EMA's AveragedModel) uses them
+        too (their locks and the transport's threads cannot be copied)."""
+        return self
+
+    def __reduce__(self) -> tuple:
+        """Pickled (torch.save(model)) as the default buffers of the device, made in the loading process."""
+        return (default_buffers, (str(self.device),))
+
     @property
     def allocations(self) -> int:
         """Device and host block allocations so far: constant once every size has been seen."""
@@ -170,10 +180,13 @@ class ActivationBuffers:
             self._free.setdefault(block.numel(), []).append(block)
 
     def take_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A pinned host block of `numel` elements from the transport's pool (counted when the pool grows)."""
+        """A pinned host block of `numel` elements from the transport's pool (counted when the pool grows). The pool
+        reuses blocks of one size: the block is of the size class holding numel (a quarter-octave step, at most 25%
+        over), so batches of varying length (a collator's dynamic padding) reuse blocks where every new length made
+        new ones, without bound."""
         pool = self.transport.pool
         before = pool.reserved
-        block = pool.take(numel, dtype)
+        block = pool.take(_size_class(numel), dtype)[:numel]  # (give() finds the block by its start)
         if pool.reserved > before:
             self.host_allocations += 1
         return block
@@ -558,6 +571,14 @@ def _free_segment(buffers: ActivationBuffers, host: list[torch.Tensor], device: 
         buffers.transport.pool.give(h)  # fenced: not handed out again before its copies are done
     for b in device:
         buffers.give_device(b)
+
+
+def _size_class(numel: int) -> int:
+    """The smallest of 2^k, 1.25, 1.5 and 1.75 x 2^k (k >= 8) holding numel."""
+    if numel <= 256:
+        return 256
+    top = 1 << (numel - 1).bit_length()  # the power of two at or above numel
+    return next(c for c in (top * 5 // 8, top * 3 // 4, top * 7 // 8, top) if c >= numel)
 
 
 def _view(block: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -55,6 +55,22 @@ def _trainable_only(group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _OwnerRef:
+    """p._zo_owner: the optimizer that owns p, held weakly (called: it, or None once gone). A pickled or deep-copied
+    parameter has none (a weakref could not be pickled: torch.save(model) failed at every stage)."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, owner: Any = None) -> None:
+        self._ref = None if owner is None else weakref.ref(owner)
+
+    def __call__(self) -> Any:
+        return None if self._ref is None else self._ref()
+
+    def __reduce__(self) -> tuple:
+        return (_OwnerRef, ())
+
+
 def _owners(groups: list[dict[str, Any]]) -> list[ZeroOffloadAdamW]:
     """The open optimizers that own these params: a new optimizer over them replaces them (as with torch's), closed
     once it is built (one at stage 3 first: it hands the parameters back whole)."""
@@ -351,7 +367,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
             self.shards.attach(module)
         self._forward_waits = self._attach_tile_waits(module)
         for p in trainable:
-            p._zo_owner = weakref.ref(self)
+            p._zo_owner = _OwnerRef(self)
         self._group_params = [list(g["params"]) for g in self.param_groups]  # what the layout was built from
         frozen_names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         self._frozen = {frozen_names.get(id(p), f"frozen param {k} (shape {tuple(p.shape)})"): p
@@ -717,6 +733,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._check_open()
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError("zero_grad() was called during backward")
+        if self.shards is not None and self.shards.running:  # (no forward runs now: one was interrupted)
+            self.shards.forget_interrupted_forward()
         self.grads.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -735,6 +753,8 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         self._check_alive()
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError("step() was called during backward")
+        if self.shards is not None and self.shards.running:  # (no forward runs now: one was interrupted)
+            self.shards.forget_interrupted_forward()
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -78,9 +78,16 @@ class _Hook:
     def __deepcopy__(self, memo: dict) -> Any:
         return _no_op
 
+    def __reduce__(self) -> tuple:  # (torch.save(model): the saved model's hook does nothing either)
+        return (_no_op_hook, ())
+
 
 def _no_op(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+def _no_op_hook() -> Any:
+    return _no_op
 
 
 def _replaced_help(what: str, how: str) -> str:
@@ -169,6 +176,7 @@ class ParamShards:
         self._saving: list[Unit] = []  # units kept for a state_dict() in progress
         self._in_root_save = False  # the model's own state_dict() is running
         self.probing = False  # a state_dict() read for its keys and dtypes only (load_checkpoint's checks): no gather
+        self._root: torch.nn.Module | None = None  # the model (attach)
         self.owner: Any = None  # the optimizer (held: the model's module hooks hold this, the optimizer the weights)
         self.before_forward: Any = None  # called before a forward outside any backward (GradPath.close_dead_pass)
         self._loading: list[Unit] = []  # units kept for a load_state_dict() in progress
@@ -201,6 +209,7 @@ class ParamShards:
         """Register the module hooks: from now on units are gathered around their modules' forward and backward.
         `root`: the model; a root.state_dict() keeps the units it gathers until it ends (tied parameters stay one
         tensor)."""
+        self._root = root
         self.uses: dict[torch.nn.Module, list[Unit]] = {}
         for module, idx in self.modules:
             self.use(module, [self.units[i] for i in idx])
@@ -513,8 +522,23 @@ class ParamShards:
             raise RuntimeError(f"the parameters' NVMe file is torn ({torn}): it holds old and new weights mixed; load "
                                "a checkpoint (zo_kernels.load_checkpoint) before using the model")  # fmt: skip
 
+    def forget_interrupted_forward(self) -> None:
+        """A forward stopped by Ctrl-C (a BaseException, not an Exception: torch then runs no forward hook) left its
+        modules "running": every later read of a weight outside forward was gathered for them, and their units were
+        never freed (the whole model on the device). Called where no forward can run (the optimizer's step and
+        zero_grad) and when the model's own forward begins again while it is still "running"."""
+        self.running.clear()
+        for u in self.units:
+            if u.users:
+                u.users = 0
+                if u.idle and u.state in (UnitState.GATHERING, UnitState.GATHERED):
+                    u.reshard(_EVERY_STORAGE)  # (the traceback's frames may hold views: let go to them)
+
     @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _pre_forward(self, module: torch.nn.Module, units: list[Unit]) -> None:
+        if self.running and module is self._root and module in self.running:  # (the model does not call itself:
+            if torch._C._current_graph_task_id() == -1:  # its forward was interrupted)
+                self.forget_interrupted_forward()
         if not self.running:  # the outermost forward: an evaluation if begun without gradients outside backward
             self._check_not_torn()
             top = torch._C._current_graph_task_id() == -1
