@@ -62,3 +62,40 @@ def test_checkpoint_across_world_sizes(tmp_path, save_world, resume_world):
     assert (m_resumed - m_straight).norm() <= 1e-3 * (m_straight - init_flat()).norm()
     for a, b in zip(straight["state"]["state"].values(), resumed[0]["state"]["state"].values()):
         assert a["step"].item() == b["step"].item() == 6
+
+
+class _FrozenNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+        self.lin = torch.nn.Linear(4, 1)
+        self.register_buffer("gain", torch.randn(4))
+        self.register_buffer("strided", torch.randn(4, 3).t())  # (not contiguous)
+
+    def forward(self, x):
+        return self.lin(self.frozen(x) * self.gain).square().mean() + self.strided.sum()
+
+
+def _frozen_rank(rank: int, world: int, out: str, stage: int) -> None:
+    import zo_kernels as zk
+
+    torch.manual_seed(100 + rank)  # each rank builds the model with values of its own
+    m = _FrozenNet()
+    opt = zk.ZeroOffloadAdamW(m, dtype=torch.float32, stage=stage)
+    with opt.gathered():
+        torch.save({k: v.clone() for k, v in m.state_dict().items()}, f"{out}.{rank}")
+    opt.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_frozen_params_and_buffers_are_rank_0s_on_every_rank(tmp_path, stage):
+    """A bug hunt's find: only the trainable parameters were broadcast from rank 0 at construction; ranks that built
+    the model with other values (a seed per rank) kept frozen weights and buffers of their own, silently (DDP syncs
+    them all). The reference: rank 0's state dict, on rank 1 bit for bit."""
+    from dist_worker import spawn_ranks
+
+    out = str(tmp_path / "sd")
+    spawn_ranks(_frozen_rank, 2, tmp_path, out, stage)
+    a, b = torch.load(out + ".0"), torch.load(out + ".1")
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]

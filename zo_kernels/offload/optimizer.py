@@ -357,6 +357,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         for t, values in follow:
             swap_in(t, values)
         del follow
+        self._sync_followers(followers)
         self._cast_followers(followers)
         self._built = True
         self.stats: dict[str, Any] = {}
@@ -374,6 +375,24 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                         for k, p in enumerate(t for t in followers if isinstance(t, torch.nn.Parameter))}  # fmt: skip
 
     # ------------------------------------------------------------------ construction
+
+    @torch.no_grad()
+    def _sync_followers(self, followers: list[torch.Tensor]) -> None:
+        """Several ranks: rank 0's frozen params and buffers on every rank, as DDP syncs a module's states (the
+        trainable ones are broadcast in _allocate): ranks that built the model with other values (a seed per rank)
+        computed with frozen weights of their own, silently. Those on another device than the parameters' are left."""
+        if self.world == 1:
+            return
+        src, seen = self.comm.global_rank(0), set()
+        for t in followers:
+            if id(t) in seen or t.is_meta or t.device != self.device or t.numel() == 0:
+                continue
+            seen.add(id(t))
+            buf = t.data if t.is_contiguous() else t.data.contiguous()
+            self.comm.collective("the initial broadcast of the frozen parameters and buffers", dist.broadcast, buf,
+                                 src=src)  # fmt: skip
+            if buf is not t.data:
+                t.data.copy_(buf)
 
     @torch.no_grad()
     def _cast_followers(self, followers: list[torch.Tensor]) -> None:
