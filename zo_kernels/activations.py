@@ -186,7 +186,8 @@ class ActivationBuffers:
         new ones, without bound."""
         pool = self.transport.pool
         before = pool.reserved
-        block = pool.take(_size_class(numel), dtype)[:numel]  # (give() finds the block by its start)
+        size = _size_class(numel * dtype.itemsize) // dtype.itemsize  # (in bytes: reserve's fp16 blocks fit any dtype)
+        block = pool.take(size, dtype)[:numel]  # (give() finds the block by its start)
         if pool.reserved > before:
             self.host_allocations += 1
         return block
@@ -573,12 +574,12 @@ def _free_segment(buffers: ActivationBuffers, host: list[torch.Tensor], device: 
         buffers.give_device(b)
 
 
-def _size_class(numel: int) -> int:
-    """The smallest of 2^k, 1.25, 1.5 and 1.75 x 2^k (k >= 8) holding numel."""
-    if numel <= 256:
-        return 256
-    top = 1 << (numel - 1).bit_length()  # the power of two at or above numel
-    return next(c for c in (top * 5 // 8, top * 3 // 4, top * 7 // 8, top) if c >= numel)
+def _size_class(nbytes: int) -> int:
+    """The smallest of 2^k, 1.25, 1.5 and 1.75 x 2^k bytes (k >= 9) holding nbytes (a multiple of 64 bytes)."""
+    if nbytes <= 512:
+        return 512
+    top = 1 << (nbytes - 1).bit_length()  # the power of two at or above nbytes
+    return next(c for c in (top * 5 // 8, top * 3 // 4, top * 7 // 8, top) if c >= nbytes)
 
 
 def _view(block: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
