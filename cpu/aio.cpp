@@ -63,14 +63,14 @@ File::File(const std::string& path, int64_t nbytes, bool direct) : path_(path), 
   const int flags = O_RDWR | O_CLOEXEC | (direct ? O_DIRECT : 0);
   bool created = true;  // (a failed reservation removes a file this call made, not one that was there)
   fd_ = ::open(path.c_str(), flags | O_CREAT | O_EXCL, 0600);
-  if (fd_ < 0 && errno == EEXIST) {
+  if (fd_ < 0 && errno == EEXIST) {  // (there, or a symbolic link: O_CREAT follows it, O_EXCL does not)
     created = false;
-    fd_ = ::open(path.c_str(), flags);
+    fd_ = ::open(path.c_str(), flags | O_CREAT, 0600);
   }
   if (fd_ < 0) {
     int err = errno;
-    struct stat st;
-    if (created && ::stat(path.c_str(), &st) == 0) ::unlink(path.c_str());  // (O_DIRECT refused after the create)
+    struct stat st;  // O_DIRECT refused (EINVAL) after the O_EXCL create made the file: it goes
+    if (created && direct && err == EINVAL && ::stat(path.c_str(), &st) == 0) ::unlink(path.c_str());
     throw IoError(err, std::string("open") + (direct ? " (O_DIRECT)" : "") + " of " + path + " failed: " +
                            errstr(err), path);
   }
@@ -387,6 +387,7 @@ void Engine::wait(int64_t h) {
 }
 
 void Engine::drain() {
+  check_owner();
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
     bool busy = false;
@@ -405,6 +406,7 @@ void Engine::drain() {
 }
 
 size_t Engine::pending() {
+  check_owner();
   std::lock_guard<std::mutex> lk(mu_);
   return reqs_.size();
 }

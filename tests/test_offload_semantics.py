@@ -684,11 +684,11 @@ def test_a_gradient_scale_the_kernel_would_refuse_is_refused_or_skipped_before_t
         static.load_state_dict(sd)
 
 
-def test_stage3_parameters_replaced_by_other_objects_are_refused():
-    """load_state_dict(assign=True), inside gathered(write=True) or not, and `module.weight = nn.Parameter(...)` put
-    tensors of their own in the model at stage 3: the optimizer went on training the ones it held (empty, gathered
-    around forwards), the model never changed, silently. Refused before anything is changed, naming the parameter;
-    a buffer-only assign load, and setting a parameter to itself (HF's tie_weights on tied weights), go on."""
+def test_stage3_load_state_dict_with_assign_is_refused():
+    """load_state_dict(assign=True), inside gathered(write=True) or not, put tensors of its own in the model at stage
+    3: the optimizer went on training the ones it held (empty, gathered around forwards), the model never changed,
+    silently. Refused before anything is changed, naming the parameter; a buffer-only assign load goes on, and so do
+    tensors swapped into a module and back (torch.func.functional_call, tests/test_stages_lifecycle.py)."""
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
     opt = zk.ZeroOffloadAdamW(m, dtype=torch.float32, stage=3)
@@ -698,16 +698,12 @@ def test_stage3_parameters_replaced_by_other_objects_are_refused():
     sd = {k: torch.full_like(v, 0.5) if v.is_floating_point() else v for k, v in m.state_dict().items()}
     for inside in (True, False):
         with pytest.raises(RuntimeError, match=r"load_state_dict\(assign=True\) would replace the optimizer's "
-                                               r"parameter '0.weight'.*nothing was changed"):
+                                               r"parameter '0.weight'.*nothing of the optimizer's model was changed"):
             with opt.gathered(write=True) if inside else contextlib.nullcontext():
                 m.load_state_dict(sd, assign=True)
-    with pytest.raises(RuntimeError, match=r"module.weight = nn.Parameter\(...\) would replace the optimizer's "
-                                           r"parameter 'weight' \(2, 4\)"):
-        m[2].weight = torch.nn.Parameter(torch.zeros(2, 4))
     m[1].load_state_dict({k[2:]: v for k, v in sd.items() if "running" in k or "batches" in k}, strict=False,
                          assign=True)  # fmt: skip
     assert torch.equal(m[1].running_mean, torch.full((4,), 0.5))
-    m[0].weight = m[0].weight  # the same object: nothing replaced
     assert list(m.parameters()) == params
     with opt.gathered():
         assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before, strict=True))
@@ -751,4 +747,26 @@ def test_embeddings_resized_after_construction_are_named():
     assert m[0].weight.numel() == 0  # (a review's find: the replaced (12, 8) data stayed in the model)
     with opt.gathered():
         assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
+    opt.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_trainable_parameter_replaced_after_construction_is_named(stage):
+    """A bug hunt's find: PEFT's load_adapter (HF Trainer's resume_from_checkpoint calls it) upcasts 16-bit adapters
+    into new fp32 Parameters; the optimizer kept training the ones it held, the model's got gradients no one
+    applied, and every step was skipped as "no gradients", silently (the whole resumed run lost). Now the optimizer's
+    load_state_dict, and a step that finds no gradient, name the replaced parameter."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    opt = zk.ZeroOffloadAdamW(m, dtype=torch.bfloat16, stage=stage)
+    sd = opt.state_dict()
+    with opt.gathered():
+        values = {n: p.detach().float().clone() for n, p in m[0].named_parameters()}
+    for n, v in values.items():
+        setattr(m[0], n, torch.nn.Parameter(v))  # (as PEFT's cast_adapter_dtype does)
+    with pytest.raises(RuntimeError, match=r"parameter '0.weight' is not the one ZeroOffloadAdamW was built with"):
+        opt.load_state_dict(sd)
+    m(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"parameter '0.weight' is not the one"):
+        opt.step()
     opt.close()

@@ -906,13 +906,15 @@ def test_the_stage3_module_hooks_run_eagerly_under_torch_compile():
         assert getattr(getattr(ParamShards, name), "_torchdynamo_disable", False), name
 
 
-@pytest.mark.parametrize("after", ["forward", "zero_grad"])
+@pytest.mark.parametrize("after", ["forward", "zero_grad", "submodule", "first_iteration"])
 def test_ctrl_c_inside_a_forward_leaves_nothing_running(after):
     """A bug hunt's find: Ctrl-C in a stage-3 forward (a KeyboardInterrupt: torch runs no forward hook for a
     BaseException that is not an Exception) left its modules "running" for good: each later read of a weight outside
     forward was gathered for them (whole, not the empty placeholder), their units never freed (the device peak 8x).
-    The next forward of the model, or zero_grad() / step(), forgets the interrupted one. The reference: the same run
-    without the interrupted forward (the same losses, bit for bit, the same device peak)."""
+    The next forward of the model, or zero_grad() / step(), forgets the interrupted one, also one of a submodule
+    called alone (a review's find: only the model's own re-entry was seen), and an interrupted first iteration's
+    partial use order is dropped (it stayed in the recorded prefetch order for good). The reference: the same run
+    without the interrupted forward (the same losses, bit for bit, the same device peak, the same order)."""
     def run(interrupt):
         torch.manual_seed(0)
         m = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()) for _ in range(6)))
@@ -920,29 +922,33 @@ def test_ctrl_c_inside_a_forward_leaves_nothing_running(after):
         x = torch.randn(4, 64)
         losses, peaks, shapes = [], [], set()
         for step in range(3):
-            if step == 1 and interrupt:
+            if step == (0 if after == "first_iteration" else 1) and interrupt:
                 h = m[2].register_forward_pre_hook(lambda mod, a: (_ for _ in ()).throw(KeyboardInterrupt))
                 with pytest.raises(KeyboardInterrupt):
-                    m(x).sum().backward()
+                    if after == "submodule":
+                        m[1:4](x)
+                    else:
+                        m(x).sum().backward()
                 h.remove()
                 if after == "zero_grad":
                     opt.zero_grad()
                     shapes |= {tuple(b[0].weight.shape) for b in m}  # a read outside forward: the placeholder
             opt.device_bytes.reset_peak()
             loss = m(x).square().mean()
+            shapes |= {tuple(b[0].weight.shape) for b in m}  # (outside forward, before backward: placeholders)
             loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
             peaks.append(opt.device_bytes.peak)
             shapes |= {tuple(b[0].weight.shape) for b in m}
-        running = list(opt.shards.running)
+        running, order = list(opt.shards.running), list(opt.shards.order)
         opt.close()
-        return losses, peaks, shapes, running
+        return losses, peaks, shapes, running, order
 
     ref, got = run(False), run(True)
     assert got[0] == ref[0] and got[1] == ref[1]
-    assert got[2] == {(0,)} and got[3] == []
+    assert got[2] == {(0,)} and got[3] == [] and got[4] == ref[4]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -978,6 +984,70 @@ def test_torch_save_of_the_model_gives_an_independent_whole_model(stage, tmp_pat
     torch.save(m, tmp_path / "closed.pt")
 
 
+def test_torch_save_at_stage_3_keeps_tied_weights_tied(tmp_path):
+    """A review's find: each module's parameters were pickled with copies of their own, so a weight tied between two
+    modules came back as two tensors (deepcopy kept one)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10, bias=False))
+    m[1].weight = m[0].weight
+    opt = zk.ZeroOffloadAdamW(m, lr=1e-3, dtype=torch.float32, stage=3)
+    torch.save(m, tmp_path / "m.pt")
+    back = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert back[1].weight is back[0].weight and len(list(back.parameters())) == 1
+    with opt.gathered():
+        assert torch.equal(back[0].weight, m[0].weight)
+    opt.close()
+
+
+def test_functional_call_and_a_model_calling_itself_at_stage_3():
+    """A review's finds in this session's own changes: torch.func.functional_call (it swaps tensors into
+    module._parameters and back) was refused as a replaced parameter, and a model calling itself (a Siamese pair) was
+    taken for an interrupted forward (its weights emptied under the outer call: an invalid gradient). The reference:
+    stage 2, the same losses."""
+    class Siamese(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head, self.body = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, a, b=None):
+            if b is not None:
+                return (self(a) - self(b)).square().sum() + self.head.weight.sum()
+            return self.head(self.body(a))
+
+    def run(stage):
+        torch.manual_seed(0)
+        m = Siamese()
+        opt = zk.ZeroOffloadAdamW(m, lr=1e-2, dtype=torch.float32, stage=stage)
+        a, b = torch.randn(4, 8), torch.randn(4, 8)
+        losses = []
+        for _ in range(3):
+            loss = m(a, b)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        with opt.gathered():
+            values = {k: v.detach().clone() for k, v in m.named_parameters()}
+        y = torch.func.functional_call(m, values, (a,))
+        opt.close()
+        return losses, y
+
+    (l2, y2), (l3, y3) = run(2), run(3)
+    assert l2 == l3 and torch.equal(y2, y3)
+
+
+class _CheckpointedNet(nn.Module):
+    def __init__(self, ck) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.ck = ck
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = self.ck(b, x)
+        return x
+
+
 def test_a_model_checkpointing_through_activation_buffers_can_be_deep_copied():
     """A bug hunt's find: a model whose layers checkpoint through zo_kernels.checkpoint with given buffers (HF's
     gradient_checkpointing_enable with a partial holding an ActivationBuffers) could not be deep-copied (an EMA's
@@ -989,24 +1059,20 @@ def test_a_model_checkpointing_through_activation_buffers_can_be_deep_copied():
     from zo_kernels.transport import CopyEngineTransport
 
     buffers = ActivationBuffers("cpu", CopyEngineTransport())
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-            self.ck = functools.partial(zk.checkpoint, buffers=buffers)
-
-        def forward(self, x):
-            for b in self.blocks:
-                x = self.ck(b, x)
-            return x
-
     torch.manual_seed(0)
-    m = Net()
+    m = _CheckpointedNet(functools.partial(zk.checkpoint, buffers=buffers))
     twin = copy.deepcopy(m)
     assert twin.ck.keywords["buffers"] is buffers
     x = torch.randn(2, 8, requires_grad=True)
     for net in (m, twin):
         net(x).square().sum().backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), twin.parameters(), strict=True))
+    # pickled as None (a review's find: rebuilt at once as the device's default buffers, a CUDA model could not be
+    # loaded on a machine without that device): the checkpoint takes the default buffers when it runs
+    import io
+
+    f = io.BytesIO()
+    torch.save(m, f)
+    f.seek(0)
+    assert torch.load(f, weights_only=False).ck.keywords["buffers"] is None
     buffers.transport.close()

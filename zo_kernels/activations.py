@@ -86,8 +86,9 @@ class ActivationBuffers:
         return self
 
     def __reduce__(self) -> tuple:
-        """Pickled (torch.save(model)) as the default buffers of the device, made in the loading process."""
-        return (default_buffers, (str(self.device),))
+        """Pickled (torch.save(model)) as None: a checkpoint given buffers=None takes the default buffers of its
+        arguments' device when it runs, in the loading process (which may have another device, or none)."""
+        return (_no_buffers, ())
 
     @property
     def allocations(self) -> int:
@@ -99,7 +100,8 @@ class ActivationBuffers:
         """Allocate blocks of the planned sizes up front: a step that needs no more allocates nothing.
 
         device_blocks: bytes of each device slot (offload: two for a chain; resident: one per checkpoint).
-        host_blocks: the exact bytes of each offloaded checkpoint (the pool reuses a host block of the same size)."""
+        host_blocks: the bytes of each offloaded checkpoint (a host block is of its size class, up to 25% more:
+            a checkpoint of those bytes, or of any in the same class, reuses it)."""
         for name, sizes in (("device_blocks", device_blocks), ("host_blocks", host_blocks)):
             if not isinstance(sizes, (list, tuple)) or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0
                                                            for n in sizes):  # fmt: skip
@@ -572,6 +574,10 @@ def _free_segment(buffers: ActivationBuffers, host: list[torch.Tensor], device: 
         buffers.transport.pool.give(h)  # fenced: not handed out again before its copies are done
     for b in device:
         buffers.give_device(b)
+
+
+def _no_buffers() -> None:
+    return None
 
 
 def _size_class(nbytes: int) -> int:

@@ -533,7 +533,7 @@ def _fmt_bytes(b: float, unit: str = "GB") -> str:
 def _fmt_count(n: float) -> str:
     if math.isinf(n):
         return "unbounded"
-    if n >= 1e9:
+    if n >= 999.5e6:  # (not "1,000M")
         return f"{n / 1e9:,.2f}B"
     if n >= 1e7:
         return f"{n / 1e6:,.0f}M"

@@ -400,6 +400,7 @@ class ZeroOffloadAdafactor(ZeroOffloadAdamW):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of torch.optim.Adafactor (then the masters are the model's); the
         loading optimizer keeps its own foreach/differentiable options; the load hooks run as torch's."""
+        self._check_not_replaced()
         state_dict = run_load_pre_hooks(self, state_dict)
         self._check_loadable()
         self._check_groups()

@@ -370,6 +370,9 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         for p in trainable:
             p._zo_owner = _OwnerRef(self)
         self._group_params = [list(g["params"]) for g in self.param_groups]  # what the layout was built from
+        self._module = None if module is None else weakref.ref(module)
+        self._named = [] if module is None else [(n, p) for n, p in module.named_parameters(remove_duplicate=False)
+                                                 if id(p) in is_trainable]  # fmt: skip
         frozen_names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         self._frozen = {frozen_names.get(id(p), f"frozen param {k} (shape {tuple(p.shape)})"): p
                         for k, p in enumerate(t for t in followers if isinstance(t, torch.nn.Parameter))}  # fmt: skip
@@ -380,12 +383,15 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
     def _sync_followers(self, followers: list[torch.Tensor]) -> None:
         """Several ranks: rank 0's frozen params and buffers on every rank, as DDP syncs a module's states (the
         trainable ones are broadcast in _allocate): ranks that built the model with other values (a seed per rank)
-        computed with frozen weights of their own, silently. Those on another device than the parameters' are left."""
+        computed with frozen weights of their own, silently. Those on another kind of device than the parameters',
+        and those whose elements share memory (an expanded tensor: nothing to write elementwise), are left; what is
+        left depends on the model alone, so every rank broadcasts the same list."""
         if self.world == 1:
             return
         src, seen = self.comm.global_rank(0), set()
         for t in followers:
-            if id(t) in seen or t.is_meta or t.device != self.device or t.numel() == 0:
+            if (id(t) in seen or t.is_meta or t.device.type != self.device.type or t.numel() == 0
+                    or torch._debug_has_internal_overlap(t) != 0):  # fmt: skip
                 continue
             seen.add(id(t))
             buf = t.data if t.is_contiguous() else t.data.contiguous()
@@ -798,6 +804,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                "clip_grad_norm_) and by max_grad_norm; use one (Trainer: max_grad_norm=0)")  # fmt: skip
         t_step = time.perf_counter()
         if self.grads.n_micro == 0:
+            self._check_not_replaced()  # (the model's replaced parameters got the gradients)
             self.stats = {"skipped": True, "skip_reason": "no gradients", "loss_scale": self.scaler.scale,
                           "grad_norm": None}
             return None
@@ -853,6 +860,25 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
                                    "requires grad: it would get gradients but never be updated (the flat layout is "
                                    "fixed at construction). Freeze it again (p.requires_grad_(False); p.grad = None), "
                                    "or close() the optimizer and build a new one after unfreezing")  # fmt: skip
+
+    def _check_not_replaced(self) -> None:
+        """The model's trainable parameters are still the optimizer's: one replaced by another Parameter of its name
+        trains nothing, silently (every step finds no gradient). Checked at load_state_dict and at a step with no
+        gradient (not at every step: a walk over the model's parameters)."""
+        m = self._module() if self._module is not None else None
+        if m is None:
+            return
+        now = dict(m.named_parameters(remove_duplicate=False))
+        for name, p in self._named:
+            q = now.get(name)
+            if q is not None and q is not p and q.requires_grad:
+                raise RuntimeError(
+                    f"the model's parameter {name!r} is not the one {type(self).__name__} was built with: it was "
+                    "replaced by another Parameter since (PEFT's load_adapter, which HF Trainer's "
+                    "resume_from_checkpoint calls, upcasts 16-bit adapters into new fp32 Parameters), and the "
+                    "optimizer would train the one it holds, never the model's. Build the optimizer after the "
+                    "replacement; with Trainer + PEFT, resume with dtype=torch.float32 (fp32 adapters are not "
+                    "recast) or through accelerate's save_state/load_state (it loads in place)")  # fmt: skip
 
     def _set_group_steps(self) -> None:
         """Each group's "step" is the count of its most-stepped parameter (each parameter counts its own)."""
@@ -949,6 +975,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         A state saved between a delayed update and its writeback restores that writeback as pending (the
         device parameters are then the model's, as saved with it: use zo_kernels.load_checkpoint).
         """
+        self._check_not_replaced()
         state.load_state_dict(self, run_load_pre_hooks(self, state_dict))
         run_load_post_hooks(self)
 

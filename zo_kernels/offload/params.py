@@ -14,6 +14,7 @@ import contextlib
 import copy
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -90,11 +91,14 @@ def _no_op_hook() -> Any:
     return _no_op
 
 
-def _replaced_help(what: str, how: str) -> str:
-    return (f"stage 3: {how} would replace the optimizer's {what} with another tensor, which the optimizer would "
-            "never see (it would train the one it holds, and the model would not change): write values in place "
-            "(model.load_state_dict() without assign=True, p.copy_()), or replace parameters before building the "
-            "optimizer or after close(); nothing was changed")
+def _assign_help(name: str) -> str:
+    return (f"stage 3: load_state_dict(assign=True) would replace the optimizer's parameter {name!r} with the state "
+            "dict's tensor, which the optimizer would never see (it would train the one it holds, and the model would "
+            "not change): load without assign=True (the values are copied in), or before building the optimizer or "
+            "after close(); nothing of the optimizer's model was changed")
+
+
+_CALL_CODES = (torch.nn.Module._call_impl.__code__,)  # the frame of a module call (it calls the forward hooks)
 
 
 class _Parameters(dict):
@@ -111,18 +115,11 @@ class _Parameters(dict):
             self.shards.fetch(p)
         return p
 
-    def __setitem__(self, name: str, value: Any) -> None:
-        old = dict.get(self, name)
-        if old is not None and value is not old and old in self.shards.unit_of:  # (module.weight = nn.Parameter())
-            raise RuntimeError(_replaced_help(f"parameter {name!r} {tuple(self.shards.unit_of[old]._where[old][1])}",
-                                              "module.weight = nn.Parameter(...)"))  # fmt: skip
-        dict.__setitem__(self, name, value)
-
     def __deepcopy__(self, memo: dict) -> dict:
         return {k: self.shards.whole_copy(p, memo) for k, p in self.items()}
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # (torch.save(model), pickle: whole parameters, a plain dict)
-        return dict, ({k: self.shards.whole_copy(p, {}) for k, p in self.items()},)
+        return dict, ({k: self.shards.pickled_copy(p) for k, p in self.items()},)
 
 
 class ParamShards:
@@ -177,6 +174,7 @@ class ParamShards:
         self._in_root_save = False  # the model's own state_dict() is running
         self.probing = False  # a state_dict() read for its keys and dtypes only (load_checkpoint's checks): no gather
         self._root: torch.nn.Module | None = None  # the model (attach)
+        self._pickled: dict[int, Any] = {}  # id(param) -> weakref to its copy in a pickle of the model (pickled_copy)
         self.owner: Any = None  # the optimizer (held: the model's module hooks hold this, the optimizer the weights)
         self.before_forward: Any = None  # called before a forward outside any backward (GradPath.close_dead_pass)
         self._loading: list[Unit] = []  # units kept for a load_state_dict() in progress
@@ -371,6 +369,17 @@ class ParamShards:
             if kept:
                 u.unkeep()
 
+    def pickled_copy(self, p: Any) -> Any:
+        """A whole copy of p for a pickle of the model (torch.save): the same copy for p while it lives, so tied
+        parameters stay one tensor (the pickler holds its copies until the dump ends; then they go)."""
+        ref = self._pickled.get(id(p))
+        c = ref() if ref is not None else None
+        if c is None:
+            c = self.whole_copy(p, {})
+            if isinstance(c, torch.Tensor):
+                self._pickled[id(p)] = weakref.ref(c)
+        return c
+
     # ------------------------------------------------------------------ state_dict and load_state_dict
 
     def _keep_for_save(self, units: list[Unit]) -> None:
@@ -413,7 +422,7 @@ class ParamShards:
                 mine = [n for n, p in module.named_parameters(prefix=prefix[:-1], remove_duplicate=False)
                         if p in self.unit_of and n in state_dict]  # fmt: skip
                 if mine:
-                    raise RuntimeError(_replaced_help(f"parameter {mine[0]!r}", "load_state_dict(assign=True)"))
+                    raise RuntimeError(_assign_help(mine[0]))
             self._load_keys = missing_keys  # so a load that raised midway leaves nothing behind for the next)
             self._keep_for_load(module)
 
@@ -526,19 +535,34 @@ class ParamShards:
         """A forward stopped by Ctrl-C (a BaseException, not an Exception: torch then runs no forward hook) left its
         modules "running": every later read of a weight outside forward was gathered for them, and their units were
         never freed (the whole model on the device). Called where no forward can run (the optimizer's step and
-        zero_grad) and when the model's own forward begins again while it is still "running"."""
+        zero_grad) and when the model's forward begins while modules are "running" that no call on the stack runs
+        (_stale). A first iteration's recorded order starts again (its interrupted part is no use order)."""
         self.running.clear()
         for u in self.units:
             if u.users:
                 u.users = 0
                 if u.idle and u.state in (UnitState.GATHERING, UnitState.GATHERED):
                     u.reshard(_EVERY_STORAGE)  # (the traceback's frames may hold views: let go to them)
+        if self.recording:
+            self.order, self.pos, self.forward_uses, self._first = [], 0, None, {}
+
+    def _stale(self, module: torch.nn.Module) -> bool:
+        """The modules "running" are not: no module call on the Python stack runs the innermost (a Ctrl-C stopped
+        it). A model that calls itself (a Siamese pair, a recursion) has its outer call on the stack; `module`'s
+        own call, the one beginning now, is the first on the stack and does not count."""
+        inner, f, skip = self.running[-1], sys._getframe(1), self.running[-1] is module
+        while f is not None:
+            if f.f_code in _CALL_CODES and f.f_locals.get("self") is inner:
+                if not skip:
+                    return False
+                skip = False
+            f = f.f_back
+        return True
 
     @torch.compiler.disable  # run eagerly: dynamo would trace `p.data = ...` as an in-place write of p
     def _pre_forward(self, module: torch.nn.Module, units: list[Unit]) -> None:
-        if self.running and module is self._root and module in self.running:  # (the model does not call itself:
-            if torch._C._current_graph_task_id() == -1:  # its forward was interrupted)
-                self.forget_interrupted_forward()
+        if self.running and module is self._root and torch._C._current_graph_task_id() == -1 and self._stale(module):
+            self.forget_interrupted_forward()
         if not self.running:  # the outermost forward: an evaluation if begun without gradients outside backward
             self._check_not_torn()
             top = torch._C._current_graph_task_id() == -1
