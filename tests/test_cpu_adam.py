@@ -531,3 +531,32 @@ def test_flush_denormal_reaches_every_thread():
     assert not bool((one[1] != 0).any())  # flushed: the mode was the caller's on both threads
     after = run(2)
     assert bool((after[1] != 0).all())  # and it is not left on the workers after the call
+
+
+@pytest.mark.parametrize("option", [{"delay_update_after": 0},
+                                    {"selective": {"fraction": 0.5, "apply_every": 1, "warmup": 0}}])  # fmt: skip
+def test_flush_denormal_reaches_the_optimizers_background_threads(option):
+    """A review's find: the delayed update (and selective's window) run on pool threads made at the first step, which
+    keep the floating-point mode they were made with: torch.set_flush_denormal(True) after that reached the
+    synchronous step only (subnormal exp_avg_sq elements kept under DPU, flushed without it). The submitting
+    thread's mode is the job's. The reference: the synchronous run (every subnormal flushed)."""
+    def unflushed(**kw):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(64, 64, bias=False)
+        opt = zk.ZeroOffloadAdamW(m, lr=1e-3, dtype=torch.float32, eps=1.2e-38, threads=1, **kw)
+        try:
+            for i in range(3):
+                if i == 1:
+                    torch.set_flush_denormal(True)  # (after the first step: the pool threads exist)
+                (m(torch.ones(1, 64)) * 1e-20).sum().backward()  # g = 1e-20: g^2 and v subnormal
+                opt.step()
+                opt.zero_grad()
+            opt.synchronize()
+            v = opt.state[m.weight]["exp_avg_sq"]
+        finally:
+            torch.set_flush_denormal(False)
+            opt.close()
+        return int((v != 0).sum())  # (counted with denormals-are-zero off: under it a subnormal compares as 0)
+
+    assert unflushed() == 0
+    assert unflushed(**option) == 0

@@ -561,6 +561,23 @@ def _run_plan(plan: AdamPlan, tile: int, sink: Any, param_out: torch.Tensor | No
             bump_version(param, *moment_tensors(exp_avg, exp_avg_sq).values(), param_out)
 
 
+def callers_fp_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn, to run on another thread in this thread's floating-point mode: torch.set_flush_denormal sets
+    flush-to-zero and denormals-are-zero for the calling thread only, and a pool thread made before keeps the mode it
+    had (a delayed step's bits then differed from a synchronous one's). The kernels pass the mode to their own
+    OpenMP workers."""
+    mode = _cpu.fp_mode()
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        old = _cpu.set_fp_mode(mode)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _cpu.set_fp_mode(old)
+
+    return run
+
+
 def bump_version(*tensors: torch.Tensor | None) -> None:
     """Tell autograd that these tensors were written in place (as torch's own in-place ops do): one call for all
     of them (torch >= 2.5 takes a list), not a Python call per tensor."""

@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..cpu_adam import FP32_TINY, accumulate, cpu_adam_step
+from ..cpu_adam import FP32_TINY, accumulate, callers_fp_mode, cpu_adam_step
 from .layout import FlatLayout, Run
 from .selected import SelectedGrad
 from .update import HostUpdate, stopped_waiting
@@ -247,7 +247,7 @@ class SelectiveUpdate(HostUpdate):
             for x, y, alpha in pieces:
                 accumulate(acc[x:y], grad[x:y], alpha=alpha, threads=self.bg_threads)
 
-        self._last_sum = self._sum_reading[grad.data_ptr()] = self._sum_executor.submit(job)
+        self._last_sum = self._sum_reading[grad.data_ptr()] = self._sum_executor.submit(callers_fp_mode(job))
 
     def _wait_sum(self, fut: Future) -> None:
         """Wait for a window sum; its failure stops the optimizer (as a background update's does) and forgets every
@@ -430,7 +430,8 @@ class SelectiveUpdate(HostUpdate):
         self.cur, self.in_window = 1 - buf, 0
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-selective")
-        self._pending = self._executor.submit(self._apply, buf, runs, hparams, self._last_sum, self.bg_threads)
+        self._pending = self._executor.submit(callers_fp_mode(self._apply), buf, runs, hparams, self._last_sum,
+                                              self.bg_threads)  # fmt: skip
 
     def _send_staging(self) -> None:
         """Staging (the last update's parameters) -> this rank's device parameters; published by the caller."""

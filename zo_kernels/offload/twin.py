@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..cpu_adam import callers_fp_mode
 from .device_adam import DeviceState
 from .formats import block_of, bytes_per_element, cut_raw
 from .layout import FlatLayout, Run
@@ -87,7 +88,7 @@ class DeviceStream:
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-twin")
-        self._future = self._executor.submit(self._run, job)
+        self._future = self._executor.submit(callers_fp_mode(self._run), job)
 
     def _run(self, job: Callable[[], None]) -> None:
         if self.delay_s:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..cpu_adam import bump_version, cpu_adam_step, plan_adam_step
+from ..cpu_adam import bump_version, callers_fp_mode, cpu_adam_step, plan_adam_step
 from ..nvme import TILE_MULTIPLE, Moment, NvmeSwapper, UpdateFn, as_float, assign, narrow
 from ..transport import Event, Staging, Transport, tiled_writeback
 from .fence import TileFence
@@ -383,7 +383,8 @@ class HostUpdate(StateViews):
         self.take_out(out, runs)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-dpu")
-        self._pending = self._executor.submit(self._update_after, before, grad, grad_scale, runs, hparams)
+        self._pending = self._executor.submit(callers_fp_mode(self._update_after), before, grad, grad_scale, runs,
+                                              hparams)  # fmt: skip
 
     def _update_after(self, before: Callable[[], None] | None, grad: torch.Tensor, grad_scale: float,
                       runs: list[Run], hparams: list[dict]) -> float:  # fmt: skip
