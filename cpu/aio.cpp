@@ -63,14 +63,25 @@ File::File(const std::string& path, int64_t nbytes, bool direct) : path_(path), 
   const int flags = O_RDWR | O_CLOEXEC | (direct ? O_DIRECT : 0);
   bool created = true;  // (a failed reservation removes a file this call made, not one that was there)
   fd_ = ::open(path.c_str(), flags | O_CREAT | O_EXCL, 0600);
+  std::string made = path;  // the file a failed reservation removes, if this call made it
   if (fd_ < 0 && errno == EEXIST) {  // (there, or a symbolic link: O_CREAT follows it, O_EXCL does not)
-    created = false;
+    struct stat st;
+    created = ::stat(path.c_str(), &st) != 0 && errno == ENOENT;  // a link to nothing: its target is made here
     fd_ = ::open(path.c_str(), flags | O_CREAT, 0600);
+    if (created && fd_ >= 0) {
+      char* real = ::realpath(path.c_str(), nullptr);
+      if (real != nullptr) {
+        made = real;
+        std::free(real);
+      } else {
+        created = false;
+      }
+    }
   }
   if (fd_ < 0) {
     int err = errno;
     struct stat st;  // O_DIRECT refused (EINVAL) after the O_EXCL create made the file: it goes
-    if (created && direct && err == EINVAL && ::stat(path.c_str(), &st) == 0) ::unlink(path.c_str());
+    if (created && direct && err == EINVAL && ::stat(made.c_str(), &st) == 0) ::unlink(made.c_str());
     throw IoError(err, std::string("open") + (direct ? " (O_DIRECT)" : "") + " of " + path + " failed: " +
                            errstr(err), path);
   }
@@ -81,7 +92,7 @@ File::File(const std::string& path, int64_t nbytes, bool direct) : path_(path), 
   if (err) {
     ::close(fd_);
     fd_ = -1;
-    if (created) ::unlink(path.c_str());
+    if (created) ::unlink(made.c_str());
     throw IoError(err, "reserving " + std::to_string(nbytes) + " bytes for " + path + " failed: " + errstr(err),
                   path);
   }

@@ -632,3 +632,13 @@ def test_a_file_opened_through_a_symbolic_link_creates_its_target(tmp_path):
     os.symlink(target, link)
     aio.open_file(str(link), 1 << 16, False).close()
     assert target.stat().st_size == 1 << 16
+
+
+def test_a_failed_reservation_through_a_link_removes_the_target_it_made(tmp_path):
+    """A review's find: through a symbolic link to a missing file, the open made the target, and a failed
+    reservation left it (the link is the user's: it stays)."""
+    target, link = tmp_path / "target.bin", tmp_path / "link.bin"
+    os.symlink(target, link)
+    with pytest.raises(OSError, match="reserving"):
+        aio.AioFile(str(link), 1 << 50, False)
+    assert not target.exists() and link.is_symlink()

@@ -72,6 +72,7 @@ class _FrozenNet(torch.nn.Module):
         self.register_buffer("gain", torch.randn(4))
         self.register_buffer("strided", torch.randn(4, 3).t())  # (not contiguous)
         self.register_buffer("flags", torch.rand(4) > 0.5)
+        self.register_buffer("cols", torch.randn(4, 6)[:, ::2])  # (a slice: torch cannot tell it is dense; it is)
         self.register_buffer("wide", torch.randn(1, 4).expand(3, 4))  # (elements sharing memory: left as they are)
 
     def forward(self, x):

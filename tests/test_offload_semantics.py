@@ -770,3 +770,11 @@ def test_a_trainable_parameter_replaced_after_construction_is_named(stage):
     with pytest.raises(RuntimeError, match=r"parameter '0.weight' is not the one"):
         opt.step()
     opt.close()
+    # a parameter bound to another of the optimizer's (weights tied after construction) is no replacement (a review)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
+    opt = zk.ZeroOffloadAdamW(m, dtype=torch.bfloat16, stage=stage)
+    sd = opt.state_dict()
+    m[1].weight = m[0].weight
+    opt.load_state_dict(sd)
+    opt.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import errno
+import io
 import threading
 import time
 import warnings
@@ -984,6 +985,36 @@ def test_torch_save_of_the_model_gives_an_independent_whole_model(stage, tmp_pat
     torch.save(m, tmp_path / "closed.pt")
 
 
+def test_a_failed_save_does_not_lend_its_copies_to_the_next(tmp_path):
+    """A review's find: the copies a pickle of a stage-3 model makes (one per parameter, so tied ones stay one) were
+    handed to a later pickle while alive: a save that failed (a full disk) kept them in its traceback, and the next
+    save after more training wrote the old weights. A write of the weights since makes new ones."""
+    class Full(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, b):
+            raise OSError(28, "No space left on device")
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    opt = zk.ZeroOffloadAdamW(m, lr=1e-2, dtype=torch.float32, stage=3)
+    try:
+        torch.save(m, Full())
+    except OSError as e:
+        kept = e  # (as a notebook keeps the last exception, and with it the pickler's copies)
+    for _ in range(3):
+        m(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save(m, tmp_path / "m.pt")
+    back = torch.load(tmp_path / "m.pt", weights_only=False)
+    with opt.gathered():
+        assert all(torch.equal(p, q) for p, q in zip(back.parameters(), m.parameters(), strict=True))
+    del kept
+    opt.close()
+
+
 def test_torch_save_at_stage_3_keeps_tied_weights_tied(tmp_path):
     """A review's find: each module's parameters were pickled with copies of their own, so a weight tied between two
     modules came back as two tensors (deepcopy kept one)."""
@@ -1074,5 +1105,8 @@ def test_a_model_checkpointing_through_activation_buffers_can_be_deep_copied():
     f = io.BytesIO()
     torch.save(m, f)
     f.seek(0)
-    assert torch.load(f, weights_only=False).ck.keywords["buffers"] is None
+    back = torch.load(f, weights_only=False)
+    assert back.ck.keywords["buffers"] is zk.activations.default_buffers("cpu")  # (the loading process's own)
+    back(x).square().sum().backward()  # (a review's find: pickled as None, offload=True on the CPU refused)
+    assert copy.copy(buffers) is buffers
     buffers.transport.close()

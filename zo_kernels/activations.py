@@ -85,10 +85,13 @@ class ActivationBuffers:
         too (their locks and the transport's threads cannot be copied)."""
         return self
 
+    def __copy__(self) -> ActivationBuffers:
+        return self
+
     def __reduce__(self) -> tuple:
-        """Pickled (torch.save(model)) as None: a checkpoint given buffers=None takes the default buffers of its
-        arguments' device when it runs, in the loading process (which may have another device, or none)."""
-        return (_no_buffers, ())
+        """Pickled (torch.save(model)) as the default buffers of its device in the loading process, or None where
+        that device is missing there (a checkpoint given buffers=None takes its arguments' device's at run time)."""
+        return (_buffers_for, (str(self.device),))
 
     @property
     def allocations(self) -> int:
@@ -576,8 +579,11 @@ def _free_segment(buffers: ActivationBuffers, host: list[torch.Tensor], device: 
         buffers.give_device(b)
 
 
-def _no_buffers() -> None:
-    return None
+def _buffers_for(device: str) -> ActivationBuffers | None:
+    d = torch.device(device)
+    if d.type == "cuda" and (not torch.cuda.is_available() or (d.index or 0) >= torch.cuda.device_count()):
+        return None
+    return default_buffers(d)
 
 
 def _size_class(nbytes: int) -> int:

@@ -391,7 +391,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         src, seen = self.comm.global_rank(0), set()
         for t in followers:
             if (id(t) in seen or t.is_meta or t.device.type != self.device.type or t.numel() == 0
-                    or torch._debug_has_internal_overlap(t) != 0):  # fmt: skip
+                    or torch._debug_has_internal_overlap(t) == 1):  # fmt: skip  (2: a slice, "too hard": dense)
                 continue
             seen.add(id(t))
             buf = t.data if t.is_contiguous() else t.data.contiguous()
@@ -871,7 +871,7 @@ class ZeroOffloadAdamW(torch.optim.Optimizer):
         now = dict(m.named_parameters(remove_duplicate=False))
         for name, p in self._named:
             q = now.get(name)
-            if q is not None and q is not p and q.requires_grad:
+            if q is not None and q is not p and q.requires_grad and q not in self.layout.index:  # (re-tied: fine)
                 raise RuntimeError(
                     f"the model's parameter {name!r} is not the one {type(self).__name__} was built with: it was "
                     "replaced by another Parameter since (PEFT's load_adapter, which HF Trainer's "

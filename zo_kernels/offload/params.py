@@ -174,7 +174,8 @@ class ParamShards:
         self._in_root_save = False  # the model's own state_dict() is running
         self.probing = False  # a state_dict() read for its keys and dtypes only (load_checkpoint's checks): no gather
         self._root: torch.nn.Module | None = None  # the model (attach)
-        self._pickled: dict[int, Any] = {}  # id(param) -> weakref to its copy in a pickle of the model (pickled_copy)
+        self._pickled: dict[int, Any] = {}  # id(param) -> (param, writes, its copy) for a pickle (pickled_copy)
+        self._writes = 0  # writes of the weights so far (invalidate)
         self.owner: Any = None  # the optimizer (held: the model's module hooks hold this, the optimizer the weights)
         self.before_forward: Any = None  # called before a forward outside any backward (GradPath.close_dead_pass)
         self._loading: list[Unit] = []  # units kept for a load_state_dict() in progress
@@ -370,14 +371,18 @@ class ParamShards:
                 u.unkeep()
 
     def pickled_copy(self, p: Any) -> Any:
-        """A whole copy of p for a pickle of the model (torch.save): the same copy for p while it lives, so tied
-        parameters stay one tensor (the pickler holds its copies until the dump ends; then they go)."""
-        ref = self._pickled.get(id(p))
-        c = ref() if ref is not None else None
-        if c is None:
-            c = self.whole_copy(p, {})
-            if isinstance(c, torch.Tensor):
-                self._pickled[id(p)] = weakref.ref(c)
+        """A whole copy of p for a pickle of the model (torch.save): the same copy for p while it lives and no write
+        of the weights came since, so tied parameters stay one tensor (the pickler holds its copies until the dump
+        ends; then they go). A copy kept longer (by a failed save's traceback) is not handed to a later save."""
+        entry = self._pickled.get(id(p))
+        if entry is not None:
+            owner, writes, ref = entry
+            c = ref()
+            if c is not None and owner() is p and writes == self._writes:
+                return c
+        c = self.whole_copy(p, {})
+        if isinstance(p, torch.Tensor) and isinstance(c, torch.Tensor):
+            self._pickled[id(p)] = (weakref.ref(p), self._writes, weakref.ref(c))
         return c
 
     # ------------------------------------------------------------------ state_dict and load_state_dict
@@ -483,6 +488,7 @@ class ParamShards:
         for u in self.units:
             u.invalidate(refill_kept=u not in written)
         bump_version(*self.layout.params)
+        self._writes += 1
 
     @contextlib.contextmanager
     def gathered(self, write: bool = False) -> Iterator[None]:
@@ -543,8 +549,9 @@ class ParamShards:
                 u.users = 0
                 if u.idle and u.state in (UnitState.GATHERING, UnitState.GATHERED):
                     u.reshard(_EVERY_STORAGE)  # (the traceback's frames may hold views: let go to them)
+        self.pos = 0  # (the interrupted forward's uses are no iteration's)
         if self.recording:
-            self.order, self.pos, self.forward_uses, self._first = [], 0, None, {}
+            self.order, self.forward_uses, self._first = [], None, {}
 
     def _stale(self, module: torch.nn.Module) -> bool:
         """The modules "running" are not: no module call on the Python stack runs the innermost (a Ctrl-C stopped
