@@ -68,7 +68,8 @@ File::File(const std::string& path, int64_t nbytes, bool direct) : path_(path), 
     struct stat st;
     created = ::stat(path.c_str(), &st) != 0 && errno == ENOENT;  // a link to nothing: its target is made here
     fd_ = ::open(path.c_str(), flags | O_CREAT, 0600);
-    if (created && fd_ >= 0) {
+    if (fd_ < 0) created = false;  // (the link's own path is no file this call made: it stays)
+    if (created) {
       char* real = ::realpath(path.c_str(), nullptr);
       if (real != nullptr) {
         made = real;
