@@ -557,7 +557,7 @@ double sumsq(const void* x, void* y, int64_t lo, int64_t hi, int* bad) {
     for (int u = 0; u < 4; ++u) {
       const __m256 v = load8(x, i + 8 * u, DT);
       if (y && DT == kF32) store8(y, i + 8 * u, DT, v);
-      if (y && DT != kF32)  // the bits as they are (through fp32 a NaN's payload and sign were not kept)
+      else if (y)  // the bits as they are (through fp32 a NaN's payload and sign were not kept)
         _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(y) + i + 8 * u),
                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + i + 8 * u)));
       acc[u] = _mm256_fmadd_ps(v, v, acc[u]);
@@ -840,7 +840,7 @@ double sumsq(const void* x, void* y, int64_t lo, int64_t hi, int* bad) {
       const __mmask16 k = __mmask16(n >= 16 ? 0xffff : (1u << n) - 1u);
       const __m512 v = load16(x, i + 16 * u, DT, k);
       if (y && DT == kF32) store16(y, i + 16 * u, DT, v, k);
-      if (y && DT != kF32)  // the bits as they are (through fp32 a NaN's payload and sign were not kept)
+      else if (y)  // the bits as they are (through fp32 a NaN's payload and sign were not kept)
         _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + i + 16 * u, k,
                                  ld_epi16(k, static_cast<const uint16_t*>(x) + i + 16 * u));
       acc[u] = _mm512_fmadd_ps(v, v, acc[u]);
@@ -934,21 +934,16 @@ inline int ranges_for(int64_t n, int threads) {
 // torch.set_flush_denormal sets, rounding, exception masks) in a worker for one region: OpenMP's threads keep their
 // own, so the halves of one tensor treated denormals differently (the bits then depended on the thread count).
 struct CallerFpMode {
-  static constexpr unsigned kControl = 0xffc0u;
   unsigned saved;
-  explicit CallerFpMode(unsigned caller) : saved(_mm_getcsr()) {
-    if ((saved & kControl) != (caller & kControl)) _mm_setcsr((saved & ~kControl) | (caller & kControl));
-  }
-  ~CallerFpMode() {
-    if ((_mm_getcsr() & kControl) != (saved & kControl)) _mm_setcsr((_mm_getcsr() & ~kControl) | (saved & kControl));
-  }
+  explicit CallerFpMode(unsigned caller) : saved(set_fp_mode(caller)) {}
+  ~CallerFpMode() { set_fp_mode(saved); }
 };
 
 template <class F>
 void for_ranges(int64_t n, int threads, int64_t grain, F fn) {
   const int t = ranges_for(n, threads);
   if (t == 1) { fn(int64_t(0), n); return; }
-  const unsigned csr = _mm_getcsr();
+  const unsigned csr = fp_mode();
 #pragma omp parallel num_threads(threads)
   {
     const CallerFpMode mode(csr);
@@ -996,6 +991,16 @@ double update_cap(const AdamParams& a) {
   }
   if (!(s < INFINITY)) return 0.0;
   return std::sqrt((1.0 - b2) / (bc2 * s)) / (1.0 - b1);
+}
+
+constexpr unsigned kFpControl = 0xffc0u;  // MXCSR bits 6-15 (the rest: sticky exception flags)
+
+unsigned fp_mode() { return _mm_getcsr() & kFpControl; }
+
+unsigned set_fp_mode(unsigned bits) {
+  const unsigned csr = _mm_getcsr();
+  if ((csr & kFpControl) != (bits & kFpControl)) _mm_setcsr((csr & ~kFpControl) | (bits & kFpControl));
+  return csr & kFpControl;
 }
 
 bool isa_supported(int isa) {
@@ -1138,7 +1143,7 @@ SumSquares sum_squares(const void* x, void* y, int dtype, int64_t n, int isa, in
   if (ranges_for(n, threads) == 1) {
     for (int64_t c = 0; c < chunks; ++c) part[size_t(c)] = fn(x, y, c * kChunk, std::min(n, (c + 1) * kChunk), &bad);
   } else {
-    const unsigned csr = _mm_getcsr();
+    const unsigned csr = fp_mode();
 #pragma omp parallel num_threads(threads) reduction(| : bad)
     {
       const CallerFpMode mode(csr);

@@ -37,6 +37,10 @@ struct AdamParams {
 };
 
 bool isa_supported(int isa);
+// This thread's floating-point mode: MXCSR's control bits (flush-to-zero, denormals-are-zero, rounding,
+// exception masks), which torch.set_flush_denormal sets per thread. set_fp_mode returns the bits it replaced.
+unsigned fp_mode();
+unsigned set_fp_mode(unsigned bits);
 // Both throw std::invalid_argument on bad input before touching any buffer.
 void adam_step(const Buffers& b, const AdamParams& a, int isa, int threads);
 // The 8-bit format's guard at this step: an 8-bit update's denominator is at least |exp_avg| times it (0: none).

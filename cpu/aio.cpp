@@ -234,7 +234,6 @@ int64_t Engine::submit(Op op, const std::shared_ptr<File>& file, const std::shar
   if (!buf) throw std::invalid_argument("buffer must not be None");
   const std::string what = describe(op, nbytes, file_off, file->path());
   auto refuse = [&](const std::string& why) { throw std::invalid_argument(what + " refused: " + why); };
-  if (file->fd() < 0) refuse("the file is closed");
   if (nbytes == 0 || nbytes % kAlign) refuse("nbytes must be a positive multiple of " + std::to_string(kAlign));
   if (file_off < 0 || file_off % int64_t(kAlign))
     refuse("the file offset must be a non-negative multiple of " + std::to_string(kAlign));

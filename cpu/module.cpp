@@ -4,8 +4,6 @@
 
 #include <cstring>
 
-#include <immintrin.h>
-
 #include "adam.h"
 #include "aio.h"
 
@@ -124,15 +122,9 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("isa_supported", &zo::isa_supported, py::arg("isa"), "Whether this CPU runs ISA code 0/1/2.");
   // The calling thread's floating-point mode (MXCSR's control bits: flush-to-zero, denormals-are-zero, rounding,
   // exception masks), which torch.set_flush_denormal sets per thread: a background thread takes its caller's.
-  m.def("fp_mode", [] { return _mm_getcsr() & 0xffc0u; }, "This thread's MXCSR control bits.");
-  m.def(
-      "set_fp_mode",
-      [](unsigned bits) {
-        const unsigned old = _mm_getcsr();
-        _mm_setcsr((old & ~0xffc0u) | (bits & 0xffc0u));
-        return old & 0xffc0u;
-      },
-      py::arg("bits"), "Set this thread's MXCSR control bits; returns the ones it had.");
+  m.def("fp_mode", &zo::fp_mode, "This thread's MXCSR control bits.");
+  m.def("set_fp_mode", &zo::set_fp_mode, py::arg("bits"),
+        "Set this thread's MXCSR control bits; returns the ones it had.");
   m.def(
       "update_cap",
       [](int64_t step, double beta1, double beta2, bool bias_correction) {

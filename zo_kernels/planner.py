@@ -537,7 +537,9 @@ def _fmt_count(n: float) -> str:
         return f"{n / 1e9:,.2f}B"
     if n >= 1e7:
         return f"{n / 1e6:,.0f}M"
-    return f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n:,.0f}" if n >= 1 else f"{n:.3g}"  # (137,000, not 0M)
+    if n >= 1e6:
+        return f"{n / 1e6:.3g}M"
+    return f"{n:,.0f}" if n >= 1 else f"{n:.3g}"  # (137,000, not 0M)
 
 
 def _activation_table(p: Plan, unit: str) -> list[str]:

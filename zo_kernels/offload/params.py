@@ -91,14 +91,7 @@ def _no_op_hook() -> Any:
     return _no_op
 
 
-def _assign_help(name: str) -> str:
-    return (f"stage 3: load_state_dict(assign=True) would replace the optimizer's parameter {name!r} with the state "
-            "dict's tensor, which the optimizer would never see (it would train the one it holds, and the model would "
-            "not change): load without assign=True (the values are copied in), or before building the optimizer or "
-            "after close(); nothing of the optimizer's model was changed")
-
-
-_CALL_CODES = (torch.nn.Module._call_impl.__code__,)  # the frame of a module call (it calls the forward hooks)
+_CALL_CODE = torch.nn.Module._call_impl.__code__  # the frame of a module call (it calls the forward hooks)
 
 
 class _Parameters(dict):
@@ -427,7 +420,12 @@ class ParamShards:
                 mine = [n for n, p in module.named_parameters(prefix=prefix[:-1], remove_duplicate=False)
                         if p in self.unit_of and n in state_dict]  # fmt: skip
                 if mine:
-                    raise RuntimeError(_assign_help(mine[0]))
+                    raise RuntimeError(
+                        f"stage 3: load_state_dict(assign=True) would replace the optimizer's parameter {mine[0]!r} "
+                        "with the state dict's tensor, which the optimizer would never see (it would train the one it "
+                        "holds, and the model would not change): load without assign=True (the values are copied "
+                        "in), or before building the optimizer or after close(); nothing of the optimizer's model was "
+                        "changed")  # fmt: skip
             self._load_keys = missing_keys  # so a load that raised midway leaves nothing behind for the next)
             self._keep_for_load(module)
 
@@ -559,7 +557,7 @@ class ParamShards:
         own call, the one beginning now, is the first on the stack and does not count."""
         inner, f, skip = self.running[-1], sys._getframe(1), self.running[-1] is module
         while f is not None:
-            if f.f_code in _CALL_CODES and f.f_locals.get("self") is inner:
+            if f.f_code is _CALL_CODE and f.f_locals.get("self") is inner:
                 if not skip:
                     return False
                 skip = False
